@@ -1,0 +1,3 @@
+from pdctl.console.cli import main
+
+main()

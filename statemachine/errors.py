@@ -1,0 +1,159 @@
+"""pdctl's error tree. Every error pdctl raises on purpose derives from :class:`PdctlError`.
+
+::
+
+    PdctlError
+    ├── SpecError (ValueError)            a spec that cannot be read or breaks a rule
+    ├── PlanError
+    │   ├── StalePlanError                a saved/confirmed plan no longer matches what is deployed
+    │   └── TopologyNotConfirmed          a topology change without the matching --confirm-topology
+    ├── StepError                         a state-machine step failed (carries .step)
+    │   ├── ApplyFailed
+    │   ├── VerifyFailed
+    │   ├── StepTimeout (TimeoutError)
+    │   └── UndoFailed
+    ├── InvalidTransition                 the state machine was asked for a transition it does not have
+    ├── LockHeld                          another apply holds the deployment's lock (carries .holder)
+    ├── HostError (OSError)               a host action failed (carries .host)
+    │   ├── CommandFailed
+    │   └── CommandTimeout (TimeoutError)
+    └── ProbeError                        an HTTP/metrics probe could not be made or parsed
+
+Each error has a short ``title`` (for a console modal) and keeps its context as attributes, as
+httpx errors keep ``.request``. The exit-code mapping lives beside the CLI (``pdctl.console``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ApplyFailed",
+    "CommandFailed",
+    "CommandTimeout",
+    "HostError",
+    "InvalidTransition",
+    "LockHeld",
+    "PdctlError",
+    "PlanError",
+    "ProbeError",
+    "SpecError",
+    "StalePlanError",
+    "StepError",
+    "StepTimeout",
+    "TopologyNotConfirmed",
+    "UndoFailed",
+    "VerifyFailed",
+]
+
+
+class PdctlError(Exception):
+    """Root of every error pdctl raises on purpose."""
+
+    title = "pdctl error"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class SpecError(PdctlError, ValueError):
+    """The spec cannot be read, or breaks a rule. ``findings`` holds every error found."""
+
+    title = "Invalid spec"
+
+    def __init__(self, message: str, *, findings: list | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.findings = findings or []
+        self.path = path
+
+
+class PlanError(PdctlError):
+    title = "Plan error"
+
+    def __init__(self, message: str, *, plan_id: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.plan_id = plan_id
+
+
+class StalePlanError(PlanError):
+    title = "Stale plan"
+
+
+class TopologyNotConfirmed(PlanError):
+    title = "Topology change not confirmed"
+
+
+class StepError(PdctlError):
+    title = "Step failed"
+
+    def __init__(self, message: str, *, step: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.step = step
+
+
+class ApplyFailed(StepError):
+    pass
+
+
+class VerifyFailed(StepError):
+    pass
+
+
+class StepTimeout(StepError, TimeoutError):
+    pass
+
+
+class UndoFailed(StepError):
+    pass
+
+
+class InvalidTransition(PdctlError):
+    title = "Invalid transition"
+
+
+class LockHeld(PdctlError):
+    title = "Deployment locked"
+
+    def __init__(self, message: str, *, holder: dict | None = None) -> None:
+        super().__init__(message, hint="wait for the other apply to finish, or check that its PID is gone")
+        self.holder = holder or {}
+
+
+class HostError(PdctlError, OSError):
+    title = "Host error"
+
+    def __init__(self, message: str, *, host: str | None = None, hint: str | None = None) -> None:
+        PdctlError.__init__(self, message, hint=hint)
+        self.host = host
+
+
+class CommandFailed(HostError):
+    def __init__(
+        self,
+        message: str,
+        *,
+        host: str | None = None,
+        argv: list[str] | None = None,
+        returncode: int | None = None,
+        stderr: str = "",
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, host=host, hint=hint)
+        self.argv = argv or []
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+class CommandTimeout(HostError, TimeoutError):
+    pass
+
+
+class ProbeError(PdctlError):
+    title = "Probe failed"
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url

@@ -1,0 +1,366 @@
+"""The plan: what is deployed against what is asked, as a value.
+
+``make_plan(deployed, desired)`` compares two :class:`~pdctl.statemachine.topology.Topology`
+values (``deployed`` is None when nothing is deployed) and returns a frozen :class:`Plan`:
+
+* one :class:`ResourceChange` per role, the KV link and the router, with Terraform's actions
+  (``+`` create, ``~`` update, ``-/+`` replace, ``-`` delete) and every changed attribute;
+* a change **class** per difference — ``topology`` (the shape: PD ↔ single server, roles added or
+  removed, GPU sets, TP/attention-DP/EP, NUMA nodes, hosts, the transfer backend, the router's
+  exposure), ``disruptive`` (restarts serving roles: parsers, chat template, model, ports, env,
+  flags) or ``in_place`` (restarts nothing);
+* the roles each change restarts, topology changes said in words ("PD disaggregation → single
+  server", "router exposure 127.0.0.1:30001 → 0.0.0.0:30001");
+* a **plan id**: a hash of both sides (canonical JSON), so a confirmation given for one plan
+  never applies to another. ``from_serial`` binds the plan to the journal it was made against.
+
+``render_text(plan)`` prints it in Terraform's manner; ``plan.model_dump_json()`` is the same plan
+as data, and ``Plan.model_validate_json`` reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pdctl.statemachine.topology import RoleTopology, Topology
+
+__all__ = ["AttrChange", "ChangeClass", "Plan", "ResourceChange", "make_plan", "plan_id_of", "render_text"]
+
+ChangeClass = Literal["topology", "disruptive", "in_place"]
+Action = Literal["create", "update", "replace", "delete"]
+_RANK = {"in_place": 0, "disruptive": 1, "topology": 2}
+SYMBOL = {"create": "+", "update": "~", "replace": "-/+", "delete": "-"}
+
+# RoleTopology attributes that are the deployment's shape.
+_ROLE_TOPOLOGY_ATTRS = ("kind", "host", "address", "gpus", "numa_node", "tp", "attn_dp", "ep")
+_ROLE_DISRUPTIVE_ATTRS = ("http_host", "port", "bootstrap_port", "nccl_port")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttrChange(_Frozen):
+    """One attribute that differs. ``before``/``after`` are JSON values (None: absent)."""
+
+    path: str
+    before: Any
+    after: Any
+    cls: ChangeClass
+
+
+class ResourceChange(_Frozen):
+    """A change to one resource: ``role.<name>``, ``kv_link`` or ``router``."""
+
+    address: str
+    action: Action
+    cls: ChangeClass
+    changes: tuple[AttrChange, ...] = ()
+    restarts: tuple[str, ...] = ()
+    """Roles (and ``router``) this change restarts."""
+    reason: str = ""
+    """Why, for people only (never parsed)."""
+    summary: str = ""
+    """One line describing the resource (the side that exists)."""
+
+    @property
+    def symbol(self) -> str:
+        return SYMBOL[self.action]
+
+
+class Plan(_Frozen):
+    """A frozen plan. See the module docstring."""
+
+    plan_id: str
+    deployment: str
+    from_serial: int
+    from_topology: Topology | None
+    to_topology: Topology
+    changes: tuple[ResourceChange, ...]
+    topology_changes: tuple[str, ...]
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self.changes)
+
+    @property
+    def cls(self) -> ChangeClass | None:
+        """The most severe class among the changes (None: no change)."""
+        if not self.changes:
+            return None
+        return max((c.cls for c in self.changes), key=_RANK.__getitem__)
+
+    @property
+    def requires_confirmation(self) -> bool:
+        """A change to a deployed topology needs an explicit, typed confirmation of this plan's id.
+
+        A first deployment (nothing deployed) alters no existing topology and needs none.
+        """
+        return self.cls == "topology" and self.from_topology is not None
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(to add, to change, to destroy)``; a replacement counts as one add and one destroy."""
+        add = sum(1 for c in self.changes if c.action in ("create", "replace"))
+        change = sum(1 for c in self.changes if c.action == "update")
+        destroy = sum(1 for c in self.changes if c.action in ("delete", "replace"))
+        return add, change, destroy
+
+    def restarts(self) -> list[str]:
+        seen: list[str] = []
+        for c in self.changes:
+            for r in c.restarts:
+                if r not in seen:
+                    seen.append(r)
+        return seen
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def plan_id_of(deployed: Topology | None, desired: Topology) -> str:
+    """Hash of both sides (canonical JSON, key order irrelevant): 16 hex digits of SHA-256."""
+    body = _canon(
+        {
+            "from": deployed.model_dump(mode="json") if deployed else None,
+            "to": desired.model_dump(mode="json"),
+        }
+    )
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _diff(prefix: str, before: Any, after: Any, cls: ChangeClass) -> list[AttrChange]:
+    """Leaf-level differences between two JSON-like values."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: list[AttrChange] = []
+        for k in sorted(set(before) | set(after), key=str):
+            out += _diff(f"{prefix}.{k}" if prefix else str(k), before.get(k), after.get(k), cls)
+        return out
+    if _canon(before) != _canon(after):
+        return [AttrChange(path=prefix, before=before, after=after, cls=cls)]
+    return []
+
+
+def _role_changes(old: RoleTopology, new: RoleTopology) -> list[AttrChange]:
+    o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
+    out: list[AttrChange] = []
+    for a in _ROLE_TOPOLOGY_ATTRS:
+        out += _diff(a, o[a], n[a], "topology")
+    for a in _ROLE_DISRUPTIVE_ATTRS:
+        out += _diff(a, o[a], n[a], "disruptive")
+    out += _diff("settings", o["settings"], n["settings"], "disruptive")
+    return out
+
+
+def _worst(changes: list[AttrChange]) -> ChangeClass:
+    return max((c.cls for c in changes), key=_RANK.__getitem__)
+
+
+def _mode_words(mode: str) -> str:
+    return "PD disaggregation" if mode == "pd" else "single server"
+
+
+def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0) -> Plan:
+    """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing."""
+    changes: list[ResourceChange] = []
+    words: list[str] = []
+    old_roles = {r.name: r for r in (deployed.roles if deployed else ())}
+    new_roles = {r.name: r for r in desired.roles}
+
+    if deployed is not None and deployed.mode != desired.mode:
+        words.append(f"{_mode_words(deployed.mode)} → {_mode_words(desired.mode)}")
+
+    # Deployment-wide settings restart every serving role.
+    wide: list[AttrChange] = []
+    if deployed is not None:
+        wide = _diff("deployment", deployed.deployment, desired.deployment, "disruptive")
+    wide_restarts = tuple(sorted(set(old_roles) & set(new_roles)))
+
+    for name in sorted(old_roles.keys() - new_roles.keys()):
+        r = old_roles[name]
+        changes.append(
+            ResourceChange(
+                address=f"role.{name}",
+                action="delete",
+                cls="topology",
+                restarts=(),
+                reason=f"{r.kind} {name!r} is not in the spec",
+                summary=r.describe(),
+            )
+        )
+        if deployed is not None and deployed.mode == desired.mode:
+            words.append(f"{r.kind} {name!r} removed")
+    for name in sorted(new_roles.keys() - old_roles.keys()):
+        r = new_roles[name]
+        changes.append(
+            ResourceChange(
+                address=f"role.{name}",
+                action="create",
+                cls="topology",
+                reason=f"{r.kind} {name!r} is new",
+                summary=r.describe(),
+            )
+        )
+        if deployed is not None and deployed.mode == desired.mode:
+            words.append(f"{r.kind} {name!r} added")
+    for name in sorted(old_roles.keys() & new_roles.keys()):
+        old, new = old_roles[name], new_roles[name]
+        diffs = _role_changes(old, new)
+        if not diffs:
+            continue
+        cls = _worst(diffs)
+        action: Action = "replace" if cls == "topology" else "update"
+        if cls == "topology":
+            for d in diffs:
+                if d.cls == "topology":
+                    words.append(f"{name} {d.path} {_short(d.before)} → {_short(d.after)}")
+        changes.append(
+            ResourceChange(
+                address=f"role.{name}",
+                action=action,
+                cls=cls,
+                changes=tuple(diffs),
+                restarts=(name,),
+                reason="forces replacement: " + ", ".join(d.path for d in diffs if d.cls == "topology")
+                if cls == "topology"
+                else "restart with new settings",
+                summary=new.describe(),
+            )
+        )
+
+    # KV link.
+    ok, nk = (deployed.kv_link if deployed else None), desired.kv_link
+    if ok is None and nk is not None:
+        changes.append(ResourceChange(address="kv_link", action="create", cls="topology", reason="new KV link", summary=f"{nk.backend}"))
+    elif ok is not None and nk is None:
+        changes.append(ResourceChange(address="kv_link", action="delete", cls="topology", reason="no KV link in the spec", summary=f"{ok.backend}"))
+    elif ok is not None and nk is not None:
+        o, n = ok.model_dump(mode="json"), nk.model_dump(mode="json")
+        diffs = _diff("backend", o["backend"], n["backend"], "topology")
+        diffs += _diff("ib_device", o["ib_device"], n["ib_device"], "disruptive")
+        diffs += _diff("ucx_net_devices", o["ucx_net_devices"], n["ucx_net_devices"], "disruptive")
+        diffs += _diff("bootstrap", o["bootstrap"], n["bootstrap"], "disruptive")
+        if diffs:
+            if any(d.path == "backend" for d in diffs):
+                words.append(f"KV transfer backend {ok.backend} → {nk.backend}")
+            pd_roles = tuple(r.name for r in desired.roles if r.kind in ("prefill", "decode"))
+            changes.append(
+                ResourceChange(
+                    address="kv_link",
+                    action="update",
+                    cls=_worst(diffs),
+                    changes=tuple(diffs),
+                    restarts=pd_roles,
+                    reason="prefill and decode restart to change the link",
+                    summary=nk.backend,
+                )
+            )
+
+    # Router.
+    orr, nr = (deployed.router if deployed else None), desired.router
+    if orr is None and nr is not None:
+        changes.append(
+            ResourceChange(address="router", action="create", cls="topology", reason="new router", summary=f"{nr.impl} on {nr.exposure}")
+        )
+        if deployed is not None:
+            words.append(f"router added on {nr.exposure}")
+    elif orr is not None and nr is None:
+        changes.append(
+            ResourceChange(address="router", action="delete", cls="topology", reason="no router in the spec", summary=f"{orr.impl} on {orr.exposure}")
+        )
+        words.append(f"router on {orr.exposure} removed")
+    elif orr is not None and nr is not None:
+        o, n = orr.model_dump(mode="json"), nr.model_dump(mode="json")
+        diffs: list[AttrChange] = []
+        for a in ("host", "port", "on"):
+            diffs += _diff(a, o[a], n[a], "topology")
+        for a in ("impl", "prefill", "decode", "regular"):
+            diffs += _diff(a, o[a], n[a], "disruptive")
+        diffs += _diff("settings", o["settings"], n["settings"], "disruptive")
+        if diffs:
+            if orr.exposure != nr.exposure:
+                words.append(f"router exposure {orr.exposure} → {nr.exposure}")
+            if orr.on != nr.on:
+                words.append(f"router host {orr.on} → {nr.on}")
+            changes.append(
+                ResourceChange(
+                    address="router",
+                    action="update",
+                    cls=_worst(diffs),
+                    changes=tuple(diffs),
+                    restarts=("router",),
+                    reason="the router restarts with its new settings",
+                    summary=f"{nr.impl} on {nr.exposure}",
+                )
+            )
+    # A router whose workers restart keeps its config; nothing more to do.
+
+    if wide:
+        changes.append(
+            ResourceChange(
+                address="deployment",
+                action="update",
+                cls="disruptive",
+                changes=tuple(wide),
+                restarts=wide_restarts,
+                reason="deployment-wide settings restart every serving role",
+                summary=desired.name,
+            )
+        )
+    if deployed is not None:
+        ip = _diff("in_place", deployed.in_place, desired.in_place, "in_place")
+        if ip:
+            changes.append(
+                ResourceChange(address="console", action="update", cls="in_place", changes=tuple(ip), reason="no host is touched", summary="console settings")
+            )
+
+    return Plan(
+        plan_id=plan_id_of(deployed, desired),
+        deployment=desired.name,
+        from_serial=from_serial,
+        from_topology=deployed,
+        to_topology=desired,
+        changes=tuple(changes),
+        topology_changes=tuple(words),
+    )
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        return ",".join(str(x) for x in v) if all(isinstance(x, int) for x in v) else json.dumps(v)
+    return json.dumps(v) if not isinstance(v, int) else str(v)
+
+
+def render_text(plan: Plan) -> str:
+    """Terraform-style text: one block per resource, topology changes in words, a summary line."""
+    lines: list[str] = []
+    if not plan.has_changes:
+        lines.append(f"No changes. Deployment {plan.deployment!r} matches the spec.")
+        lines.append(f"plan id: {plan.plan_id}")
+        return "\n".join(lines)
+    lines.append(f"pdctl will perform the following actions on deployment {plan.deployment!r}:")
+    lines.append("")
+    verb = {"create": "created", "update": "updated in place", "replace": "replaced", "delete": "destroyed"}
+    for c in plan.changes:
+        extra = f" ({c.cls})"
+        lines.append(f"  # {c.address} will be {verb[c.action]}{extra}")
+        lines.append(f"{c.symbol:>3} {c.address}: {c.summary}")
+        for a in c.changes:
+            mark = "  # forces replacement" if c.action == "replace" and a.cls == "topology" else ""
+            lines.append(f"      ~ {a.path}: {_short(a.before)} → {_short(a.after)}{mark}")
+        if c.restarts and c.action == "update":
+            lines.append(f"      restarts: {', '.join(c.restarts)}")
+        lines.append("")
+    if plan.topology_changes:
+        lines.append(f"Topology changes (confirm with --confirm-topology {plan.plan_id}):")
+        for w in plan.topology_changes:
+            lines.append(f"  ! {w}")
+        lines.append("")
+    add, change, destroy = plan.counts()
+    lines.append(f"Plan: {add} to add, {change} to change, {destroy} to destroy.")
+    lines.append(f"plan id: {plan.plan_id}   class: {plan.cls}")
+    return "\n".join(lines)

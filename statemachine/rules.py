@@ -1,0 +1,455 @@
+"""Topology rules: reject a broken PD deployment before anything starts.
+
+``validate(dep)`` returns every :class:`Finding` (errors and warnings); ``check(dep)`` raises one
+:class:`SpecError` listing all errors. Validation is pure: it reads only the spec (and an
+inventory passed in by the caller), contacts no host and changes nothing.
+
+Each finding names the spec field (``prefill[0].gpus``) and says how to fix it. Where a rule
+comes from SGLang's behaviour, the docstring of the check names the SGLang 0.5.23 source.
+
+Note on GPU counts: SGLang 0.5.23's ``--attn-dp-size`` is "the number of data-parallel attention
+groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` GPUs and
+``attn_dp`` must divide ``tp``; it does not multiply the GPU count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdctl.statemachine.errors import SpecError
+from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
+from pdctl.statemachine.spec import Deployment, ServerRole
+
+__all__ = ["Finding", "Inventory", "check", "validate"]
+
+# SGLang launch flags pdctl sets itself from the spec; extra_args may not fight them.
+_OWNED_SERVER_FLAGS: dict[str, str] = {
+    "--host": "http_host",
+    "--port": "port",
+    "--nccl-port": "nccl_port",
+    "--disaggregation-mode": "the role's kind ([[prefill]]/[[decode]]/[[server]])",
+    "--disaggregation-bootstrap-port": "bootstrap_port",
+    "--disaggregation-transfer-backend": "kv_transfer.backend",
+    "--disaggregation-ib-device": "kv_transfer.ib_device",
+    "--tp-size": "tp",
+    "--tensor-parallel-size": "tp",
+    "--tp": "tp",
+    "--attn-dp-size": "attn_dp",
+    "--attention-data-parallel-size": "attn_dp",
+    "--enable-dp-attention": "attn_dp",
+    "--dp-size": "attn_dp",
+    "--data-parallel-size": "attn_dp",
+    "--ep-size": "ep",
+    "--expert-parallel-size": "ep",
+    "--ep": "ep",
+    "--base-gpu-id": "gpus",
+    "--gpu-id-step": "gpus",
+    "--model-path": "model.path",
+    "--model": "model.path",
+    "--served-model-name": "model.served_name",
+    "--page-size": "model.page_size",
+    "--kv-cache-dtype": "model.kv_cache_dtype",
+    "--context-length": "model.context_length",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--mem-fraction-static": "mem_fraction",
+    "--reasoning-parser": "parsers.reasoning_parser",
+    "--tool-call-parser": "parsers.tool_call_parser",
+    "--chat-template": "parsers.chat_template",
+    "--attention-backend": "model.attention_backend",
+    "--dsa-prefill-backend": "model.dsa_prefill_backend",
+    "--dsa-decode-backend": "model.dsa_decode_backend",
+    "--enable-metrics": "(always on: pdctl passes it)",
+}
+_OWNED_ENV = {"CUDA_VISIBLE_DEVICES": "gpus", "SGLANG_CACHE_DIR": "engine.cache_dir", "SGLANG_PLUGINS": "kernels"}
+_OWNED_ROUTER_FLAGS = {
+    "--host": "router.host",
+    "--port": "router.port",
+    "--pd-disaggregation": "the spec's shape",
+    "--prefill": "[[prefill]] groups",
+    "--decode": "[[decode]] groups",
+    "--worker-urls": "the spec's roles",
+    "--policy": "router.policy",
+    "--prometheus-host": "router.prometheus_host",
+    "--prometheus-port": "router.prometheus_port",
+    "--worker-startup-timeout-secs": "router.worker_startup_timeout_s",
+    "--health-check-interval-secs": "router.health_check_interval_s",
+    "--health-check-timeout-secs": "router.health_check_timeout_s",
+    "--health-failure-threshold": "router.health_failure_threshold",
+    "--health-success-threshold": "router.health_success_threshold",
+}
+_PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--chat-template")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One rule's verdict. ``field`` is the spec path, ``fix`` what to change."""
+
+    level: Literal["error", "warning"]
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.field}: {self.message} — fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A host's GPU and NUMA facts. ``gpu_numa[i]`` is GPU i's NUMA node (-1: none reported)."""
+
+    gpu_numa: tuple[int, ...] | None = None
+    numa_cpus: dict[int, str] | None = None
+
+
+def _role_field(dep: Deployment, role: ServerRole) -> str:
+    for kind in ("prefill", "decode", "server"):
+        group = getattr(dep, kind)
+        for i, r in enumerate(group):
+            if r is role:
+                return f"{kind}[{i}]"
+    return "?"
+
+
+def _flag_name(arg: str) -> str | None:
+    if not arg.startswith("--"):
+        return None
+    return arg.split("=", 1)[0]
+
+
+def _gpu_range(gpus: list[int]) -> str:
+    return ",".join(str(g) for g in gpus)
+
+
+def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None) -> list[Finding]:
+    """Every finding for *dep*, errors first. Pure: contacts nothing, changes nothing.
+
+    *inventories* maps host keys to discovered facts; hosts missing from it fall back to what the
+    spec declares (``gpu_numa``/``numa_cpus``), and rules needing an unknown inventory are skipped.
+    """
+    out: list[Finding] = []
+
+    def err(field: str, message: str, fix: str) -> None:
+        out.append(Finding("error", field, message, fix))
+
+    def warn(field: str, message: str, fix: str) -> None:
+        out.append(Finding("warning", field, message, fix))
+
+    roles = dep.roles()
+
+    # --- target version -----------------------------------------------------------------------
+    try:
+        facts = facts_for(dep.sglang_version)
+    except KeyError:
+        err(
+            "sglang_version",
+            f"pdctl has no facts for SGLang {dep.sglang_version}",
+            f"use one of {', '.join(KNOWN_VERSIONS)}",
+        )
+        facts = None
+
+    # --- hosts and inventory --------------------------------------------------------------------
+    inv: dict[str, Inventory] = {}
+    for key, host in dep.hosts.items():
+        if inventories and key in inventories:
+            inv[key] = inventories[key]
+        elif host.gpu_numa is not None or host.numa_cpus is not None:
+            inv[key] = Inventory(
+                tuple(host.gpu_numa) if host.gpu_numa is not None else None, host.numa_cpus
+            )
+
+    for name, _kind, role in roles:
+        f = _role_field(dep, role)
+        if role.host not in dep.hosts:
+            err(f"{f}.host", f"host {role.host!r} is not declared", f"add [hosts.{role.host}] or use one of {sorted(dep.hosts)}")
+            continue
+        # GPU count vs parallel sizes (SGLang: attention-DP groups live inside the TP group).
+        if len(role.gpus) != role.tp:
+            err(
+                f"{f}.gpus",
+                f"{len(role.gpus)} GPUs ({_gpu_range(role.gpus)}) but tp = {role.tp}: SGLang runs one rank per GPU",
+                f"list exactly {role.tp} GPUs, or set tp = {len(role.gpus)}",
+            )
+        if role.tp % role.attn_dp:
+            err(f"{f}.attn_dp", f"attn_dp = {role.attn_dp} does not divide tp = {role.tp}", "choose an attn_dp that divides tp")
+        if role.tp % role.ep:
+            err(f"{f}.ep", f"ep = {role.ep} does not divide tp = {role.tp}", "choose an ep that divides tp")
+        hinv = inv.get(role.host)
+        if hinv and hinv.gpu_numa is not None:
+            missing = [g for g in role.gpus if g >= len(hinv.gpu_numa)]
+            if missing:
+                err(
+                    f"{f}.gpus",
+                    f"GPU {missing} not on host {role.host!r}, which has GPUs 0-{len(hinv.gpu_numa) - 1}",
+                    "use GPU ids the host has (nvidia-smi -L)",
+                )
+            nodes = sorted({hinv.gpu_numa[g] for g in role.gpus if g < len(hinv.gpu_numa) and hinv.gpu_numa[g] >= 0})
+            if role.numa_node is not None and nodes and nodes != [role.numa_node]:
+                warn(
+                    f"{f}.numa_node",
+                    f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} sit on NUMA node(s) {nodes}",
+                    f"set numa_node = {nodes[0]}" if len(nodes) == 1 else "pick GPUs from one NUMA node",
+                )
+        if hinv and hinv.numa_cpus is not None and role.numa_node is not None and role.numa_node not in hinv.numa_cpus:
+            err(
+                f"{f}.numa_node",
+                f"NUMA node {role.numa_node} does not exist on host {role.host!r} (nodes {sorted(hinv.numa_cpus)})",
+                "use a node the host has (ls /sys/devices/system/node)",
+            )
+
+    # --- GPU overlap per host -------------------------------------------------------------------
+    by_host_gpu: dict[tuple[str, int], str] = {}
+    for name, _kind, role in roles:
+        f = _role_field(dep, role)
+        for g in role.gpus:
+            other = by_host_gpu.get((role.host, g))
+            if other is not None:
+                err(
+                    f"{f}.gpus",
+                    f"GPU {g} on host {role.host!r} is already used by {other}",
+                    "give each role its own GPUs",
+                )
+            else:
+                by_host_gpu[(role.host, g)] = f"{_role_field(dep, role)} ({name})"
+
+    # --- ports per host -------------------------------------------------------------------------
+    ports: dict[tuple[str, int], str] = {}
+
+    def claim(host: str, port: int, owner: str, field: str) -> None:
+        other = ports.get((host, port))
+        if other is not None:
+            err(field, f"port {port} on host {host!r} is also {other}", "choose a free port (space server ports >= 10 apart)")
+        else:
+            ports[(host, port)] = owner
+
+    prefill_bootstrap: dict[tuple[str, int], str] = {}
+    for name, kind, role in roles:
+        f = _role_field(dep, role)
+        claim(role.host, role.port, f"{f}.port (HTTP of {name})", f"{f}.port")
+        if kind == "prefill":
+            bp = role.bootstrap_port or 8998
+            key = (role.host, bp)
+            if key in prefill_bootstrap:
+                err(
+                    f"{f}.bootstrap_port",
+                    f"bootstrap port {bp} is shared with {prefill_bootstrap[key]} on host {role.host!r}",
+                    "give every prefill server on one host its own bootstrap_port",
+                )
+            else:
+                prefill_bootstrap[key] = f"{f} ({name})"
+                claim(role.host, bp, f"{f}.bootstrap_port (bootstrap of {name})", f"{f}.bootstrap_port")
+        elif role.bootstrap_port is not None and kind == "server":
+            err(f"{f}.bootstrap_port", "a single server has no bootstrap server", "remove bootstrap_port")
+        if role.nccl_port is not None:
+            claim(role.host, role.nccl_port, f"{f}.nccl_port (NCCL of {name})", f"{f}.nccl_port")
+        if role.attn_dp > 1:
+            for off in DERIVED_PORT_OFFSETS:
+                claim(
+                    role.host,
+                    role.port + off,
+                    f"SGLang's derived ZMQ port {role.port}+{off} of {name} (attention-DP)",
+                    f"{f}.port",
+                )
+
+    router = dep.router
+    router_host = None
+    if router is not None:
+        router_host = router.on or (roles[0][2].host if roles else "local")
+        if router_host not in dep.hosts:
+            err("router.on", f"host {router_host!r} is not declared", f"add [hosts.{router_host}]")
+        server_ports = {(r.host, r.port): n for n, _k, r in roles}
+        if (router_host, router.port) in server_ports:
+            err(
+                "router.port",
+                f"router port {router.port} equals the HTTP port of {server_ports[(router_host, router.port)]}",
+                "give the router its own port (the exposed one, e.g. 30001) and move the server",
+            )
+        else:
+            claim(router_host, router.port, "router.port", "router.port")
+        claim(router_host, router.prometheus_port, "router.prometheus_port", "router.prometheus_port")
+        if router.prometheus_host in ("0.0.0.0", "::") and not router.allow_public_prometheus:
+            warn(
+                "router.prometheus_host",
+                f"router metrics are exposed on {router.prometheus_host}:{router.prometheus_port}",
+                "bind them to 127.0.0.1, or set router.allow_public_prometheus = true to mean it",
+            )
+        for fld in ("reasoning_parser", "tool_call_parser", "chat_template"):
+            if getattr(router, fld) is not None:
+                err(
+                    f"router.{fld}",
+                    "parsers and chat templates belong on the SGLang servers, never on the router "
+                    "(in HTTP mode the router forwards requests; the decode server's parser shapes the answer)",
+                    f"move it to [parsers].{fld} and remove it from [router]",
+                )
+        for arg in router.extra_args:
+            name = _flag_name(arg)
+            if name in _PARSER_FLAGS:
+                err(
+                    "router.extra_args",
+                    f"{name} on the router: parsers belong on the prefill and decode servers",
+                    f"remove {name} from router.extra_args and set [parsers] instead",
+                )
+            elif name in _OWNED_ROUTER_FLAGS:
+                err(
+                    "router.extra_args",
+                    f"{name} is set by pdctl from {_OWNED_ROUTER_FLAGS[name]}",
+                    f"remove {name} from router.extra_args and set {_OWNED_ROUTER_FLAGS[name]}",
+                )
+        cold = [(n, r.expected_cold_start_s) for n, _k, r in roles if r.expected_cold_start_s]
+        for n, cs in cold:
+            if router.worker_startup_timeout_s < cs:
+                err(
+                    "router.worker_startup_timeout_s",
+                    f"{router.worker_startup_timeout_s} s is shorter than {n}'s expected cold start ({cs:g} s): "
+                    "smg abandons a worker that is not up in time and never retries it",
+                    f"set router.worker_startup_timeout_s >= {int(cs) + 1}",
+                )
+    elif dep.is_pd:
+        err("router", "a PD deployment needs a router in front of prefill and decode", "add a [router] table")
+
+    # --- PD link --------------------------------------------------------------------------------
+    if dep.is_pd:
+        kv = dep.kv_transfer
+        if kv is None:
+            err("kv_transfer", "a PD deployment needs a KV transfer backend", 'add [kv_transfer] backend = "nixl"')
+        else:
+            if kv.backend == "fake":
+                err(
+                    "kv_transfer.backend",
+                    "SGLang refuses it: \"Prefill server does not support 'fake' as the transfer backend\" "
+                    "(fake moves no KV; decode-only synthetic benchmarks)",
+                    'use "nixl", "mooncake" or "mooncake_tcp"',
+                )
+            elif facts is not None and kv.backend not in facts.transfer_backends:
+                err(
+                    "kv_transfer.backend",
+                    f"{kv.backend!r} is not a transfer backend of SGLang {facts.version}",
+                    f"use one of {sorted(facts.transfer_backends)}",
+                )
+        decode_hosts = {r.host for r in dep.decode}
+        for i, p in enumerate(dep.prefill):
+            remote = sorted(h for h in decode_hosts if h != p.host)
+            if remote and p.http_host in _LOOPBACK:
+                err(
+                    f"prefill[{i}].http_host",
+                    f"prefill binds {p.http_host}, which also binds its bootstrap server, but decode runs on "
+                    f"{remote}: decode cannot reach the bootstrap",
+                    "set http_host to an address the decode host can reach (or 0.0.0.0)",
+                )
+        # page size / kv dtype must match: decode raises "Page size mismatch" / "KV cache dtype mismatch".
+        def eff(role: ServerRole, attr: str):
+            v = getattr(role, attr)
+            return v if v is not None else getattr(dep.model, attr)
+
+        for attr in ("page_size", "kv_cache_dtype"):
+            values = {(_role_field(dep, r), eff(r, attr)) for r in dep.prefill + dep.decode}
+            distinct = {v for _f, v in values}
+            if len(distinct) > 1:
+                where = ", ".join(f"{f}={v}" for f, v in sorted(values, key=str))
+                err(
+                    f"decode[0].{attr}" if any(getattr(r, attr) is not None for r in dep.decode) else f"prefill[0].{attr}",
+                    f"{attr} differs between prefill and decode ({where}); SGLang decode refuses the "
+                    f"transfer ('{attr.replace('_', ' ').capitalize()} mismatch')",
+                    f"set one model.{attr} and remove the per-role overrides",
+                )
+        for i, d in enumerate(dep.decode):
+            if d.bootstrap_port is not None:
+                bps = {p.bootstrap_port or 8998 for p in dep.prefill}
+                if d.bootstrap_port not in bps:
+                    warn(
+                        f"decode[{i}].bootstrap_port",
+                        f"decode's fallback --disaggregation-bootstrap-port {d.bootstrap_port} matches no prefill "
+                        f"bootstrap port {sorted(bps)} (used only when a request carries no bootstrap_port)",
+                        "remove it, or set it to the prefill's bootstrap_port",
+                    )
+    elif dep.kv_transfer is not None:
+        warn("kv_transfer", "a single-server deployment moves no KV between servers", "remove [kv_transfer]")
+
+    # --- parsers --------------------------------------------------------------------------------
+    base = dep.parsers
+    for name, _kind, role in roles:
+        f = _role_field(dep, role)
+        if role.parsers is not None:
+            for fld in ("reasoning_parser", "tool_call_parser", "chat_template"):
+                mine, theirs = getattr(role.parsers, fld), getattr(base, fld)
+                if mine != theirs:
+                    err(
+                        f"{f}.parsers.{fld}",
+                        f"{name} would run {fld} = {mine!r} while the deployment sets {theirs!r}: prefill and "
+                        "decode must parse and template identically (prefill samples the first token, decode the rest)",
+                        f"remove {f}.parsers and set [parsers].{fld} once",
+                    )
+    if facts is not None:
+        if base.reasoning_parser is not None and base.reasoning_parser not in facts.reasoning_parsers:
+            err(
+                "parsers.reasoning_parser",
+                f"{base.reasoning_parser!r} is not a reasoning parser of SGLang {facts.version}",
+                _closest("reasoning parser", base.reasoning_parser, facts.reasoning_parsers),
+            )
+        if base.tool_call_parser is not None and base.tool_call_parser not in facts.tool_call_parsers:
+            err(
+                "parsers.tool_call_parser",
+                f"{base.tool_call_parser!r} is not a tool-call parser of SGLang {facts.version}",
+                _closest("tool-call parser", base.tool_call_parser, facts.tool_call_parsers),
+            )
+
+    # --- extra args / env -----------------------------------------------------------------------
+    for name, _kind, role in roles:
+        f = _role_field(dep, role)
+        for arg in role.extra_args:
+            flag = _flag_name(arg)
+            if flag is None:
+                continue
+            if facts is not None:
+                removed = facts.removed_flag(flag)
+                if removed is not None:
+                    since, repl = removed
+                    err(
+                        f"{f}.extra_args",
+                        f"{flag} was removed in SGLang {since}; {facts.version} fails with 'unrecognized arguments'",
+                        f"use {repl}" if repl else f"remove {flag}",
+                    )
+                    continue
+            if flag in _OWNED_SERVER_FLAGS:
+                err(
+                    f"{f}.extra_args",
+                    f"{flag} is set by pdctl from {_OWNED_SERVER_FLAGS[flag]}",
+                    f"remove {flag} from extra_args and set {_OWNED_SERVER_FLAGS[flag]} instead",
+                )
+                continue
+            if facts is not None and facts.flags is not None and flag not in facts.flags:
+                err(
+                    f"{f}.extra_args",
+                    f"{flag} is not a launch_server flag of SGLang {facts.version}",
+                    "check the spelling against `python -m sglang.launch_server --help`",
+                )
+        for key in role.env:
+            if key in _OWNED_ENV:
+                err(f"{f}.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+    for key in dep.engine.env:
+        if key in _OWNED_ENV:
+            err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+
+    out.sort(key=lambda x: 0 if x.level == "error" else 1)
+    return out
+
+
+def _closest(what: str, value: str, names: frozenset[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(value, sorted(names), n=3, cutoff=0.5)
+    if near:
+        return f"did you mean {' or '.join(repr(n) for n in near)}?"
+    return f"use a {what} the target version has: {', '.join(sorted(names))}"
+
+
+def check(dep: Deployment, *, inventories: dict[str, Inventory] | None = None) -> list[Finding]:
+    """Validate *dep*; raise :class:`SpecError` listing every error. Returns the warnings."""
+    findings = validate(dep, inventories=inventories)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        body = "\n  ".join(f"{f.field}: {f.message}\n    fix: {f.fix}" for f in errors)
+        raise SpecError(f"spec {dep.name!r} breaks {len(errors)} rule(s):\n  {body}", findings=findings)
+    return [f for f in findings if f.level == "warning"]
+

@@ -1,0 +1,326 @@
+"""The deployment spec: what an operator writes (TOML), as pydantic v2 models.
+
+A spec describes one deployment: its hosts, the model, its serving roles and how they connect.
+Two shapes are expressible:
+
+* **PD disaggregation** — one or more ``[[prefill]]`` groups, one or more ``[[decode]]`` groups,
+  a ``[kv_transfer]`` link between them and a ``[router]`` (smg) in front;
+* **single server** — one or more ``[[server]]`` entries (SGLang's ``--disaggregation-mode null``),
+  with or without a router. This is what a *collapsed* PD deployment looks like, and the plan
+  names such a change as a topology change.
+
+Every model forbids unknown keys (``extra="forbid"``) so a typo is an error naming the field,
+never a silently ignored setting. Structural checks that need the whole spec live in
+:mod:`pdctl.statemachine.rules`; this module only checks shapes and single fields.
+
+``load_spec(path)`` reads TOML with :mod:`tomllib`; a syntax error becomes a :class:`SpecError`
+whose message carries the line and column.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdctl.statemachine.errors import SpecError
+from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION
+
+__all__ = [
+    "Deployment",
+    "Engine",
+    "Host",
+    "KVTransfer",
+    "Kernels",
+    "Model",
+    "Parsers",
+    "Router",
+    "ServerRole",
+    "load_spec",
+    "parse_spec",
+]
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Host(_Model):
+    """A machine that runs roles. ``address`` "localhost" means this machine (no SSH)."""
+
+    address: str = "localhost"
+    ssh_user: str | None = None
+    ssh_port: Port = 22
+    inventory: Literal["declared", "discover"] = "declared"
+    """``declared``: trust ``gpu_numa``/``numa_cpus`` below (may be empty = unknown);
+    ``discover``: read NVML and sysfs on the host when planning (validation never contacts hosts)."""
+    gpu_name: str | None = None
+    gpu_numa: list[int] | None = None
+    """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order). None: unknown."""
+    numa_cpus: dict[int, str] | None = None
+    """CPU list of each NUMA node in sysfs ``cpulist`` syntax, e.g. ``{0 = "0-31,64-95"}``."""
+
+    @property
+    def is_local(self) -> bool:
+        return self.address in ("localhost", "127.0.0.1", "::1")
+
+
+class Model(_Model):
+    """The model every server loads. ``page_size`` and ``kv_cache_dtype`` must match on P and D."""
+
+    path: str
+    served_name: str | None = None
+    context_length: int | None = Field(default=None, ge=1)
+    page_size: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: Literal[
+        "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"
+    ] = "auto"
+    trust_remote_code: bool = False
+    attention_backend: str | None = None
+    dsa_prefill_backend: str | None = None
+    dsa_decode_backend: str | None = None
+    load_format: str | None = None
+
+
+class Parsers(_Model):
+    """Reasoning parser, tool-call parser and chat template of the SGLang servers.
+
+    Set once at the top level, they apply to every prefill, decode and single server. A role may
+    restate them (``[prefill.parsers]``) but the rules refuse any difference between roles.
+    """
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+
+
+class ServerRole(_Model):
+    """One SGLang server group: a prefill, a decode, or a single (non-PD) server.
+
+    GPU ids are the host's physical ids; the launch exports ``CUDA_VISIBLE_DEVICES`` with them and
+    passes ``--base-gpu-id 0`` (SGLang 0.5.23 ``--base-gpu-id`` counts inside the visible set).
+    """
+
+    name: str | None = None
+    host: str = "local"
+    gpus: list[int] = Field(min_length=1)
+    tp: int = Field(default=1, ge=1)
+    attn_dp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    numa_node: int | None = Field(default=None, ge=0)
+    http_host: str = "127.0.0.1"
+    port: Port
+    bootstrap_port: Port | None = None
+    nccl_port: Port | None = None
+    mem_fraction: float | None = Field(default=None, gt=0, le=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    extra_args: list[str] = Field(default_factory=list)
+    parsers: Parsers | None = None
+    """Restates the deployment's parsers for this role; any difference between roles is refused."""
+    page_size: int | None = Field(default=None, ge=1)
+    """Override of ``model.page_size`` (must still match between prefill and decode)."""
+    kv_cache_dtype: str | None = None
+    """Override of ``model.kv_cache_dtype`` (must still match between prefill and decode)."""
+    expected_cold_start_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_unique(cls, v: list[int]) -> list[int]:
+        if any(g < 0 for g in v):
+            raise ValueError("GPU ids are >= 0")
+        if len(set(v)) != len(v):
+            raise ValueError(f"GPU ids repeat in {v}: list each GPU once")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str | None) -> str | None:
+        if v is not None and not _ROLE_NAME_RE.match(v):
+            raise ValueError(f"role name {v!r}: use lower-case letters, digits and '-', at most 32")
+        return v
+
+
+class KVTransfer(_Model):
+    """The KV-cache link between prefill and decode (``--disaggregation-transfer-backend``)."""
+
+    backend: Literal["nixl", "mooncake", "mooncake_tcp", "fake", "mori", "ascend"] = "nixl"
+    ib_device: str | None = None
+    """``--disaggregation-ib-device`` (``mlx5_0``, ``mlx5_0,mlx5_1`` or per-GPU JSON)."""
+    ucx_net_devices: str | None = None
+    """``UCX_NET_DEVICES`` for NIXL/UCX (wins over ib_device in SGLang 0.5.23)."""
+
+
+class Router(_Model):
+    """The router (smg) in front of the servers: the deployment's one exposed port."""
+
+    on: str | None = None
+    """Host key (in ``[hosts]``) the router runs on; default: the first prefill's host."""
+    host: str = "127.0.0.1"
+    """Bind address: the deployment's exposure (``0.0.0.0`` = every interface)."""
+    port: Port = 30001
+    policy: str = "cache_aware"
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: Port = 29000
+    allow_public_prometheus: bool = False
+    worker_startup_timeout_s: int = Field(default=1800, ge=1)
+    health_check_interval_s: int = Field(default=10, ge=1)
+    health_check_timeout_s: int = Field(default=5, ge=1)
+    health_failure_threshold: int = Field(default=3, ge=1)
+    health_success_threshold: int = Field(default=2, ge=1)
+    executable: str | None = None
+    """Path of the router executable (``smg``); default: found next to pdctl's Python or on PATH."""
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    # Present only so that the rules can refuse them with a clear message: parsers belong on the
+    # SGLang servers, never on the router (in HTTP mode the router is a proxy).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+
+
+class Kernels(_Model):
+    """pdctl's Triton kernels, built and verified on the target GPUs before any server starts."""
+
+    enabled: bool = False
+    which: list[Literal["sparse_mla_decode", "lightning_indexer"]] = Field(
+        default_factory=lambda: ["sparse_mla_decode", "lightning_indexer"]
+    )
+
+
+class Engine(_Model):
+    """Which executable runs the SGLang servers.
+
+    ``launcher = "sglang"`` runs ``PYTHON -m sglang.launch_server``; ``"sim"`` runs pdctl's engine
+    stand-in ``PYTHON -m pdctl.sim`` with the very same flags. ``python`` defaults to the
+    interpreter running pdctl.
+    """
+
+    launcher: Literal["sglang", "sim"] = "sglang"
+    python: str | None = None
+    cache_dir: str | None = None
+    """``SGLANG_CACHE_DIR`` (also where kernels are built); default per service scope."""
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class Console(_Model):
+    """Console and telemetry settings (in place: changing them restarts nothing)."""
+
+    refresh_s: float = Field(default=1.0, gt=0)
+
+
+class Deployment(_Model):
+    """A whole deployment: the root of a spec file."""
+
+    name: str
+    sglang_version: str = DEFAULT_SGLANG_VERSION
+    router_impl: Literal["smg", "sglang-router"] = "smg"
+    service_manager: Literal["systemd-system", "systemd-user", "process"] = "process"
+    hosts: dict[str, Host] = Field(default_factory=lambda: {"local": Host()})
+    engine: Engine = Field(default_factory=Engine)
+    model: Model
+    prefill: list[ServerRole] = Field(default_factory=list)
+    decode: list[ServerRole] = Field(default_factory=list)
+    server: list[ServerRole] = Field(default_factory=list)
+    kv_transfer: KVTransfer | None = None
+    router: Router | None = None
+    parsers: Parsers = Field(default_factory=Parsers)
+    kernels: Kernels = Field(default_factory=Kernels)
+    console: Console = Field(default_factory=Console)
+    secrets: dict[str, str] = Field(default_factory=dict)
+    """Environment secrets (``HF_TOKEN``, the router's API key…). A value ``env:NAME`` is read from
+    pdctl's own environment at apply time. They reach processes only through an
+    ``EnvironmentFile=`` written 0600 and show as ``***`` in plans, journals and logs."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_unit_safe(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"{v!r} cannot become a systemd unit name (pdctl-{v}-prefill.service): use letters, "
+                "digits, '_', '.' and '-', starting with a letter or digit, at most 64 characters"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> Deployment:
+        pd = bool(self.prefill or self.decode)
+        if pd and self.server:
+            raise ValueError(
+                "a spec is either PD ([[prefill]] + [[decode]]) or single-server ([[server]]), not both"
+            )
+        if not pd and not self.server:
+            raise ValueError("no serving role: add [[prefill]] and [[decode]] groups, or a [[server]]")
+        if pd and (not self.prefill or not self.decode):
+            missing = "[[decode]]" if self.prefill else "[[prefill]]"
+            raise ValueError(f"PD disaggregation needs both prefill and decode groups: add {missing}")
+        return self
+
+    @property
+    def is_pd(self) -> bool:
+        return bool(self.prefill)
+
+    def roles(self) -> list[tuple[str, str, ServerRole]]:
+        """``(role_name, kind, role)`` for every server, names defaulted and unique.
+
+        Default names: ``prefill``/``decode``/``server`` for a single group, ``prefill-0``,
+        ``prefill-1``… when there are several.
+        """
+        out: list[tuple[str, str, ServerRole]] = []
+        for kind, group in (("prefill", self.prefill), ("decode", self.decode), ("server", self.server)):
+            for i, role in enumerate(group):
+                name = role.name or (kind if len(group) == 1 else f"{kind}-{i}")
+                out.append((name, kind, role))
+        return out
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts[-1] = f"{parts[-1]}[{p}]" if parts else f"[{p}]"
+        else:
+            parts.append(str(p))
+    return ".".join(parts) or "(root)"
+
+
+def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
+    """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field."""
+    try:
+        return Deployment.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = _loc(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
+            elif err["type"] == "missing":
+                msg = "required: add it"
+            lines.append(f"{field}: {msg}")
+        where = f"{path}: " if path else ""
+        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=lines, path=path) from None
+
+
+def load_spec(path: str | Path) -> Deployment:
+    """Read and validate the TOML spec at *path*.
+
+    Raises :class:`SpecError` for an unreadable file, a TOML syntax error (message with line and
+    column, from :mod:`tomllib`) or a field that fails validation. Contacts no host.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot read spec: {exc.strerror or exc}", path=str(p)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{p}: TOML syntax error: {exc}", path=str(p)) from None
+    return parse_spec(data, path=str(p))

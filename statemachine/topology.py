@@ -1,0 +1,208 @@
+"""Topology: what a spec deploys, resolved into roles, GPUs, NUMA nodes, ports and links.
+
+A :class:`Topology` is derived from a validated :class:`~pdctl.statemachine.spec.Deployment` and
+is what the journal records as *deployed* and what the plan compares. It is a frozen pydantic
+model so it round-trips through JSON unchanged (``Topology.model_validate_json``).
+
+Every attribute belongs to one change class (see :mod:`pdctl.statemachine.plan`): the shape
+(roles, hosts, GPU sets, parallel sizes, NUMA nodes, the transfer backend, the router's exposure)
+is *topology*; what a role runs with (model, parsers, ports, env, flags) is *disruptive*; console
+settings are *in place*. Secrets appear only as a fingerprint (``sha256:…``), never in clear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pdctl.statemachine.spec import Deployment
+
+__all__ = ["KVLink", "RoleTopology", "RouterTopology", "Topology", "topology_of"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RoleTopology(_Frozen):
+    """One SGLang server as deployed. ``kind`` is prefill, decode or server (single, non-PD)."""
+
+    name: str
+    kind: Literal["prefill", "decode", "server"]
+    host: str
+    address: str
+    gpus: tuple[int, ...]
+    numa_node: int | None
+    tp: int
+    attn_dp: int
+    ep: int
+    http_host: str
+    port: int
+    bootstrap_port: int | None
+    nccl_port: int | None
+    settings: dict[str, Any]
+    """What the server runs with (model, page size, kv-cache dtype, parsers, env, flags…)."""
+
+    @property
+    def url(self) -> str:
+        """The server's HTTP base URL as seen by its peers (``http://address:port``)."""
+        host = self.http_host
+        if host in ("0.0.0.0", "::"):  # bound everywhere: dial the host's address
+            host = "127.0.0.1" if self.address in ("localhost", "127.0.0.1", "::1") else self.address
+        return f"http://{host}:{self.port}"
+
+    def describe(self) -> str:
+        gpus = ",".join(str(g) for g in self.gpus)
+        numa = f", NUMA {self.numa_node}" if self.numa_node is not None else ""
+        dp = f" attn-DP{self.attn_dp}" if self.attn_dp > 1 else ""
+        return f"{self.kind} on {self.host}, GPUs {gpus}, TP{self.tp}{dp}{numa}, {self.http_host}:{self.port}"
+
+
+class KVLink(_Frozen):
+    """The KV transfer between prefill and decode."""
+
+    backend: str
+    ib_device: str | None
+    ucx_net_devices: str | None
+    bootstrap: tuple[tuple[str, str, int], ...]
+    """``(prefill role, host the decode side dials, bootstrap port)`` per prefill group."""
+
+
+class RouterTopology(_Frozen):
+    """The router in front: its exposure (host:port) and the workers it routes to."""
+
+    impl: str
+    on: str
+    host: str
+    port: int
+    prefill: tuple[tuple[str, int | None], ...]
+    """``(URL, bootstrap port)`` per prefill worker, as given to ``--prefill``."""
+    decode: tuple[str, ...]
+    regular: tuple[str, ...]
+    settings: dict[str, Any]
+
+    @property
+    def exposure(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class Topology(_Frozen):
+    """A deployment's resolved shape. ``mode`` is ``pd`` or ``single``."""
+
+    name: str
+    mode: Literal["pd", "single"]
+    roles: tuple[RoleTopology, ...]
+    kv_link: KVLink | None
+    router: RouterTopology | None
+    deployment: dict[str, Any]
+    """Deployment-wide settings that restart every serving role when changed."""
+    in_place: dict[str, Any]
+    """Settings that change nothing on any host (console refresh…)."""
+
+    def role(self, name: str) -> RoleTopology:
+        for r in self.roles:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def roles_of(self, kind: str) -> list[RoleTopology]:
+        return [r for r in self.roles if r.kind == kind]
+
+
+def _fingerprint(value: str) -> str:
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def topology_of(dep: Deployment) -> Topology:
+    """Resolve *dep* (already validated) into its :class:`Topology`."""
+    model = dep.model.model_dump()
+    roles: list[RoleTopology] = []
+    for name, kind, r in dep.roles():
+        host = dep.hosts.get(r.host)
+        address = host.address if host else r.host
+        settings = {
+            "model": {
+                **model,
+                "page_size": r.page_size if r.page_size is not None else model["page_size"],
+                "kv_cache_dtype": r.kv_cache_dtype if r.kv_cache_dtype is not None else model["kv_cache_dtype"],
+            },
+            "parsers": (r.parsers or dep.parsers).model_dump(),
+            "mem_fraction": r.mem_fraction,
+            "env": dict(sorted(r.env.items())),
+            "extra_args": list(r.extra_args),
+            "expected_cold_start_s": r.expected_cold_start_s,
+        }
+        roles.append(
+            RoleTopology(
+                name=name,
+                kind=kind,  # type: ignore[arg-type]
+                host=r.host,
+                address=address,
+                gpus=tuple(r.gpus),
+                numa_node=r.numa_node,
+                tp=r.tp,
+                attn_dp=r.attn_dp,
+                ep=r.ep,
+                http_host=r.http_host,
+                port=r.port,
+                bootstrap_port=(r.bootstrap_port or 8998) if kind == "prefill" else r.bootstrap_port,
+                nccl_port=r.nccl_port,
+                settings=settings,
+            )
+        )
+    kv = None
+    if dep.is_pd and dep.kv_transfer is not None:
+        kv = KVLink(
+            backend=dep.kv_transfer.backend,
+            ib_device=dep.kv_transfer.ib_device,
+            ucx_net_devices=dep.kv_transfer.ucx_net_devices,
+            bootstrap=tuple(
+                (r.name, r.url.split("//", 1)[1].rsplit(":", 1)[0], r.bootstrap_port or 8998)
+                for r in roles
+                if r.kind == "prefill"
+            ),
+        )
+    router = None
+    if dep.router is not None:
+        rt = dep.router
+        router = RouterTopology(
+            impl=dep.router_impl,
+            on=rt.on or (roles[0].host if roles else "local"),
+            host=rt.host,
+            port=rt.port,
+            prefill=tuple((r.url, r.bootstrap_port) for r in roles if r.kind == "prefill"),
+            decode=tuple(r.url for r in roles if r.kind == "decode"),
+            regular=tuple(r.url for r in roles if r.kind == "server"),
+            settings={
+                "policy": rt.policy,
+                "prometheus_host": rt.prometheus_host,
+                "prometheus_port": rt.prometheus_port,
+                "worker_startup_timeout_s": rt.worker_startup_timeout_s,
+                "health_check_interval_s": rt.health_check_interval_s,
+                "health_check_timeout_s": rt.health_check_timeout_s,
+                "health_failure_threshold": rt.health_failure_threshold,
+                "health_success_threshold": rt.health_success_threshold,
+                "executable": rt.executable,
+                "extra_args": list(rt.extra_args),
+                "env": dict(sorted(rt.env.items())),
+            },
+        )
+    deployment = {
+        "sglang_version": dep.sglang_version,
+        "service_manager": dep.service_manager,
+        "engine": dep.engine.model_dump(),
+        "kernels": dep.kernels.model_dump(),
+        "secrets": {k: _fingerprint(v) for k, v in sorted(dep.secrets.items())},
+        "hosts": {k: {"address": h.address, "ssh_user": h.ssh_user, "ssh_port": h.ssh_port} for k, h in sorted(dep.hosts.items())},
+    }
+    return Topology(
+        name=dep.name,
+        mode="pd" if dep.is_pd else "single",
+        roles=tuple(roles),
+        kv_link=kv,
+        router=router,
+        deployment=deployment,
+        in_place={"console": dep.console.model_dump()},
+    )
