@@ -170,6 +170,10 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     words: list[str] = []
     old_roles = {r.name: r for r in (deployed.roles if deployed else ())}
     new_roles = {r.name: r for r in desired.roles}
+    order = {n: i for i, n in enumerate([*(r.name for r in desired.roles), *old_roles])}
+
+    def ordered(names: set[str]) -> list[str]:
+        return sorted(names, key=lambda n: order.get(n, len(order)))
 
     if deployed is not None and deployed.mode != desired.mode:
         words.append(f"{_mode_words(deployed.mode)} → {_mode_words(desired.mode)}")
@@ -180,7 +184,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         wide = _diff("deployment", deployed.deployment, desired.deployment, "disruptive")
     wide_restarts = tuple(sorted(set(old_roles) & set(new_roles)))
 
-    for name in sorted(old_roles.keys() - new_roles.keys()):
+    for name in ordered(old_roles.keys() - new_roles.keys()):
         r = old_roles[name]
         changes.append(
             ResourceChange(
@@ -194,7 +198,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         )
         if deployed is not None and deployed.mode == desired.mode:
             words.append(f"{r.kind} {name!r} removed")
-    for name in sorted(new_roles.keys() - old_roles.keys()):
+    for name in ordered(new_roles.keys() - old_roles.keys()):
         r = new_roles[name]
         changes.append(
             ResourceChange(
@@ -207,7 +211,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         )
         if deployed is not None and deployed.mode == desired.mode:
             words.append(f"{r.kind} {name!r} added")
-    for name in sorted(old_roles.keys() & new_roles.keys()):
+    for name in ordered(old_roles.keys() & new_roles.keys()):
         old, new = old_roles[name], new_roles[name]
         diffs = _role_changes(old, new)
         if not diffs:

@@ -1,0 +1,49 @@
+"""pdctl's exit codes: an API for scripts and CI. One mapping, :func:`exit_code_for`.
+
+====  ==============  ==========================================================================
+code  name            meaning
+====  ==============  ==========================================================================
+0     OK              success; ``plan``: no changes
+1     ERROR           invalid spec, host or probe error, anything unexpected
+2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``);
+                      ``apply``: a topology change refused (no or wrong ``--confirm-topology``),
+                      or a saved plan that no longer matches the deployment
+3     STEP_FAILED     ``apply``: a state-machine step failed (the step is named on stderr)
+4     LOCKED          another apply or down holds the deployment's lock
+64    USAGE           bad command line
+130   INTERRUPTED     Ctrl-C
+====  ==============  ==========================================================================
+
+It lives beside the CLI, not in the engine: the engine raises typed errors and never exits.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from pdctl.statemachine.errors import LockHeld, PlanError, StepError
+
+__all__ = ["ExitCode", "exit_code_for"]
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1
+    CHANGES = 2
+    STEP_FAILED = 3
+    LOCKED = 4
+    USAGE = 64
+    INTERRUPTED = 130
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The exit code for an error that ended a command."""
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    if isinstance(exc, LockHeld):
+        return ExitCode.LOCKED
+    if isinstance(exc, PlanError):
+        return ExitCode.CHANGES
+    if isinstance(exc, StepError):
+        return ExitCode.STEP_FAILED
+    return ExitCode.ERROR

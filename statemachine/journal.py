@@ -1,0 +1,234 @@
+"""The journal: what is deployed, each step's status and proof, and an append-only audit log.
+
+A deployment's state directory holds three files:
+
+* ``journal.json`` — the last *completed* apply's topology (``deployed``), the topology an apply
+  in progress is driving towards (``target``), each step's status and proof, and a ``serial`` that
+  grows with every write. Written atomically (temp file in the same directory, ``fsync``,
+  ``os.replace``, ``fsync`` of the directory), so a kill at any point leaves either the old or the
+  new journal, never a torn one.
+* ``audit.log`` — JSON lines, appended and fsynced, never rewritten: who, when, which plan id,
+  which confirmation, what happened.
+* ``lock`` — held with ``flock(2)`` for the whole of an apply or a ``down``; the kernel drops it
+  when its holder dies (even ``kill -9``), so a stale lock cannot block a re-run. The file's
+  content names the holder (PID, user, host, command) for the refusal message.
+
+State directory: ``--state-dir``, else ``$PDCTL_STATE_DIR``, else ``/var/lib/pdctl/<name>`` for
+``systemd-system`` scope, else ``$XDG_STATE_HOME/pdctl/<name>`` (``~/.local/state/pdctl/<name>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import getpass
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdctl.statemachine.errors import LockHeld
+from pdctl.statemachine.topology import Topology
+
+__all__ = ["Journal", "JournalState", "StepRecord", "atomic_write", "default_state_dir"]
+
+
+def default_state_dir(name: str, service_manager: str, *, override: str | os.PathLike[str] | None = None) -> Path:
+    """Where deployment *name* keeps its journal. See the module docstring for the order."""
+    if override:
+        return Path(override)
+    env = os.environ.get("PDCTL_STATE_DIR")
+    if env:
+        return Path(env)
+    if service_manager == "systemd-system":
+        return Path("/var/lib/pdctl") / name
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "pdctl" / name
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace *path* with *data* atomically (same-directory temp file, fsync, rename, dir fsync)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+@dataclass
+class StepRecord:
+    """A step's last outcome: ``status`` is pending, running, done, skipped or failed."""
+
+    status: str = "pending"
+    proof: dict[str, Any] | None = None
+    error: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "proof": self.proof,
+            "error": self.error,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+        }
+
+
+@dataclass
+class JournalState:
+    """The journal's content. ``deployed``/``target`` are topologies (None: none)."""
+
+    name: str
+    serial: int = 0
+    deployed: Topology | None = None
+    target: Topology | None = None
+    plan_id: str | None = None
+    steps: dict[str, StepRecord] = field(default_factory=dict)
+    updated_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "name": self.name,
+            "serial": self.serial,
+            "deployed": self.deployed.model_dump(mode="json") if self.deployed else None,
+            "target": self.target.model_dump(mode="json") if self.target else None,
+            "plan_id": self.plan_id,
+            "steps": {k: v.to_json() for k, v in self.steps.items()},
+            "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JournalState:
+        return cls(
+            name=data["name"],
+            serial=int(data.get("serial", 0)),
+            deployed=Topology.model_validate(data["deployed"]) if data.get("deployed") else None,
+            target=Topology.model_validate(data["target"]) if data.get("target") else None,
+            plan_id=data.get("plan_id"),
+            steps={k: StepRecord(**v) for k, v in (data.get("steps") or {}).items()},
+            updated_at=data.get("updated_at"),
+        )
+
+
+class Journal:
+    """A deployment's state directory: journal, audit log and lock."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], name: str) -> None:
+        self.dir = Path(state_dir)
+        self.name = name
+        self.path = self.dir / "journal.json"
+        self.audit_path = self.dir / "audit.log"
+        self.lock_path = self.dir / "lock"
+
+    # -- journal --------------------------------------------------------------------------------
+    def read(self) -> JournalState:
+        """The journal's state; an empty one when nothing was ever deployed here."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return JournalState(name=self.name)
+        return JournalState.from_json(json.loads(raw))
+
+    def write(self, state: JournalState) -> JournalState:
+        """Write *state* atomically with the next serial; returns it."""
+        state.serial += 1
+        state.updated_at = time.time()
+        atomic_write(self.path, json.dumps(state.to_json(), indent=1, sort_keys=True).encode())
+        return state
+
+    # -- audit ----------------------------------------------------------------------------------
+    def audit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one audit record (who, when, what) and fsync it."""
+        record = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "epoch": time.time(),
+            "user": _user(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "event": event,
+            **fields,
+        }
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return record
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        try:
+            lines = self.audit_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):  # a line torn by a kill mid-append
+                out.append(json.loads(line))
+        return out
+
+    # -- lock -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, purpose: str) -> Iterator[None]:
+        """Hold the deployment's lock; raise :class:`LockHeld` naming the holder if taken."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self.lock_holder() or {}
+                who = f"PID {holder.get('pid', '?')} ({holder.get('user', '?')}@{holder.get('host', '?')}: {holder.get('purpose', '?')})"
+                raise LockHeld(f"deployment {self.name!r} is locked by {who} since {holder.get('since', '?')}", holder=holder) from None
+            info = {
+                "pid": os.getpid(),
+                "user": _user(),
+                "host": socket.gethostname(),
+                "purpose": purpose,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "argv": sys.argv,
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+            try:
+                yield
+            finally:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def lock_holder(self) -> dict[str, Any] | None:
+        try:
+            raw = self.lock_path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError:
+            return None
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in a container
+        return str(os.getuid())

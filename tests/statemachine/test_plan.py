@@ -1,0 +1,241 @@
+"""The plan: classes, actions, words, ids; the CLI's exit codes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tomllib
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from pdctl.statemachine.journal import Journal, JournalState
+from pdctl.statemachine.plan import Plan, make_plan, plan_id_of, render_text
+from pdctl.statemachine.spec import parse_spec
+from pdctl.statemachine.topology import topology_of
+
+from .specs import SEED, collapsed, seed_dict
+
+
+def topo(d: dict):
+    return topology_of(parse_spec(d))
+
+
+def test_collapse_into_one_server_is_a_topology_change_said_in_words():
+    seed = seed_dict()
+    p = make_plan(topo(seed), topo(collapsed(seed)))
+    assert p.cls == "topology" and p.requires_confirmation
+    actions = {c.address: c.action for c in p.changes}
+    assert actions["role.prefill"] == "delete"
+    assert actions["role.decode"] == "delete"
+    assert actions["router"] == "delete"
+    assert actions["role.server"] == "create"
+    assert "PD disaggregation → single server" in p.topology_changes
+    text = render_text(p)
+    assert "PD disaggregation → single server" in text
+    assert "Plan: 1 to add, 0 to change, 4 to destroy." in text  # prefill, decode, kv link, router
+
+
+def test_router_host_only_change_is_topology_exposure():
+    seed = seed_dict()
+    local = copy.deepcopy(seed)
+    local["router"]["host"] = "127.0.0.1"
+    p = make_plan(topo(local), topo(seed))
+    assert p.cls == "topology"
+    assert [c.address for c in p.changes] == ["router"]
+    assert p.topology_changes == ("router exposure 127.0.0.1:30001 → 0.0.0.0:30001",)
+    assert p.changes[0].restarts == ("router",)
+
+
+def test_parser_only_change_is_disruptive_and_restarts_prefill_and_decode():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["parsers"]["tool_call_parser"] = "deepseekv32"
+    p = make_plan(topo(seed), topo(other))
+    assert p.cls == "disruptive" and not p.requires_confirmation
+    assert sorted(p.restarts()) == ["decode", "prefill"]
+    assert all(c.action == "update" for c in p.changes)
+    paths = {a.path for c in p.changes for a in c.changes}
+    assert paths == {"settings.parsers.tool_call_parser"}
+
+
+def test_identical_spec_plans_nothing():
+    seed = seed_dict()
+    p = make_plan(topo(seed), topo(copy.deepcopy(seed)))
+    assert not p.has_changes and p.cls is None
+    assert "No changes" in render_text(p)
+
+
+def test_gpu_set_change_replaces_the_role():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["prefill"][0]["gpus"] = [0, 1]
+    other["prefill"][0]["tp"] = 2
+    p = make_plan(topo(seed), topo(other))
+    (c,) = [c for c in p.changes if c.address == "role.prefill"]
+    assert c.action == "replace" and c.cls == "topology"
+    assert p.counts() == (1, 0, 1)
+
+
+def test_transfer_backend_change_is_topology():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["kv_transfer"]["backend"] = "mooncake"
+    p = make_plan(topo(seed), topo(other))
+    assert "KV transfer backend nixl → mooncake" in p.topology_changes
+
+
+def test_console_setting_is_in_place():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["console"] = {"refresh_s": 2.0}
+    p = make_plan(topo(seed), topo(other))
+    assert p.cls == "in_place" and p.restarts() == []
+
+
+def test_first_deployment_needs_no_confirmation():
+    p = make_plan(None, topo(seed_dict()))
+    assert p.cls == "topology" and not p.requires_confirmation
+
+
+def test_plan_round_trips_through_json():
+    seed = seed_dict()
+    p = make_plan(topo(seed), topo(collapsed(seed)), from_serial=7)
+    again = Plan.model_validate_json(p.model_dump_json())
+    assert again == p and again.plan_id == p.plan_id
+
+
+def test_secrets_never_appear_in_the_plan():
+    seed = seed_dict()
+    seed["secrets"] = {"HF_TOKEN": "hf_supersecret"}
+    other = copy.deepcopy(seed)
+    other["secrets"] = {"HF_TOKEN": "hf_othersecret"}
+    p = make_plan(topo(seed), topo(other))
+    dumped = p.model_dump_json()
+    assert p.has_changes and "supersecret" not in dumped and "othersecret" not in dumped
+
+
+# --- property tests ------------------------------------------------------------------------------
+
+_mutations = st.sampled_from(
+    [
+        ("parsers", "tool_call_parser", "deepseekv32"),
+        ("router", "port", 30002),
+        ("router", "policy", "round_robin"),
+        ("model", "context_length", 65536),
+        ("console", "refresh_s", 5.0),
+        ("kv_transfer", "backend", "mooncake"),
+    ]
+)
+
+
+def _mutate(d: dict, m) -> dict:
+    d = copy.deepcopy(d)
+    d.setdefault(m[0], {})[m[1]] = m[2]
+    return d
+
+
+@settings(max_examples=30, deadline=None)
+@given(_mutations, st.booleans())
+def test_plan_id_changes_whenever_either_side_changes(m, which_side):
+    seed = seed_dict()
+    base = plan_id_of(topo(seed), topo(seed))
+    changed = _mutate(seed, m)
+    other = plan_id_of(topo(changed), topo(seed)) if which_side else plan_id_of(topo(seed), topo(changed))
+    assert other != base
+    assert plan_id_of(None, topo(seed)) != base
+
+
+def _toml_dump(d: dict, order: list[int]) -> str:
+    """A minimal TOML writer that emits keys in a permuted order (tables after scalars)."""
+
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + "}"
+        return str(v)
+
+    def perm(keys):
+        keys = list(keys)
+        return [keys[i % len(keys)] for i in order[: len(keys)]] if keys else keys
+
+    lines: list[str] = []
+    scalars = [k for k, v in d.items() if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))]
+    keys = list(dict.fromkeys(perm(scalars) + scalars))
+    for k in keys:
+        lines.append(f"{k} = {val(d[k])}")
+    for k, v in reversed(list(d.items())):
+        if isinstance(v, dict):
+            if k == "hosts":
+                for hk, hv in v.items():
+                    lines.append(f"[hosts.{hk}]")
+                    for kk in reversed(list(hv)):
+                        lines.append(f"{kk} = {val(hv[kk])}")
+            else:
+                lines.append(f"[{k}]")
+                for kk in reversed(list(v)):
+                    lines.append(f"{kk} = {val(v[kk])}")
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            for item in v:
+                lines.append(f"[[{k}]]")
+                for kk in reversed(list(item)):
+                    lines.append(f"{kk} = {val(item[kk])}")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.permutations(list(range(8))))
+def test_a_plan_is_unaffected_by_toml_key_order(order):
+    seed = seed_dict()
+    shuffled = tomllib.loads(_toml_dump(seed, order))
+    assert shuffled == seed  # same content, different text
+    deployed = topo(collapsed(seed))
+    assert make_plan(deployed, topo(shuffled)) == make_plan(deployed, topo(seed))
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def _pdctl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_plan_exit_codes_and_json(tmp_path):
+    sd = tmp_path / "state"
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    assert r.returncode == 2, r.stderr
+    assert "Plan: 4 to add, 0 to change, 0 to destroy." in r.stdout
+    # Record the seed as deployed, then plan the same spec: nothing to do, exit 0.
+    j = Journal(sd, "dsv4-flash")
+    j.write(JournalState(name="dsv4-flash", deployed=topo(seed_dict())))
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["changes"] == [] and data["from_serial"] == 1
+    # The collapse, saved with -o.
+    spec = tmp_path / "collapse.toml"
+    spec.write_text(_toml_dump(collapsed(seed_dict()), list(range(8))))
+    out = tmp_path / "plan.json"
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(out))
+    assert r.returncode == 2
+    assert "PD disaggregation → single server" in r.stdout
+    saved = Plan.model_validate_json(out.read_text())
+    assert saved.plan_id in r.stdout
+
+
+def test_cli_invalid_spec_exits_1_naming_the_field(tmp_path):
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [0, 1, 2, 3]
+    spec = tmp_path / "bad.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    r = _pdctl("validate", str(spec))
+    assert r.returncode == 1
+    assert "decode[0].gpus" in r.stderr and "fix:" in r.stderr
+    assert r.stdout == ""

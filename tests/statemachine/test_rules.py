@@ -1,0 +1,309 @@
+"""Every topology rule has a failing spec here, and its message names the field and the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pdctl.statemachine.errors import SpecError
+from pdctl.statemachine.rules import Inventory, check, validate
+from pdctl.statemachine.spec import load_spec, parse_spec
+
+from .specs import DEMO, SEED, seed_dict
+
+
+def test_the_examples_validate_without_errors():
+    for path in (SEED, DEMO):
+        dep = load_spec(path)
+        assert [f for f in validate(dep) if f.level == "error"] == []
+
+
+def _errors(d: dict, **kw) -> list:
+    return [f for f in validate(parse_spec(d), **kw) if f.level == "error"]
+
+
+def _one(d: dict, field: str, *words: str, level: str = "error", **kw):
+    findings = [f for f in validate(parse_spec(d), **kw) if f.level == level and f.field == field]
+    assert findings, f"no {level} on {field}: {validate(parse_spec(d), **kw)}"
+    text = f"{findings[0].message} {findings[0].fix}"
+    for w in words:
+        assert w in text, f"{w!r} not in {text!r}"
+    return findings[0]
+
+
+def test_overlapping_gpu_sets_on_one_host_are_refused():
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [3, 4, 5, 6]
+    _one(d, "decode[0].gpus", "GPU 3", "already used by prefill[0]")
+
+
+def test_gpu_count_must_equal_tp():
+    d = seed_dict()
+    d["prefill"][0]["tp"] = 2
+    _one(d, "prefill[0].gpus", "tp = 2", "list exactly 2 GPUs")
+
+
+def test_attention_dp_must_divide_tp():
+    d = seed_dict()
+    d["decode"][0]["attn_dp"] = 3
+    _one(d, "decode[0].attn_dp", "does not divide tp = 4")
+
+
+def test_gpu_ids_must_exist_when_the_inventory_is_known():
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [4, 5, 6, 9]
+    _one(d, "decode[0].gpus", "GPU [9] not on host", "0-7")
+
+
+def test_gpu_ids_checked_against_a_discovered_inventory_too():
+    d = seed_dict()
+    del d["hosts"]["local"]["gpu_numa"]
+    f = _one(d, "decode[0].gpus", "not on host", inventories={"local": Inventory(gpu_numa=(0, 0, 0, 0))})
+    assert "0-3" in f.message
+
+
+def test_numa_node_not_matching_the_gpus_is_a_warning_with_the_fix():
+    d = seed_dict()
+    d["decode"][0]["numa_node"] = 0
+    f = _one(d, "decode[0].numa_node", "NUMA node(s) [1]", "set numa_node = 1", level="warning")
+    assert f.level == "warning"
+    check(parse_spec(d))  # a warning does not fail the check
+
+
+def test_numa_node_the_host_lacks_is_an_error():
+    d = seed_dict()
+    d["prefill"][0]["numa_node"] = 3
+    _one(d, "prefill[0].numa_node", "NUMA node 3 does not exist")
+
+
+def test_port_collision_between_http_and_nccl_on_one_host():
+    d = seed_dict()
+    d["decode"][0]["nccl_port"] = 30010
+    _one(d, "decode[0].nccl_port", "port 30010", "HTTP of prefill")
+
+
+def test_sglang_derived_ports_collide_with_attention_dp():
+    d = seed_dict()
+    d["prefill"][0]["attn_dp"] = 4
+    d["decode"][0]["nccl_port"] = 30010 + 235
+    errs = _errors(d)
+    assert any("derived ZMQ port 30010+235" in e.message for e in errs), errs
+
+
+def test_two_prefill_servers_on_one_host_cannot_share_a_bootstrap_port():
+    d = seed_dict()
+    second = copy.deepcopy(d["prefill"][0])
+    second.update(gpus=[4, 5], tp=2, port=30030, nccl_port=30130, numa_node=1)
+    d["prefill"].append(second)
+    d["decode"][0].update(gpus=[6, 7], tp=2)
+    _one(d, "prefill[1].bootstrap_port", "bootstrap port 8998 is shared with prefill[0]")
+
+
+def test_router_port_equal_to_a_server_port_is_refused():
+    d = seed_dict()
+    d["router"]["port"] = 30020
+    _one(d, "router.port", "equals the HTTP port of decode")
+
+
+def test_router_prometheus_port_collision():
+    d = seed_dict()
+    d["router"]["prometheus_port"] = 8998
+    _one(d, "router.prometheus_port", "port 8998")
+
+
+def test_page_size_differing_between_prefill_and_decode():
+    d = seed_dict()
+    d["decode"][0]["page_size"] = 32
+    _one(d, "decode[0].page_size", "page_size differs", "Page size mismatch")
+
+
+def test_kv_cache_dtype_differing_between_prefill_and_decode():
+    d = seed_dict()
+    d["prefill"][0]["kv_cache_dtype"] = "bf16"
+    _one(d, "prefill[0].kv_cache_dtype", "kv_cache_dtype differs")
+
+
+def test_parsers_differing_between_roles():
+    d = seed_dict()
+    d["decode"][0]["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv4"}
+    _one(d, "decode[0].parsers.reasoning_parser", "'deepseek-v3'", "set [parsers].reasoning_parser once")
+
+
+def test_chat_template_differing_between_roles():
+    d = seed_dict()
+    d["prefill"][0]["parsers"] = {**d["parsers"], "chat_template": "/etc/t.jinja"}
+    _one(d, "prefill[0].parsers.chat_template", "identically")
+
+
+def test_parsers_on_the_router_are_refused():
+    d = seed_dict()
+    d["router"]["tool_call_parser"] = "deepseekv4"
+    _one(d, "router.tool_call_parser", "never on the router", "move it to [parsers]")
+
+
+def test_parser_flags_in_router_extra_args_are_refused():
+    d = seed_dict()
+    d["router"]["extra_args"] = ["--reasoning-parser", "deepseek-v4"]
+    _one(d, "router.extra_args", "--reasoning-parser on the router")
+
+
+def test_parser_names_must_exist_in_the_target_version():
+    d = seed_dict()
+    d["parsers"]["tool_call_parser"] = "deepseek-v4"
+    f = _one(d, "parsers.tool_call_parser", "not a tool-call parser of SGLang 0.5.23")
+    assert "deepseekv4" in f.fix
+
+
+def test_reasoning_parser_valid_in_new_version_is_invalid_for_an_old_target():
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    _one(d, "parsers.reasoning_parser", "not a reasoning parser of SGLang 0.5.6")
+
+
+def test_removed_flags_in_extra_args():
+    d = seed_dict()
+    d["prefill"][0]["extra_args"] = ["--disaggregation-decode-tp", "4"]
+    d["decode"][0]["extra_args"] = ["--nsa-decode-backend=fa3"]
+    _one(d, "prefill[0].extra_args", "removed in SGLang 0.5.12", "remove --disaggregation-decode-tp")
+    _one(d, "decode[0].extra_args", "removed in SGLang 0.5.20", "use --dsa-decode-backend")
+
+
+def test_extra_args_that_fight_pdctl_owned_settings():
+    d = seed_dict()
+    d["prefill"][0]["extra_args"] = ["--port", "31000"]
+    d["decode"][0]["extra_args"] = ["--tool-call-parser", "qwen"]
+    _one(d, "prefill[0].extra_args", "--port is set by pdctl from port")
+    _one(d, "decode[0].extra_args", "--tool-call-parser is set by pdctl")
+
+
+def test_unknown_flags_in_extra_args():
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--no-such-flag"]
+    _one(d, "decode[0].extra_args", "not a launch_server flag of SGLang 0.5.23")
+
+
+def test_cuda_visible_devices_in_env_fights_the_gpu_list():
+    d = seed_dict()
+    d["decode"][0]["env"] = {"CUDA_VISIBLE_DEVICES": "0"}
+    _one(d, "decode[0].env.CUDA_VISIBLE_DEVICES", "set by pdctl from gpus")
+
+
+def test_fake_transfer_backend_is_refused_because_prefill_refuses_it():
+    d = seed_dict()
+    d["kv_transfer"]["backend"] = "fake"
+    _one(d, "kv_transfer.backend", "Prefill server does not support 'fake'")
+
+
+def test_transfer_backend_the_target_version_lacks():
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
+    d["kv_transfer"]["backend"] = "mooncake_tcp"
+    _one(d, "kv_transfer.backend", "not a transfer backend of SGLang 0.5.6")
+
+
+def test_prefill_on_loopback_while_decode_is_on_another_host():
+    d = seed_dict()
+    d["hosts"]["gpu2"] = {"address": "10.0.0.2"}
+    d["decode"][0]["host"] = "gpu2"
+    _one(d, "prefill[0].http_host", "decode cannot reach the bootstrap")
+
+
+def test_router_worker_startup_timeout_shorter_than_a_cold_start():
+    d = seed_dict()
+    d["router"]["worker_startup_timeout_s"] = 600
+    _one(d, "router.worker_startup_timeout_s", "shorter than prefill's expected cold start", ">= 1501")
+
+
+def test_prometheus_on_all_interfaces_is_a_warning_unless_opted_in():
+    d = seed_dict()
+    d["router"]["prometheus_host"] = "0.0.0.0"
+    _one(d, "router.prometheus_host", "allow_public_prometheus", level="warning")
+    d["router"]["allow_public_prometheus"] = True
+    assert not [f for f in validate(parse_spec(d)) if f.field == "router.prometheus_host"]
+
+
+def test_pd_without_router_or_kv_transfer():
+    d = seed_dict()
+    del d["router"]
+    del d["kv_transfer"]
+    fields = {f.field for f in _errors(d)}
+    assert {"router", "kv_transfer"} <= fields
+
+
+def test_unknown_host_reference():
+    d = seed_dict()
+    d["decode"][0]["host"] = "gpu9"
+    _one(d, "decode[0].host", "host 'gpu9' is not declared", "[hosts.gpu9]")
+
+
+def test_unknown_target_version():
+    d = seed_dict()
+    d["sglang_version"] = "0.9.1"
+    _one(d, "sglang_version", "no facts for SGLang 0.9.1")
+
+
+@pytest.mark.parametrize("name", ["bad name", "-lead", "a/b", "x" * 70, "ünï"])
+def test_a_name_that_cannot_become_a_systemd_unit_name(name):
+    d = seed_dict()
+    d["name"] = name
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "name:" in str(e.value) and "systemd unit name" in str(e.value)
+
+
+def test_unknown_keys_are_refused_with_the_field_named():
+    d = seed_dict()
+    d["router"]["prot"] = 1
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "router.prot: unknown key" in str(e.value)
+
+
+def test_missing_required_field_is_named():
+    d = seed_dict()
+    del d["prefill"][0]["port"]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "prefill[0].port: required" in str(e.value)
+
+
+def test_a_toml_syntax_error_reports_the_line(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('name = "x"\n[model]\npath = "m"\n[[prefill]\nport = 1\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert "TOML syntax error" in str(e.value) and "line 4" in str(e.value)
+
+
+def test_check_raises_one_error_listing_every_broken_rule():
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [0, 1, 2, 3]
+    d["router"]["port"] = 30010
+    with pytest.raises(SpecError) as e:
+        check(parse_spec(d))
+    msg = str(e.value)
+    assert "decode[0].gpus" in msg and "router.port" in msg and "fix:" in msg
+
+
+def test_pd_and_single_server_cannot_mix():
+    d = seed_dict()
+    d["server"] = [{"gpus": [0], "port": 31000}]
+    with pytest.raises(SpecError, match="either PD"):
+        parse_spec(d)
+
+
+def test_validation_contacts_nothing_and_changes_nothing(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+
+    def refuse(*a, **k):
+        raise AssertionError("validation must not touch the network or run commands")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.chdir(tmp_path)
+    dep = load_spec(SEED)
+    validate(dep)
+    assert list(tmp_path.iterdir()) == []
