@@ -1,0 +1,267 @@
+"""The stand-in "model": a deterministic tokenizer, chat template and text generator.
+
+Nothing here is learned; every output is a pure function of the prompt's token ids (through the
+KV digest), so a prefill-decode pair and a collapsed server give the same text for the same
+prompt, and a decode server can only produce it from KV it actually received.
+
+Markup is the model family's native format, as SGLang 0.5.23's parsers expect it:
+
+* ``deepseek-v32`` (default): DeepSeek-V3.2 chat template (``<｜User｜>``/``<｜Assistant｜>``; the
+  template ends the prompt with ``<think>`` when ``chat_template_kwargs.thinking`` is true, else
+  ``</think>``), reasoning ends with ``</think>``, tool calls in DSML ``<｜DSML｜function_calls>``
+  markup (``sglang/srt/function_call/deepseekv32_detector.py``).
+* ``deepseek-v4``: same thinking tokens, DSML ``<｜DSML｜tool_calls>`` markup
+  (``function_call/deepseekv4_detector.py``).
+* ``deepseek-v31``: ``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>{json}…`` markup
+  (``function_call/deepseekv31_detector.py``).
+
+Select the family with ``PDCTL_SIM_MODEL_FAMILY``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("deepseek-v32", "deepseek-v4", "deepseek-v31")
+DEFAULT_FAMILY = "deepseek-v32"
+VOCAB_SIZE = 129280  # DeepSeek-V3 family vocabulary size
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_WORDS = (
+    "the request asks about a small system that routes work between two servers and the answer "
+    "depends on how the cache moves from one side to the other so we check the pages the bytes "
+    "the order and the timing before we reply with a short clear summary of what happens next"
+).split()
+_TOKEN_RE = re.compile(r"<｜[^｜]*｜>|<｜DSML｜|</?think>|\w+|[^\w\s]|\s+")
+
+
+def model_family() -> str:
+    fam = os.environ.get("PDCTL_SIM_MODEL_FAMILY", DEFAULT_FAMILY).strip().lower()
+    if fam not in FAMILIES:
+        raise SystemExit(f"PDCTL_SIM_MODEL_FAMILY must be one of {', '.join(FAMILIES)}; got {fam!r}")
+    return fam
+
+
+def tokenize(text: str) -> list[int]:
+    """A deterministic stand-in tokenizer: word pieces hashed into the vocabulary."""
+    return [zlib.crc32(p.encode("utf-8")) % VOCAB_SIZE for p in _TOKEN_RE.findall(text)]
+
+
+def kv_digest(input_ids: list[int]) -> str:
+    """What prefill "computes" for a prompt: a digest standing in for the KV cache."""
+    h = hashlib.sha256()
+    for t in input_ids:
+        h.update(int(t).to_bytes(4, "little", signed=False))
+    return h.hexdigest()
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                thinking: bool) -> str:
+    """DeepSeek-V3.2-style chat template (tools described in the system turn)."""
+    parts = [BOS]
+    system = [m for m in messages if m.get("role") == "system"]
+    for m in system:
+        parts.append(_content_text(m.get("content")))
+    if tools:
+        parts.append("\n\n## Tools\nYou have access to these tools:\n")
+        for t in tools:
+            fn = t.get("function", t)
+            parts.append(json.dumps(fn, sort_keys=True, ensure_ascii=False) + "\n")
+    for m in messages:
+        role = m.get("role")
+        if role == "system":
+            continue
+        if role == "user":
+            parts.append(USER + _content_text(m.get("content")))
+        elif role == "assistant":
+            parts.append(ASSISTANT + THINK_END + _content_text(m.get("content")) + EOS)
+        elif role == "tool":
+            parts.append("<｜tool▁output▁begin｜>" + _content_text(m.get("content")) + "<｜tool▁output▁end｜>")
+        else:
+            parts.append(_content_text(m.get("content")))
+    parts.append(ASSISTANT + (THINK_START if thinking else THINK_END))
+    return "".join(parts)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(c.get("text", "") for c in content if isinstance(c, dict))
+    return str(content)
+
+
+class _Rng:
+    """A tiny deterministic stream of numbers seeded by the KV digest."""
+
+    def __init__(self, seed: str) -> None:
+        self._seed = seed.encode()
+        self._n = 0
+        self._buf = b""
+
+    def next(self) -> int:
+        if not self._buf:
+            self._buf = hashlib.sha256(self._seed + self._n.to_bytes(8, "little")).digest()
+            self._n += 1
+        v, self._buf = int.from_bytes(self._buf[:4], "little"), self._buf[4:]
+        return v
+
+    def word(self) -> str:
+        return _WORDS[self.next() % len(_WORDS)]
+
+    def words(self, n: int) -> list[str]:
+        return [self.word() for _ in range(n)]
+
+
+@dataclass
+class Generation:
+    """The full text the model would emit, split into output "tokens" (pieces)."""
+
+    pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def _sentence(rng: _Rng, n: int) -> list[str]:
+    ws = rng.words(n)
+    ws[0] = ws[0].capitalize()
+    out = [ws[0]] + [" " + w for w in ws[1:]]
+    out[-1] = out[-1] + "."
+    return out
+
+
+def example_for_schema(schema: Any, rng: _Rng, depth: int = 0) -> Any:
+    """A value satisfying a JSON schema (the subset tool definitions use)."""
+    if not isinstance(schema, dict):
+        return rng.word()
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema and schema[key]:
+            return example_for_schema(schema[key][0], rng, depth)
+    if "default" in schema:
+        return schema["default"]
+    typ = schema.get("type")
+    if isinstance(typ, list):
+        typ = next((t for t in typ if t != "null"), typ[0] if typ else "string")
+    if typ is None:
+        typ = "object" if "properties" in schema else "string"
+    if typ == "object":
+        props = schema.get("properties") or {}
+        required = schema.get("required") or list(props)
+        if depth > 4:
+            return {}
+        return {k: example_for_schema(props.get(k, {}), rng, depth + 1) for k in required}
+    if typ == "array":
+        n = max(int(schema.get("minItems", 1)), 1)
+        if "maxItems" in schema:
+            n = min(n, int(schema["maxItems"]))
+        return [example_for_schema(schema.get("items", {}), rng, depth + 1) for _ in range(n)]
+    if typ in ("integer", "number"):
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", 0))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", lo + 100))
+        lo_i, hi_i = int(lo) + (1 if "exclusiveMinimum" in schema else 0), int(hi)
+        if hi_i < lo_i:
+            hi_i = lo_i
+        v = lo_i + rng.next() % (hi_i - lo_i + 1)
+        if "exclusiveMaximum" in schema and v >= schema["exclusiveMaximum"]:
+            v = lo_i
+        return v if typ == "integer" else float(v)
+    if typ == "boolean":
+        return bool(rng.next() % 2)
+    if typ == "null":
+        return None
+    # string
+    fmt = schema.get("format")
+    if fmt == "date":
+        return "2026-01-01"
+    if fmt == "date-time":
+        return "2026-01-01T00:00:00Z"
+    s = rng.word().capitalize()
+    min_len = int(schema.get("minLength", 0))
+    while len(s) < min_len:
+        s += rng.word()
+    if "maxLength" in schema:
+        s = s[: int(schema["maxLength"])] or s[:1]
+    return s
+
+
+def tool_call_markup(family: str, name: str, args: dict[str, Any]) -> list[str]:
+    """The model-native markup for one tool call, as output pieces."""
+    if family == "deepseek-v31":
+        return ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", name, "<｜tool▁sep｜>",
+                json.dumps(args, ensure_ascii=False), "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
+    block = "function_calls" if family == "deepseek-v32" else "tool_calls"
+    pieces = [f"<｜DSML｜{block}>", "\n", f'<｜DSML｜invoke name="{name}">', "\n"]
+    for k, v in args.items():
+        if isinstance(v, str):
+            pieces.append(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>')
+        else:
+            pieces.append(
+                f'<｜DSML｜parameter name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}'
+                "</｜DSML｜parameter>"
+            )
+        pieces.append("\n")
+    pieces += ["</｜DSML｜invoke>", "\n", f"</｜DSML｜{block}>"]
+    return pieces
+
+
+def generate(digest: str, *, family: str, chat: bool, thinking: bool,
+             tools: list[dict[str, Any]] | None, tool_choice: Any = "auto") -> Generation:
+    """Everything the model emits for a prompt whose KV digest is ``digest`` (before max_tokens)."""
+    rng = _Rng(digest)
+    g = Generation()
+    if chat and thinking:
+        # The template put <think> in the prompt; the model reasons, then closes the block.
+        g.pieces += _sentence(rng, 8 + rng.next() % 5) + [" "] + _sentence(rng, 6)
+        g.pieces.append(THINK_END)
+    call_tool = bool(chat and tools and tool_choice != "none")
+    if call_tool:
+        tool = tools[0] if isinstance(tool_choice, (str, type(None))) else _chosen(tools, tool_choice)
+        fn = tool.get("function", tool)
+        args = example_for_schema(fn.get("parameters") or {"type": "object", "properties": {}}, rng)
+        if not isinstance(args, dict):
+            args = {}
+        g.pieces += tool_call_markup(family, fn.get("name", "tool"), args)
+    else:
+        g.pieces += _sentence(rng, 10 + rng.next() % 8)
+    return g
+
+
+def _chosen(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]:
+    try:
+        name = tool_choice["function"]["name"]
+    except (TypeError, KeyError):
+        return tools[0]
+    for t in tools:
+        if t.get("function", t).get("name") == name:
+            return t
+    return tools[0]
+
+
+def first_token_id(digest: str) -> int:
+    """The first output token prefill samples and hands to decode with the KV."""
+    return int(digest[:8], 16) % VOCAB_SIZE
+
+
+def piece_id(piece: str) -> int:
+    """The token id of one output piece."""
+    return zlib.crc32(piece.encode("utf-8")) % VOCAB_SIZE
