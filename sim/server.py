@@ -59,6 +59,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
@@ -73,6 +74,7 @@ MAX_ENSURE_RETRIES = 15
 KV_BYTES_PER_TOKEN = 61 * 656  # DeepSeek-V3 MLA: 61 layers x (512 + 64 rope + 80 fp8 scales) bytes
 
 log = logging.getLogger("sglang")
+access_log = logging.getLogger("uvicorn.access")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -339,7 +341,9 @@ class Sim:
             return digest, True
         # decode
         if fake:
-            return digest, False
+            # FakeKVReceiver: nothing moves, the KV pages hold whatever was there (garbage), so the
+            # output is not the prompt's; only warm-up and health checks take this path.
+            return mdl.kv_digest([]), False
         port = body.get("bootstrap_port")
         if port is None:
             port = self.resolved["disaggregation_bootstrap_port"]
@@ -381,6 +385,7 @@ class Sim:
 
     def serve_kv(self, room: int, wait: float) -> dict[str, Any] | None:
         """SIM-ONLY transfer channel (prefill side): hand the room's KV to decode once computed."""
+        self.rooms.gc(max_age=max(self.bootstrap_timeout, self.waiting_timeout, 60.0) * 2)
         entry = self.rooms.get(room)
         if not entry.ready.wait(max(0.0, min(wait, 5.0))):
             return None
@@ -433,7 +438,7 @@ class Sim:
         log.error("Scheduler hit an exception: Traceback (most recent call last):\n"
                   '  File "sglang/srt/disaggregation/common/conn.py", in try_ensure_parallel_info\n' + tb)
         log.error("Received sigquit from a child process. It usually means the child failed.")
-        for h in logging.getLogger().handlers:
+        for h in log.handlers:
             h.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -525,7 +530,7 @@ class Sim:
             finish = {"type": "stop", "matched": 1}
         if self.mode == "null":
             self._log_prefill_batch(len(req["ids"]))
-        if self.mode != "prefill":
+        if self.mode != "prefill" and len(out) > 1:  # decode lines are logged every few steps
             self._log_decode_batch(len(req["ids"]), len(out), time.monotonic() - t0)
         return {"req": req, "pieces": out, "finish": finish, "t0": t0,
                 "prompt_tokens": len(req["ids"]), "digest": digest}
@@ -750,6 +755,15 @@ _POST_ROUTES = {"/generate", "/v1/chat/completions", "/v1/completions", "/flush_
 
 
 class ApiHandler(_Base):
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:  # noqa: ARG002
+        """uvicorn's access line: ``INFO:     127.0.0.1:50786 - "GET /health HTTP/1.1" 200 OK``."""
+        try:
+            phrase = HTTPStatus(int(code)).phrase
+        except ValueError:
+            phrase = ""
+        host, port = self.client_address[:2]
+        access_log.info(f'INFO:     {host}:{port} - "{self.requestline}" {code} {phrase}'.rstrip())
+
     def do_GET(self) -> None:  # noqa: N802
         u = urllib.parse.urlsplit(self.path)
         path = u.path
@@ -1045,10 +1059,21 @@ class ApiHandler(_Base):
 # --------------------------------------------------------------------------------------------------
 
 
-def _configure_logging() -> None:
-    level = os.environ.get("PDCTL_SIM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO),
-                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+def _configure_logging(resolved: dict[str, Any]) -> None:
+    """``--log-level`` for the server's lines, ``--log-level-http`` (else ``--log-level``) for uvicorn's
+    access lines, as SGLang passes them to ``configure_logger`` and ``uvicorn.Config``."""
+    level = str(resolved.get("log_level") or "info").upper()
+    http_level = str(resolved.get("log_level_http") or resolved.get("log_level") or "info").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(getattr(logging, level, logging.INFO))
+    log.propagate = False
+    plain = logging.StreamHandler(sys.stderr)
+    plain.setFormatter(logging.Formatter("%(message)s"))
+    access_log.addHandler(plain)
+    access_log.setLevel(getattr(logging, http_level, logging.INFO))
+    access_log.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1059,7 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Traceback (most recent call last):\n  File \"sglang/srt/arg_groups/pd_disaggregation_hook.py\"\n"
               f"{e}", file=sys.stderr)
         return 1
-    _configure_logging()
+    _configure_logging(sim.resolved)
 
     done = threading.Event()
 
@@ -1087,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=sim.shutdown, daemon=True).start()
     time.sleep(0.2)
     log.info("Shutting down")
-    for h in logging.getLogger().handlers:
+    for h in log.handlers + access_log.handlers:
         h.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,244 @@
+"""SGLang 0.5.23's HTTP surface as the stand-in serves it (collapsed / non-PD form)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.sim import free_port, http_get, http_post, sse_events, start_sim, wait_http
+
+PARSERS = ["--reasoning-parser", "deepseek-v3", "--tool-call-parser", "deepseekv32"]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with start_sim(PARSERS + ["--enable-metrics", "--served-model-name", "dsv32"]) as p:
+        yield p
+
+
+def get_json(url):
+    code, body = http_get(url)
+    return code, json.loads(body) if body else None
+
+
+def test_health_ready(srv):
+    assert http_get(srv.url + "/health") == (200, b"")
+    assert http_get(srv.url + "/health_generate") == (200, b"")
+    assert http_get(srv.url + "/ready")[0] == 200
+
+
+def test_server_info_is_flat_resolved_args(srv):
+    code, info = get_json(srv.url + "/server_info")
+    assert code == 200
+    for key in ("disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend",
+                "tp_size", "attn_dp_size", "dp_size", "page_size", "kv_cache_dtype", "reasoning_parser",
+                "tool_call_parser", "chat_template", "served_model_name", "model_path", "host", "port",
+                "base_gpu_id", "context_length", "launch_command", "max_total_num_tokens", "internal_states"):
+        assert key in info, key
+    assert info["version"] == "0.5.23"
+    assert info["disaggregation_mode"] == "null"
+    assert info["reasoning_parser"] == "deepseek-v3" and info["tool_call_parser"] == "deepseekv32"
+    assert info["served_model_name"] == "dsv32"
+    assert info["port"] == srv.port and info["page_size"] == 1
+    assert isinstance(info["internal_states"], list) and len(info["internal_states"]) == 1
+    assert info["internal_states"][0]["disaggregation_mode"] == "null"
+    assert "--reasoning-parser deepseek-v3" in info["launch_command"]
+
+
+def test_deprecated_get_server_info_same_body_and_warns(srv):
+    _, a = get_json(srv.url + "/server_info")
+    _, b = get_json(srv.url + "/get_server_info")
+    a.pop("internal_states"), b.pop("internal_states")
+    assert a == b
+    deadline = time.monotonic() + 5
+    while "'/get_server_info' is deprecated" not in srv.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "Endpoint '/get_server_info' is deprecated" in srv.log_text()
+
+
+def test_model_info_and_models(srv):
+    code, mi = get_json(srv.url + "/model_info")
+    assert code == 200
+    assert mi["served_model_name"] == "dsv32" and mi["is_generation"] is True
+    assert mi["disaggregation_mode"] == "null" and mi["tool_call_parser"] == "deepseekv32"
+    assert get_json(srv.url + "/get_model_info")[1] == mi
+    code, models = get_json(srv.url + "/v1/models")
+    assert code == 200 and models["object"] == "list"
+    assert models["data"][0]["id"] == "dsv32" and models["data"][0]["max_model_len"] == 163840
+
+
+def test_v1_loads(srv):
+    code, loads = get_json(srv.url + "/v1/loads?include=core,disagg,queues,memory")
+    assert code == 200 and loads["version"] == "0.5.23"
+    assert loads["loads"][0]["dp_rank"] == 0 and loads["loads"][0]["disaggregation"]["mode"] == "null"
+    assert get_json(srv.url + "/v1/loads?include=bogus")[0] == 400
+
+
+def test_flush_cache_get_and_post(srv):
+    code, body = http_get(srv.url + "/flush_cache")
+    assert code == 200 and body.startswith(b"Cache flushed.")
+    code, body = http_post(srv.url + "/flush_cache", {})
+    assert code == 200 and body.startswith("Cache flushed.")
+
+
+@pytest.mark.parametrize("path", ["/get_load", "/loads", "/workers", "/v1/responses/x/y", "/nothing"])
+def test_unknown_paths_404_fastapi_shape(srv, path):
+    code, body = http_get(srv.url + path)
+    assert code == 404
+    assert json.loads(body) == {"detail": "Not Found"}
+
+
+def test_wrong_method_405(srv):
+    code, body = http_get(srv.url + "/generate")
+    assert code == 405 and json.loads(body) == {"detail": "Method Not Allowed"}
+
+
+def test_generate_shape_and_determinism(srv):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5}}
+    code, out = http_post(srv.url + "/generate", body)
+    assert code == 200
+    assert isinstance(out["text"], str) and len(out["output_ids"]) == 5
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["completion_tokens"] == 5 and meta["prompt_tokens"] > 0
+    assert http_post(srv.url + "/generate", body)[1]["text"] == out["text"]
+    other = http_post(srv.url + "/generate", {**body, "text": "Something else"})[1]["text"]
+    assert other != out["text"]
+
+
+def test_generate_stream(srv):
+    raw = _post_raw(srv.url + "/generate", {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3}})
+    events = list(sse_events(raw))
+    assert events[-1] == "[DONE]"
+    assert [len(e["output_ids"]) for e in events[:-1]] == [1, 2, 3]
+    assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _post_raw(url, body):
+    import urllib.request
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return r.read()
+
+
+def test_chat_completion_plain(srv):
+    code, out = http_post(srv.url + "/v1/chat/completions",
+                          {"model": "dsv32", "messages": [{"role": "user", "content": "Say hi"}]})
+    assert code == 200
+    assert out["object"] == "chat.completion" and out["model"] == "dsv32"
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] and msg["reasoning_content"] is None
+    assert msg["tool_calls"] is None and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] > 0
+
+
+def test_chat_max_tokens_length(srv):
+    _, out = http_post(srv.url + "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2})
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 2
+
+
+def test_chat_stream_done(srv):
+    raw = _post_raw(srv.url + "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "Say hi"}], "stream": True,
+                     "stream_options": {"include_usage": True}})
+    events = list(sse_events(raw))
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    _, full = http_post(srv.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}]})
+    assert text == full["choices"][0]["message"]["content"]
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["usage"]["completion_tokens"] > 0
+
+
+def test_completions(srv):
+    code, out = http_post(srv.url + "/v1/completions", {"prompt": "Once", "max_tokens": 4})
+    assert code == 200 and out["object"] == "text_completion"
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_metrics_parse_with_prometheus_client(srv):
+    http_post(srv.url + "/generate", {"text": "count me", "sampling_params": {"max_new_tokens": 4}})
+    code, body = http_get(srv.url + "/metrics")
+    assert code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in ("sglang:num_running_reqs", "sglang:gen_throughput", "sglang:token_usage",
+                 "sglang:num_queue_reqs", "sglang:max_total_num_tokens", "sglang:num_transfer_failed_reqs",
+                 "sglang:num_bootstrap_failed_reqs", "sglang:prompt_tokens", "sglang:generation_tokens",
+                 "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",
+                 "sglang:e2e_request_latency_seconds", "sglang:kv_transfer_latency_ms",
+                 "sglang:num_decode_transfer_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs"):
+        assert name in fams, name
+    assert fams["sglang:time_to_first_token_seconds"].type == "histogram"
+    assert fams["sglang:kv_transfer_latency_ms"].type == "histogram"
+    assert fams["sglang:num_transfer_failed_reqs"].type == "counter"
+    sched = fams["sglang:num_running_reqs"].samples[0].labels
+    assert sched == {"model_name": "dsv32", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0",
+                     "moe_ep_rank": "0"}
+    gen = [s for s in fams["sglang:generation_tokens"].samples if s.name.endswith("_total")]
+    assert sum(s.value for s in gen) >= 4
+    assert all(s.labels["engine_type"] == "unified" for s in gen)
+
+
+def test_metrics_404_without_enable_metrics():
+    with start_sim([]) as p:
+        code, body = http_get(p.url + "/metrics")
+        assert code == 404 and json.loads(body) == {"detail": "Not Found"}
+
+
+def test_port_closed_while_loading_then_503_during_warmup_then_200():
+    port = free_port()
+    with start_sim(["--port", str(port)], {"PDCTL_SIM_LOAD_SECONDS": "1.0", "PDCTL_SIM_WARMUP_SECONDS": "1.0"},
+                   wait=False) as p:
+        time.sleep(0.4)
+        assert http_get(p.url + "/health")[0] == 0  # weights loading: nothing listens yet
+        assert wait_http(p.url + "/health", status=503, timeout=5, proc=p)
+        assert http_get(p.url + "/ready")[0] == 503
+        assert wait_http(p.url + "/health", status=200, timeout=5, proc=p)
+        assert "The server is fired up and ready to roll!" in p.log_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_clean_exit_within_a_second(sig):
+    p = start_sim([])
+    try:
+        t0 = time.monotonic()
+        os.kill(p.pid, sig)
+        rc = p.popen.wait(5)
+        assert rc == 0
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        p.stop()
+
+
+def test_sigterm_during_load_exits_0():
+    p = start_sim([], {"PDCTL_SIM_LOAD_SECONDS": "30"}, wait=False)
+    try:
+        time.sleep(0.3)
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.popen.wait(5) == 0
+    finally:
+        p.stop()
+
+
+def test_port_in_use_fails_startup():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pdctl.sim", "--model-path", "m", "--port", str(port)],
+                              capture_output=True, text=True, timeout=20,
+                              env={**os.environ, "PDCTL_SIM_LOAD_SECONDS": "0"})
+        assert proc.returncode != 0
+        assert "Address already in use" in proc.stderr
