@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device-machine call for pdctl.kernels (issue 6): GPU tests, the kernels_built step, then the benchmark.
+# Usage (device tool, repo root, .whl carried): bash benchmarks/kernels_device_run.sh [tests|build|bench ...] -- [bench args]
+# Logs and results go to $OUT. Each stage is bounded by `timeout` so one hang cannot eat the whole call.
+set -u
+export PYTHONUNBUFFERED=1 PDCTL_KERNELS_GPU=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+stages=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done; [ "${1:-}" = "--" ] && shift
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export TRITON_CACHE_DIR=/tmp/triton-cache
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+for s in "${stages[@]}"; do
+  case "$s" in
+    tests) timeout 300 python3 -m pytest tests/kernels -m gpu -q -x -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    build) PYTHONPATH=$PWD/.devpkg:${PYTHONPATH:-} timeout 300 python3 -c "
+import sys; sys.argv=['pdctl.kernels','build','--cache-dir','$OUT/kcache','--heads','16','32']
+sys.path.insert(0,'tests/kernels'); import conftest  # maps kernels/ -> pdctl.kernels on a bare checkout
+from pdctl.kernels.__main__ import main; rc=main(); print('build rc', rc); sys.exit(rc)" 2>&1 | tee "$OUT/build.log" | tail -5
+       cp "$OUT/kcache/pdctl-kernels-manifest.json" "$OUT/manifest.json" 2>/dev/null; rm -rf "$OUT/kcache" ;;
+    bench) timeout 560 python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
+  esac
+done

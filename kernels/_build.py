@@ -1,0 +1,388 @@
+"""``build_and_verify``: compile, tune and verify the DSA kernels on this host's GPU, then write the manifest.
+
+The manifest is the proof that the ``kernels_built`` step ran on the target host: GPU name, compute capability
+and SM count, torch/triton versions, the launch configs chosen for each deployment shape, and the errors
+measured against the PyTorch references at those shapes on fresh random data (outputs poisoned with NaN
+before each run, so an unwritten element fails). Triton's compiled binaries land in ``<cache_dir>/triton``
+(``TRITON_CACHE_DIR``), which the servers then reuse.
+
+Tolerances (spec §1.2, FlashMLA @9241ae3 ``tests/test_flash_mla_sparse_decoding.py`` uses out abs 1e-3 / rel
+2.01/128 with the reference fed the dequantised cache): we require, per case, max |o − ref| ≤ 1e-3 + 2.01/128 ·
+|ref| elementwise, relative Frobenius error ≤ 1e-2 (bf16 operands), max |lse − ref| ≤ 1e-3 (fp32 softmax
+statistics; FlashMLA's 1e-6 assumes identical summation order), exact +inf lse / zero o on empty rows. The
+indexer's logits must match within 1e-3 relative to the row's max |logit| (fp8 inputs are exact, the MMA
+accumulates in fp32), and its top-k must be a valid top-k of the reference logits up to that tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KernelsBuildError", "MANIFEST_NAME", "build_and_verify", "load_manifest"]
+
+MANIFEST_NAME = "pdctl-kernels-manifest.json"
+V32_SM_SCALE = 0.135234
+"""DeepSeek-V3.2 softmax scale: 192^-0.5 · (0.1·ln 40 + 1)² (spec §1.2)."""
+
+
+class KernelsBuildError(RuntimeError):
+    """The kernels cannot be built or failed verification on this host; the message says why."""
+
+
+def _decode_tolerance_check(o, lse, ro, rlse) -> dict[str, float | bool]:
+    import torch
+
+    o = o.float()
+    ro = ro.float()
+    dead = torch.isinf(rlse)
+    finite = ~dead
+    diff = (o - ro).abs()
+    bound = 1e-3 + (2.01 / 128) * ro.abs()
+    rel = ((o - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+    lse_err = (lse[finite] - rlse[finite]).abs().max().item() if finite.any() else 0.0
+    ok = (
+        bool(torch.isfinite(o).all())
+        and bool((diff <= bound).all())
+        and rel <= 1e-2
+        and lse_err <= 1e-3
+        and bool(torch.isinf(lse[dead]).all() and (lse[dead] > 0).all())
+        and bool((o[dead] == 0).all())
+    )
+    return {"max_abs_err": diff.max().item(), "rel_fro_err": rel, "lse_max_abs_err": lse_err, "ok": ok}
+
+
+def make_decode_case(heads: int, rows: int, kv_format: str, *, topk: int = 2048, slots: int | None = None,
+                     device: str = "cuda", dtype=None, seed: int | None = None, with_length: bool = True,
+                     ragged: bool = True):
+    """Random decode inputs at real shapes: ``(q, kv, indices, topk_length)``, generated on ``device``.
+
+    Rows get distinct random slots (no repeats within a row, like real top-k output). With ``ragged`` about one
+    row in eight is short (random topk_length < topk, −1 tail) and, when rows ≥ 4, the last row is empty (all −1)
+    to exercise the o = 0 / lse = +inf convention. Latent rows are N(0, 1); queries N(0, 0.25) so softmaxes are
+    neither flat nor one-hot.
+    """
+    import torch
+
+    from pdctl.kernels._reference import quantize_kv656
+
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    dtype = dtype or torch.bfloat16
+    slots = slots or max(4 * topk, rows * 256)
+    q = (torch.randn(rows, heads, 576, generator=g, device=device) * 0.5).to(dtype)
+    kv_f = torch.randn(slots, 576, generator=g, device=device)
+    # Distinct slots per row: argsort of random keys (randperm per row is slow at large slot counts).
+    idx = torch.empty(rows, topk, dtype=torch.int32, device=device)
+    for r in range(rows):
+        idx[r] = torch.randperm(slots, generator=g, device=device)[:topk].to(torch.int32)
+    length = torch.full((rows,), topk, dtype=torch.int32, device=device)
+    if ragged:
+        for r in range(3, rows, 8):
+            n = int(torch.randint(1, topk, (1,), generator=g, device=device))
+            length[r] = n
+            idx[r, n:] = -1
+        if rows >= 4:
+            idx[rows - 1] = -1
+            length[rows - 1] = 0
+    kv = quantize_kv656(kv_f) if kv_format == "fp8" else kv_f.to(dtype)
+    return q, kv, idx, (length if with_length else None)
+
+
+def make_indexer_case(seq_lens: list[int], *, max_context: int, device: str = "cuda", seed: int | None = None,
+                      extra_pages: int = 0):
+    """Random indexer inputs on ``device``: ``(q8, weights, index_k_cache, block_table, seq_lens)``.
+
+    The block table is ``ceil(max_context / 64)`` wide (as SGLang's under CUDA graphs) and maps each request's
+    pages to distinct random physical pages; unused entries are 0 (a valid page that must never be read for
+    positions ≥ L_b). Key scales are random powers of two (ue8m0), weights N(0, 0.01).
+    """
+    import torch
+
+    from pdctl.kernels._reference import pack_index_k_cache
+
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    b = len(seq_lens)
+    width = -(-max_context // 64)
+    need = [-(-n // 64) for n in seq_lens]
+    if max(need, default=0) > width:
+        raise ValueError(f"seq_lens {max(seq_lens)} exceed max_context {max_context}")
+    pages = sum(need) + extra_pages + 1
+    perm = torch.randperm(pages, generator=g, device=device).to(torch.int32)
+    bt = torch.zeros(b, width, dtype=torch.int32, device=device)
+    o = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[o:o + n]
+        o += n
+    q8 = torch.randn(b, 64, 128, generator=g, device=device).to(torch.float8_e4m3fn)
+    w = torch.randn(b, 64, generator=g, device=device) * 0.1
+    k8 = torch.randn(pages * 64, 128, generator=g, device=device).to(torch.float8_e4m3fn)
+    ks = torch.exp2(torch.randint(-8, -2, (pages * 64,), generator=g, device=device).float())
+    cache = pack_index_k_cache(k8, ks)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q8, w, cache, bt, sl
+
+
+def check_topk(out, ref_logits, block_table, seq_lens, topk: int, rel_tol: float = 1e-3) -> dict[str, Any]:
+    """Check ``out [B, topk]`` (physical slots) against reference logits (list of per-row tensors).
+
+    A row passes when: entries are distinct, −1 exactly past min(L_b, topk), each selected slot maps back to a
+    position < L_b, and (L_b > topk) the smallest selected reference logit is ≥ the largest unselected one minus
+    ``rel_tol · max|logit|`` (a valid top-k up to the kernel's rounding; ties may be broken either way).
+    """
+    import torch
+
+    worst_gap = 0.0
+    ok = True
+    for b, lg in enumerate(ref_logits):
+        n = int(seq_lens[b])
+        row = out[b].long().cpu()
+        m = min(n, topk)
+        if not bool((row[m:] == -1).all()) or not bool((row[:m] >= 0).all()) and n <= topk:
+            ok = False
+            continue
+        sel = row[row >= 0]
+        if sel.numel() != m or sel.unique().numel() != m:
+            ok = False
+            continue
+        # Physical slot -> logical position through the row's block table.
+        bt = block_table[b].long().cpu()
+        npages = -(-n // 64)
+        slot_of_pos = (bt[:npages, None] * 64 + torch.arange(64)[None, :]).reshape(-1)[:n]
+        inv = {int(s): p for p, s in enumerate(slot_of_pos.tolist())}
+        try:
+            pos = torch.tensor([inv[int(s)] for s in sel.tolist()], dtype=torch.long)
+        except KeyError:
+            ok = False
+            continue
+        if n > topk:
+            lgc = lg.double().cpu()
+            mask = torch.ones(n, dtype=torch.bool)
+            mask[pos] = False
+            gap = (lgc[mask].max() - lgc[pos].min()).item() / max(lgc.abs().max().item(), 1e-30)
+            worst_gap = max(worst_gap, gap)
+            if gap > rel_tol:
+                ok = False
+    return {"ok": ok, "worst_rel_gap": worst_gap}
+
+
+def _bench_us(fn, reps: int = 50) -> float:
+    """Median µs of ``fn`` replayed from a CUDA graph (launch overhead excluded)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(a.elapsed_time(e) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _decode_candidates(heads: int, rows: int, num_sms: int):
+    from pdctl.kernels._sparse_mla import DecodeConfig, default_decode_config
+
+    base = default_decode_config(heads, rows, "bf16", num_sms)
+    cands = {base}
+    for bh in (16, 32, 64):
+        if bh > max(16, heads):
+            continue
+        for warps in (4, 8):
+            progs = rows * -(-heads // bh)
+            s0 = 1
+            while s0 * progs < num_sms and s0 < 32:
+                s0 *= 2
+            for splits in {max(1, s0 // 2), s0, min(64, s0 * 2)}:
+                cands.add(DecodeConfig(block_h=bh, block_n=64 if bh < 64 else 32, num_warps=warps,
+                                       num_stages=2, splits=splits))
+    return sorted(cands, key=lambda c: (c.block_h, c.num_warps, c.splits))
+
+
+def build_and_verify(
+    cache_dir: str | os.PathLike[str],
+    *,
+    heads: tuple[int, ...] = (16,),
+    batch_sizes: tuple[int, ...] = (1, 8, 64),
+    kv_formats: tuple[str, ...] = ("fp8", "bf16"),
+    topk: int = 2048,
+    max_context: int = 163840,
+    indexer_seq_lens: tuple[int, ...] = (1, 2048, 2049, 8191, 40000),
+    tune: bool = True,
+    sm_scale: float = V32_SM_SCALE,
+) -> dict[str, Any]:
+    """Compile, tune and verify both kernels on this host's first CUDA GPU; write ``<cache_dir>/<MANIFEST_NAME>``.
+
+    Args:
+        cache_dir: the servers' cache directory (``SGLANG_CACHE_DIR``); Triton binaries go to ``<cache_dir>/triton``
+            unless ``TRITON_CACHE_DIR`` is already set.
+        heads: local MLA head counts to serve (128 / TP; e.g. 16 at TP8, 32 at TP4).
+        batch_sizes: decode batch sizes (CUDA-graph batch sizes) to tune and verify.
+        kv_formats: ``"fp8"`` (656-byte rows) and/or ``"bf16"`` ([slots, 576]).
+        topk: index_topk (2048 for DeepSeek-V3.2); max_context: block-table width · 64 used for the indexer check.
+        indexer_seq_lens: request lengths for the indexer check (one batch).
+        tune: time candidate launch configs per shape (CUDA-graph replay) and keep the fastest verified one.
+        sm_scale: softmax scale used in the decode checks.
+
+    Returns:
+        The manifest dict (also written as JSON). ``manifest["ok"]`` is True.
+
+    Raises:
+        KernelsBuildError: "cannot build here: no CUDA GPU …" on a host without a usable CUDA GPU (or without
+            torch/triton), or when any verification fails (the manifest is still written, with ``ok: false``).
+    """
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    try:
+        import torch
+        import triton
+    except ImportError as e:  # pragma: no cover - depends on the host
+        raise KernelsBuildError(f"cannot build here: torch/triton are not installed ({e}); install pdctl[kernels]") from e
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise KernelsBuildError("cannot build here: TRITON_INTERPRET=1 is set (the CPU interpreter is for tests only)")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise KernelsBuildError(
+            "cannot build here: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+            "run the kernels_built step on the GPU host that will serve"
+        )
+
+    from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, set_indexer_config
+    from pdctl.kernels._reference import reference_indexer_logits, reference_sparse_mla_decode
+    from pdctl.kernels._sparse_mla import set_decode_configs, sparse_mla_decode
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    num_sms = props.multi_processor_count
+    started = time.time()
+    manifest: dict[str, Any] = {
+        "schema": 1,
+        "gpu": {"name": props.name, "capability": f"sm_{props.major}{props.minor}", "sm_count": num_sms,
+                "memory_gib": round(props.total_memory / 2**30, 1), "count": torch.cuda.device_count()},
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version()},
+        "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
+        "shapes": {"heads": list(heads), "batch_sizes": list(batch_sizes), "kv_formats": list(kv_formats),
+                   "topk": topk, "max_context": max_context, "sm_scale": sm_scale},
+        "decode": [],
+        "indexer": {},
+        "ok": False,
+    }
+    ok = True
+    chosen = {}
+    for h in heads:
+        for fmt in kv_formats:
+            for rows in batch_sizes:
+                q, kv, idx, tl_ = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
+                ro, rlse = reference_sparse_mla_decode(q, kv, idx, sm_scale, tl_, compute_dtype=torch.float32)
+                passing: list[tuple[float, Any, dict]] = []
+                failing: list[dict] = []
+                for cfg in (_decode_candidates(h, rows, num_sms) if tune else [None]):
+                    o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
+                    lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
+                    try:
+                        sparse_mla_decode(q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # a config that does not compile here (e.g. shared memory) is skipped
+                        manifest.setdefault("skipped_configs", []).append(
+                            {"heads": h, "kv": fmt, "rows": rows, "config": cfg and cfg.as_dict(), "error": str(e)[:200]})
+                        continue
+                    err = _decode_tolerance_check(o, lse, ro, rlse)
+                    if not err["ok"]:
+                        failing.append({"config": cfg and cfg.as_dict(), "errors": err})
+                        continue
+                    us = _bench_us(lambda cfg=cfg, o=o, lse=lse: sparse_mla_decode(
+                        q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
+                    passing.append((us, cfg, err))
+                entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}
+                if failing:
+                    entry["failed_configs"] = failing
+                if not passing or failing:
+                    # Every config must compute the same function: one failing config is a kernel bug.
+                    ok = False
+                if passing:
+                    us, cfg, err = min(passing, key=lambda x: x[0])
+                    if cfg is not None:
+                        chosen[(h, fmt, rows)] = cfg
+                    entry.update(config=cfg.as_dict() if cfg else None, us=us, errors=err)
+                entry["ok"] = bool(passing) and not failing
+                manifest["decode"].append(entry)
+    set_decode_configs(chosen)
+
+    # Indexer: one batch mixing short (≤ topk) and long rows at the deployment's max context width.
+    q8, w, cache_k, bt, sl = make_indexer_case(list(indexer_seq_lens), max_context=max_context, device="cuda")
+    lg = torch.full((len(indexer_seq_lens), bt.shape[1] * 64), float("nan"), device=dev)
+    indexer_logits(q8, w, cache_k, bt, sl, logits=lg)
+    ref = reference_indexer_logits(q8, w, cache_k, bt, sl, compute_dtype=torch.float32)
+    lerr = 0.0
+    for b, r in enumerate(ref):
+        n = int(sl[b])
+        lerr = max(lerr, ((lg[b, :n] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+    out = torch.full((len(indexer_seq_lens), topk), -7, dtype=torch.int32, device=dev)
+    lightning_indexer(q8, w, cache_k, bt, sl, topk, out=out)
+    tk = check_topk(out, ref, bt, sl, topk)
+    icfg = IndexerConfig()
+    set_indexer_config(icfg)
+    manifest["indexer"] = {"config": icfg.as_dict(), "logits_max_rel_err": lerr, "topk": tk,
+                           "ok": bool(lerr <= 1e-3 and tk["ok"])}
+    ok &= manifest["indexer"]["ok"]
+    manifest["ok"] = bool(ok)
+    manifest["elapsed_s"] = round(time.time() - started, 1)
+    path = cache / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=2, default=str))
+    manifest["path"] = str(path)
+    if not ok:
+        raise KernelsBuildError(f"kernel verification failed on {props.name}; see {path}")
+    return manifest
+
+
+def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a manifest written by :func:`build_and_verify` and install its tuned configs in this process.
+
+    Raises:
+        KernelsBuildError: missing/unreadable manifest, ``ok`` false, or a manifest built on another GPU model.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise KernelsBuildError(f"no usable kernels manifest at {p}: {e}") from e
+    if not m.get("ok"):
+        raise KernelsBuildError(f"kernels manifest {p} records a failed verification")
+    import torch
+
+    from pdctl.kernels._indexer import IndexerConfig, set_indexer_config
+    from pdctl.kernels._sparse_mla import DecodeConfig, set_decode_configs
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_properties(torch.cuda.current_device()).name
+        if name != m["gpu"]["name"]:
+            raise KernelsBuildError(f"kernels manifest {p} was built on {m['gpu']['name']!r}, this GPU is {name!r}")
+    set_decode_configs({(e["heads"], e["kv"], e["rows"]): DecodeConfig(**e["config"])
+                        for e in m.get("decode", []) if e.get("config")})
+    if m.get("indexer", {}).get("config"):
+        set_indexer_config(IndexerConfig(**m["indexer"]["config"]))
+    return m

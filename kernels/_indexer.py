@@ -1,0 +1,298 @@
+"""Lightning indexer (DeepSeek-V3.2 DSA) for decode in Triton: O(Σ L_b) logits plus an exact top-k over L_b.
+
+Two launches, both with grids fixed by the host's SM count and the batch size — never by the block table's
+width or the max context (the failure mode of the spec §4.2: SGLang's contract hands a replacement a
+full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x tok/s by sizing a grid by it):
+
+1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = 2 x SMs by default). The work list is
+   built on the device from ``seq_lens`` — ``n_b = ceil(L_b / CHUNK)``, exclusive prefix ``cu`` (a cumsum, no
+   host sync, so it is CUDA-graph safe) — and program p walks items p, p+P, … < cu[B]. Item (b, c) loads q8[b]
+   ``[64, 128]`` e4m3 and w[b] once, then for each 64-token page of its chunk: the page's keys ``[64, 128]`` e4m3
+   and 64 fp32 scales (8448 B, one contiguous page), ``tl.dot(q8, k8ᵀ)`` (fp8 MMA, fp32 accumulate) →
+   ``[64 heads, 64 tokens]``, ReLU per head, ``· w[:, None]``, sum over heads, ``· k_scale``, and stores the 64
+   logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
+2. ``_topk_kernel``: one program per row. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Otherwise an exact
+   radix select over the L_b logits: fp32 bits → order-preserving int32 keys, four 8-bit digit passes with
+   ``tl.histogram`` narrow the k-th largest key, and a last pass writes every key above it plus enough keys equal
+   to it (first in position order) — exactly k entries, unsorted (SGLang's contract is unsorted). Positions are
+   mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the same pass (SGLang's
+   ``fast_topk_transform_fused``), or left logical with ``physical=False``.
+
+The logits workspace is ``[B, width·64]`` fp32 allocated with ``torch.empty``: only its first L_b columns of row b
+are ever written or read, so the width costs address space, not time (the tests check output and time are
+the same at widths for 32K and 160K max context). Layout and math: ``_reference.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["IndexerConfig", "lightning_indexer", "indexer_logits"]
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """``chunk_pages``: 64-token pages per work item; ``programs_per_sm``: persistent programs per SM."""
+
+    chunk_pages: int = 4
+    programs_per_sm: int = 2
+    logits_warps: int = 4
+    topk_block: int = 2048
+    topk_warps: int = 8
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_TUNED: dict[str, IndexerConfig] = {}
+
+
+def set_indexer_config(cfg: IndexerConfig) -> None:
+    """Install the tuned config (used by ``load_manifest`` / ``build_and_verify``)."""
+    _TUNED["default"] = cfg
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _indexer_logits_kernel(
+        q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, cu_ptr, logits_ptr, stride_lg,
+        B, NUM_PROGS,
+        BLOCK_B: tl.constexpr,
+        CHUNK_PAGES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        jb = tl.arange(0, BLOCK_B)
+        starts = tl.load(cu_ptr + jb, mask=jb < B, other=2147483647)
+        total = tl.load(cu_ptr + B)
+        hh = tl.arange(0, 64)
+        dd = tl.arange(0, 128)
+        tok = tl.arange(0, 64)
+        for w in range(pid, total, NUM_PROGS):
+            b = tl.sum((starts <= w).to(tl.int32), 0) - 1
+            c = w - tl.load(cu_ptr + b)
+            seq = tl.load(seqlen_ptr + b)
+            b64 = b.to(tl.int64)
+            q = tl.load(q_ptr + b64 * 8192 + hh[:, None] * 128 + dd[None, :])  # e4m3 [64, 128]
+            wv = tl.load(w_ptr + b64 * 64 + hh)  # fp32 [64]
+            for pg in tl.static_range(CHUNK_PAGES):
+                pos0 = (c * CHUNK_PAGES + pg) * 64
+                if pos0 < seq:
+                    page = tl.load(bt_ptr + b64 * stride_bt + pos0 // 64).to(tl.int64)
+                    k = tl.load(kc_ptr + page * 8448 + tok[:, None] * 128 + dd[None, :])  # e4m3 [64, 128]
+                    ksc = tl.load(ks_ptr + page * 2112 + 2048 + tok)  # fp32 [64]
+                    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [64 heads, 64 tokens]
+                    s = tl.maximum(s, 0.0) * wv[:, None]  # ReLU per head, then the head weight
+                    lg = tl.sum(s, 0) * ksc
+                    pos = pos0 + tok
+                    tl.store(logits_ptr + b64 * stride_lg + pos, lg, mask=pos < seq)
+
+    @triton.jit
+    def _topk_kernel(
+        logits_ptr, stride_lg, seqlen_ptr, bt_ptr, stride_bt, out_ptr, stride_o,
+        TOPK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PHYSICAL: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        b64 = b.to(tl.int64)
+        seq = tl.load(seqlen_ptr + b)
+        offs = tl.arange(0, BLOCK)
+        orow = out_ptr + b64 * stride_o
+        if seq <= TOPK:
+            for j0 in tl.static_range(0, TOPK, BLOCK):
+                j = j0 + offs
+                inb = j < seq
+                val = j
+                if PHYSICAL:
+                    page = tl.load(bt_ptr + b64 * stride_bt + j // 64, mask=inb, other=0)
+                    val = page * 64 + j % 64
+                tl.store(orow + j, tl.where(inb, val, -1), mask=j < TOPK)
+        else:
+            lrow = logits_ptr + b64 * stride_lg
+            bins = tl.arange(0, 256)
+            thr = tl.zeros([], dtype=tl.int32)
+            need = tl.full([], TOPK, dtype=tl.int32)
+            for p in tl.static_range(4):
+                shift: tl.constexpr = 24 - 8 * p
+                hist = tl.zeros([256], dtype=tl.int32)
+                nomatch = tl.zeros([], dtype=tl.int32)
+                for n0 in range(0, seq, BLOCK):
+                    n = n0 + offs
+                    inb = n < seq
+                    x = tl.load(lrow + n, mask=inb, other=0.0)
+                    i = x.to(tl.int32, bitcast=True)
+                    ks = i ^ ((i >> 31) & 0x7FFFFFFF)  # order-preserving signed key of the fp32 value
+                    if p == 0:
+                        dig = (ks >> 24) + 128
+                        match = inb
+                    else:
+                        dig = (ks >> shift) & 255
+                        match = inb & ((ks >> (shift + 8)) == (thr >> (shift + 8)))
+                    hist += tl.histogram(tl.where(match, dig, 0), 256)
+                    nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
+                hist -= tl.where(bins == 0, nomatch, 0)
+                tot = tl.sum(hist, 0)
+                suffix = tot - tl.cumsum(hist, 0) + hist  # keys with digit >= d (within the prefix)
+                dstar = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+                at = tl.sum(tl.where(bins == dstar, suffix, 0), 0)
+                hat = tl.sum(tl.where(bins == dstar, hist, 0), 0)
+                need -= at - hat
+                if p == 0:
+                    thr = (dstar - 128) << 24
+                else:
+                    thr = thr | (dstar << shift)
+            n_gt = TOPK - need
+            cg = tl.zeros([], dtype=tl.int32)
+            ce = tl.zeros([], dtype=tl.int32)
+            for n0 in range(0, seq, BLOCK):
+                n = n0 + offs
+                inb = n < seq
+                x = tl.load(lrow + n, mask=inb, other=0.0)
+                i = x.to(tl.int32, bitcast=True)
+                ks = i ^ ((i >> 31) & 0x7FFFFFFF)
+                gt = inb & (ks > thr)
+                eq = inb & (ks == thr)
+                gti = gt.to(tl.int32)
+                eqi = eq.to(tl.int32)
+                rg = cg + tl.cumsum(gti, 0) - 1
+                re = ce + tl.cumsum(eqi, 0) - 1
+                take_eq = eq & (re < need)
+                dst = tl.where(gt, rg, n_gt + re)
+                sel = gt | take_eq
+                val = n
+                if PHYSICAL:
+                    page = tl.load(bt_ptr + b64 * stride_bt + n // 64, mask=sel, other=0)
+                    val = page * 64 + n % 64
+                tl.store(orow + dst, val, mask=sel)
+                cg += tl.sum(gti, 0)
+                ce += tl.sum(eqi, 0)
+
+    return _indexer_logits_kernel, _topk_kernel
+
+
+def _num_sms(device: torch.device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _check(q8: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor) -> None:
+    import torch
+
+    b = q8.shape[0]
+    if q8.shape != (b, 64, 128) or q8.dtype != torch.float8_e4m3fn or not q8.is_contiguous():
+        raise ValueError(f"q8 must be contiguous float8_e4m3fn [B, 64, 128], got {q8.dtype} {tuple(q8.shape)}")
+    if weights.shape != (b, 64) or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"weights must be contiguous float32 [{b}, 64], got {weights.dtype} {tuple(weights.shape)}")
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != 8448 or not cache.is_contiguous():
+        raise ValueError(f"index_k_cache must be contiguous uint8 [pages, 8448], got {cache.dtype} {tuple(cache.shape)}")
+    if bt.dim() != 2 or bt.shape[0] != b or bt.dtype != torch.int32 or bt.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [{b}, W] (unit column stride), got {bt.dtype} {tuple(bt.shape)}")
+    if sl.shape != (b,) or sl.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{b}], got {sl.dtype} {tuple(sl.shape)}")
+
+
+def indexer_logits(
+    q8: torch.Tensor,
+    weights: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    logits: torch.Tensor | None = None,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Indexer logits into ``logits [B, ≥ width·64] fp32``: row b is defined on columns [0, L_b) only (the rest
+    is left untouched). Arguments as :func:`lightning_indexer`."""
+    import torch
+
+    _check(q8, weights, index_k_cache, block_table, seq_lens)
+    cfg = config or _TUNED.get("default") or IndexerConfig()
+    b = q8.shape[0]
+    width = block_table.shape[1] * 64
+    if logits is None:
+        logits = torch.empty(b, max(width, 1), dtype=torch.float32, device=q8.device)
+    if b == 0:
+        return logits
+    chunk = cfg.chunk_pages * 64
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=q8.device)
+    torch.cumsum((seq_lens.clamp_min(0) + (chunk - 1)) // chunk, 0, out=cu[1:])
+    programs = cfg.programs_per_sm * _num_sms(q8.device)
+    logits_k, _ = _kernels()
+    kc = index_k_cache.view(torch.float8_e4m3fn)
+    ks = index_k_cache.view(torch.float32)
+    logits_k[(programs,)](
+        q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, cu, logits, logits.stride(0),
+        b, programs, BLOCK_B=max(16, _next_pow2(b)), CHUNK_PAGES=cfg.chunk_pages, num_warps=cfg.logits_warps,
+    )
+    return logits
+
+
+def lightning_indexer(
+    q8: torch.Tensor,
+    weights: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int = 2048,
+    *,
+    physical: bool = True,
+    out: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Decode-time lightning indexer: top-k token slots per request over exactly its L_b tokens.
+
+    Args:
+        q8: ``float8_e4m3fn [B, 64, 128]`` index queries, one row per request (decode, next_n = 1).
+        weights: ``float32 [B, 64]`` head weights with the q scales and 64^-0.5·128^-0.5 folded in (as SGLang's
+            ``weights`` passed to DeepGEMM ``fp8_paged_mqa_logits``).
+        index_k_cache: ``uint8 [pages, 8448]`` paged FP8 index-K cache (132 B per token, see ``_reference``).
+        block_table: ``int32 [B, W]`` 64-token page ids; only the first ceil(L_b/64) entries of row b are read, so
+            W may be the full max-context width SGLang hands over under CUDA graphs.
+        seq_lens: ``int32 [B]`` on the device, L_b including the new token; must satisfy L_b ≤ 64·W.
+        topk: entries per output row (2048 for DeepSeek-V3.2); a multiple of 2 up to the ``topk_block``.
+        physical: emit physical slots (default) or logical positions.
+        out: optional ``int32 [B, topk]`` output; logits: optional fp32 workspace ``[B, ≥ 64·W]``.
+
+    Returns:
+        ``int32 [B, topk]``: rows with L_b ≤ topk are ``[0..L_b−1, −1…]`` (mapped); others hold exactly topk
+        distinct entries, unsorted; ties at the k-th value are taken in position order.
+
+    Raises:
+        ValueError: on shape/dtype mismatches.
+    """
+    import torch
+
+    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=config)
+    cfg = config or _TUNED.get("default") or IndexerConfig()
+    b = q8.shape[0]
+    if out is None:
+        out = torch.empty(b, topk, dtype=torch.int32, device=q8.device)
+    if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
+    if b == 0:
+        return out
+    _, topk_k = _kernels()
+    block = min(cfg.topk_block, _next_pow2(topk))
+    topk_k[(b,)](
+        logits, logits.stride(0), seq_lens, block_table, block_table.stride(0), out, out.stride(0),
+        TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
+    )
+    return out

@@ -1,0 +1,334 @@
+"""Sparse-MLA decode (DeepSeek-V3.2 DSA, absorbed "MQA mode") in Triton: split-K flash-decoding over the top-k rows.
+
+One program handles (query row t, a block of BLOCK_H heads, split s of the valid top-k positions). It gathers
+each selected latent row once for all its heads (MQA reuse), computes QKᵀ with tensor-core ``tl.dot`` on four
+128-lane chunks of c_kv plus the 64 rope lanes, runs an online softmax in base 2, and accumulates PV with
+``tl.dot`` reusing the same four chunks as V (V = first 512 lanes of the row). With S > 1 splits, each split
+writes a normalised partial output and its LSE, and ``_combine_kernel`` merges them (flash-decoding LSE merge).
+Splits are what let one or a few query rows fill the 132 SMs of an H200 (2048 rows / 64-row tiles = 32 tiles).
+
+FP8 656-byte rows are never dequantised element-wise with their scales: for chunk g the per-token scale
+``sc_g[n]`` multiplies the score tile after the dot (``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the
+probabilities before the PV dot (``acc_g += (p · sc_g[None, :]) · k8_g``); the e4m3 → bf16 conversion feeding the
+MMA is the only per-element work. That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds
+the same.
+
+Masked entries (index −1, or position ≥ topk_length[t]) score −inf; the running max starts at the finite
+sentinel −1e30 so an all-masked tile never computes (−inf) − (−inf) (the guard vLLM/SGLang Triton MLA kernels
+use). Empty rows give o = 0, lse = +inf (FlashMLA convention). Structure follows vLLM
+``vllm/v1/attention/ops/triton_sparse_mla_kernel.py`` (grid, split count, merge) and the spec §4.5.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["DecodeConfig", "default_decode_config", "set_decode_configs", "sparse_mla_decode"]
+
+D_QK = 576
+D_V = 512
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the decode kernel; ``splits`` in [1, 64] (1 = no combine pass)."""
+
+    block_h: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    splits: int = 1
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_TUNED: dict[tuple[int, str, int], DecodeConfig] = {}
+"""Configs chosen by ``build_and_verify`` keyed by (heads, kv format, rows T); filled from the manifest."""
+
+
+def set_decode_configs(table: dict[tuple[int, str, int], DecodeConfig]) -> None:
+    """Install tuned configs (used by ``load_manifest`` and ``build_and_verify``)."""
+    _TUNED.update(table)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def default_decode_config(heads: int, rows: int, kv_format: str, num_sms: int = 132, topk: int = 2048) -> DecodeConfig:
+    """Heuristic config: 16-head blocks up to 32 heads, 32 above; enough splits for ~1 wave of programs.
+
+    A tuned entry for exactly (heads, kv_format, rows) wins when ``build_and_verify`` has installed one.
+    """
+    tuned = _TUNED.get((heads, kv_format, rows))
+    if tuned is not None:
+        return tuned
+    block_h = 16 if heads <= 32 else 32
+    block_n = 64
+    programs = rows * -(-heads // block_h)
+    splits = _next_pow2(-(-num_sms // max(programs, 1)))
+    splits = max(1, min(splits, _MAX_SPLITS, max(1, topk // block_n)))
+    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=4, num_stages=2, splits=splits)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sparse_mla_decode_kernel(
+        q_ptr, stride_qt, stride_qh,
+        kv_ptr, stride_kv,  # c_kv lanes: bf16/fp16 [slots, 576] or the fp8 view of [slots, 656]
+        kvs_ptr, stride_kvs,  # fp8 only: fp32 view [slots, 164]; scales at columns 128..131
+        kvr_ptr, stride_kvr,  # rope lanes: same tensor as kv (bf16) or the bf16 view [slots, 328]
+        idx_ptr, stride_it,
+        len_ptr,
+        o_ptr, stride_ot, stride_oh,
+        lse_ptr, stride_lt,
+        mo_ptr, ml_ptr,  # split partials: fp32 [T, H, SPLITS, 512] and [T, H, SPLITS]
+        H, K, qk_scale_log2, SPLITS,
+        ROPE_OFF: tl.constexpr,
+        FP8: tl.constexpr,
+        HAS_LEN: tl.constexpr,
+        SPLIT_OUT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        cdt = q_ptr.dtype.element_ty
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, 128)
+        dr = tl.arange(0, 64)
+        qrow = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q0 = tl.load(qrow + d[None, :], mask=hmask[:, None], other=0.0)
+        q1 = tl.load(qrow + 128 + d[None, :], mask=hmask[:, None], other=0.0)
+        q2 = tl.load(qrow + 256 + d[None, :], mask=hmask[:, None], other=0.0)
+        q3 = tl.load(qrow + 384 + d[None, :], mask=hmask[:, None], other=0.0)
+        qpe = tl.load(qrow + 512 + dr[None, :], mask=hmask[:, None], other=0.0)
+
+        n_valid = K
+        if HAS_LEN:
+            n_valid = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+        chunk = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_N) * BLOCK_N
+        start = sp * chunk
+        end = tl.minimum(start + chunk, n_valid)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < end, other=-1)
+            valid = idx >= 0
+            row = tl.where(valid, idx, 0).to(tl.int64)
+            kb = kv_ptr + row[:, None] * stride_kv + d[None, :]
+            k0 = tl.load(kb, mask=valid[:, None], other=0.0).to(cdt)
+            k1 = tl.load(kb + 128, mask=valid[:, None], other=0.0).to(cdt)
+            k2 = tl.load(kb + 256, mask=valid[:, None], other=0.0).to(cdt)
+            k3 = tl.load(kb + 384, mask=valid[:, None], other=0.0).to(cdt)
+            kpe = tl.load(kvr_ptr + row[:, None] * stride_kvr + ROPE_OFF + dr[None, :],
+                          mask=valid[:, None], other=0.0).to(cdt)
+            s = tl.dot(qpe, tl.trans(kpe))
+            if FP8:
+                sb = kvs_ptr + row * stride_kvs + 128
+                c0 = tl.load(sb, mask=valid, other=0.0)
+                c1 = tl.load(sb + 1, mask=valid, other=0.0)
+                c2 = tl.load(sb + 2, mask=valid, other=0.0)
+                c3 = tl.load(sb + 3, mask=valid, other=0.0)
+                s += tl.dot(q0, tl.trans(k0)) * c0[None, :]
+                s += tl.dot(q1, tl.trans(k1)) * c1[None, :]
+                s += tl.dot(q2, tl.trans(k2)) * c2[None, :]
+                s += tl.dot(q3, tl.trans(k3)) * c3[None, :]
+            else:
+                s = tl.dot(q0, tl.trans(k0), s)
+                s = tl.dot(q1, tl.trans(k1), s)
+                s = tl.dot(q2, tl.trans(k2), s)
+                s = tl.dot(q3, tl.trans(k3), s)
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP8:
+                acc0 = tl.dot((p * c0[None, :]).to(cdt), k0, acc0 * alpha[:, None])
+                acc1 = tl.dot((p * c1[None, :]).to(cdt), k1, acc1 * alpha[:, None])
+                acc2 = tl.dot((p * c2[None, :]).to(cdt), k2, acc2 * alpha[:, None])
+                acc3 = tl.dot((p * c3[None, :]).to(cdt), k3, acc3 * alpha[:, None])
+            else:
+                pc = p.to(cdt)
+                acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
+                acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
+                acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
+                acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
+            m_i = m_new
+
+        live = l_i > 0.0
+        inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)
+        LN2: tl.constexpr = 0.6931471805599453
+        if not SPLIT_OUT:
+            lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("inf"))
+            ob = o_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            odt = o_ptr.dtype.element_ty
+            tl.store(ob, (acc0 * inv[:, None]).to(odt), mask=hmask[:, None])
+            tl.store(ob + 128, (acc1 * inv[:, None]).to(odt), mask=hmask[:, None])
+            tl.store(ob + 256, (acc2 * inv[:, None]).to(odt), mask=hmask[:, None])
+            tl.store(ob + 384, (acc3 * inv[:, None]).to(odt), mask=hmask[:, None])
+            tl.store(lse_ptr + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
+        else:
+            lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("-inf"))
+            base = (t.to(tl.int64) * H + heads) * SPLITS + sp  # [BLOCK_H]
+            mb = mo_ptr + base[:, None] * 512 + d[None, :]
+            tl.store(mb, acc0 * inv[:, None], mask=hmask[:, None])
+            tl.store(mb + 128, acc1 * inv[:, None], mask=hmask[:, None])
+            tl.store(mb + 256, acc2 * inv[:, None], mask=hmask[:, None])
+            tl.store(mb + 384, acc3 * inv[:, None], mask=hmask[:, None])
+            tl.store(ml_ptr + base, lse, mask=hmask)
+
+    @triton.jit
+    def _combine_kernel(
+        mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS,
+        BLOCK_S: tl.constexpr,
+    ):
+        # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        base = (t.to(tl.int64) * H + h) * SPLITS
+        sj = tl.arange(0, BLOCK_S)
+        lj = tl.load(ml_ptr + base + sj, mask=sj < SPLITS, other=float("-inf"))
+        mx = tl.max(lj, 0)
+        live = mx > float("-inf")
+        msafe = tl.where(live, mx, 0.0)
+        w = tl.where(lj > float("-inf"), tl.exp(lj - msafe), 0.0)
+        wsum = tl.sum(w, 0)
+        d = tl.arange(0, 512)
+        parts = tl.load(mo_ptr + (base + sj)[:, None] * 512 + d[None, :], mask=(sj < SPLITS)[:, None], other=0.0)
+        o = tl.sum(parts * w[:, None], 0) / tl.where(live, wsum, 1.0)
+        o = tl.where(live, o, 0.0)
+        tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, tl.where(live, msafe + tl.log(tl.where(live, wsum, 1.0)), float("inf")))
+
+    return _sparse_mla_decode_kernel, _combine_kernel
+
+
+def _num_sms(device: torch.device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse-MLA decode: ``o = softmax(q·Kᵀ·sm_scale) · V`` over the selected latent rows.
+
+    Args:
+        q: absorbed queries ``[T, h, 576]``, bf16 on a GPU (fp16/fp32 also accepted: the CPU interpreter tests
+            use them because Triton's interpreter computes bf16 ``tl.dot`` wrongly). 8 ≤ h ≤ 128 is what the
+            deployment uses; any h ≥ 1 works (heads are masked up to BLOCK_H).
+        kv: latent cache, either ``[slots, 576]`` in q's float dtype (the bf16 layout; a ``[slots, 1, 576]`` view
+            is accepted) or the FP8 layout ``uint8 [slots, 656]`` (also ``[pages, 64, 656]`` / ``[.., 1, 656]``
+            views). Rows are gathered directly: no block table.
+        indices: physical slots ``int32 [T, K]``; −1 = invalid. K is 2048 in DeepSeek-V3.2.
+        sm_scale: softmax scale (e.g. 0.135234 for V3.2; FlashMLA's 576^-0.5 default is *wrong* for it).
+        topk_length: optional ``int32 [T]``; positions ≥ topk_length[t] are ignored (and not read).
+        out, lse: optional preallocated outputs ``[T, h, 512]`` (q.dtype) and ``float32 [T, h]``.
+        config: launch configuration; default from :func:`default_decode_config` (tuned entries win).
+
+    Returns:
+        ``(o [T, h, 512] q.dtype, lse [T, h] float32)``, lse in natural log; empty rows give o = 0, lse = +inf.
+
+    Raises:
+        ValueError: on shape/dtype mismatches (the message carries the offending values).
+    """
+    import torch
+
+    if q.dim() != 3 or q.shape[-1] != D_QK:
+        raise ValueError(f"q must be [T, h, 576], got {tuple(q.shape)}")
+    t_rows, heads, _ = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    fp8 = kv.dtype == torch.uint8
+    if fp8:
+        kv2 = kv.reshape(-1, kv.shape[-1])
+        if kv2.shape[-1] != 656 or kv2.stride(-1) != 1 or kv2.stride(0) != 656:
+            raise ValueError(f"FP8 kv must be contiguous uint8 [slots, 656], got {tuple(kv.shape)}")
+        kv_main = kv2.view(torch.float8_e4m3fn)
+        kv_sc = kv2.view(torch.float32)
+        kv_rope = kv2.view(torch.bfloat16)
+        stride_kv, stride_kvs, stride_kvr, rope_off = 656, 164, 328, 264
+    else:
+        kv2 = kv.reshape(-1, kv.shape[-1])
+        if kv2.shape[-1] != D_QK or kv2.stride(-1) != 1:
+            raise ValueError(f"kv must be [slots, 576] (or uint8 [slots, 656]), got {kv.dtype} {tuple(kv.shape)}")
+        if kv2.dtype != q.dtype:
+            raise ValueError(f"kv dtype {kv2.dtype} must match q dtype {q.dtype}")
+        kv_main = kv_sc = kv_rope = kv2
+        stride_kv = stride_kvs = stride_kvr = kv2.stride(0)
+        rope_off = 512
+    if indices.dim() != 2 or indices.shape[0] != t_rows:
+        raise ValueError(f"indices must be [T={t_rows}, K], got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    k = indices.shape[1]
+    if topk_length is not None and (topk_length.shape != (t_rows,) or topk_length.dtype != torch.int32):
+        raise ValueError(f"topk_length must be int32 [{t_rows}], got {topk_length.dtype} {tuple(topk_length.shape)}")
+
+    cfg = config or default_decode_config(heads, t_rows, "fp8" if fp8 else "bf16", _num_sms(q.device), k)
+    if not 1 <= cfg.splits <= _MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    if out is None:
+        out = torch.empty(t_rows, heads, D_V, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(t_rows, heads, dtype=torch.float32, device=q.device)
+    if t_rows == 0:
+        return out, lse
+    if cfg.splits > 1:
+        mid_o = torch.empty(t_rows, heads, cfg.splits, D_V, dtype=torch.float32, device=q.device)
+        mid_l = torch.empty(t_rows, heads, cfg.splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_l = lse  # unused
+    main_k, comb_k = _kernels()
+    grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
+    main_k[grid](
+        q, q.stride(0), q.stride(1),
+        kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,
+        indices, indices.stride(0),
+        topk_length if topk_length is not None else indices,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        mid_o, mid_l,
+        heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
+        ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.splits > 1:
+        comb_k[(t_rows, heads)](
+            mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
+            BLOCK_S=max(2, _next_pow2(cfg.splits)), num_warps=4,
+        )
+    return out, lse
