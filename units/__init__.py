@@ -1,1 +1,77 @@
-"""pdctl.units"""
+"""pdctl.units: SGLang/smg command lines, systemd unit files and the service managers.
+
+This package imports nothing of pdctl (an import-linter contract enforces it). It takes its own
+small frozen inputs — :class:`ServerLaunch`, :class:`RouterLaunch`, :class:`ServiceSpec`,
+:class:`TargetSpec`, :class:`UnitSet` — which ``pdctl.statemachine.launch`` builds from the spec,
+and acts on a host through the :class:`HostLike` protocol (``pdctl.statemachine.hosts`` holds
+the concrete hosts).
+
+* command lines: :func:`server_argv`, :func:`server_env`, :func:`router_argv`, :func:`router_env`;
+* unit files: :func:`render_service`, :func:`render_target`, :func:`render_env_file`,
+  :func:`unit_files` (readiness gate and quoting rules in ``_systemd``'s docstring);
+* managers behind :class:`ServiceManager`: :class:`SystemdManager` and :class:`ProcessSupervisor`.
+"""
+
+from ._argv import router_argv, router_env, server_argv, server_env
+from ._host import CommandResultLike, HostLike
+from ._manager import ServiceManager
+from ._process import ProcessSupervisor, parse_env_file
+from ._systemd import (
+    MARKER,
+    READINESS_GATE,
+    env_assignment,
+    exec_line,
+    exec_word,
+    is_pdctl_unit,
+    render_env_file,
+    render_service,
+    render_target,
+    unit_files,
+)
+from ._systemd_manager import SystemdManager, parse_show
+from ._types import RouterLaunch, ServerLaunch, ServiceSpec, ServiceStatus, TargetSpec, UnitSet, pairs
+from .errors import (
+    ForeignUnit,
+    ManagerUnavailable,
+    ServiceFailed,
+    ServiceTimeout,
+    UnitDirNotWritable,
+    UnitsError,
+)
+
+__all__ = [
+    "MARKER",
+    "READINESS_GATE",
+    "CommandResultLike",
+    "ForeignUnit",
+    "HostLike",
+    "ManagerUnavailable",
+    "ProcessSupervisor",
+    "RouterLaunch",
+    "ServerLaunch",
+    "ServiceFailed",
+    "ServiceManager",
+    "ServiceSpec",
+    "ServiceStatus",
+    "ServiceTimeout",
+    "SystemdManager",
+    "TargetSpec",
+    "UnitDirNotWritable",
+    "UnitSet",
+    "UnitsError",
+    "env_assignment",
+    "exec_line",
+    "exec_word",
+    "is_pdctl_unit",
+    "pairs",
+    "parse_env_file",
+    "parse_show",
+    "render_env_file",
+    "render_service",
+    "render_target",
+    "router_argv",
+    "router_env",
+    "server_argv",
+    "server_env",
+    "unit_files",
+]

@@ -1,0 +1,270 @@
+"""Hosts: every action pdctl takes on a machine goes through one of these.
+
+A :class:`Host` is a small fixed surface — run a command, read / write (atomically) / remove a
+file, look at a directory, find an executable, spawn a detached process, signal a process — so
+that the service managers (``pdctl.units``, which sees hosts only through its ``HostLike``
+protocol), probes and steps never care whether the machine is this one (:class:`LocalHost`) or
+one reached over SSH (next: ``SshHost``, same methods, no caller changes). Reading ``/proc`` and
+sysfs is ``read_file``/``read_text`` on those paths.
+
+Errors: a command that cannot be started raises :class:`~pdctl.statemachine.errors.HostError`; a
+non-zero exit raises :class:`~pdctl.statemachine.errors.CommandFailed` only with ``check=True``
+(and carries argv, exit status and stderr); a command that outlives its timeout is killed (its
+whole process group) and raises :class:`~pdctl.statemachine.errors.CommandTimeout`. File methods
+raise ``FileNotFoundError`` for a missing path and ``HostError`` for any other failure, so
+callers can tell "absent" from "broken". Nothing here prints, prompts or exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal as _signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
+
+__all__ = ["CommandResult", "Host", "LocalHost", "host_for"]
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a finished command left: exit status, decoded output, wall time in seconds."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class Host(ABC):
+    """One machine pdctl acts on. Subclasses implement the abstract methods; the rest derive."""
+
+    name: str
+
+    @abstractmethod
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
+        check: bool = True,
+        input: str | None = None,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        """Run *argv* (a list, never a shell string) and wait at most *timeout* seconds.
+        *env* replaces the environment when given. See the module docstring for errors."""
+
+    @abstractmethod
+    def read_file(self, path: str) -> bytes:
+        """The bytes of *path*. ``FileNotFoundError`` when absent."""
+
+    @abstractmethod
+    def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write *path* atomically (temp file in the same directory, fsync, rename) with *mode*,
+        creating parent directories. The file never exists with other permissions."""
+
+    @abstractmethod
+    def remove_file(self, path: str) -> None:
+        """Delete *path*; a missing file is not an error."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
+        """``mkdir -p``."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Entry names of a directory (``/proc`` included)."""
+
+    @abstractmethod
+    def which(self, name: str) -> str | None:
+        """Absolute path of executable *name* on the host's PATH, or None."""
+
+    @abstractmethod
+    def spawn_detached(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        log_path: str | None = None,
+    ) -> int:
+        """Start *argv* in a new session, stdin from /dev/null, stdout+stderr appended to
+        *log_path* (or discarded), so it outlives the caller; return its PID."""
+
+    @abstractmethod
+    def signal(self, pid: int, sig: int, *, group: bool = False) -> bool:
+        """Send *sig* to *pid* (or to process group *pid*). False when no such process."""
+
+    # -- derived ---------------------------------------------------------------------------
+
+    def read_text(self, path: str) -> str:
+        """``read_file`` decoded as UTF-8 (``/proc``, sysfs, unit files)."""
+        return self.read_file(path).decode("utf-8", "replace")
+
+    def write_text(self, path: str, text: str, *, mode: int = 0o644) -> None:
+        self.write_file(path, text.encode("utf-8"), mode=mode)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def _reap_in_background(proc: subprocess.Popen) -> None:
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+
+
+@dataclass(eq=False)
+class LocalHost(Host):
+    """This machine."""
+
+    name: str = field(default_factory=lambda: socket.gethostname() or "localhost")
+
+    def run(self, argv, *, timeout=60.0, env=None, check=True, input=None, cwd=None) -> CommandResult:
+        argv = [str(a) for a in argv]
+        if not argv:
+            raise HostError("empty command", host=self.name)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env) if env is not None else None,
+                cwd=cwd, text=True, start_new_session=True,
+            )
+        except OSError as exc:
+            raise HostError(f"cannot run {argv[0]} on {self.name}: {exc.strerror or exc}", host=self.name,
+                            hint=f"is {argv[0]} installed?") from None
+        try:
+            out, err = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, _signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            raise CommandTimeout(f"{' '.join(argv)} on {self.name}: no answer after {timeout:g} s",
+                                 host=self.name) from None
+        res = CommandResult(tuple(argv), proc.returncode, out or "", err or "", time.monotonic() - t0)
+        if check and res.returncode != 0:
+            raise CommandFailed(
+                f"{' '.join(argv)} on {self.name} exited {res.returncode}: {res.stderr.strip()[-500:]}",
+                host=self.name, argv=argv, returncode=res.returncode, stderr=res.stderr,
+            )
+        return res
+
+    def read_file(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise HostError(f"cannot read {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+
+    def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        directory = os.path.dirname(os.path.abspath(path))
+        tmp = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+            try:
+                os.fchmod(fd, mode)
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            raise HostError(f"cannot write {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def remove_file(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise HostError(f"cannot remove {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
+        try:
+            os.makedirs(path, mode=mode, exist_ok=True)
+        except OSError as exc:
+            raise HostError(f"cannot create {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise HostError(f"cannot list {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def spawn_detached(self, argv, *, env=None, cwd=None, log_path=None) -> int:
+        argv = [str(a) for a in argv]
+        try:
+            out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        env=dict(env) if env is not None else None, cwd=cwd,
+                                        start_new_session=True, close_fds=True)
+            finally:
+                if log_path:
+                    out.close()
+        except OSError as exc:
+            raise HostError(f"cannot start {argv[0]} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+        _reap_in_background(proc)  # no zombie while we live; init adopts it once we exit
+        return proc.pid
+
+    def signal(self, pid: int, sig: int, *, group: bool = False) -> bool:
+        if pid <= 1:
+            raise ValueError(f"refusing to signal pid {pid}")
+        try:
+            (os.killpg if group else os.kill)(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError as exc:
+            raise HostError(f"cannot signal {pid} on {self.name}: {exc.strerror}", host=self.name) from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def host_for(address: str = "localhost", **_: object) -> Host:
+    """The host object for a spec host address: ``LocalHost`` for localhost now; an SSH host
+    comes next (raises ``NotImplementedError`` until then)."""
+    if address in ("localhost", "127.0.0.1", "::1"):
+        return LocalHost()
+    raise NotImplementedError(f"host {address!r}: SSH hosts are not implemented yet")

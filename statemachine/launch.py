@@ -1,0 +1,396 @@
+"""From the spec to what a service manager runs: the adapter between ``Deployment`` and
+``pdctl.units`` (which imports nothing of pdctl and takes its own small frozen types).
+
+Decisions taken here, each once:
+
+* **Names.** ``pdctl-<name>-<role>.service`` for every server role (role names from
+  :meth:`Deployment.roles`), ``pdctl-<name>-router.service``, ``pdctl-<name>.target``.
+* **Bootstrap port.** A prefill always passes ``--disaggregation-bootstrap-port`` (its own, or
+  SGLang's default 8998 written out), and the router's ``--prefill URL PORT`` names the same port.
+  A decode without its own passes the prefill's when there is exactly one prefill (that is the
+  port decode falls back to for a request without one).
+* **NUMA.** ``numa_node`` from the role, else the one NUMA node all its GPUs sit on
+  (``hosts.<h>.gpu_numa``); CPU list from ``hosts.<h>.numa_cpus`` (no list → no ``CPUAffinity=``).
+* **Secrets.** Environment variables whose name says secret (``*TOKEN*``, ``*SECRET*``,
+  ``*PASSWORD*``, ``*API_KEY*``, ``*CREDENTIAL*``) leave the unit and go to an ``EnvironmentFile=``
+  written 0600 (system scope: ``/etc/pdctl/<name>/<role>.env``).
+* **Memory lock.** ``LimitMEMLOCK=infinity`` for RDMA-capable transfer backends (nixl, mooncake,
+  mori); not for ``mooncake_tcp``/``fake``.
+* **Timeouts.** A server gets ``TimeoutStartSec`` = 2 × ``expected_cold_start_s`` (3600 s when
+  unknown), stop 120 s, restart after 10 s, at most 3 starts per 3 × (start timeout + 10 s) — so
+  three failed cold starts in a row trip the limit however long a load takes. The router: start
+  300 s (it starts after both servers are ready), stop 210 s (above smg's 180 s drain), restart
+  after 5 s, 5 starts per 5 × 305 s.
+* **Readiness.** Servers gate on ``/health`` (503 while loading), the router on ``/readiness``
+  (503 until it has healthy workers; its ``/health`` is 200 even with none), each probed on the
+  role's own host, wildcard bind addresses mapped to loopback.
+* **Executables.** ``engine.launcher == "sim"`` runs ``python -m pdctl.sim`` with the very same
+  flags; ``engine.python`` defaults to the interpreter running pdctl. The router is
+  ``router.executable``, else ``smg`` next to that interpreter, else on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from pdctl.statemachine.spec import Deployment, Host, ServerRole
+from pdctl.units import (
+    ForeignUnit,
+    ProcessSupervisor,
+    RouterLaunch,
+    ServerLaunch,
+    ServiceManager,
+    ServiceSpec,
+    SystemdManager,
+    TargetSpec,
+    UnitSet,
+    is_pdctl_unit,
+    render_env_file,
+    router_argv,
+    router_env,
+    server_argv,
+    server_env,
+    unit_files,
+)
+
+__all__ = [
+    "SGLANG_DEFAULT_BOOTSTRAP_PORT",
+    "launch_for_role",
+    "manager_for",
+    "python_for",
+    "router_executable",
+    "router_launch",
+    "router_unit_name",
+    "scope_for",
+    "services_for",
+    "split_secrets",
+    "target_name",
+    "unit_name",
+    "unit_set_for",
+    "write_units",
+]
+
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+_SECRET_KEY = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|CREDENTIAL", re.IGNORECASE)
+_RDMA_BACKENDS = ("nixl", "mooncake", "mori")
+
+
+def unit_name(dep: Deployment, role_name: str) -> str:
+    return f"pdctl-{dep.name}-{role_name}.service"
+
+
+def router_unit_name(dep: Deployment) -> str:
+    return f"pdctl-{dep.name}-router.service"
+
+
+def target_name(dep: Deployment) -> str:
+    return f"pdctl-{dep.name}.target"
+
+
+def scope_for(dep: Deployment) -> str:
+    """``"system"``, ``"user"`` or ``"process"`` from ``service_manager``."""
+    return {"systemd-system": "system", "systemd-user": "user"}.get(dep.service_manager, "process")
+
+
+def python_for(dep: Deployment) -> str:
+    return dep.engine.python or sys.executable
+
+
+def router_executable(dep: Deployment) -> str:
+    """Absolute path of the router executable (for ``sglang-router``: the engine's Python)."""
+    if dep.router_impl == "sglang-router":
+        return python_for(dep)
+    exe = dep.router.executable if dep.router else None
+    if exe:
+        return exe if exe.startswith("/") else (shutil.which(exe) or exe)
+    beside = Path(sys.executable).parent / "smg"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("smg") or str(beside)
+
+
+def _connect_host(bind: str) -> str:
+    """Where to reach a server bound to *bind* from its own host (wildcards → loopback)."""
+    if bind in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if bind in ("::", "[::]"):
+        return "[::1]"
+    return f"[{bind}]" if ":" in bind and not bind.startswith("[") else bind
+
+
+def _url_host(dep: Deployment, role: ServerRole) -> str:
+    """Host part of the URL the router (and decode, via bootstrap_host) uses for *role*."""
+    if role.http_host in ("0.0.0.0", "::", ""):
+        h: Host | None = dep.hosts.get(role.host)
+        if h is not None and not h.is_local:
+            return _connect_host(h.address)
+    return _connect_host(role.http_host)
+
+
+def _numa(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
+    host = dep.hosts.get(role.host)
+    node = role.numa_node
+    if node is None and host is not None and host.gpu_numa:
+        nodes = {host.gpu_numa[g] for g in role.gpus if g < len(host.gpu_numa)}
+        if len(nodes) == 1 and len(role.gpus) and all(g < len(host.gpu_numa) for g in role.gpus):
+            node = nodes.pop()
+    cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
+    return node, cpus
+
+
+def _cache_dir(dep: Deployment) -> str:
+    if dep.engine.cache_dir:
+        return dep.engine.cache_dir
+    if scope_for(dep) == "system":
+        return "/var/cache/sglang"
+    return os.path.expanduser("~/.cache/sglang")
+
+
+def _bootstrap_port(dep: Deployment, kind: str, role: ServerRole) -> int | None:
+    if role.bootstrap_port is not None:
+        return role.bootstrap_port
+    if kind == "prefill":
+        return SGLANG_DEFAULT_BOOTSTRAP_PORT
+    if kind == "decode" and len(dep.prefill) == 1:
+        return dep.prefill[0].bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
+    return None
+
+
+def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``(plain, secret)`` by variable name (see the module docstring)."""
+    plain = {k: v for k, v in env.items() if not _SECRET_KEY.search(k)}
+    secret = {k: v for k, v in env.items() if _SECRET_KEY.search(k)}
+    return plain, secret
+
+
+def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch:
+    parsers = role.parsers or dep.parsers
+    node, cpus = _numa(dep, role)
+    kv = dep.kv_transfer
+    pd = kind in ("prefill", "decode")
+    return ServerLaunch(
+        kind="single" if kind == "server" else kind,  # type: ignore[arg-type]
+        model_path=dep.model.path,
+        http_port=role.port,
+        python=python_for(dep),
+        module="pdctl.sim" if dep.engine.launcher == "sim" else "sglang.launch_server",
+        http_host=role.http_host,
+        served_name=dep.model.served_name,
+        context_length=dep.model.context_length,
+        page_size=dep.model.page_size,
+        kv_cache_dtype=dep.model.kv_cache_dtype,
+        trust_remote_code=dep.model.trust_remote_code,
+        load_format=dep.model.load_format,
+        attention_backend=dep.model.attention_backend,
+        dsa_prefill_backend=dep.model.dsa_prefill_backend,
+        dsa_decode_backend=dep.model.dsa_decode_backend,
+        tp=role.tp,
+        attn_dp=role.attn_dp,
+        ep=role.ep,
+        bootstrap_port=_bootstrap_port(dep, kind, role) if pd else None,
+        nccl_port=role.nccl_port,
+        transfer_backend=kv.backend if (kv and pd) else None,
+        ib_device=kv.ib_device if (kv and pd) else None,
+        ucx_net_devices=kv.ucx_net_devices if (kv and pd) else None,
+        mem_fraction=role.mem_fraction,
+        reasoning_parser=parsers.reasoning_parser,
+        tool_call_parser=parsers.tool_call_parser,
+        chat_template=parsers.chat_template,
+        gpu_ids=tuple(role.gpus),
+        numa_node=node,
+        numa_cpus=cpus,
+        cache_dir=_cache_dir(dep),
+        env={**dep.engine.env, **role.env},
+        extra_args=tuple(role.extra_args),
+    )
+
+
+def router_launch(dep: Deployment) -> RouterLaunch | None:
+    """The router's launch, or None when the spec has no ``[router]``."""
+    r = dep.router
+    if r is None:
+        return None
+    prefill = tuple(
+        (f"http://{_url_host(dep, role)}:{role.port}", _bootstrap_port(dep, "prefill", role)) for role in dep.prefill
+    )
+    decode = tuple(f"http://{_url_host(dep, role)}:{role.port}" for role in dep.decode)
+    workers = tuple(f"http://{_url_host(dep, role)}:{role.port}" for role in dep.server)
+    return RouterLaunch(
+        executable=router_executable(dep),
+        impl=dep.router_impl,
+        prefill=prefill,  # type: ignore[arg-type]
+        decode=decode,
+        workers=workers,
+        host=r.host,
+        port=r.port,
+        policy=r.policy,
+        prometheus_host=r.prometheus_host,
+        prometheus_port=r.prometheus_port,
+        health_check_interval_s=r.health_check_interval_s,
+        health_check_timeout_s=r.health_check_timeout_s,
+        health_failure_threshold=r.health_failure_threshold,
+        health_success_threshold=r.health_success_threshold,
+        worker_startup_timeout_s=r.worker_startup_timeout_s,
+        extra_args=tuple(r.extra_args),
+        env=r.env,
+    )
+
+
+def launch_for_role(dep: Deployment, role_name: str) -> ServerLaunch | RouterLaunch:
+    """The launch of one role by name (``"prefill"``, ``"decode-1"``, ``"router"``…)."""
+    if role_name == "router":
+        r = router_launch(dep)
+        if r is None:
+            raise KeyError(f"{dep.name} has no router")
+        return r
+    for name, kind, role in dep.roles():
+        if name == role_name:
+            return _server_launch(dep, kind, role)
+    raise KeyError(f"{dep.name} has no role {role_name!r}; roles: {[n for n, _, _ in dep.roles()]}")
+
+
+def _secrets_file(dep: Deployment, role_name: str, scope: str, state_dir: str | None) -> str:
+    if scope == "system":
+        return f"/etc/pdctl/{dep.name}/{role_name}.env"
+    base = state_dir or os.path.expanduser(f"~/.config/pdctl/{dep.name}")
+    return os.path.join(os.path.abspath(base), "secrets", f"{role_name}.env")
+
+
+def services_for(
+    dep: Deployment,
+    *,
+    scope: str | None = None,
+    state_dir: str | Path | None = None,
+    log_dir: str | Path | None = None,
+) -> list[ServiceSpec]:
+    """Every service of *dep*, servers in :meth:`Deployment.roles` order, the router last.
+
+    *scope* (``"system"``, ``"user"``, ``"process"``; default from ``service_manager``) picks
+    default paths (cache dir, secrets file). *state_dir* holds user/process-scope secrets files.
+    *log_dir*: when given, each role appends its output to ``<log_dir>/<unit>.log`` instead of
+    the journal (the test harness has no journald)."""
+    scope = scope or scope_for(dep)
+    sd = str(state_dir) if state_dir is not None else None
+    target = target_name(dep)
+    rdma = bool(dep.kv_transfer and dep.kv_transfer.backend in _RDMA_BACKENDS)
+    out: list[ServiceSpec] = []
+
+    def logp(unit: str) -> str | None:
+        return os.path.join(os.path.abspath(str(log_dir)), unit.removesuffix(".service") + ".log") if log_dir else None
+
+    for role_name, kind, role in dep.roles():
+        s = _server_launch(dep, kind, role)
+        plain, secret = split_secrets(server_env(s))
+        start = int(2 * role.expected_cold_start_s) if role.expected_cold_start_s else 3600
+        name = unit_name(dep, role_name)
+        host = s.http_host
+        out.append(ServiceSpec(
+            name=name,
+            description=f"pdctl {dep.name} {role_name} (SGLang {s.kind} server)",
+            argv=tuple(server_argv(s)),
+            deployment=dep.name,
+            role=role_name,
+            env=plain,
+            secrets=secret,
+            secrets_file=_secrets_file(dep, role_name, scope, sd) if secret else None,
+            numa_node=s.numa_node,
+            cpu_affinity=s.numa_cpus,
+            memlock_infinity=rdma and kind in ("prefill", "decode"),
+            restart_sec=10,
+            start_limit_burst=3,
+            start_limit_interval_s=3 * (start + 10),
+            timeout_start_s=start,
+            timeout_stop_s=120,
+            readiness_url=f"http://{_connect_host(host)}:{role.port}/health",
+            readiness_python=s.python,
+            part_of=target,
+            log_path=logp(name),
+        ))
+    r = router_launch(dep)
+    if r is not None:
+        plain, secret = split_secrets(router_env(r))
+        name = router_unit_name(dep)
+        out.append(ServiceSpec(
+            name=name,
+            description=f"pdctl {dep.name} router ({dep.router_impl})",
+            argv=tuple(router_argv(r)),
+            deployment=dep.name,
+            role="router",
+            env=plain,
+            secrets=secret,
+            secrets_file=_secrets_file(dep, "router", scope, sd) if secret else None,
+            restart_sec=5,
+            start_limit_burst=5,
+            start_limit_interval_s=5 * (300 + 5),
+            timeout_start_s=300,
+            timeout_stop_s=210,
+            readiness_url=f"http://{_connect_host(r.host)}:{r.port}/readiness",
+            readiness_python=python_for(dep),
+            requires=tuple(unit_name(dep, n) for n, _, _ in dep.roles()),
+            part_of=target,
+            log_path=logp(name),
+        ))
+    return out
+
+
+def unit_set_for(dep: Deployment, **kwargs: object) -> UnitSet:
+    """:func:`services_for` plus the deployment's target, as one :class:`UnitSet`."""
+    services = services_for(dep, **kwargs)  # type: ignore[arg-type]
+    target = TargetSpec(name=target_name(dep), description=f"pdctl deployment {dep.name}",
+                        deployment=dep.name, wants=tuple(s.name for s in services))
+    return UnitSet(target=target, services=tuple(services))
+
+
+def manager_for(
+    dep: Deployment,
+    host: object,
+    *,
+    state_dir: str | Path,
+    unit_dir: str | None = None,
+    systemctl: tuple[str, ...] = ("systemctl",),
+    env: dict[str, str] | None = None,
+) -> ServiceManager:
+    """The service manager ``dep.service_manager`` names, acting on *host*.
+
+    ``"systemd-system"`` → :class:`SystemdManager` (system scope), ``"systemd-user"`` → the same
+    in user scope, ``"process"`` → :class:`ProcessSupervisor` keeping its state under
+    ``<state_dir>/supervisor``. *unit_dir*, *systemctl* and *env* reach a systemd manager
+    (tests point them at a private user manager)."""
+    scope = scope_for(dep)
+    if scope == "process":
+        return ProcessSupervisor(host, state_dir=os.path.join(str(state_dir), "supervisor"))  # type: ignore[arg-type]
+    return SystemdManager(host, scope=scope, unit_dir=unit_dir, systemctl=systemctl, env=env)  # type: ignore[arg-type]
+
+
+def write_units(dep: Deployment, out_dir: str | Path) -> list[Path]:
+    """Write *dep*'s unit files (and its 0600 secrets files, if any) into *out_dir*; return the
+    paths written. The units are those ``systemd-system`` would install (``systemd-user`` for a
+    user-scope spec). A file in *out_dir* that pdctl did not write is never overwritten
+    (:class:`~pdctl.units.ForeignUnit`, nothing written)."""
+    scope = "user" if dep.service_manager == "systemd-user" else "system"
+    units = unit_set_for(dep, scope=scope)
+    files = {name: (text, 0o644) for name, text in unit_files(units, scope=scope).items()}
+    for s in units.services:
+        if s.secrets and s.secrets_file:
+            files[os.path.basename(s.secrets_file)] = (render_env_file(s.secrets, deployment=dep.name), 0o600)
+    out = Path(out_dir)
+    for name in files:
+        p = out / name
+        if p.exists() and not is_pdctl_unit(p.read_bytes()):
+            raise ForeignUnit(f"{p} exists and was not written by pdctl: refusing to overwrite it", unit=name)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (text, mode) in files.items():
+        p = out / name
+        tmp = out / f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+        written.append(p)
+    return written

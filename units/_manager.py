@@ -1,0 +1,107 @@
+"""The one interface in front of systemd and pdctl's own process supervisor.
+
+Callers (the state machine's steps) never branch on the concrete manager: a step installs a
+:class:`~pdctl.units.UnitSet`, starts a unit, waits for it to be ``active`` (which, for both
+managers, means "past its readiness gate"), reads its main PID and recent log lines, stops it.
+Names are unit names (``pdctl-demo-prefill.service``, ``pdctl-demo.target``) for both managers.
+
+Every method is bounded: nothing waits without a timeout, and a wait that runs out raises
+:class:`~pdctl.units.errors.ServiceTimeout`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from ._host import HostLike
+from ._types import ServiceStatus, UnitSet
+from .errors import ServiceFailed, ServiceTimeout
+
+__all__ = ["ServiceManager"]
+
+
+class ServiceManager(ABC):
+    """Install, remove, start, stop, restart and observe a deployment's services on one host."""
+
+    kind: ClassVar[str]
+    """``"systemd"`` or ``"process"``."""
+
+    host: HostLike
+
+    @abstractmethod
+    def install(self, units: UnitSet) -> list[str]:
+        """Write (or refresh) every unit of *units*; return the names whose content changed.
+
+        Checks everything first — the manager is there, the directory is writable, no unit of
+        the same name was written by someone else — and only then writes, so a refusal changes
+        nothing. Raises ManagerUnavailable, UnitDirNotWritable, ForeignUnit, ValueError (a value
+        that cannot be rendered)."""
+
+    @abstractmethod
+    def remove(self, names: Sequence[str]) -> None:
+        """Stop and delete the named units (and their secrets files). Missing ones are skipped;
+        a foreign one raises ForeignUnit before anything is removed."""
+
+    @abstractmethod
+    def installed_text(self, name: str) -> str | None:
+        """The installed definition of *name* as pdctl wrote it, or None when absent."""
+
+    @abstractmethod
+    def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        """Start a unit (a target starts its services; a service starts what it requires
+        first). With *wait*, return only once it is active; raise ServiceFailed if it fails and
+        ServiceTimeout after *timeout* seconds (default: the unit's start timeout)."""
+
+    @abstractmethod
+    def stop(self, name: str, *, timeout: float | None = None) -> None:
+        """Stop a unit and every process it started, within *timeout* seconds (default: the
+        unit's stop timeout plus a margin). A stopped unit is a no-op."""
+
+    def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        """Stop then start (see :meth:`stop`, :meth:`start`)."""
+        self.stop(name)
+        self.start(name, wait=wait, timeout=timeout)
+
+    @abstractmethod
+    def status(self, name: str) -> ServiceStatus:
+        """What the manager sees of *name* now (``inactive`` for an unknown unit)."""
+
+    def is_active(self, name: str) -> bool:
+        """True when *name* is started and past its readiness gate."""
+        return self.status(name).is_active
+
+    def main_pid(self, name: str) -> int | None:
+        """PID of the service's main process, None when it has none."""
+        return self.status(name).main_pid
+
+    @abstractmethod
+    def logs(self, name: str, *, lines: int = 50) -> list[str]:
+        """The last *lines* lines the service wrote (stdout and stderr), oldest first."""
+
+    def wait_active(self, name: str, *, timeout: float, poll_s: float = 0.25) -> ServiceStatus:
+        """Poll until *name* is active. Raises ServiceFailed when it fails (or ends inactive)
+        and ServiceTimeout after *timeout* seconds, each carrying recent log lines."""
+        deadline = time.monotonic() + timeout
+        seen_activating = False
+        while True:
+            st = self.status(name)
+            if st.state == "active":
+                return st
+            if st.state == "failed" or (st.state == "inactive" and seen_activating):
+                log = self._safe_logs(name)
+                raise ServiceFailed(f"{name} {st.state} ({st.sub_state}) while starting", unit=name, log=log,
+                                    hint="; ".join(log[-3:]) or None)
+            seen_activating = seen_activating or st.state in ("activating", "reloading")
+            if time.monotonic() >= deadline:
+                raise ServiceTimeout(f"{name} not active after {timeout:g} s (state {st.state}/{st.sub_state})",
+                                     unit=name)
+            time.sleep(poll_s)
+
+    def _safe_logs(self, name: str) -> list[str]:
+        try:
+            return self.logs(name, lines=20)
+        except Exception:  # noqa: BLE001 - logs are a courtesy inside an error message
+            return []

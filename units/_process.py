@@ -1,0 +1,378 @@
+"""pdctl's embedded process supervisor: the service manager where no systemd runs.
+
+Shape
+-----
+``pdctl apply`` is short-lived, so it cannot own the roles' processes. Instead :meth:`start`
+spawns, per role, a small detached **watchdog** (``python -m pdctl.units.supervise DIR``, its own
+session) that owns that role until told to stop:
+
+* it waits until every service the role ``requires`` is *active* (the router waits for both
+  servers' readiness, as ``Requires=``/``After=`` do under systemd);
+* it starts the role with the same argv and environment a unit would give it (a clean base
+  environment — ``PATH``, ``HOME``, ``LANG``… — plus the spec's env and the secrets file), in its
+  **own process group**, output appended to ``output.log``, CPU affinity and ``RLIMIT_MEMLOCK``
+  applied, PID in ``main.pid``;
+* it polls the readiness URL; the role is ``active`` only after the first 200 (the same gate as
+  the systemd units' ``ExecStartPost=``), and a gate that exceeds ``timeout_start_s`` is a
+  failed start;
+* on a non-zero exit (or a kill) it restarts the role after ``restart_sec``, at most
+  ``start_limit_burst`` starts per ``start_limit_interval_s`` — then ``failed``, like systemd's
+  start limit; a clean exit 0 is not restarted (``Restart=on-failure``);
+* it is the process group's reaper: it marks itself a child subreaper, so orphans of the role
+  come back to it, and on exit it kills the role's whole group (SIGTERM, ``timeout_stop_s``,
+  SIGKILL) and any orphan left, so stopping leaves nothing running.
+
+:meth:`stop` sends SIGTERM to the watchdog (after checking ``/proc/PID/cmdline`` really is that
+watchdog — PIDs are reused) and waits, bounded; if the watchdog itself was killed, it stops the
+role's process group directly. State lives in ``STATE_DIR/services/<unit name>/``: ``unit.json``
+(marked ``"managed_by": "pdctl"``), ``status.json`` (written atomically by the watchdog),
+``watchdog.pid``, ``main.pid``, ``output.log``, ``supervise.log``.
+
+What it does not do: ``NUMAPolicy=bind`` (memory binding needs systemd or numactl; CPU affinity
+is applied), and a restart of a server does not restart the router (systemd 252 propagates that
+restart through ``Requires=``; here the router just sees the worker come back).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from ._host import HostLike
+from ._manager import ServiceManager
+from ._systemd import render_env_file
+from ._types import ServiceSpec, ServiceStatus, UnitSet
+from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
+
+__all__ = ["ProcessSupervisor", "parse_env_file"]
+
+WATCHDOG_MODULE = "pdctl.units.supervise"
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """Parse the ``KEY='v'`` / ``KEY="v"`` file :func:`render_env_file` writes (systemd's rules for
+    those two forms: single quotes literal, double quotes with ``\\`` escaping ``\\ " ` $``)."""
+    out: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in " \t\r\n":
+            i += 1
+            continue
+        if c in "#;":
+            j = text.find("\n", i)
+            i = n if j < 0 else j + 1
+            continue
+        j = text.find("=", i)
+        if j < 0:
+            break
+        key = text[i:j].strip()
+        i = j + 1
+        if i < n and text[i] == "'":
+            k = text.index("'", i + 1)
+            val, i = text[i + 1:k], k + 1
+        elif i < n and text[i] == '"':
+            buf, i = [], i + 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\" and i + 1 < n:
+                    nxt = text[i + 1]
+                    if nxt == "\n":
+                        pass
+                    elif nxt in '\\"`$':
+                        buf.append(nxt)
+                    else:
+                        buf.append("\\" + nxt)
+                    i += 2
+                    continue
+                buf.append(text[i])
+                i += 1
+            val, i = "".join(buf), i + 1
+        else:
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            val, i = text[i:j].strip(), j
+        out[key] = val
+    return out
+
+
+def _proc_state(stat: bytes) -> str:
+    """State letter of a ``/proc/PID/stat`` line (after the command name's closing paren)."""
+    rest = stat[stat.rfind(b")") + 2:]
+    return rest[:1].decode() if rest else "?"
+
+
+def _proc_pgrp(stat: bytes) -> int:
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[2]) if len(fields) > 2 else -1
+
+
+class ProcessSupervisor(ServiceManager):
+    """Roles as supervised process groups under *state_dir* on *host*. See the module docstring.
+
+    *python* is the interpreter that runs the watchdogs (it must import ``pdctl``); default: the
+    one running pdctl.
+    """
+
+    kind = "process"
+
+    def __init__(self, host: HostLike, *, state_dir: str, python: str | None = None, poll_s: float = 0.2) -> None:
+        self.host = host
+        self.state_dir = state_dir
+        self.python = python or sys.executable
+        self.poll_s = poll_s
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> str:
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"bad unit name {name!r}")
+        return posixpath.join(self.state_dir, "services", name)
+
+    def _read_json(self, path: str) -> dict | None:
+        try:
+            return json.loads(self.host.read_file(path))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _unit(self, name: str) -> dict:
+        data = self._read_json(posixpath.join(self._dir(name), "unit.json"))
+        if not data or data.get("managed_by") != "pdctl":
+            raise ServiceFailed(f"{name} is not installed under {self.state_dir}", unit=name)
+        return data
+
+    def _spec(self, name: str) -> ServiceSpec:
+        data = self._unit(name)
+        if data.get("kind") != "service":
+            raise ValueError(f"{name} is a target, not a service")
+        return ServiceSpec.from_json(data["service"])
+
+    def _read_pid(self, name: str, which: str) -> int | None:
+        try:
+            return int(self.host.read_file(posixpath.join(self._dir(name), which)).decode().strip() or 0) or None
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _write_status(self, name: str, state: str, sub: str, **extra: object) -> None:
+        body = {"state": state, "sub": sub, "updated": time.time(), **extra}
+        self.host.write_file(posixpath.join(self._dir(name), "status.json"), json.dumps(body).encode())
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _alive(self, pid: int | None) -> bool:
+        if not pid:
+            return False
+        try:
+            return _proc_state(self.host.read_file(f"/proc/{pid}/stat")) not in ("Z", "X", "?")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError:
+            return False
+
+    def _is_watchdog(self, pid: int | None, name: str) -> bool:
+        if not self._alive(pid):
+            return False
+        try:
+            cmd = self.host.read_file(f"/proc/{pid}/cmdline").split(b"\0")
+        except OSError:
+            return False
+        return WATCHDOG_MODULE.encode() in cmd and self._dir(name).encode() in cmd
+
+    def _group_members(self, pgid: int) -> list[int]:
+        out = []
+        try:
+            entries = self.host.list_dir("/proc")
+        except OSError:
+            return out
+        for e in entries:
+            if not e.isdigit():
+                continue
+            try:
+                st = self.host.read_file(f"/proc/{e}/stat")
+            except OSError:
+                continue
+            if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"):
+                out.append(int(e))
+        return out
+
+    def _wait_gone(self, check, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not check():
+                return True
+            time.sleep(self.poll_s)
+        return not check()
+
+    # -- ServiceManager ----------------------------------------------------------------------
+
+    def install(self, units: UnitSet) -> list[str]:
+        root = posixpath.join(self.state_dir, "services")
+        probe = posixpath.join(root, ".pdctl-write-probe")
+        try:
+            self.host.make_dirs(root)
+            self.host.write_file(probe, b"", mode=0o600)
+            self.host.remove_file(probe)
+        except OSError as exc:
+            raise UnitDirNotWritable(f"cannot write supervisor state to {root} on host {self.host.name}: {exc}",
+                                     hint="choose a writable state directory") from None
+        bodies: dict[str, dict] = {}
+        for s in units.services:
+            spec = s.to_json()
+            spec["secrets"] = []  # values go to the 0600 secrets file only
+            if s.secrets:
+                spec["secrets_file"] = s.secrets_file or posixpath.join(self._dir(s.name), "secrets.env")
+            bodies[s.name] = {"managed_by": "pdctl", "kind": "service", "service": spec,
+                              "secret_keys": [k for k, _ in s.secrets]}
+        t = units.target
+        bodies[t.name] = {"managed_by": "pdctl", "kind": "target",
+                          "target": {"name": t.name, "description": t.description,
+                                     "deployment": t.deployment, "wants": list(t.wants)}}
+        for name in bodies:
+            existing = self._read_json(posixpath.join(self._dir(name), "unit.json"))
+            path = posixpath.join(self._dir(name), "unit.json")
+            if self.host.exists(path) and (existing is None or existing.get("managed_by") != "pdctl"):
+                raise ForeignUnit(f"{path} exists and was not written by pdctl: refusing to overwrite it", unit=name)
+        changed = []
+        for s in units.services:
+            if s.secrets:
+                path = bodies[s.name]["service"]["secrets_file"]
+                self.host.write_file(path, render_env_file(s.secrets, deployment=s.deployment).encode(), mode=0o600)
+        for name, body in bodies.items():
+            text = json.dumps(body, indent=1, sort_keys=True) + "\n"
+            path = posixpath.join(self._dir(name), "unit.json")
+            old = self.host.read_file(path).decode() if self.host.exists(path) else None
+            if old != text:
+                self.host.make_dirs(self._dir(name))
+                self.host.write_file(path, text.encode(), mode=0o600)
+                changed.append(name)
+        return changed
+
+    def remove(self, names: Sequence[str]) -> None:
+        present = []
+        for n in names:
+            path = posixpath.join(self._dir(n), "unit.json")
+            if not self.host.exists(path):
+                continue
+            data = self._read_json(path)
+            if not data or data.get("managed_by") != "pdctl":
+                raise ForeignUnit(f"{path} was not written by pdctl: refusing to remove it", unit=n)
+            present.append((n, data))
+        for n, data in present:
+            if data.get("kind") == "service":
+                self._stop_service(n, None)
+        for n, data in present:
+            d = self._dir(n)
+            sf = data.get("service", {}).get("secrets_file")
+            if sf and self.host.exists(sf):
+                self.host.remove_file(sf)
+            for e in self.host.list_dir(d) if self.host.exists(d) else []:
+                self.host.remove_file(posixpath.join(d, e))
+            self.host.run(["rmdir", d], timeout=10, check=False)
+
+    def installed_text(self, name: str) -> str | None:
+        path = posixpath.join(self._dir(name), "unit.json")
+        if not self.host.exists(path):
+            return None
+        data = self._read_json(path)
+        return self.host.read_file(path).decode() if data and data.get("managed_by") == "pdctl" else None
+
+    def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        data = self._unit(name)
+        if data["kind"] == "target":
+            wants = list(data["target"]["wants"])
+            for s in wants:
+                self._start_service(s, set())
+            if wait:
+                t = timeout or max(self._spec(s).timeout_start_s for s in wants) + 30
+                self.wait_active(name, timeout=t)
+            return
+        self._start_service(name, set())
+        if wait:
+            self.wait_active(name, timeout=timeout or self._spec(name).timeout_start_s + 30)
+
+    def _start_service(self, name: str, seen: set[str]) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        spec = self._spec(name)
+        for r in spec.requires:
+            self._start_service(r, seen)
+        if self._is_watchdog(self._read_pid(name, "watchdog.pid"), name):
+            return
+        d = self._dir(name)
+        self._write_status(name, "activating", "spawning", restarts=0)
+        pid = self.host.spawn_detached([self.python, "-m", WATCHDOG_MODULE, d],
+                                       log_path=posixpath.join(d, "supervise.log"), cwd=d)
+        self.host.write_file(posixpath.join(d, "watchdog.pid"), f"{pid}\n".encode())
+
+    def stop(self, name: str, *, timeout: float | None = None) -> None:
+        data = self._unit(name)
+        if data["kind"] == "target":
+            for s in reversed(data["target"]["wants"]):
+                self._stop_service(s, timeout)
+            return
+        self._stop_service(name, timeout)
+
+    def _stop_service(self, name: str, timeout: float | None) -> None:
+        spec = self._spec(name)
+        t = timeout or spec.timeout_stop_s + 15
+        wpid = self._read_pid(name, "watchdog.pid")
+        if self._is_watchdog(wpid, name):
+            self.host.signal(wpid, signal.SIGTERM)
+            if not self._wait_gone(lambda: self._alive(wpid), t):
+                self.host.signal(wpid, signal.SIGKILL)
+                self._wait_gone(lambda: self._alive(wpid), 5)
+        mpid = self._read_pid(name, "main.pid")
+        if mpid and self._group_members(mpid):
+            # The watchdog is gone (killed) but the role's group lives on: stop it directly.
+            self.host.signal(mpid, signal.SIGTERM, group=True)
+            if not self._wait_gone(lambda: bool(self._group_members(mpid)), min(t, 30)):
+                self.host.signal(mpid, signal.SIGKILL, group=True)
+                if not self._wait_gone(lambda: bool(self._group_members(mpid)), 5):
+                    raise ServiceTimeout(f"{name}: process group {mpid} survived SIGKILL", unit=name)
+        d = self._dir(name)
+        for f in ("watchdog.pid", "main.pid"):
+            p = posixpath.join(d, f)
+            if self.host.exists(p):
+                self.host.remove_file(p)
+        st = self._read_json(posixpath.join(d, "status.json")) or {}
+        self._write_status(name, "inactive", "dead", restarts=st.get("restarts", 0))
+
+    def status(self, name: str) -> ServiceStatus:
+        try:
+            data = self._unit(name)
+        except ServiceFailed:
+            return ServiceStatus(name=name, state="inactive", sub_state="not-found")
+        if data["kind"] == "target":
+            states = [self.status(s).state for s in data["target"]["wants"]]
+            if states and all(s == "active" for s in states):
+                state = "active"
+            elif "failed" in states:
+                state = "failed"
+            elif any(s in ("activating", "active", "deactivating") for s in states):
+                state = "activating"
+            else:
+                state = "inactive"
+            return ServiceStatus(name=name, state=state, sub_state=",".join(states))
+        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
+        state, sub = st.get("state", "inactive"), st.get("sub", "dead")
+        wpid = self._read_pid(name, "watchdog.pid")
+        mpid = self._read_pid(name, "main.pid")
+        if state in ("activating", "active", "deactivating") and not self._alive(wpid):
+            if sub == "spawning" and time.time() - float(st.get("updated", 0)) < 10:
+                pass  # the watchdog is being born
+            elif self._alive(mpid):
+                sub = "unsupervised"
+            else:
+                state, sub = "failed", "watchdog-gone"
+        main = mpid if self._alive(mpid) else None
+        return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub)
+
+    def logs(self, name: str, *, lines: int = 50) -> list[str]:
+        path = posixpath.join(self._dir(name), "output.log")
+        if not self.host.exists(path):
+            return []
+        return self.host.read_file(path).decode("utf-8", "replace").splitlines()[-lines:]

@@ -1,0 +1,241 @@
+"""The systemd service manager: unit files on disk, ``systemctl`` for everything else.
+
+``scope="system"`` is production (``/etc/systemd/system``, ``systemctl``); ``scope="user"`` is
+for tests and operators without root (``~/.config/systemd/user``, ``systemctl --user``). The
+``systemctl`` argv prefix and extra environment (``XDG_RUNTIME_DIR`` of a private user manager)
+are injectable, which is how the test harness points it at its own manager.
+
+Logs: a service with a ``log_path`` writes there (``StandardOutput=append:``) and :meth:`logs`
+reads the file; otherwise the journal (``journalctl -u``).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shlex
+from collections.abc import Mapping, Sequence
+
+from ._host import HostLike
+from ._manager import ServiceManager
+from ._systemd import is_pdctl_unit, render_env_file, unit_files
+from ._types import ServiceStatus, UnitSet
+from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
+
+__all__ = ["SystemdManager", "parse_show"]
+
+
+def parse_show(text: str) -> dict[str, str]:
+    """Parse ``systemctl show -p A,B`` output (``KEY=VALUE`` lines) into a dict."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
+
+class SystemdManager(ServiceManager):
+    """Units managed by a systemd instance on *host*. See the module docstring."""
+
+    kind = "systemd"
+
+    def __init__(
+        self,
+        host: HostLike,
+        *,
+        scope: str = "system",
+        unit_dir: str | None = None,
+        systemctl: Sequence[str] = ("systemctl",),
+        journalctl: Sequence[str] = ("journalctl",),
+        env: Mapping[str, str] | None = None,
+        command_timeout: float = 60.0,
+    ) -> None:
+        if scope not in ("system", "user"):
+            raise ValueError(f"scope must be 'system' or 'user', not {scope!r}")
+        self.host = host
+        self.scope = scope
+        if unit_dir is None:
+            unit_dir = "/etc/systemd/system" if scope == "system" else os.path.expanduser("~/.config/systemd/user")
+        self.unit_dir = unit_dir
+        self._systemctl = [*systemctl, *(["--user"] if scope == "user" else [])]
+        self._journalctl = list(journalctl)
+        self._env = dict(env) if env else None
+        self.command_timeout = command_timeout
+        self._have_systemctl = False
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _unit_path(self, name: str) -> str:
+        return posixpath.join(self.unit_dir, name)
+
+    def _require_systemctl(self) -> None:
+        if self._have_systemctl:
+            return
+        exe = self._systemctl[0]
+        found = self.host.exists(exe) if exe.startswith("/") else self.host.which(exe) is not None
+        if not found:
+            raise ManagerUnavailable(
+                f"{exe} not found on host {self.host.name}: cannot manage systemd units there",
+                hint="install systemd, or set service_manager = \"process\" in the spec",
+            )
+        self._have_systemctl = True
+
+    def _ctl(self, *args: str, check: bool = True, timeout: float | None = None):
+        argv = [*self._systemctl, *args]
+        env = None
+        if self._env:
+            env = {**os.environ, **self._env}
+        res = self.host.run(argv, timeout=timeout or self.command_timeout, env=env, check=False)
+        if check and res.returncode != 0:
+            unit = args[-1] if args else None
+            raise ServiceFailed(
+                f"{shlex.join(argv)} failed (exit {res.returncode}): {res.stderr.strip() or res.stdout.strip()}",
+                unit=unit,
+            )
+        return res
+
+    def _check_writable(self, directory: str) -> None:
+        probe = posixpath.join(directory, f".pdctl-write-probe-{os.getpid()}")
+        try:
+            self.host.make_dirs(directory)
+            self.host.write_file(probe, b"", mode=0o600)
+            self.host.remove_file(probe)
+        except OSError as exc:
+            raise UnitDirNotWritable(
+                f"cannot write units to {directory} on host {self.host.name}: {exc}",
+                hint="run as a user who can write there, or choose another unit directory / scope",
+            ) from None
+
+    def _check_owner(self, name: str) -> None:
+        path = self._unit_path(name)
+        if self.host.exists(path) and not is_pdctl_unit(self.host.read_file(path)):
+            raise ForeignUnit(
+                f"{path} exists and was not written by pdctl: refusing to overwrite or remove it",
+                unit=name, hint="rename the deployment, or move that unit away yourself",
+            )
+
+    def _check_shadowing(self, names: Sequence[str]) -> None:
+        """A loaded unit of the same name elsewhere (e.g. /lib/systemd/system) is foreign too."""
+        res = self._ctl("show", "-p", "Id,LoadState,FragmentPath", "--", *names, check=False)
+        if res.returncode != 0:
+            return
+        for block in res.stdout.split("\n\n"):
+            info = parse_show(block)
+            name, frag = info.get("Id", ""), info.get("FragmentPath", "")
+            if info.get("LoadState") != "loaded" or not frag or name not in names:
+                continue
+            if frag != self._unit_path(name) and self.host.exists(frag) and not is_pdctl_unit(self.host.read_file(frag)):
+                raise ForeignUnit(
+                    f"a unit named {name} is already loaded from {frag} and pdctl did not write it",
+                    unit=name, hint="rename the deployment, or remove that unit yourself",
+                )
+
+    # -- ServiceManager ----------------------------------------------------------------------
+
+    def install(self, units: UnitSet) -> list[str]:
+        self._require_systemctl()
+        files = unit_files(units, scope=self.scope)  # ValueError before any write
+        secrets = {s.secrets_file: render_env_file(s.secrets, deployment=s.deployment)
+                   for s in units.services if s.secrets and s.secrets_file}
+        self._check_writable(self.unit_dir)
+        for d in {posixpath.dirname(p) for p in secrets}:
+            self._check_writable(d)
+        for name in files:
+            self._check_owner(name)
+        for path in secrets:
+            if self.host.exists(path) and not is_pdctl_unit(self.host.read_file(path)):
+                raise ForeignUnit(f"{path} exists and was not written by pdctl", unit=path)
+        self._check_shadowing(list(files))
+
+        for path, text in secrets.items():
+            self.host.write_file(path, text.encode(), mode=0o600)
+        changed = []
+        for name, text in files.items():
+            path = self._unit_path(name)
+            current = self.host.read_file(path).decode() if self.host.exists(path) else None
+            if current != text:
+                self.host.write_file(path, text.encode(), mode=0o644)
+                changed.append(name)
+        if changed:
+            self._ctl("daemon-reload")
+        return changed
+
+    def remove(self, names: Sequence[str]) -> None:
+        self._require_systemctl()
+        present = [n for n in names if self.host.exists(self._unit_path(n))]
+        for n in present:
+            self._check_owner(n)
+        secrets = []
+        for n in present:
+            for line in self.host.read_file(self._unit_path(n)).decode().splitlines():
+                if line.startswith("EnvironmentFile="):
+                    secrets.append(line.removeprefix("EnvironmentFile=").lstrip("-"))
+        if present:
+            self._ctl("stop", "--", *present, check=False, timeout=max(self.command_timeout, 300))
+        for n in present:
+            self.host.remove_file(self._unit_path(n))
+        for p in secrets:
+            if self.host.exists(p) and is_pdctl_unit(self.host.read_file(p)):
+                self.host.remove_file(p)
+        if present:
+            self._ctl("daemon-reload")
+            self._ctl("reset-failed", "--", *present, check=False)
+
+    def installed_text(self, name: str) -> str | None:
+        path = self._unit_path(name)
+        if not self.host.exists(path):
+            return None
+        text = self.host.read_file(path).decode()
+        return text if is_pdctl_unit(text) else None
+
+    def _timeout_of(self, name: str, key: str, default: float) -> float:
+        text = self.installed_text(name) or ""
+        for line in text.splitlines():
+            if line.startswith(key + "="):
+                try:
+                    return float(line.split("=", 1)[1])
+                except ValueError:
+                    break
+        return default
+
+    def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        self._require_systemctl()
+        self._ctl("reset-failed", "--", name, check=False)
+        self._ctl("start", "--no-block", "--", name)
+        if wait:
+            self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)
+
+    def stop(self, name: str, *, timeout: float | None = None) -> None:
+        self._require_systemctl()
+        t = timeout or self._timeout_of(name, "TimeoutStopSec", 120) + 30
+        self._ctl("stop", "--", name, timeout=t)
+
+    def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        self._require_systemctl()
+        self._ctl("restart", "--no-block", "--", name)
+        if wait:
+            self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)
+
+    def status(self, name: str) -> ServiceStatus:
+        self._require_systemctl()
+        res = self._ctl("show", "-p", "ActiveState,SubState,MainPID,NRestarts,LoadState", "--", name, check=False)
+        info = parse_show(res.stdout)
+        pid = int(info.get("MainPID") or 0) or None
+        restarts = int(info.get("NRestarts") or 0) if (info.get("NRestarts") or "").isdigit() else 0
+        return ServiceStatus(name=name, state=info.get("ActiveState") or "inactive", main_pid=pid,
+                             restarts=restarts, sub_state=info.get("SubState", ""))
+
+    def logs(self, name: str, *, lines: int = 50) -> list[str]:
+        text = self.installed_text(name) or ""
+        for line in text.splitlines():
+            if line.startswith("StandardOutput=append:"):
+                path = line.split(":", 1)[1]
+                if not self.host.exists(path):
+                    return []
+                data = self.host.read_file(path).decode("utf-8", "replace")
+                return data.splitlines()[-lines:]
+        flag = "--user-unit" if self.scope == "user" else "--unit"
+        res = self.host.run([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"],
+                            timeout=self.command_timeout, check=False)
+        return res.stdout.splitlines()[-lines:] if res.returncode == 0 else []

@@ -1,0 +1,294 @@
+"""The per-role watchdog of :class:`~pdctl.units.ProcessSupervisor`:
+``python -m pdctl.units.supervise SERVICE_DIR``.
+
+It runs detached (its own session) on the role's host and owns the role's process group until
+SIGTERM: waits for required services, starts the role, gates on readiness, restarts on failure
+within the start limit, and on exit stops the whole group and reaps every orphan. See
+``pdctl.units._process`` for the design; this file is the loop. It talks to the local OS
+directly — it *is* the host-side agent — and writes its state atomically to ``status.json``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from ._process import _proc_pgrp, _proc_state, parse_env_file
+from ._types import ServiceSpec
+
+BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
+"""What the role inherits from the watchdog's environment (systemd, too, starts from a clean one)."""
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class Watchdog:
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+        unit = json.loads((d / "unit.json").read_text())
+        self.spec = ServiceSpec.from_json({**unit["service"], "secrets": []})
+        self.secrets_file = unit["service"].get("secrets_file")
+        self.stopping = False
+        self.restarts = 0
+        self.proc: subprocess.Popen | None = None
+        self.log = open(d / "output.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as the watchdog
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        self.log.write(f"pdctl-supervise[{os.getpid()}]: {msg}\n".encode())
+
+    def status(self, state: str, sub: str) -> None:
+        body = {"state": state, "sub": sub, "restarts": self.restarts, "updated": time.time(),
+                "watchdog_pid": os.getpid(), "main_pid": self.proc.pid if self.proc else None}
+        tmp = self.dir / f".status.json.{os.getpid()}"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, self.dir / "status.json")
+
+    def on_term(self, *_: object) -> None:
+        self.stopping = True
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < end:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
+    # -- the role ----------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
+        env.update(dict(self.spec.env))
+        if self.secrets_file and os.path.exists(self.secrets_file):
+            env.update(parse_env_file(Path(self.secrets_file).read_text()))
+        return env
+
+    def preexec(self) -> None:  # runs in the child between fork and exec (single-threaded parent)
+        os.setpgid(0, 0)
+        if self.spec.cpu_affinity:
+            cpus: set[int] = set()
+            for part in self.spec.cpu_affinity.replace(" ", ",").split(","):
+                if part:
+                    a, _, b = part.partition("-")
+                    cpus.update(range(int(a), int(b or a) + 1))
+            try:
+                os.sched_setaffinity(0, cpus & os.sched_getaffinity(0) or cpus)
+            except OSError:
+                pass
+        if self.spec.memlock_infinity:
+            try:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except (OSError, ValueError):
+                pass
+
+    def spawn(self) -> None:
+        cwd = self.spec.working_dir or str(self.dir)
+        self.proc = subprocess.Popen(
+            list(self.spec.argv), env=self.env(), cwd=cwd, stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=self.preexec, close_fds=True,
+        )
+        tmp = self.dir / ".main.pid.tmp"
+        tmp.write_text(f"{self.proc.pid}\n")
+        os.replace(tmp, self.dir / "main.pid")
+        self.say(f"started main process {self.proc.pid}: {' '.join(self.spec.argv)}")
+
+    def ready(self) -> bool:
+        if not self.spec.readiness_url:
+            return True
+        try:
+            with self.opener.open(self.spec.readiness_url, timeout=2) as r:
+                return 200 <= r.status < 300
+        except Exception:  # noqa: BLE001 - any failure means "not ready yet"
+            return False
+
+    def group_alive(self, pgid: int) -> bool:
+        for e in os.listdir("/proc"):
+            if e.isdigit():
+                try:
+                    st = Path(f"/proc/{e}/stat").read_bytes()
+                except OSError:
+                    continue
+                if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"):
+                    return True
+        return False
+
+    def kill_group(self, timeout: float) -> None:
+        """SIGTERM the role's group, wait *timeout*, SIGKILL; then reap every child we have."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.reap()
+            if self.proc.poll() is not None and not self.group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            self.say(f"group {pgid} still alive after {timeout:g} s: SIGKILL")
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.kill_orphans()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill_orphans(self) -> None:
+        """As a child subreaper we inherit the role's orphans (even ones that left its group)."""
+        me = os.getpid()
+        for _ in range(50):
+            kids = []
+            for e in os.listdir("/proc"):
+                if e.isdigit() and int(e) != me:
+                    try:
+                        st = Path(f"/proc/{e}/stat").read_bytes()
+                    except OSError:
+                        continue
+                    fields = st[st.rfind(b")") + 2:].split()
+                    if len(fields) > 1 and int(fields[1]) == me and _proc_state(st) not in ("Z", "X"):
+                        kids.append(int(e))
+            self.reap()
+            if not kids:
+                return
+            for k in kids:
+                try:
+                    os.kill(k, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, wstatus = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.proc is not None and pid == self.proc.pid and self.proc.returncode is None:
+                # reaped here: record the code so that Popen never waits on a PID that is gone
+                self.proc.returncode = os.waitstatus_to_exitcode(wstatus)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def wait_requires(self) -> bool:
+        if not self.spec.requires:
+            return True
+        self.status("activating", "waiting-for-dependencies")
+        deadline = time.monotonic() + self.spec.timeout_start_s
+        root = self.dir.parent
+        while not self.stopping:
+            states = []
+            for r in self.spec.requires:
+                try:
+                    states.append(json.loads((root / r / "status.json").read_text()).get("state"))
+                except (OSError, ValueError):
+                    states.append(None)
+            if all(s == "active" for s in states):
+                return True
+            if any(s in ("failed", "inactive") for s in states):
+                self.say(f"dependency failed: {dict(zip(self.spec.requires, states))}")
+                return False
+            if time.monotonic() > deadline:
+                self.say("timed out waiting for dependencies")
+                return False
+            self.sleep(0.2)
+        return False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_term)
+        signal.signal(signal.SIGINT, self.on_term)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        (self.dir / "watchdog.pid").write_text(f"{os.getpid()}\n")
+        s = self.spec
+        if not self.wait_requires():
+            self.status("inactive" if self.stopping else "failed", "dead" if self.stopping else "dependency")
+            return 0 if self.stopping else 1
+        starts: deque[float] = deque()
+        final = ("inactive", "dead")
+        while not self.stopping:
+            now = time.monotonic()
+            while starts and now - starts[0] > s.start_limit_interval_s:
+                starts.popleft()
+            if len(starts) >= s.start_limit_burst:
+                self.say(f"start limit hit: {len(starts)} starts within {s.start_limit_interval_s} s")
+                final = ("failed", "start-limit-hit")
+                break
+            starts.append(now)
+            try:
+                self.spawn()
+            except OSError as exc:
+                self.say(f"cannot start {s.argv[0]}: {exc}")
+                self.proc = None
+                final = ("failed", "exec")
+                break
+            self.status("activating", "start")
+            ready, t0, rc, why = False, time.monotonic(), None, ""
+            while not self.stopping:
+                rc = self.proc.poll()
+                if rc is not None:
+                    why = f"exited, code={rc}" if rc >= 0 else f"killed, signal={-rc}"
+                    break
+                if not ready:
+                    if self.ready():
+                        ready = True
+                        self.say("ready")
+                        self.status("active", "running")
+                        continue
+                    if time.monotonic() - t0 > s.timeout_start_s:
+                        why, rc = f"readiness gate timed out after {s.timeout_start_s} s", -1
+                        break
+                self.sleep(0.25 if not ready else 0.2)
+            if self.stopping:
+                break
+            self.say(f"main process {self.proc.pid} {why}")
+            self.kill_group(min(10.0, s.timeout_stop_s))
+            if rc == 0:
+                final = ("inactive", "dead")
+                break
+            self.restarts += 1
+            self.status("activating", "auto-restart")
+            self.sleep(s.restart_sec)
+        if self.stopping:
+            self.status("deactivating", "stop-sigterm")
+            self.say("stopping")
+        self.kill_group(s.timeout_stop_s)
+        for f in ("main.pid", "watchdog.pid"):
+            try:
+                (self.dir / f).unlink()
+            except FileNotFoundError:
+                pass
+        self.status(*final)
+        self.say(f"{final[0]} ({final[1]})")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pdctl.units.supervise SERVICE_DIR", file=sys.stderr)
+        return 2
+    return Watchdog(Path(args[0])).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
