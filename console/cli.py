@@ -72,6 +72,7 @@ def plan(
     _warnings(loaded)
     p = plan_spec(loaded)
     if out is not None:
+        p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
 
         atomic_write(out, p.model_dump_json(indent=1).encode())
@@ -81,6 +82,175 @@ def plan(
     else:
         sys.stdout.write(render_text(p) + "\n")
     raise typer.Exit(ExitCode.CHANGES if p.has_changes else ExitCode.OK)
+
+
+class _Reporter:
+    """Headless progress: one line per event on stderr, or one JSON object per line on stdout."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def emit(self, event) -> None:  # noqa: ANN001
+        if self.as_json:
+            sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
+            sys.stdout.flush()
+            return
+        if event.kind in ("step_started", "info") and event.kind != "info":
+            return
+        el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None else ""
+        mark = {"step_verified": "✓", "step_skipped": "=", "step_failed": "✗", "apply_done": "●", "apply_failed": "✗"}.get(event.kind, "·")
+        _err(f"{mark} {event.message}{el}")
+        if event.kind == "step_failed" and event.data.get("hint"):
+            _err(f"  hint: {event.data['hint']}")
+
+
+@app.command("apply")
+def apply_cmd(
+    spec: Annotated[Path, typer.Argument(help="Spec (TOML) or a plan saved with `pdctl plan -o`")],
+    state_dir: StateDirOpt = None,
+    confirm_topology: Annotated[
+        Optional[str], typer.Option("--confirm-topology", metavar="PLAN_ID", help="Confirm a topology change: the exact plan id")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line on stdout")] = False,
+) -> None:
+    """Plan, then bring the deployment to parsers_configured, proving every step.
+
+    A topology change is refused (exit 2, plan printed) unless --confirm-topology names this
+    exact plan. A saved plan applies only while the deployment still matches its "from" side.
+    """
+    from pdctl.statemachine.plan import render_text
+    from pdctl.statemachine.service import apply, load, load_saved_plan
+
+    saved = None
+    if spec.suffix == ".json":
+        saved = load_saved_plan(spec)
+        if not saved.spec_path:
+            raise typer.BadParameter("the saved plan names no spec file")
+        spec = Path(saved.spec_path)
+    loaded = load(spec, state_dir=state_dir)
+    _warnings(loaded)
+    rep = _Reporter(as_json)
+    try:
+        result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
+    except PdctlError as e:
+        from pdctl.statemachine.errors import TopologyNotConfirmed
+
+        if isinstance(e, TopologyNotConfirmed) and not as_json:
+            from pdctl.statemachine.service import plan_spec
+
+            sys.stdout.write(render_text(saved or plan_spec(loaded)) + "\n")
+        raise
+    if not as_json:
+        _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")
+
+
+@app.command("status")
+def status_cmd(
+    spec: SpecArg,
+    state_dir: StateDirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print status as JSON")] = False,
+) -> None:
+    """Each role's unit state, health and last proof (and its age); the router's view.
+    Exit 0 when everything is healthy, 1 otherwise."""
+    from pdctl.statemachine.service import load, status
+
+    loaded = load(spec, state_dir=state_dir)
+    st = status(loaded)
+    if as_json:
+        sys.stdout.write(json.dumps(st, indent=1, default=str) + "\n")
+    else:
+        sys.stdout.write(_status_text(st) + "\n")
+    raise typer.Exit(ExitCode.OK if st["healthy"] else ExitCode.ERROR)
+
+
+def _status_text(st: dict) -> str:
+    lines = [f"deployment {st['deployment']} ({st['mode']}): " + ("healthy" if st["healthy"] else "NOT healthy")
+             + (f", reached {st['reached']}" if st["reached"] else "") + (" [apply in progress or interrupted]" if st["applying"] else "")]
+    for r in st["roles"]:
+        lines.append(
+            f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {r['health'] or 'down':<5} "
+            f"restarts {r['restarts']}  {r['url']}"
+        )
+    rt = st.get("router")
+    if rt:
+        stats = rt.get("stats") or {}
+        lines.append(
+            f"  {'router':<10} {rt['state']:<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
+            f"{rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
+        )
+    if st["steps"]:
+        lines.append("  steps:")
+        for name, s in st["steps"].items():
+            age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
+            lines.append(f"    {name:<20} {s['status']:<8} {s.get('summary') or ''}{age}")
+    return "\n".join(lines)
+
+
+@app.command("down")
+def down_cmd(
+    spec: SpecArg,
+    state_dir: StateDirOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask (headless)")] = False,
+) -> None:
+    """Stop everything in reverse order (router, decode, prefill) and remove the units."""
+    from pdctl.statemachine.service import down, load
+
+    loaded = load(spec, state_dir=state_dir)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise typer.BadParameter("refusing to stop without a terminal to ask on: pass --yes")
+        answer = input(f"Stop every role of deployment {loaded.deployment.name!r}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            _err("nothing stopped")
+            raise typer.Exit(ExitCode.OK)
+    names = down(loaded, sink=_Reporter(False))
+    _err(f"stopped and removed {len(names)} unit(s) of {loaded.deployment.name!r}")
+
+
+@app.command("units")
+def units_cmd(
+    spec: SpecArg,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write the unit files into")],
+) -> None:
+    """Write the deployment's systemd units (one per role and a target) into a directory."""
+    from pdctl.statemachine.launch import write_units
+    from pdctl.statemachine.service import load
+
+    loaded = load(spec)
+    for p in write_units(loaded.deployment, out):
+        sys.stdout.write(f"{p}\n")
+
+
+@app.command("chat")
+def chat_cmd(
+    spec: SpecArg,
+    message: Annotated[str, typer.Argument(help="The user message")] = "What is the weather in Paris? Use the tool.",
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Send one chat completion (with a tool and thinking on) through the deployment's router."""
+    import httpx
+
+    from pdctl.statemachine.probes import PROBE_TOOL
+    from pdctl.statemachine.service import load
+    from pdctl.statemachine.topology import topology_of
+
+    loaded = load(spec, state_dir=state_dir)
+    topo = topology_of(loaded.deployment)
+    if topo.router is not None:
+        host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
+        url = f"http://{host}:{topo.router.port}"
+    else:
+        url = topo.roles[0].url
+    model = loaded.deployment.model.served_name or loaded.deployment.model.path
+    body = {"model": model, "messages": [{"role": "user", "content": message}], "tools": [PROBE_TOOL],
+            "chat_template_kwargs": {"thinking": True}, "max_tokens": 256}
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        _err(f"error: POST {url}/v1/chat/completions: {exc}")
+        raise typer.Exit(ExitCode.ERROR) from None
+    sys.stdout.write(json.dumps(r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text, indent=1) + "\n")
+    raise typer.Exit(ExitCode.OK if r.status_code == 200 else ExitCode.ERROR)
 
 
 def _rewrite(argv: list[str]) -> list[str]:
@@ -119,5 +289,3 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(ExitCode.INTERRUPTED)
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 
-
-_ = json  # used by commands added below

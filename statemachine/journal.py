@@ -99,6 +99,8 @@ class JournalState:
     target: Topology | None = None
     plan_id: str | None = None
     steps: dict[str, StepRecord] = field(default_factory=dict)
+    units: dict[str, str] = field(default_factory=dict)
+    """Unit name → fingerprint of the service definition last proven running."""
     updated_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -110,6 +112,7 @@ class JournalState:
             "target": self.target.model_dump(mode="json") if self.target else None,
             "plan_id": self.plan_id,
             "steps": {k: v.to_json() for k, v in self.steps.items()},
+            "units": dict(self.units),
             "updated_at": self.updated_at,
         }
 
@@ -122,6 +125,7 @@ class JournalState:
             target=Topology.model_validate(data["target"]) if data.get("target") else None,
             plan_id=data.get("plan_id"),
             steps={k: StepRecord(**v) for k, v in (data.get("steps") or {}).items()},
+            units=dict(data.get("units") or {}),
             updated_at=data.get("updated_at"),
         )
 

@@ -82,6 +82,8 @@ class Plan(_Frozen):
     to_topology: Topology
     changes: tuple[ResourceChange, ...]
     topology_changes: tuple[str, ...]
+    spec_path: str | None = None
+    """The spec the plan was made from (``pdctl apply PLANFILE`` re-reads it); not part of the id."""
 
     @property
     def has_changes(self) -> bool:

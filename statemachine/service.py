@@ -45,3 +45,315 @@ def plan_spec(loaded: Loaded) -> Plan:
     """The plan from what the journal says is deployed to what the spec asks."""
     state = loaded.journal.read()
     return make_plan(state.deployed, topology_of(loaded.deployment), from_serial=state.serial)
+
+
+# --- apply ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What an apply did: the plan, the final state reached, each step's outcome."""
+
+    plan: Plan
+    state: str
+    steps: dict[str, dict]
+
+
+def _resolve_confirmation(plan: Plan, confirm: str | None) -> None:
+    from pdctl.statemachine.errors import TopologyNotConfirmed
+
+    if not plan.requires_confirmation:
+        return
+    if confirm is None:
+        raise TopologyNotConfirmed(
+            f"plan {plan.plan_id} changes the topology ({'; '.join(plan.topology_changes)}); nothing was changed",
+            plan_id=plan.plan_id,
+            hint=f"review `pdctl plan`, then re-run with --confirm-topology {plan.plan_id}",
+        )
+    if confirm != plan.plan_id:
+        raise TopologyNotConfirmed(
+            f"--confirm-topology {confirm} names another plan; this plan is {plan.plan_id} "
+            f"({'; '.join(plan.topology_changes)}); nothing was changed",
+            plan_id=plan.plan_id,
+            hint="a confirmation applies to exactly one plan: review the new plan and confirm its id",
+        )
+
+
+def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
+    from pdctl.statemachine.errors import PlanError
+
+    try:
+        return Plan.model_validate_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path}: not a readable pdctl plan: {exc}") from None
+
+
+def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
+    """Role name (and ``router``) → unit name, as :mod:`pdctl.statemachine.launch` names units."""
+    out = {r.name: f"pdctl-{topo.name}-{r.name}.service" for r in topo.roles}
+    if topo.router is not None:
+        out["router"] = f"pdctl-{topo.name}-router.service"
+    return out
+
+
+def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
+    """The command that builds and verifies pdctl's kernels for *dep* on its GPU host, and the
+    manifest it writes (``<SGLANG_CACHE_DIR>/pdctl-kernels-manifest.json``). Shapes follow the
+    deployment: local MLA heads = 128 / TP of the decode group, the KV format from the
+    kv-cache dtype, the max context from the model's context length."""
+    from pdctl.statemachine import launch
+
+    cache = launch._cache_dir(dep)
+    tps = sorted({r.tp for _n, k, r in dep.roles() if k in ("decode", "server")}) or [1]
+    heads = sorted({max(1, 128 // tp) for tp in tps})
+    fmt = "fp8" if str(dep.model.kv_cache_dtype).startswith("fp8") else "bf16"
+    cmd = [launch.python_for(dep), "-m", "pdctl.kernels", "build", "--cache-dir", cache, "--heads", *map(str, heads), "--kv-formats", fmt]
+    if dep.model.context_length:
+        cmd += ["--max-context", str(dep.model.context_length)]
+    return cmd, os.path.join(cache, "pdctl-kernels-manifest.json")
+
+
+def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, restart: set[str] | None = None):  # noqa: ANN001, ANN201
+    """Everything the steps need for *loaded* on this host (local)."""
+    import httpx
+
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.steps import Context, Timeouts
+
+    dep = loaded.deployment
+    topo = topology_of(dep)
+    host = LocalHost()
+    units = launch.unit_set_for(dep, state_dir=str(loaded.journal.dir))
+    manager = launch.manager_for(dep, host, state_dir=str(loaded.journal.dir))
+    unit_of = unit_names(topo)
+    kcmd, kmanifest = kernels_build_command(dep)
+    return Context(
+        dep=dep,
+        topology=topo,
+        host=host,
+        manager=manager,
+        units=units,
+        unit_of=unit_of,
+        client=client or httpx.Client(trust_env=False),
+        journal=loaded.journal,
+        journal_state=loaded.journal.read(),
+        restart=set(restart or ()),
+        timeouts=timeouts or Timeouts(),
+        kernels_command=kcmd,
+        kernels_manifest=kmanifest,
+    )
+
+
+def apply(
+    loaded: Loaded,
+    *,
+    confirm: str | None = None,
+    saved_plan: Plan | None = None,
+    sink=None,  # noqa: ANN001
+    timeouts=None,  # noqa: ANN001
+    client=None,  # noqa: ANN001
+) -> ApplyResult:
+    """Plan, check the confirmation, then drive the state machine to the last state.
+
+    Holds the deployment's lock throughout (:class:`LockHeld` if taken). A topology change needs
+    ``confirm == plan.plan_id`` (:class:`TopologyNotConfirmed` otherwise, before anything changes).
+    A *saved_plan* applies only while the deployment still matches its "from" side and the spec
+    still produces its "to" side (:class:`StalePlanError`). Roles no longer in the spec are
+    stopped and removed (router first). Raises :class:`StepError` naming the failed step; the
+    journal then records the failure and what already runs stays as it was.
+    """
+    from pdctl.statemachine.errors import StalePlanError
+    from pdctl.statemachine.events import Event, NullSink
+    from pdctl.statemachine.machine import run_steps
+    from pdctl.statemachine.steps import steps_for
+
+    sink = sink or NullSink()
+    j = loaded.journal
+    with j.lock("apply"):
+        state = j.read()
+        desired = topology_of(loaded.deployment)
+        plan = make_plan(state.deployed, desired, from_serial=state.serial)
+        if saved_plan is not None:
+            if saved_plan.from_topology != state.deployed:
+                raise StalePlanError(
+                    f"saved plan {saved_plan.plan_id} was made against another deployment state "
+                    f"(journal serial {saved_plan.from_serial}, now {state.serial}); nothing was changed",
+                    plan_id=saved_plan.plan_id,
+                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
+                )
+            if saved_plan.to_topology != desired:
+                raise StalePlanError(
+                    f"the spec no longer produces saved plan {saved_plan.plan_id}'s topology; nothing was changed",
+                    plan_id=saved_plan.plan_id,
+                    hint="make a new plan from the current spec",
+                )
+            plan = saved_plan  # exactly what was reviewed; a topology change still needs its confirmation
+        sink.emit(Event("plan", f"plan {plan.plan_id}: {plan.cls or 'no changes'}", data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
+        j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
+        try:
+            _resolve_confirmation(plan, confirm)
+        except Exception as exc:
+            j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
+            raise
+        j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
+        sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
+
+        # Journal the target before touching anything: a kill from here on re-runs to the same end.
+        state.target = desired
+        state.plan_id = plan.plan_id
+        j.write(state)
+
+        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()))
+        ctx.journal_state = state
+        _remove_gone_roles(ctx, state, desired, sink)
+        try:
+            machine = run_steps(ctx, steps_for(desired), sink)
+        except Exception as exc:
+            j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
+            sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None)))
+            raise
+        state.deployed = desired
+        state.target = None
+        j.write(state)
+        j.audit("apply-done", plan_id=plan.plan_id, state=machine.state)
+        sink.emit(Event("apply_done", f"deployment {desired.name!r} reached {machine.state}", data={"plan_id": plan.plan_id}))
+        return ApplyResult(plan, machine.state, {k: v.to_json() for k, v in state.steps.items()})
+
+
+def _remove_gone_roles(ctx, state, desired, sink) -> None:  # noqa: ANN001
+    """Stop and remove the units of roles that were deployed (or targeted) but are not wanted."""
+    from pdctl.statemachine.events import Event
+
+    wanted = set(ctx.unit_of.values())
+    previous: list[str] = []
+    for topo in (state.deployed, state.target):
+        if topo is None:
+            continue
+        for name in unit_names(topo).values():
+            if name not in wanted and name not in previous:
+                previous.append(name)
+    # Router first, then decode, then prefill/servers: the reverse of bring-up.
+    previous.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
+    for name in previous:
+        ctx.manager.stop(name)
+        ctx.manager.remove([name])
+        sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
+
+
+# --- status and down -----------------------------------------------------------------------------
+
+
+def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
+    """Each role's unit state, health and last proof (with its age), and the router's view.
+
+    Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
+    role that is down; that is what it reports.
+    """
+    import time as _time
+
+    import httpx
+
+    from pdctl.statemachine import launch, probes
+    from pdctl.statemachine.errors import ProbeError
+    from pdctl.statemachine.hosts import LocalHost
+
+    state = loaded.journal.read()
+    topo = state.target or state.deployed or topology_of(loaded.deployment)
+    manager = launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(loaded.journal.dir))
+    names = unit_names(topo)
+    client = client or httpx.Client(trust_env=False)
+    now = _time.time()
+    roles = []
+    for r in topo.roles:
+        st = manager.status(names[r.name])
+        code = probes.health(client, r.url, timeout=2.0)
+        roles.append(
+            {
+                "name": r.name,
+                "kind": r.kind,
+                "unit": names[r.name],
+                "state": st.state,
+                "main_pid": st.main_pid,
+                "restarts": st.restarts,
+                "url": r.url,
+                "health": code,
+                "healthy": code == 200 and st.is_active,
+            }
+        )
+    router = None
+    if topo.router is not None:
+        st = manager.status(names["router"])
+        host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
+        url = f"http://{host}:{topo.router.port}"
+        router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure}
+        try:
+            code, body = probes.router_readiness(client, url, timeout=2.0)
+            router["readiness"] = code
+            workers, stats = probes.router_workers(client, url, timeout=2.0)
+            router["workers"] = [w.__dict__ for w in workers]
+            router["stats"] = stats
+        except ProbeError as exc:
+            router["readiness"] = 0
+            router["error"] = str(exc)
+    steps = {}
+    for name, rec in state.steps.items():
+        summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
+        steps[name] = {
+            "status": rec.status,
+            "summary": summary,
+            "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
+        }
+    reached = None
+    for name, rec in state.steps.items():
+        if rec.status in ("done", "skipped"):
+            reached = name
+        else:
+            break
+    all_healthy = all(r["healthy"] for r in roles) and (router is None or (router.get("readiness") == 200 and router["state"] == "active"))
+    return {
+        "deployment": topo.name,
+        "mode": topo.mode,
+        "serial": state.serial,
+        "plan_id": state.plan_id,
+        "deployed": state.deployed is not None,
+        "applying": state.target is not None,
+        "reached": reached,
+        "healthy": all_healthy,
+        "roles": roles,
+        "router": router,
+        "steps": steps,
+    }
+
+
+def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
+    """Stop everything in reverse order (router, decode, prefill), remove the units, and record
+    that nothing is deployed. Returns the units stopped. Holds the lock."""
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.events import Event, NullSink
+    from pdctl.statemachine.hosts import LocalHost
+
+    sink = sink or NullSink()
+    j = loaded.journal
+    with j.lock("down"):
+        state = j.read()
+        j.audit("down-started", serial=state.serial)
+        manager = launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(j.dir))
+        names: list[str] = []
+        for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
+            if topo is None:
+                continue
+            for n in unit_names(topo).values():
+                if n not in names:
+                    names.append(n)
+        names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
+        for n in names:
+            manager.stop(n)
+            sink.emit(Event("info", f"stopped {n}", data={"unit": n}))
+        manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
+        state.deployed = None
+        state.target = None
+        state.steps = {}
+        j.write(state)
+        j.audit("down-done", units=names)
+        return names

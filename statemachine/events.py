@@ -1,0 +1,67 @@
+"""Progress events: how the engine talks to its front ends without printing.
+
+The engine calls ``sink.emit(Event(...))``; the headless reporter renders events as text or JSON
+lines, the console turns them into messages. An event never edits the plan. A sink may raise to
+halt a run (the console's cancel does), which the engine treats like any step failure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+__all__ = ["Event", "EventKind", "EventSink", "ListSink", "NullSink"]
+
+EventKind = Literal[
+    "plan",
+    "apply_started",
+    "step_started",
+    "step_skipped",
+    "step_applied",
+    "step_verified",
+    "step_failed",
+    "role_removed",
+    "apply_done",
+    "apply_failed",
+    "info",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened. ``elapsed_s`` is the step's (or the run's) elapsed wall time."""
+
+    kind: EventKind
+    message: str
+    step: str | None = None
+    elapsed_s: float | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EventSink(Protocol):
+    def emit(self, event: Event) -> None: ...
+
+
+class NullSink:
+    """Discards events."""
+
+    def emit(self, event: Event) -> None:  # noqa: D102
+        return None
+
+
+class ListSink:
+    """Keeps events in memory (tests, the console's step panel)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:  # noqa: D102
+        self.events.append(event)
+
+    def kinds(self) -> list[tuple[str, str | None]]:
+        return [(e.kind, e.step) for e in self.events]

@@ -1,0 +1,587 @@
+"""The six steps of a PD deployment (and the single-server variant), each with its proof.
+
+See :mod:`pdctl.statemachine.machine` for the contract (observe → apply → verify, undo). Proofs
+follow the architecture note: a server is *up* when its unit is active **and** ``/health`` is 200
+**and** ``/server_info`` shows the expected role, TP size, model, parsers, page size and kv-cache
+dtype; the KV link is proven before any router exists (bootstrap ``/route`` from the decode side,
+then one paired request with one bootstrap room straight to prefill and decode, transfer-failure
+counters flat); the router by ``/readiness`` plus ``/workers`` counts, roles and health (never its
+``/health``); the parsers by one chat request with tools and thinking through the exposed router.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from pdctl.statemachine import probes
+from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, VerifyFailed
+from pdctl.statemachine.journal import Journal, JournalState
+from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
+from pdctl.statemachine.spec import Deployment
+from pdctl.statemachine.topology import RoleTopology, Topology
+
+__all__ = ["Context", "Timeouts", "steps_for"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Bounds, in seconds. ``role_start`` is used when a role declares no expected cold start."""
+
+    role_start: float = 1800.0
+    bootstrap: float = 30.0
+    kv_request: float = 60.0
+    router: float = 120.0
+    chat: float = 120.0
+    kernels_build: float = 3600.0
+    poll: float = 0.25
+
+
+@dataclass
+class Context:
+    """Everything a step needs. ``manager`` is a :class:`pdctl.units.ServiceManager`."""
+
+    dep: Deployment
+    topology: Topology
+    host: Any
+    manager: Any
+    units: Any
+    """The deployment's :class:`pdctl.units.UnitSet`."""
+    unit_of: dict[str, str]
+    """Role name (and ``router``) → unit name."""
+    client: httpx.Client
+    journal: Journal
+    journal_state: JournalState
+    restart: set[str] = field(default_factory=set)
+    """Roles the plan restarts (settings changed); their observe never skips."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    kernels_command: list[str] | None = None
+    kernels_manifest: str | None = None
+
+    def fingerprint(self, unit: str) -> str:
+        """Hash of the desired definition of *unit* (argv, env, limits…)."""
+        import hashlib
+
+        spec = self.units.service(unit)
+        return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def definition_changed(self, unit: str) -> bool:
+        """True when *unit*'s desired definition differs from the one last proven running."""
+        return self.journal_state.units.get(unit) != self.fingerprint(unit)
+
+    def router_url(self) -> str:
+        r = self.topology.router
+        assert r is not None
+        host = "127.0.0.1" if r.host in ("0.0.0.0", "::") else r.host
+        return f"http://{host}:{r.port}"
+
+
+def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str) -> T:
+    """Call *fn* until it returns a value (not None) or *deadline_s* passes (StepTimeout)."""
+    end = time.monotonic() + deadline_s
+    last_exc: Exception | None = None
+    while True:
+        try:
+            v = fn()
+            if v is not None:
+                return v
+        except ProbeError as exc:
+            last_exc = exc
+        if time.monotonic() >= end:
+            tail = f" (last error: {last_exc})" if last_exc else ""
+            raise StepTimeout(f"{what}: not reached within {deadline_s:g} s{tail}", step=step)
+        time.sleep(poll)
+
+
+# --- server roles --------------------------------------------------------------------------------
+
+_MODE = {"prefill": "prefill", "decode": "decode", "server": "null"}
+
+
+def expected_server_info(role: RoleTopology, topo: Topology) -> dict[str, Any]:
+    """What ``/server_info`` must show for *role* (keys as SGLang 0.5.23 names them)."""
+    s = role.settings
+    model, parsers = s["model"], s["parsers"]
+    exp: dict[str, Any] = {
+        "disaggregation_mode": _MODE[role.kind],
+        "tp_size": role.tp,
+        "model_path": model["path"],
+        "reasoning_parser": parsers["reasoning_parser"],
+        "tool_call_parser": parsers["tool_call_parser"],
+        "chat_template": parsers["chat_template"],
+        "port": role.port,
+    }
+    if model.get("served_name"):
+        exp["served_model_name"] = model["served_name"]
+    if model.get("page_size") is not None:
+        exp["page_size"] = model["page_size"]
+    if model.get("kv_cache_dtype") not in (None, "auto"):
+        exp["kv_cache_dtype"] = model["kv_cache_dtype"]
+    if role.kind == "prefill":
+        exp["disaggregation_bootstrap_port"] = role.bootstrap_port
+    if role.kind in ("prefill", "decode") and topo.kv_link is not None:
+        exp["disaggregation_transfer_backend"] = topo.kv_link.backend
+    return exp
+
+
+def server_info_mismatches(info: dict[str, Any], exp: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in exp.items():
+        if info.get(k) != v:
+            out.append(f"{k} is {info.get(k)!r}, expected {v!r}")
+    return out
+
+
+class ServersUp(Step):
+    """``prefill_up`` / ``decode_up`` / ``server_up``: the role's units run and serve as specified."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.hint = (
+            f"read the {kind} logs (`pdctl status`, or the console's logs panel); check the GPUs are free, "
+            "the model path exists and the ports are not taken"
+        )
+
+    def _roles(self, ctx: Context) -> list[RoleTopology]:
+        return ctx.topology.roles_of(self.kind)
+
+    def _proof_for(self, ctx: Context, role: RoleTopology) -> tuple[list[str], dict[str, Any]]:
+        unit = ctx.unit_of[role.name]
+        st = ctx.manager.status(unit)
+        if not st.is_active:
+            raise VerifyFailed(f"{role.name}: unit {unit} is {st.state}", step=self.name)
+        code = probes.health(ctx.client, role.url)
+        if code != 200:
+            raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)
+        info = probes.server_info(ctx.client, role.url)
+        exp = expected_server_info(role, ctx.topology)
+        bad = server_info_mismatches(info, exp)
+        if bad:
+            raise VerifyFailed(f"{role.name}: /server_info differs from the spec: " + "; ".join(bad), step=self.name)
+        checks = [
+            f"{unit} active (main PID {st.main_pid})",
+            f"GET {role.url}/health → 200",
+            f"GET {role.url}/server_info matches {len(exp)} expected fields ({', '.join(sorted(exp))})",
+        ]
+        evidence = {"unit": unit, "main_pid": st.main_pid, "server_info": {k: info.get(k) for k in sorted(exp)}, "version": info.get("version")}
+        return checks, evidence
+
+    def owned_units(self, ctx: Context) -> list[str]:
+        return [ctx.unit_of[r.name] for r in self._roles(ctx)]
+
+    def observe(self, ctx: Context) -> Proof | None:
+        roles = self._roles(ctx)
+        if any(r.name in ctx.restart or ctx.definition_changed(ctx.unit_of[r.name]) for r in roles):
+            return None
+        checks: list[str] = []
+        evidence: dict[str, Any] = {}
+        try:
+            for r in roles:
+                c, e = self._proof_for(ctx, r)
+                checks += c
+                evidence[r.name] = e
+        except (VerifyFailed, ProbeError):
+            return None
+        return Proof(f"{', '.join(r.name for r in roles)} already up as specified", tuple(checks), evidence)
+
+    def apply(self, ctx: Context) -> None:
+        roles = self._roles(ctx)
+        changed = set(ctx.manager.install(ctx.units))
+        for r in roles:
+            unit = ctx.unit_of[r.name]
+            st = ctx.manager.status(unit)
+            stale = (
+                r.name in ctx.restart
+                or unit in changed
+                or ctx.definition_changed(unit)
+                or not self._serves_as_specified(ctx, r)
+            )
+            if st.state in ("active", "activating") and stale:
+                ctx.manager.restart(unit)
+            elif st.state not in ("active", "activating"):
+                ctx.manager.start(unit)
+        for r in roles:
+            self._wait_healthy(ctx, r)
+
+    def _serves_as_specified(self, ctx: Context, role: RoleTopology) -> bool:
+        try:
+            self._proof_for(ctx, role)
+            return True
+        except (VerifyFailed, ProbeError):
+            return False
+
+    def _wait_healthy(self, ctx: Context, role: RoleTopology) -> None:
+        unit = ctx.unit_of[role.name]
+        bound = role.settings.get("expected_cold_start_s") or ctx.timeouts.role_start
+
+        def ready() -> bool | None:
+            st = ctx.manager.status(unit)
+            if st.state == "failed":
+                logs = "\n    ".join(ctx.manager.logs(unit, lines=15))
+                raise ApplyFailed(f"{role.name}: unit {unit} failed while starting; last log lines:\n    {logs}", step=self.name)
+            if not st.is_active:  # the manager's readiness gate has not passed yet
+                return None
+            return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None
+
+        try:
+            _wait(f"{role.name} active and healthy at {role.url}/health", bound, ready, poll=ctx.timeouts.poll, step=self.name)
+        except StepTimeout as exc:
+            logs = "\n    ".join(ctx.manager.logs(unit, lines=10))
+            raise StepTimeout(
+                f"{exc.message}; the unit stays as it is. Last log lines:\n    {logs}",
+                step=self.name,
+                hint=f"raise expected_cold_start_s for {role.name} if the model loads slowly; otherwise read its logs",
+            ) from None
+
+    def verify(self, ctx: Context) -> Proof:
+        checks: list[str] = []
+        evidence: dict[str, Any] = {}
+        for r in self._roles(ctx):
+            c, e = self._proof_for(ctx, r)
+            checks += c
+            evidence[r.name] = e
+        return Proof(f"{', '.join(r.name for r in self._roles(ctx))} up: active, healthy, /server_info as specified", tuple(checks), evidence)
+
+    def undo(self, ctx: Context) -> None:
+        for r in self._roles(ctx):
+            ctx.manager.stop(ctx.unit_of[r.name])
+
+
+# --- kernels -------------------------------------------------------------------------------------
+
+
+class KernelsBuilt(Step):
+    name = "kernels_built"
+    hint = "build on the GPU host: python -m pdctl.kernels build --cache-dir DIR; or set [kernels] enabled = false"
+
+    def observe(self, ctx: Context) -> Proof | None:
+        if not ctx.dep.kernels.enabled:
+            return Proof("skipped: disabled in spec", ("kernels.enabled = false",))
+        return None
+
+    def apply(self, ctx: Context) -> None:
+        if not ctx.kernels_command:
+            raise ApplyFailed("kernels are enabled but no build command is known for this host", step=self.name)
+        res = ctx.host.run(ctx.kernels_command, timeout=ctx.timeouts.kernels_build, check=False)
+        if res.returncode != 0:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-8:]
+            raise ApplyFailed(
+                f"kernel build failed (exit {res.returncode}): " + " | ".join(tail),
+                step=self.name,
+                hint=self.hint,
+            )
+
+    def verify(self, ctx: Context) -> Proof:
+        if not ctx.kernels_manifest:
+            raise VerifyFailed("no manifest path", step=self.name)
+        try:
+            manifest = json.loads(ctx.host.read_file(ctx.kernels_manifest))
+        except (OSError, ValueError) as exc:
+            raise VerifyFailed(f"kernel manifest {ctx.kernels_manifest} unreadable: {exc}", step=self.name) from None
+        if not manifest.get("ok", False):
+            raise VerifyFailed(f"kernel manifest says verification failed: {manifest.get('errors')}", step=self.name)
+        gpu = manifest.get("gpu", {})
+        return Proof(
+            f"kernels built and verified on {gpu.get('name', '?')} ({gpu.get('arch', '?')})",
+            (f"manifest {ctx.kernels_manifest}",),
+            {"manifest": manifest},
+            (" ".join(ctx.kernels_command or []),),
+        )
+
+
+# --- KV link -------------------------------------------------------------------------------------
+
+_FAIL_COUNTERS = ("sglang:num_transfer_failed_reqs_total", "sglang:num_bootstrap_failed_reqs_total")
+
+
+class KVLinkVerified(Step):
+    name = "kv_link_verified"
+    hint = (
+        "check that decode reaches the prefill bootstrap (host, bootstrap port, firewall), that both sides use "
+        "the same transfer backend, page size and kv-cache dtype, and UCX_NET_DEVICES / ib_device for NIXL/Mooncake"
+    )
+
+    def apply(self, ctx: Context) -> None:
+        return None  # the link is configured by the roles; this step only proves it
+
+    def _counters(self, ctx: Context, url: str) -> dict[str, float]:
+        try:
+            text = probes.metrics(ctx.client, f"{url}/metrics")
+        except ProbeError:
+            return {}
+        return {n: probes.parse_metric_total(text, n) for n in _FAIL_COUNTERS}
+
+    def verify(self, ctx: Context) -> Proof:
+        topo = ctx.topology
+        assert topo.kv_link is not None
+        checks: list[str] = []
+        evidence: dict[str, Any] = {"pairs": []}
+        boot = {name: (h, p) for name, h, p in topo.kv_link.bootstrap}
+        for d in topo.roles_of("decode"):
+            dinfo = probes.server_info(ctx.client, d.url)
+            for p in topo.roles_of("prefill"):
+                bhost, bport = boot[p.name]
+                # 1. The bootstrap /route, from the decode side (this host is the decode host here).
+                def route() -> Any:
+                    status, body = probes.bootstrap_route(ctx.client, bhost, bport, timeout=3.0)
+                    return body if status == 200 else None
+
+                try:
+                    body = _wait(
+                        f"bootstrap GET http://{bhost}:{bport}/route from {d.name}",
+                        ctx.timeouts.bootstrap,
+                        route,
+                        poll=0.5,
+                        step=self.name,
+                    )
+                except StepTimeout as exc:
+                    raise VerifyFailed(
+                        f"{d.name} cannot use the bootstrap of {p.name} at {bhost}:{bport}: {exc.message}",
+                        step=self.name,
+                        hint=self.hint,
+                    ) from None
+                for k in ("page_size", "kv_cache_dtype"):
+                    if k in body and k in dinfo and body[k] != dinfo[k]:
+                        raise VerifyFailed(
+                            f"{p.name} registers {k}={body[k]!r} but {d.name} runs {k}={dinfo[k]!r}",
+                            step=self.name,
+                            hint=self.hint,
+                        )
+                checks.append(f"bootstrap http://{bhost}:{bport}/route → 200 from {d.name} (page_size {body.get('page_size')}, kv_cache_dtype {body.get('kv_cache_dtype')})")
+                # 2. One paired request with one bootstrap room, straight to prefill and decode.
+                before = self._counters(ctx, d.url)
+                room = probes.new_bootstrap_room()
+                t0 = time.monotonic()
+                pr, dr = probes.paired_generate(
+                    ctx.client, p.url, d.url, bootstrap_host=bhost, bootstrap_port=bport, room=room, timeout=ctx.timeouts.kv_request
+                )
+                latency = time.monotonic() - t0
+                if dr.status_code != 200:
+                    raise VerifyFailed(
+                        f"paired request (bootstrap_room {room}) failed on {d.name}: HTTP {dr.status_code}: {dr.text[:300]}",
+                        step=self.name,
+                        hint=self.hint,
+                    )
+                try:
+                    dtext = dr.json().get("text", "")
+                except ValueError:
+                    dtext = ""
+                if not dtext:
+                    raise VerifyFailed(f"paired request: {d.name} answered 200 with no text", step=self.name)
+                after = self._counters(ctx, d.url)
+                grew = {k: (before.get(k, 0.0), v) for k, v in after.items() if v > before.get(k, 0.0)}
+                if grew:
+                    raise VerifyFailed(f"transfer-failure counters grew on {d.name}: {grew}", step=self.name, hint=self.hint)
+                checks.append(
+                    f"paired /generate with bootstrap_room {room}: prefill HTTP {pr.status_code}, decode HTTP 200 in {latency:.2f} s"
+                )
+                checks.append(f"{d.name} failure counters flat: {after or 'n/a (no metrics)'}")
+                evidence["pairs"].append(
+                    {"prefill": p.name, "decode": d.name, "route": body, "bootstrap_room": room, "decode_text": dtext[:120], "latency_s": round(latency, 3), "counters": after}
+                )
+        return Proof("KV link proven: bootstrap reached from decode, paired request completed", tuple(checks), evidence)
+
+
+# --- router --------------------------------------------------------------------------------------
+
+
+def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any], topo: Topology) -> list[str]:
+    """Differences between the router's ``/workers`` and the topology (roles, counts, health)."""
+    r = topo.router
+    assert r is not None
+    want: dict[str, tuple[str, int | None]] = {}
+    for url, port in r.prefill:
+        want[url.rstrip("/")] = ("prefill", port)
+    for url in r.decode:
+        want[url.rstrip("/")] = ("decode", None)
+    for url in r.regular:
+        want[url.rstrip("/")] = ("regular", None)
+    bad: list[str] = []
+    seen = set()
+    for w in workers:
+        seen.add(w.url)
+        exp = want.get(w.url)
+        if exp is None:
+            bad.append(f"unexpected worker {w.url} ({w.worker_type})")
+            continue
+        kind, port = exp
+        if w.worker_type != kind:
+            bad.append(f"{w.url} registered as {w.worker_type}, expected {kind}")
+        mode = w.disaggregation_mode
+        if mode is not None and kind in ("prefill", "decode") and mode != kind:
+            bad.append(f"{w.url} is registered as {w.worker_type} but its server runs disaggregation_mode={mode} (swapped roles?)")
+        if kind == "prefill" and port is not None and w.bootstrap_port != port:
+            bad.append(f"{w.url} bootstrap_port {w.bootstrap_port}, expected {port}")
+        if not w.is_healthy:
+            bad.append(f"{w.url} is not healthy")
+    for url in want.keys() - seen:
+        bad.append(f"worker {url} ({want[url][0]}) missing")
+    counts = {"prefill_count": len(r.prefill), "decode_count": len(r.decode)}
+    for k, v in counts.items():
+        if k in stats and stats[k] != v:
+            bad.append(f"{k} = {stats[k]}, expected {v}")
+    return bad
+
+
+class RouterExposed(Step):
+    name = "router_exposed"
+    hint = "read the router log; check its --prefill/--decode URLs, that workers are reachable from it and its port is free"
+
+    def owned_units(self, ctx: Context) -> list[str]:
+        return [ctx.unit_of["router"]]
+
+    def observe(self, ctx: Context) -> Proof | None:
+        if "router" in ctx.restart or ctx.definition_changed(ctx.unit_of["router"]):
+            return None
+        try:
+            st = ctx.manager.status(ctx.unit_of["router"])
+            if not st.is_active:
+                return None
+            return self._check(ctx)
+        except (VerifyFailed, ProbeError):
+            return None
+
+    def apply(self, ctx: Context) -> None:
+        ctx.manager.install(ctx.units)
+        unit = ctx.unit_of["router"]
+        st = ctx.manager.status(unit)
+        if st.state in ("active", "activating"):
+            ctx.manager.restart(unit)
+        else:
+            ctx.manager.start(unit)
+
+    def _check(self, ctx: Context) -> Proof:
+        url = ctx.router_url()
+        status, body = probes.router_readiness(ctx.client, url)
+        if status != 200:
+            raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)
+        workers, stats = probes.router_workers(ctx.client, url)
+        bad = router_mismatches(workers, stats, ctx.topology)
+        if bad:
+            raise VerifyFailed("router /workers differs from the topology: " + "; ".join(bad), step=self.name, hint=self.hint)
+        r = ctx.topology.router
+        assert r is not None
+        return Proof(
+            f"router on {r.exposure}: ready, {len(r.prefill)} prefill + {len(r.decode)} decode workers healthy",
+            (
+                f"GET {url}/readiness → 200 {body}",
+                f"GET {url}/workers: {stats}",
+                *(f"{w.url}: {w.worker_type}, healthy, mode {w.disaggregation_mode}, bootstrap {w.bootstrap_port}" for w in workers),
+            ),
+            {"readiness": body, "stats": stats, "workers": [w.__dict__ for w in workers]},
+        )
+
+    def verify(self, ctx: Context) -> Proof:
+        interval = ctx.topology.router.settings.get("health_check_interval_s", 10) if ctx.topology.router else 10
+        bound = max(ctx.timeouts.router, 6 * float(interval))
+        last: list[str] = []
+
+        def attempt() -> Proof | None:
+            st = ctx.manager.status(ctx.unit_of["router"])
+            if st.state == "failed":
+                logs = "\n    ".join(ctx.manager.logs(ctx.unit_of["router"], lines=15))
+                raise ApplyFailed(f"router unit failed; last log lines:\n    {logs}", step=self.name)
+            try:
+                return self._check(ctx)
+            except (VerifyFailed, ProbeError) as exc:
+                last[:] = [str(exc)]
+                if isinstance(exc, VerifyFailed) and "swapped roles" in str(exc):
+                    raise
+                return None
+
+        try:
+            return _wait("router ready with the expected workers", bound, attempt, poll=0.5, step=self.name)
+        except StepTimeout as exc:
+            raise VerifyFailed(f"{exc.message}; last: {last[0] if last else '?'}", step=self.name, hint=self.hint) from None
+
+    def undo(self, ctx: Context) -> None:
+        ctx.manager.stop(ctx.unit_of["router"])
+
+
+# --- parsers -------------------------------------------------------------------------------------
+
+_RAW_MARKUP = ("<think>", "</think>", "<｜DSML｜", "<｜tool▁calls▁begin｜>", "<tool_call>", "<｜tool▁call▁begin｜>")
+
+
+def check_chat_response(data: dict[str, Any], parsers: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(checks that held, problems)`` for a chat response against the configured parsers. Pure."""
+    ok: list[str] = []
+    bad: list[str] = []
+    try:
+        msg = data["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return ok, [f"no choices[0].message in the response: {str(data)[:200]}"]
+    content = msg.get("content") or ""
+    if parsers.get("reasoning_parser"):
+        rc = msg.get("reasoning_content")
+        if rc:
+            ok.append(f"reasoning_content present ({len(rc)} chars) — reasoning parser {parsers['reasoning_parser']}")
+        else:
+            bad.append(f"no reasoning_content although reasoning_parser = {parsers['reasoning_parser']!r}")
+    if parsers.get("tool_call_parser"):
+        calls = msg.get("tool_calls") or []
+        if not calls:
+            bad.append(f"no tool_calls although tool_call_parser = {parsers['tool_call_parser']!r}")
+        else:
+            fn = calls[0].get("function", {})
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except ValueError:
+                args = None
+            if fn.get("name") != probes.PROBE_TOOL["function"]["name"] or not isinstance(args, dict):
+                bad.append(f"tool_calls[0] is not a parsed call of get_weather: {fn}")
+            else:
+                ok.append(f"tool_calls[0] = {fn['name']}({fn.get('arguments')}) — tool-call parser {parsers['tool_call_parser']}")
+    leaked = [m for m in _RAW_MARKUP if m in content]
+    if leaked:
+        bad.append(f"raw model markup left in content: {leaked} (a parser is missing or does not match the model)")
+    return ok, bad
+
+
+class ParsersConfigured(Step):
+    name = "parsers_configured"
+    hint = "set the reasoning and tool-call parsers valid for the model on BOTH prefill and decode ([parsers]), then apply"
+
+    def apply(self, ctx: Context) -> None:
+        return None
+
+    def verify(self, ctx: Context) -> Proof:
+        topo = ctx.topology
+        if topo.router is not None:
+            url = ctx.router_url()
+        else:
+            url = topo.roles[0].url
+        model = topo.roles[0].settings["model"].get("served_name") or topo.roles[0].settings["model"]["path"]
+        data = probes.chat_probe(ctx.client, url, model, timeout=ctx.timeouts.chat)
+        parsers = topo.roles[0].settings["parsers"]
+        ok, bad = check_chat_response(data, parsers)
+        if bad:
+            raise VerifyFailed("chat probe through " + url + ": " + "; ".join(bad), step=self.name, hint=self.hint)
+        msg = data["choices"][0]["message"]
+        return Proof(
+            f"chat with tools and thinking through {url}: reasoning_content and tool_calls parsed",
+            tuple(ok),
+            {"url": url, "finish_reason": data["choices"][0].get("finish_reason"), "reasoning_content": (msg.get("reasoning_content") or "")[:200], "tool_calls": msg.get("tool_calls")},
+        )
+
+
+def steps_for(topo: Topology) -> list[Step]:
+    """The step list for *topo*: the six PD steps, or the single-server line."""
+    if topo.mode == "pd":
+        steps: list[Step] = [KernelsBuilt(), ServersUp("prefill", "prefill_up"), ServersUp("decode", "decode_up"), KVLinkVerified(), RouterExposed(), ParsersConfigured()]
+        assert tuple(s.name for s in steps) == PD_STATES
+        return steps
+    steps = [KernelsBuilt(), ServersUp("server", "server_up")]
+    if topo.router is not None:
+        steps.append(RouterExposed())
+    steps.append(ParsersConfigured())
+    assert all(s.name in SINGLE_STATES for s in steps)
+    return steps
