@@ -667,12 +667,23 @@ class _Base(BaseHTTPRequestHandler):
     def _text(self, status: int, text: str, ctype: str = "text/plain; charset=utf-8") -> None:
         self._send(status, text.encode("utf-8"), ctype)
 
+    def _raw(self) -> bytes:
+        """The request body, read once (so a keep-alive connection stays in sync whatever we answer)."""
+        if not hasattr(self, "_raw_body"):
+            n = int(self.headers.get("content-length") or 0)
+            self._raw_body = self.rfile.read(n) if n > 0 else b""
+        return self._raw_body
+
     def _body(self) -> Any:
-        n = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(n) if n else b""
+        raw = self._raw()
         if not raw:
             return {}
         return json.loads(raw)
+
+    def handle_one_request(self) -> None:
+        if hasattr(self, "_raw_body"):
+            del self._raw_body
+        super().handle_one_request()
 
 
 class BootstrapHandler(_Base):
@@ -700,12 +711,22 @@ class BootstrapHandler(_Base):
         return self._text(404, "404: Not Found")
 
     def do_PUT(self) -> None:  # noqa: N802
+        self._raw()
         if urllib.parse.urlsplit(self.path).path == "/route":
-            self._body()
+            # A rank registering itself (CommonKVBootstrapServer._handle_route_put).
+            try:
+                data = self._body()
+                for key in ("attn_tp_size", "attn_tp_rank", "attn_dp_rank", "pp_rank", "rank_ip", "rank_port",
+                            "page_size", "kv_cache_dtype"):
+                    data[key]
+            except (ValueError, KeyError, TypeError):
+                return self._text(500, "500 Internal Server Error\n\nServer got itself in trouble")
+            self.sim.registered += 1
             return self._text(200, "OK")
         return self._text(405 if self.path.startswith("/health") else 404, "404: Not Found")
 
     def do_POST(self) -> None:  # noqa: N802
+        self._raw()
         p = urllib.parse.urlsplit(self.path).path
         if p == "/register_dp_rank":
             self._body()
@@ -764,7 +785,27 @@ class ApiHandler(_Base):
         host, port = self.client_address[:2]
         access_log.info(f'INFO:     {host}:{port} - "{self.requestline}" {code} {phrase}'.rstrip())
 
+    def _authorized(self) -> bool:
+        """``sglang/srt/utils/auth.py`` ``decide_request_auth``: with ``--api-key``/``--admin-api-key``
+        set, every route but /health*, /ready* and /metrics* needs ``Authorization: Bearer <key>``
+        (``/flush_cache`` is admin-optional: the admin key when one is set); else 401."""
+        a = self.sim.resolved
+        api_key, admin_key = a.get("api_key"), a.get("admin_api_key")
+        path = urllib.parse.urlsplit(self.path).path
+        if not (api_key or admin_key) or path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        expected = (admin_key or api_key) if path == "/flush_cache" else api_key
+        if not expected:
+            return True
+        parts = (self.headers.get("authorization") or "").split(" ", 1)
+        if len(parts) == 2 and parts[0].lower() == "bearer" and parts[1] == expected:
+            return True
+        self._json(401, {"error": "Unauthorized"})
+        return False
+
     def do_GET(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
         u = urllib.parse.urlsplit(self.path)
         path = u.path
         q = dict(urllib.parse.parse_qsl(u.query))
@@ -775,6 +816,9 @@ class ApiHandler(_Base):
                 return self._send(503, b"", "")
             if sim.status == "Starting":
                 return self._send(503, b"", "")
+            if path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in (
+                    "0", "false", "no", "off"):
+                return self._send(200, b"", "")
             warm = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                     "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}"}
             if sim.mode != "null":
@@ -821,11 +865,15 @@ class ApiHandler(_Base):
         return self._json(404, {"detail": "Not Found"})
 
     def do_PUT(self) -> None:  # noqa: N802
+        self._raw()
+        if not self._authorized():
+            return
         if urllib.parse.urlsplit(self.path).path == "/generate":
             return self.do_POST()
         return self._not_allowed_or_missing()
 
     def do_DELETE(self) -> None:  # noqa: N802
+        self._raw()
         return self._not_allowed_or_missing()
 
     def _not_allowed_or_missing(self) -> None:
@@ -835,6 +883,9 @@ class ApiHandler(_Base):
         return self._json(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802
+        self._raw()
+        if not self._authorized():
+            return
         path = urllib.parse.urlsplit(self.path).path
         if path == "/flush_cache":
             return self._flush()

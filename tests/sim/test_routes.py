@@ -242,3 +242,29 @@ def test_port_in_use_fails_startup():
                               env={**os.environ, "PDCTL_SIM_LOAD_SECONDS": "0"})
         assert proc.returncode != 0
         assert "Address already in use" in proc.stderr
+
+
+def test_api_key_guards_all_but_health_ready_metrics():
+    import urllib.request
+    with start_sim(["--api-key", "sekret", "--enable-metrics"]) as p:
+        assert http_get(p.url + "/health")[0] == 200
+        assert http_get(p.url + "/metrics")[0] == 200
+        code, body = http_get(p.url + "/server_info")
+        assert code == 401 and json.loads(body) == {"error": "Unauthorized"}
+        assert http_post(p.url + "/generate", {"text": "x"})[0] == 401
+        req = urllib.request.Request(p.url + "/server_info", headers={"Authorization": "Bearer sekret"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+
+
+def test_keep_alive_survives_unread_bodies(srv):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    conn.request("POST", "/nothing", body=b'{"x": 1}', headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 404 and r.read()
+    conn.request("GET", "/health")
+    r = conn.getresponse()
+    assert r.status == 200
+    r.read()
+    conn.close()
