@@ -362,7 +362,7 @@ class Sim:
         }
         entry.ready.set()
         m = self.metrics
-        m.s(m.num_prefill_inflight_queue_reqs).inc()
+        m.s(m.num_prefill_bootstrap_queue_reqs).inc()
         t0 = time.monotonic()
         try:
             if entry.fetched.wait(self.bootstrap_timeout):
@@ -380,7 +380,7 @@ class Sim:
             m.s(m.num_bootstrap_failed_reqs).inc()
             raise Abort(msg, 500)
         finally:
-            m.s(m.num_prefill_inflight_queue_reqs).dec()
+            m.s(m.num_prefill_bootstrap_queue_reqs).dec()
             self.rooms.drop(room)
 
     def serve_kv(self, room: int, wait: float) -> dict[str, Any] | None:
@@ -520,8 +520,9 @@ class Sim:
         pieces = gen.pieces
         max_new = max(req["max_new"], 0)
         if prefill_only:
+            # prefill samples the first token, hands it to decode, and finishes with FINISH_LENGTH(0)
             out = pieces[:1] if max_new else []
-            finish = {"type": "length", "length": len(out)}
+            finish = {"type": "length", "length": 0}
         elif len(pieces) > max_new:
             out = pieces[:max_new]
             finish = {"type": "length", "length": max_new}
@@ -1000,7 +1001,8 @@ class ApiHandler(_Base):
         model = body.get("model") or sim.served_model_name
         n_out = len(result["pieces"])
         usage = {"prompt_tokens": result["prompt_tokens"], "total_tokens": result["prompt_tokens"] + n_out,
-                 "completion_tokens": n_out, "prompt_tokens_details": None, "reasoning_tokens": 0}
+                 "completion_tokens": n_out, "prompt_tokens_details": None, "reasoning_tokens": 0,
+                 "completion_tokens_details": None}
         if kind == "completion":
             text = "".join(result["pieces"])
             fr = result["finish"]["type"]
@@ -1025,7 +1027,7 @@ class ApiHandler(_Base):
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": parsed["finish_reason"], "matched_stop": parsed["matched_stop"]}],
-                "usage": usage})
+                "usage": usage, "metadata": {"weight_version": "default"}})
         self._stream_chat(body, result, parsed, rid, created, model, usage)
 
     def _parse_chat(self, body: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:

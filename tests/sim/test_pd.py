@@ -102,6 +102,7 @@ def test_paired_request_succeeds_and_matches_collapsed_output(pair):
     assert pc == 200 and dc == 200, (pout, dout)
     assert len(dout["output_ids"]) == 8 and dout["meta_info"]["finish_reason"]["type"] == "length"
     assert pout["output_ids"] == dout["output_ids"][:1]  # prefill samples the first token
+    assert pout["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     with start_sim([]) as solo:
         code, sout = http_post(solo.url + "/generate", {"text": "Explain KV transfer",
                                                           "sampling_params": {"max_new_tokens": 8}})

@@ -94,3 +94,25 @@ def test_router_health_generate_checks_the_pair(stack):
     _, _, r = stack
     code, body = http_get(r.url + "/health_generate")
     assert code == 200 and b"passed" in body
+
+
+def test_wrong_bootstrap_port_fails_requests_through_router():
+    """The router passes the --prefill URL's port as bootstrap_port; a wrong one fails on decode."""
+    from harness.sim import free_port
+
+    p, d = pd_pair([], {"PDCTL_SIM_ENSURE_RETRY_INTERVAL": "0.02"})
+    r = None
+    try:
+        r = start_smg(["--pd-disaggregation", "--prefill", p.url, str(free_port()), "--decode", d.url,
+                       "--health-check-interval-secs", "1", "--shutdown-grace-period-secs", "0",
+                       "--disable-retries"])
+        r.wait_ready(2, timeout=60)  # health checks never touch the KV link
+        code, out = http_post(r.url + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        assert code >= 500
+        assert "Decode handshake failed" in d.log_text()
+        assert "Could not fetch prefill parallel info" in d.log_text()
+    finally:
+        if r is not None:
+            r.stop()
+        p.stop()
+        d.stop()
