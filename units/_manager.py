@@ -81,10 +81,18 @@ class ServiceManager(ABC):
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
         """The last *lines* lines the service wrote (stdout and stderr), oldest first."""
 
+    def members(self, name: str) -> list[str]:
+        """The services a target groups (``[]`` for a service)."""
+        return []
+
     def wait_active(self, name: str, *, timeout: float, poll_s: float = 0.25) -> ServiceStatus:
-        """Poll until *name* is active. Raises ServiceFailed when it fails (or ends inactive)
-        and ServiceTimeout after *timeout* seconds, each carrying recent log lines."""
+        """Poll until *name* is active — for a target, until every service it groups is (a
+        systemd target turns active even when a service it merely wants failed). Raises
+        ServiceFailed when one fails (or ends inactive) and ServiceTimeout after *timeout*
+        seconds, each carrying recent log lines."""
         deadline = time.monotonic() + timeout
+        for member in self.members(name):
+            self.wait_active(member, timeout=max(0.0, deadline - time.monotonic()), poll_s=poll_s)
         seen_activating = False
         while True:
             st = self.status(name)

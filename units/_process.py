@@ -279,6 +279,10 @@ class ProcessSupervisor(ServiceManager):
         data = self._read_json(path)
         return self.host.read_file(path).decode() if data and data.get("managed_by") == "pdctl" else None
 
+    def members(self, name: str) -> list[str]:
+        data = self._unit(name)
+        return list(data["target"]["wants"]) if data["kind"] == "target" else []
+
     def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
         data = self._unit(name)
         if data["kind"] == "target":

@@ -141,6 +141,8 @@ class SystemdManager(ServiceManager):
         self._check_writable(self.unit_dir)
         for d in {posixpath.dirname(p) for p in secrets}:
             self._check_writable(d)
+        for d in {posixpath.dirname(s.log_path) for s in units.services if s.log_path}:
+            self._check_writable(d)  # StandardOutput=append: fails the start when its directory is missing
         for name in files:
             self._check_owner(name)
         for path in secrets:
@@ -189,6 +191,14 @@ class SystemdManager(ServiceManager):
         text = self.host.read_file(path).decode()
         return text if is_pdctl_unit(text) else None
 
+    def members(self, name: str) -> list[str]:
+        if not name.endswith(".target"):
+            return []
+        for line in (self.installed_text(name) or "").splitlines():
+            if line.startswith("Wants="):
+                return line.removeprefix("Wants=").split()
+        return []
+
     def _timeout_of(self, name: str, key: str, default: float) -> float:
         text = self.installed_text(name) or ""
         for line in text.splitlines():
@@ -208,8 +218,11 @@ class SystemdManager(ServiceManager):
 
     def stop(self, name: str, *, timeout: float | None = None) -> None:
         self._require_systemctl()
-        t = timeout or self._timeout_of(name, "TimeoutStopSec", 120) + 30
-        self._ctl("stop", "--", name, timeout=t)
+        members = self.members(name)
+        t = timeout or max([self._timeout_of(n, "TimeoutStopSec", 120) for n in [name, *members]]) + 30
+        # Name the members too: `systemctl stop X.target` returns once the target's own job is
+        # done, not the PartOf= jobs it spawned; listed units are all waited for.
+        self._ctl("stop", "--", name, *members, timeout=t)
 
     def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
         self._require_systemctl()

@@ -1,0 +1,146 @@
+"""A real systemd user manager for tests, on a machine whose PID 1 is not systemd.
+
+``systemd --user`` refuses to run unless ``/run/systemd/system`` exists (it checks that the system
+was booted with systemd). The harness starts it inside a private mount namespace whose ``/run`` is
+a fresh tmpfs holding that directory — nothing leaks to the host's ``/run`` — with
+``XDG_RUNTIME_DIR`` on the *real* filesystem (under the test's tmp dir), so that the test process,
+outside the namespace, reaches the manager's private socket with plain ``systemctl --user`` and
+writes units to ``$HOME/.config/systemd/user`` directly. Processes the manager starts live in the
+same PID and network namespaces as the tests: PIDs can be killed and ports probed from the test.
+
+Shape (works with pytest, no test has to run inside the namespace)::
+
+    unshare -m --propagation private sh -c 'mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system
+                                             && exec /lib/systemd/systemd --user'
+
+``unshare`` without ``--fork`` execs, so the PID we started *is* the manager. Teardown:
+``systemctl --user exit`` (stops every unit, then the manager), a bounded wait, SIGKILL to that one
+PID only if it lingers. journald does not run there: units log to files (``StandardOutput=append:``).
+
+Use the ``user_systemd`` fixture (module-scoped; tests share one manager) or
+``UserSystemd.start(root)`` directly. ``UserSystemd.skip_reason()`` says why it cannot run here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSTEMD = "/lib/systemd/systemd"
+
+
+@dataclass
+class UserSystemd:
+    """A running private user manager. ``env`` reaches it (``XDG_RUNTIME_DIR``, ``HOME``)."""
+
+    root: Path
+    proc: subprocess.Popen
+    unit_dir: Path
+    runtime_dir: Path
+    home: Path
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def skip_reason() -> str | None:
+        if os.geteuid() != 0:
+            return "needs root (unshare -m and mount)"
+        for exe in ("unshare", "systemctl", "systemd-analyze"):
+            if shutil.which(exe) is None:
+                return f"{exe} not installed"
+        if not os.access(SYSTEMD, os.X_OK):
+            return f"{SYSTEMD} not installed"
+        return None
+
+    @classmethod
+    def start(cls, root: Path, *, timeout: float = 30.0) -> UserSystemd:
+        root = Path(root)
+        home, xdg = root / "home", root / "xdg"
+        unit_dir = home / ".config" / "systemd" / "user"
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        xdg.mkdir(parents=True, exist_ok=True)
+        os.chmod(xdg, 0o700)
+        log_path = root / "systemd-user.log"
+        env = {"XDG_RUNTIME_DIR": str(xdg), "HOME": str(home)}
+        script = (
+            "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -p /run/systemd/system && "
+            f"exec {SYSTEMD} --user --log-target=console --log-level=info"
+        )
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                env={**os.environ, **env, "SYSTEMD_LOG_COLOR": "0"}, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        mgr = cls(root=root, proc=proc, unit_dir=unit_dir, runtime_dir=xdg, home=home, log_path=log_path, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"systemd --user exited {proc.returncode}:\n{mgr.log_tail()}")
+            if (xdg / "systemd" / "private").exists():
+                # (``is-system-running`` says "offline": it checks the host's /run, not the manager)
+                r = mgr.systemctl("show", "-p", "SystemState", check=False, timeout=5)
+                if r.stdout.strip() in ("SystemState=running", "SystemState=degraded"):
+                    return mgr
+            time.sleep(0.1)
+        mgr.stop()
+        raise TimeoutError(f"systemd --user not running after {timeout:g} s:\n{mgr.log_tail()}")
+
+    def systemctl(self, *args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+        return subprocess.run(["systemctl", "--user", *args], env={**os.environ, **self.env}, check=check,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def manager(self, host=None):
+        """A :class:`pdctl.units.SystemdManager` (user scope) pointed at this manager."""
+        from pdctl.statemachine.hosts import LocalHost
+        from pdctl.units import SystemdManager
+
+        return SystemdManager(host or LocalHost(), scope="user", unit_dir=str(self.unit_dir), env=self.env)
+
+    def reset(self) -> None:
+        """Stop every unit and delete every unit file (between tests sharing the manager)."""
+        self.systemctl("stop", "--", "pdctl-*", check=False, timeout=120)
+        for p in self.unit_dir.iterdir():
+            if p.is_file():
+                p.unlink()
+        self.systemctl("daemon-reload", check=False)
+        self.systemctl("reset-failed", check=False)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """``systemctl --user exit``, wait; SIGKILL the manager's PID only if it lingers."""
+        if self.proc.poll() is None:
+            try:
+                self.systemctl("exit", check=False, timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def user_systemd_session(root: Path) -> Iterator[UserSystemd]:
+    """Generator body for a pytest fixture: skip when impossible, always tear down."""
+    import pytest
+
+    why = UserSystemd.skip_reason()
+    if why:
+        pytest.skip(f"real systemd: {why}")
+    mgr = UserSystemd.start(root)
+    try:
+        yield mgr
+    finally:
+        mgr.stop()
