@@ -187,8 +187,12 @@ def validate(args: argparse.Namespace) -> None:
         raise StartupError("AssertionError: Prefill server does not support 'fake' as the transfer backend")
 
 
-def resolve(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """The resolved argument dict ``/server_info`` reports (``ServerArgs.resolved_dict()``)."""
+def resolve(args: argparse.Namespace, argv: list[str], default_page_size: int = 1) -> dict[str, Any]:
+    """The resolved argument dict ``/server_info`` reports (``ServerArgs.resolved_dict()``).
+
+    ``default_page_size`` is what the model's override resolves an unset ``--page-size`` to
+    (``arg_groups/model_overrides/deepseek_v2.py``: 64 for DeepSeek DSA on CUDA; ``deepseek_v4.py``: 256;
+    ``overrides.py`` ``_page_size_default``: 1 otherwise)."""
     d = dict(vars(args))
     if d.get("served_model_name") is None:
         d["served_model_name"] = d["model_path"]
@@ -198,7 +202,7 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         # 0.5.23: `--dp-size N --enable-dp-attention` is the deprecated spelling of `--attn-dp-size N`.
         d["attn_dp_size"] = d.get("dp_size", 1)
     if d.get("page_size") is None:
-        d["page_size"] = 1
+        d["page_size"] = default_page_size
     if d.get("context_length") is None:
         d["context_length"] = 163840
     if d.get("disaggregation_mode") == "decode":
@@ -215,9 +219,9 @@ def _quote(a: str) -> str:
     return "'" + a.replace("'", "'\"'\"'") + "'"
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+def parse(argv: list[str], default_page_size: int = 1) -> tuple[argparse.Namespace, dict[str, Any]]:
     """Parse like SGLang (argparse exits 2 on errors), validate, and resolve."""
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(args)
-    return args, resolve(args, argv)
+    return args, resolve(args, argv, default_page_size)

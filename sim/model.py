@@ -30,6 +30,9 @@ from typing import Any
 
 FAMILIES = ("deepseek-v32", "deepseek-v4", "deepseek-v31")
 DEFAULT_FAMILY = "deepseek-v32"
+#: What SGLang 0.5.23 resolves an unset --page-size to for the family on CUDA
+#: (model_overrides/deepseek_v2.py: DSA -> 64; deepseek_v4.py -> 256; V3/V3.1 -> 1).
+DEFAULT_PAGE_SIZE = {"deepseek-v32": 64, "deepseek-v4": 256, "deepseek-v31": 1}
 VOCAB_SIZE = 129280  # DeepSeek-V3 family vocabulary size
 
 BOS = "<｜begin▁of▁sentence｜>"

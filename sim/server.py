@@ -136,10 +136,10 @@ class Sim:
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
-        self.args, self.resolved = parse(argv)
+        self.family = mdl.model_family()
+        self.args, self.resolved = parse(argv, mdl.DEFAULT_PAGE_SIZE[self.family])
         a = self.resolved
         self.mode: str = a["disaggregation_mode"]
-        self.family = mdl.model_family()
         self.served_model_name: str = a["served_model_name"]
         self.max_total_num_tokens = int(a.get("max_total_tokens") or 524288)
         self.metrics = Metrics(self.served_model_name, self.mode, self.max_total_num_tokens)
@@ -581,6 +581,8 @@ class Sim:
         t_start = time.monotonic()
         log.info(f"server_args={{disaggregation_mode={self.mode!r}, model_path={a['model_path']!r}, "
                  f"tp_size={a['tp_size']}, host={host!r}, port={port}}}")
+        if self.args.page_size is None and self.page_size != 1:
+            log.warning(f"Setting page size to {self.page_size} for {self.model_info()['architectures'][0]}.")
         if self.mode == "prefill":
             bport = int(a["disaggregation_bootstrap_port"])
             self.bootstrap = _Server((host, bport), BootstrapHandler, self)

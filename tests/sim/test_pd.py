@@ -57,7 +57,7 @@ def test_bootstrap_server_routes(pair):
     code, body = http_get(p.bootstrap_url + ROUTE_Q)
     assert code == 200
     info = json.loads(body)
-    assert info["page_size"] == 1 and info["kv_cache_dtype"] == "bfloat16"
+    assert info["page_size"] == 64 and info["kv_cache_dtype"] == "bfloat16"  # DeepSeek DSA default
     assert info["attn_tp_size"] == 1 and info["dp_size"] == 1 and info["pp_size"] == 1
     assert info["follow_bootstrap_room"] is True and info["prefill_http_port"] == p.port
     assert http_get(p.bootstrap_url + "/route?prefill_dp_rank=-1") == (400, b"Missing inputs for bootstrap server.")
@@ -193,8 +193,8 @@ def test_chat_failure_is_openai_error_shape(pair):
 
 
 @pytest.mark.parametrize("flag,value,text", [
-    ("--page-size", "64", "Page size mismatch: prefill server has page_size=64, but decode server has "
-                          "page_size=1. Both servers must use the same --page-size value."),
+    ("--page-size", "1", "Page size mismatch: prefill server has page_size=1, but decode server has "
+                         "page_size=64. Both servers must use the same --page-size value."),
     ("--kv-cache-dtype", "fp8_e4m3", "KV cache dtype mismatch: prefill server has kv_cache_dtype=fp8_e4m3, "
                                      "but decode server has kv_cache_dtype=bfloat16. Both servers must use "
                                      "the same --kv-cache-dtype value."),

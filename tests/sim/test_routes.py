@@ -47,7 +47,7 @@ def test_server_info_is_flat_resolved_args(srv):
     assert info["disaggregation_mode"] == "null"
     assert info["reasoning_parser"] == "deepseek-v3" and info["tool_call_parser"] == "deepseekv32"
     assert info["served_model_name"] == "dsv32"
-    assert info["port"] == srv.port and info["page_size"] == 1
+    assert info["port"] == srv.port and info["page_size"] == 64  # DeepSeek-V3.2 DSA resolves to 64
     assert isinstance(info["internal_states"], list) and len(info["internal_states"]) == 1
     assert info["internal_states"][0]["disaggregation_mode"] == "null"
     assert "--reasoning-parser deepseek-v3" in info["launch_command"]
@@ -268,3 +268,12 @@ def test_keep_alive_survives_unread_bodies(srv):
     assert r.status == 200
     r.read()
     conn.close()
+
+
+@pytest.mark.parametrize("family,expected", [("deepseek-v32", 64), ("deepseek-v4", 256), ("deepseek-v31", 1)])
+def test_page_size_resolution_by_family(family, expected):
+    from pdctl.sim import flags, model
+    _, resolved = flags.parse(["--model-path", "m"], model.DEFAULT_PAGE_SIZE[family])
+    assert resolved["page_size"] == expected
+    _, resolved = flags.parse(["--model-path", "m", "--page-size", "16"], model.DEFAULT_PAGE_SIZE[family])
+    assert resolved["page_size"] == 16
