@@ -75,6 +75,7 @@ KV_BYTES_PER_TOKEN = 61 * 656  # DeepSeek-V3 MLA: 61 layers x (512 + 64 rope + 8
 
 log = logging.getLogger("sglang")
 access_log = logging.getLogger("uvicorn.access")
+uvicorn_log = logging.getLogger("uvicorn.error")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -589,7 +590,7 @@ class Sim:
             threading.Thread(target=self.bootstrap.serve_forever, kwargs={"poll_interval": 0.1},
                              daemon=True, name="bootstrap").start()
             log.info(f"Bootstrap server started on {host}:{bport}")
-        log.info(f"Load weight begin. avail mem=139.80 GB (stand-in: {self.load_seconds:.1f}s)")
+        log.info("Load weight begin. avail mem=139.80 GB")
         if self.stop_event.wait(self.load_seconds):
             return
         log.info(f"Load weight end. type={self.model_info()['architectures'][0]}, dtype=torch.bfloat16, "
@@ -605,7 +606,15 @@ class Sim:
         self.http = _Server((host, port), ApiHandler, self)
         threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.1},
                          daemon=True, name="http").start()
-        log.info(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
+        for line in (f"Started server process [{os.getpid()}]", "Waiting for application startup.",
+                     "Application startup complete.",
+                     f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)"):
+            uvicorn_log.info(f"INFO:     {line}")
+        if a.get("skip_server_warmup"):
+            self.startup_time = time.time()
+            self.status = "Up"
+            log.info("The server is fired up and ready to roll!")
+            return
         if self.stop_event.wait(self.warmup_seconds):
             return
         # Warm-up: one /generate of 8 tokens (fake bootstrap in PD mode), as _execute_server_warmup does.
@@ -637,6 +646,12 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, addr, handler, sim: Sim) -> None:
         self.sim = sim
         super().__init__(addr, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind would resolve socket.getfqdn(host): a DNS round trip we do not need.
+        import socketserver
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -918,7 +933,8 @@ class ApiHandler(_Base):
         self.sim.metrics.t(self.sim.metrics.num_aborted_requests_total).inc()
         if e.status == 400:
             if openai:
-                return self._json(400, {"object": "error", "message": e.message, "type": "BadRequestError",
+                # OpenAIServingBase.handle_request: ValueError -> err_type "BadRequest"
+                return self._json(400, {"object": "error", "message": e.message, "type": "BadRequest",
                                         "param": None, "code": 400})
             return self._json(400, {"error": {"message": e.message}})
         return self._json(e.status, {"object": "error", "message": e.message, "type": str(e.status),
@@ -991,8 +1007,8 @@ class ApiHandler(_Base):
         except Abort as e:
             if stream:
                 self._start_stream()
-                self._sse({"error": {"object": "error", "message": e.message,
-                                     "type": "BadRequestError" if e.status == 400 else str(e.status),
+                # serving_chat: an abort with a status code becomes one error chunk, type = status name
+                self._sse({"error": {"object": "error", "message": e.message, "type": HTTPStatus(e.status).name,
                                      "param": None, "code": e.status}})
                 sim.metrics.t(sim.metrics.num_aborted_requests_total).inc()
                 return self._end_stream()
@@ -1126,9 +1142,10 @@ def _configure_logging(resolved: dict[str, Any]) -> None:
     log.propagate = False
     plain = logging.StreamHandler(sys.stderr)
     plain.setFormatter(logging.Formatter("%(message)s"))
-    access_log.addHandler(plain)
-    access_log.setLevel(getattr(logging, http_level, logging.INFO))
-    access_log.propagate = False
+    for lg, lvl in ((access_log, http_level), (uvicorn_log, http_level)):
+        lg.addHandler(plain)
+        lg.setLevel(getattr(logging, lvl, logging.INFO))
+        lg.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1166,7 +1183,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.stop_event.set()
     threading.Thread(target=sim.shutdown, daemon=True).start()
     time.sleep(0.2)
-    log.info("Shutting down")
+    if sim.http is not None:
+        for line in ("Shutting down", "Waiting for application shutdown.", "Application shutdown complete.",
+                     f"Finished server process [{os.getpid()}]"):
+            uvicorn_log.info(f"INFO:     {line}")
     for h in log.handlers + access_log.handlers:
         h.flush()
     sys.stderr.flush()
