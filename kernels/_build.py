@@ -6,12 +6,15 @@ measured against the PyTorch references at those shapes on fresh random data (ou
 before each run, so an unwritten element fails). Triton's compiled binaries land in ``<cache_dir>/triton``
 (``TRITON_CACHE_DIR``), which the servers then reuse.
 
-Tolerances (spec §1.2, FlashMLA @9241ae3 ``tests/test_flash_mla_sparse_decoding.py`` uses out abs 1e-3 / rel
-2.01/128 with the reference fed the dequantised cache): we require, per case, max |o − ref| ≤ 1e-3 + 2.01/128 ·
-|ref| elementwise, relative Frobenius error ≤ 1e-2 (bf16 operands), max |lse − ref| ≤ 1e-3 (fp32 softmax
-statistics; FlashMLA's 1e-6 assumes identical summation order), exact +inf lse / zero o on empty rows. The
-indexer's logits must match within 1e-3 relative to the row's max |logit| (fp8 inputs are exact, the MMA
-accumulates in fp32), and its top-k must be a valid top-k of the reference logits up to that tolerance.
+Tolerances (spec §1.2; FlashMLA @9241ae3 ``tests/test_flash_mla_sparse_decoding.py``: out abs 1e-3 / rel 2.01/128
+/ cos-diff 5e-6, lse abs 1e-6, reference fed the dequantised cache). We keep FlashMLA's rel 2.01/128 and cos-diff
+5e-6, add relative Frobenius error ≤ 1e-2 (bf16 operands), and use abs 1/64 elementwise and lse abs 1e-3:
+FlashMLA's own sparse decode (sgl-flash-mla 1.0.0) measured on one H200 (2026-11-29, this repo's bench, same
+inputs) reaches max |o − ref| = 3.8e-3 — the bf16 rounding of P in the PV product, ≈ 2^-9 · Σ p·|v| — so
+1e-3 only holds on FlashMLA's own test data; lse is an fp32 statistic whose summation order differs from the
+reference. Empty rows must give exactly o = 0 and lse = +inf. The indexer's logits must match within 1e-3
+relative to the row's max |logit| (fp8 inputs are exact, the MMA accumulates in fp32), and its top-k must be a
+valid top-k of the reference logits up to that tolerance.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Any
 __all__ = ["KernelsBuildError", "MANIFEST_NAME", "build_and_verify", "load_manifest"]
 
 MANIFEST_NAME = "pdctl-kernels-manifest.json"
+OUT_ABS_TOL = 1.0 / 64
+OUT_REL_TOL = 2.01 / 128
+LSE_ABS_TOL = 1e-3
 V32_SM_SCALE = 0.135234
 """DeepSeek-V3.2 softmax scale: 192^-0.5 · (0.1·ln 40 + 1)² (spec §1.2)."""
 
@@ -35,6 +41,7 @@ class KernelsBuildError(RuntimeError):
 
 
 def _decode_tolerance_check(o, lse, ro, rlse) -> dict[str, float | bool]:
+    """Compare a decode result with the fp32 reference; see the module docstring for the bounds."""
     import torch
 
     o = o.float()
@@ -42,18 +49,22 @@ def _decode_tolerance_check(o, lse, ro, rlse) -> dict[str, float | bool]:
     dead = torch.isinf(rlse)
     finite = ~dead
     diff = (o - ro).abs()
-    bound = 1e-3 + (2.01 / 128) * ro.abs()
+    bound = OUT_ABS_TOL + OUT_REL_TOL * ro.abs()
     rel = ((o - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+    cos_diff = (1 - 2 * (o.double() * ro.double()).sum() / ((o.double() ** 2).sum() + (ro.double() ** 2).sum())
+                ).item() if ro.norm() > 0 else 0.0
     lse_err = (lse[finite] - rlse[finite]).abs().max().item() if finite.any() else 0.0
     ok = (
         bool(torch.isfinite(o).all())
         and bool((diff <= bound).all())
         and rel <= 1e-2
-        and lse_err <= 1e-3
+        and cos_diff <= 5e-6
+        and lse_err <= LSE_ABS_TOL
         and bool(torch.isinf(lse[dead]).all() and (lse[dead] > 0).all())
         and bool((o[dead] == 0).all())
     )
-    return {"max_abs_err": diff.max().item(), "rel_fro_err": rel, "lse_max_abs_err": lse_err, "ok": ok}
+    return {"max_abs_err": diff.max().item(), "rel_fro_err": rel, "cos_diff": cos_diff, "lse_max_abs_err": lse_err,
+            "ok": ok}
 
 
 def make_decode_case(heads: int, rows: int, kv_format: str, *, topk: int = 2048, slots: int | None = None,
@@ -200,23 +211,28 @@ def _bench_us(fn, reps: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def _decode_candidates(heads: int, rows: int, num_sms: int):
+def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf16"):
+    """Launch configs worth timing for one shape: head block × (tile, warps) × prefetch × split count.
+
+    Split counts bracket the smallest power of two that gives ≥ 1 program per SM.
+    """
     from pdctl.kernels._sparse_mla import DecodeConfig, default_decode_config
 
-    base = default_decode_config(heads, rows, "bf16", num_sms)
-    cands = {base}
+    cands = {default_decode_config(heads, rows, kv_format, num_sms)}
     for bh in (16, 32, 64):
-        if bh > max(16, heads):
+        if bh > max(16, heads) or (bh == 64 and heads < 64):
             continue
-        for warps in (4, 8):
-            progs = rows * -(-heads // bh)
-            s0 = 1
-            while s0 * progs < num_sms and s0 < 32:
-                s0 *= 2
-            for splits in {max(1, s0 // 2), s0, min(64, s0 * 2)}:
-                cands.add(DecodeConfig(block_h=bh, block_n=64 if bh < 64 else 32, num_warps=warps,
-                                       num_stages=2, splits=splits))
-    return sorted(cands, key=lambda c: (c.block_h, c.num_warps, c.splits))
+        progs = rows * -(-heads // bh)
+        s0 = 1
+        while s0 * progs < num_sms and s0 < 32:
+            s0 *= 2
+        tiles = [(32, 8), (32, 4)] if bh == 64 else [(64, 4), (32, 4), (64, 8)]
+        for bn, warps in tiles:
+            for prefetch in (0, 1):
+                for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(64, s0 * 2)}):
+                    cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
+                                           splits=splits, prefetch=prefetch))
+    return sorted(cands, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))
 
 
 def build_and_verify(
@@ -298,7 +314,7 @@ def build_and_verify(
                 ro, rlse = reference_sparse_mla_decode(q, kv, idx, sm_scale, tl_, compute_dtype=torch.float32)
                 passing: list[tuple[float, Any, dict]] = []
                 failing: list[dict] = []
-                for cfg in (_decode_candidates(h, rows, num_sms) if tune else [None]):
+                for cfg in (_decode_candidates(h, rows, num_sms, fmt) if tune else [None]):
                     o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
                     lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
                     try:

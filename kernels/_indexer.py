@@ -123,7 +123,6 @@ def _kernels() -> tuple[Any, Any]:
             thr = tl.zeros([], dtype=tl.int32)
             need = tl.full([], TOPK, dtype=tl.int32)
             for p in tl.static_range(4):
-                shift: tl.constexpr = 24 - 8 * p
                 hist = tl.zeros([256], dtype=tl.int32)
                 nomatch = tl.zeros([], dtype=tl.int32)
                 for n0 in range(0, seq, BLOCK):
@@ -136,8 +135,8 @@ def _kernels() -> tuple[Any, Any]:
                         dig = (ks >> 24) + 128
                         match = inb
                     else:
-                        dig = (ks >> shift) & 255
-                        match = inb & ((ks >> (shift + 8)) == (thr >> (shift + 8)))
+                        dig = (ks >> (24 - 8 * p)) & 255
+                        match = inb & ((ks >> (32 - 8 * p)) == (thr >> (32 - 8 * p)))
                     hist += tl.histogram(tl.where(match, dig, 0), 256)
                     nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
                 hist -= tl.where(bins == 0, nomatch, 0)
@@ -150,7 +149,7 @@ def _kernels() -> tuple[Any, Any]:
                 if p == 0:
                     thr = (dstar - 128) << 24
                 else:
-                    thr = thr | (dstar << shift)
+                    thr = thr | (dstar << (24 - 8 * p))
             n_gt = TOPK - need
             cg = tl.zeros([], dtype=tl.int32)
             ce = tl.zeros([], dtype=tl.int32)

@@ -44,10 +44,16 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     splits: int = 1
+    prefetch: int = 0
+    """1: load the next tile's KV into registers while computing this one (hand-rolled double buffering; the
+    fp8 path's e4m3→bf16 conversion keeps Triton's own pipeliner from overlapping those loads)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+
+LAST_LAUNCH: dict[str, Any] = {}
+"""Registers and spills of the last compiled decode launch (for the benchmark's notes)."""
 
 _TUNED: dict[tuple[int, str, int], DecodeConfig] = {}
 """Configs chosen by ``build_and_verify`` keyed by (heads, kv format, rows T); filled from the manifest."""
@@ -80,148 +86,9 @@ def default_decode_config(heads: int, rows: int, kv_format: str, num_sms: int = 
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    import triton
-    import triton.language as tl
+    from pdctl.kernels import _sparse_mla_kernels as k
 
-    @triton.jit
-    def _sparse_mla_decode_kernel(
-        q_ptr, stride_qt, stride_qh,
-        kv_ptr, stride_kv,  # c_kv lanes: bf16/fp16 [slots, 576] or the fp8 view of [slots, 656]
-        kvs_ptr, stride_kvs,  # fp8 only: fp32 view [slots, 164]; scales at columns 128..131
-        kvr_ptr, stride_kvr,  # rope lanes: same tensor as kv (bf16) or the bf16 view [slots, 328]
-        idx_ptr, stride_it,
-        len_ptr,
-        o_ptr, stride_ot, stride_oh,
-        lse_ptr, stride_lt,
-        mo_ptr, ml_ptr,  # split partials: fp32 [T, H, SPLITS, 512] and [T, H, SPLITS]
-        H, K, qk_scale_log2, SPLITS,
-        ROPE_OFF: tl.constexpr,
-        FP8: tl.constexpr,
-        HAS_LEN: tl.constexpr,
-        SPLIT_OUT: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        hb = tl.program_id(1)
-        sp = tl.program_id(2)
-        cdt = q_ptr.dtype.element_ty
-        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        d = tl.arange(0, 128)
-        dr = tl.arange(0, 64)
-        qrow = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-        q0 = tl.load(qrow + d[None, :], mask=hmask[:, None], other=0.0)
-        q1 = tl.load(qrow + 128 + d[None, :], mask=hmask[:, None], other=0.0)
-        q2 = tl.load(qrow + 256 + d[None, :], mask=hmask[:, None], other=0.0)
-        q3 = tl.load(qrow + 384 + d[None, :], mask=hmask[:, None], other=0.0)
-        qpe = tl.load(qrow + 512 + dr[None, :], mask=hmask[:, None], other=0.0)
-
-        n_valid = K
-        if HAS_LEN:
-            n_valid = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
-        chunk = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_N) * BLOCK_N
-        start = sp * chunk
-        end = tl.minimum(start + chunk, n_valid)
-
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < end, other=-1)
-            valid = idx >= 0
-            row = tl.where(valid, idx, 0).to(tl.int64)
-            kb = kv_ptr + row[:, None] * stride_kv + d[None, :]
-            k0 = tl.load(kb, mask=valid[:, None], other=0.0).to(cdt)
-            k1 = tl.load(kb + 128, mask=valid[:, None], other=0.0).to(cdt)
-            k2 = tl.load(kb + 256, mask=valid[:, None], other=0.0).to(cdt)
-            k3 = tl.load(kb + 384, mask=valid[:, None], other=0.0).to(cdt)
-            kpe = tl.load(kvr_ptr + row[:, None] * stride_kvr + ROPE_OFF + dr[None, :],
-                          mask=valid[:, None], other=0.0).to(cdt)
-            s = tl.dot(qpe, tl.trans(kpe))
-            if FP8:
-                sb = kvs_ptr + row * stride_kvs + 128
-                c0 = tl.load(sb, mask=valid, other=0.0)
-                c1 = tl.load(sb + 1, mask=valid, other=0.0)
-                c2 = tl.load(sb + 2, mask=valid, other=0.0)
-                c3 = tl.load(sb + 3, mask=valid, other=0.0)
-                s += tl.dot(q0, tl.trans(k0)) * c0[None, :]
-                s += tl.dot(q1, tl.trans(k1)) * c1[None, :]
-                s += tl.dot(q2, tl.trans(k2)) * c2[None, :]
-                s += tl.dot(q3, tl.trans(k3)) * c3[None, :]
-            else:
-                s = tl.dot(q0, tl.trans(k0), s)
-                s = tl.dot(q1, tl.trans(k1), s)
-                s = tl.dot(q2, tl.trans(k2), s)
-                s = tl.dot(q3, tl.trans(k3), s)
-            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                acc0 = tl.dot((p * c0[None, :]).to(cdt), k0, acc0 * alpha[:, None])
-                acc1 = tl.dot((p * c1[None, :]).to(cdt), k1, acc1 * alpha[:, None])
-                acc2 = tl.dot((p * c2[None, :]).to(cdt), k2, acc2 * alpha[:, None])
-                acc3 = tl.dot((p * c3[None, :]).to(cdt), k3, acc3 * alpha[:, None])
-            else:
-                pc = p.to(cdt)
-                acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
-                acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
-                acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
-                acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
-            m_i = m_new
-
-        live = l_i > 0.0
-        inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)
-        LN2: tl.constexpr = 0.6931471805599453
-        if not SPLIT_OUT:
-            lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("inf"))
-            ob = o_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
-            odt = o_ptr.dtype.element_ty
-            tl.store(ob, (acc0 * inv[:, None]).to(odt), mask=hmask[:, None])
-            tl.store(ob + 128, (acc1 * inv[:, None]).to(odt), mask=hmask[:, None])
-            tl.store(ob + 256, (acc2 * inv[:, None]).to(odt), mask=hmask[:, None])
-            tl.store(ob + 384, (acc3 * inv[:, None]).to(odt), mask=hmask[:, None])
-            tl.store(lse_ptr + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
-        else:
-            lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("-inf"))
-            base = (t.to(tl.int64) * H + heads) * SPLITS + sp  # [BLOCK_H]
-            mb = mo_ptr + base[:, None] * 512 + d[None, :]
-            tl.store(mb, acc0 * inv[:, None], mask=hmask[:, None])
-            tl.store(mb + 128, acc1 * inv[:, None], mask=hmask[:, None])
-            tl.store(mb + 256, acc2 * inv[:, None], mask=hmask[:, None])
-            tl.store(mb + 384, acc3 * inv[:, None], mask=hmask[:, None])
-            tl.store(ml_ptr + base, lse, mask=hmask)
-
-    @triton.jit
-    def _combine_kernel(
-        mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS,
-        BLOCK_S: tl.constexpr,
-    ):
-        # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        base = (t.to(tl.int64) * H + h) * SPLITS
-        sj = tl.arange(0, BLOCK_S)
-        lj = tl.load(ml_ptr + base + sj, mask=sj < SPLITS, other=float("-inf"))
-        mx = tl.max(lj, 0)
-        live = mx > float("-inf")
-        msafe = tl.where(live, mx, 0.0)
-        w = tl.where(lj > float("-inf"), tl.exp(lj - msafe), 0.0)
-        wsum = tl.sum(w, 0)
-        d = tl.arange(0, 512)
-        parts = tl.load(mo_ptr + (base + sj)[:, None] * 512 + d[None, :], mask=(sj < SPLITS)[:, None], other=0.0)
-        o = tl.sum(parts * w[:, None], 0) / tl.where(live, wsum, 1.0)
-        o = tl.where(live, o, 0.0)
-        tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, tl.where(live, msafe + tl.log(tl.where(live, wsum, 1.0)), float("inf")))
-
-    return _sparse_mla_decode_kernel, _combine_kernel
+    return k._sparse_mla_decode_kernel, k._combine_kernel
 
 
 def _num_sms(device: torch.device) -> int:
@@ -286,6 +153,8 @@ def sparse_mla_decode(
             raise ValueError(f"kv must be [slots, 576] (or uint8 [slots, 656]), got {kv.dtype} {tuple(kv.shape)}")
         if kv2.dtype != q.dtype:
             raise ValueError(f"kv dtype {kv2.dtype} must match q dtype {q.dtype}")
+        if kv2.stride(0) % 16:
+            raise ValueError(f"kv row stride must be a multiple of 16 elements (16-byte loads), got {kv2.stride(0)}")
         kv_main = kv_sc = kv_rope = kv2
         stride_kv = stride_kvs = stride_kvr = kv2.stride(0)
         rope_off = 512
@@ -315,7 +184,7 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
-    main_k[grid](
+    compiled = main_k[grid](
         q, q.stride(0), q.stride(1),
         kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,
         indices, indices.stride(0),
@@ -324,8 +193,10 @@ def sparse_mla_decode(
         mid_o, mid_l,
         heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
         ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
+        PREFETCH=bool(cfg.prefetch),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1:
         comb_k[(t_rows, heads)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,

@@ -1,0 +1,192 @@
+"""Triton kernels of the sparse-MLA decode (imported lazily by ``_sparse_mla``; see its docstring for the design).
+
+Module-level so that the ``@triton.jit`` helper ``_load_tile`` resolves from the kernels' globals.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(
+    idx_ptr, n0, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr,
+    ROPE_OFF: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Gather BLOCK_N selected latent rows: 4 chunks of 128 c_kv lanes (raw dtype), 64 rope lanes, and for FP8
+    # the 4 per-chunk scales. Row offsets are multiples of 16 B (656 = 41·16, 576·2 = 72·16; rope at byte 528
+    # of an fp8 row / element 512 of a bf16 row; scales at byte 512): the hints let Triton issue 16-byte loads.
+    d = tl.arange(0, 128)
+    dr = tl.arange(0, 64)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_ptr + offs, mask=offs < end, other=-1)
+    valid = idx >= 0
+    row = tl.where(valid, idx, 0).to(tl.int64)
+    kbase = tl.multiple_of(row * stride_kv, 16)
+    kb = kv_ptr + kbase[:, None] + d[None, :]
+    k0 = tl.load(kb, mask=valid[:, None], other=0.0)
+    k1 = tl.load(kb + 128, mask=valid[:, None], other=0.0)
+    k2 = tl.load(kb + 256, mask=valid[:, None], other=0.0)
+    k3 = tl.load(kb + 384, mask=valid[:, None], other=0.0)
+    rbase = tl.multiple_of(row * stride_kvr + ROPE_OFF, 8)
+    kpe = tl.load(kvr_ptr + rbase[:, None] + dr[None, :], mask=valid[:, None], other=0.0)
+    if FP8:
+        sbase = tl.multiple_of(row * stride_kvs + 128, 4)
+        c0 = tl.load(kvs_ptr + sbase, mask=valid, other=0.0)
+        c1 = tl.load(kvs_ptr + sbase + 1, mask=valid, other=0.0)
+        c2 = tl.load(kvs_ptr + sbase + 2, mask=valid, other=0.0)
+        c3 = tl.load(kvs_ptr + sbase + 3, mask=valid, other=0.0)
+    else:
+        c0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+    return valid, k0, k1, k2, k3, kpe, c0, c1, c2, c3
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kv,  # c_kv lanes: bf16/fp16 [slots, 576] or the fp8 view of [slots, 656]
+    kvs_ptr, stride_kvs,  # fp8 only: fp32 view [slots, 164]; scales at columns 128..131
+    kvr_ptr, stride_kvr,  # rope lanes: same tensor as kv (bf16) or the bf16 view [slots, 328]
+    idx_ptr, stride_it,
+    len_ptr,
+    o_ptr, stride_ot, stride_oh,
+    lse_ptr, stride_lt,
+    mo_ptr, ml_ptr,  # split partials: fp32 [T, H, SPLITS, 512] and [T, H, SPLITS]
+    H, K, qk_scale_log2, SPLITS,
+    ROPE_OFF: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    cdt = q_ptr.dtype.element_ty
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, 128)
+    dr = tl.arange(0, 64)
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q0 = tl.load(qrow + d[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(qrow + 128 + d[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(qrow + 256 + d[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(qrow + 384 + d[None, :], mask=hmask[:, None], other=0.0)
+    qpe = tl.load(qrow + 512 + dr[None, :], mask=hmask[:, None], other=0.0)
+
+    n_valid = K
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+    chunk = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n_valid)
+    irow = idx_ptr + t.to(tl.int64) * stride_it
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    if PREFETCH:
+        valid, r0, r1, r2, r3, rpe, c0, c1, c2, c3 = _load_tile(
+            irow, start, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            cur_valid = valid
+            k0 = r0.to(cdt)
+            k1 = r1.to(cdt)
+            k2 = r2.to(cdt)
+            k3 = r3.to(cdt)
+            kpe = rpe.to(cdt)
+            s0 = c0
+            s1 = c1
+            s2 = c2
+            s3 = c3
+            valid, r0, r1, r2, r3, rpe, c0, c1, c2, c3 = _load_tile(
+                irow, n0 + BLOCK_N, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr,
+                ROPE_OFF, FP8, BLOCK_N)
+        else:
+            cur_valid, k0, k1, k2, k3, kpe, s0, s1, s2, s3 = _load_tile(
+                irow, n0, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
+            k0 = k0.to(cdt)
+            k1 = k1.to(cdt)
+            k2 = k2.to(cdt)
+            k3 = k3.to(cdt)
+            kpe = kpe.to(cdt)
+        s = tl.dot(qpe, tl.trans(kpe))
+        if FP8:
+            s += tl.dot(q0, tl.trans(k0)) * s0[None, :]
+            s += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+            s += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+            s += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+        else:
+            s = tl.dot(q0, tl.trans(k0), s)
+            s = tl.dot(q1, tl.trans(k1), s)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.where(cur_valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            acc0 = tl.dot((p * s0[None, :]).to(cdt), k0, acc0 * alpha[:, None])
+            acc1 = tl.dot((p * s1[None, :]).to(cdt), k1, acc1 * alpha[:, None])
+            acc2 = tl.dot((p * s2[None, :]).to(cdt), k2, acc2 * alpha[:, None])
+            acc3 = tl.dot((p * s3[None, :]).to(cdt), k3, acc3 * alpha[:, None])
+        else:
+            pc = p.to(cdt)
+            acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
+            acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
+        m_i = m_new
+
+    live = l_i > 0.0
+    inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)
+    LN2: tl.constexpr = 0.6931471805599453
+    if not SPLIT_OUT:
+        lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("inf"))
+        ob = o_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        odt = o_ptr.dtype.element_ty
+        tl.store(ob, (acc0 * inv[:, None]).to(odt), mask=hmask[:, None])
+        tl.store(ob + 128, (acc1 * inv[:, None]).to(odt), mask=hmask[:, None])
+        tl.store(ob + 256, (acc2 * inv[:, None]).to(odt), mask=hmask[:, None])
+        tl.store(ob + 384, (acc3 * inv[:, None]).to(odt), mask=hmask[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
+    else:
+        lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("-inf"))
+        base = (t.to(tl.int64) * H + heads) * SPLITS + sp  # [BLOCK_H]
+        mb = mo_ptr + base[:, None] * 512 + d[None, :]
+        tl.store(mb, acc0 * inv[:, None], mask=hmask[:, None])
+        tl.store(mb + 128, acc1 * inv[:, None], mask=hmask[:, None])
+        tl.store(mb + 256, acc2 * inv[:, None], mask=hmask[:, None])
+        tl.store(mb + 384, acc3 * inv[:, None], mask=hmask[:, None])
+        tl.store(ml_ptr + base, lse, mask=hmask)
+
+@triton.jit
+def _combine_kernel(
+    mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS,
+    BLOCK_S: tl.constexpr,
+):
+    # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (t.to(tl.int64) * H + h) * SPLITS
+    sj = tl.arange(0, BLOCK_S)
+    lj = tl.load(ml_ptr + base + sj, mask=sj < SPLITS, other=float("-inf"))
+    mx = tl.max(lj, 0)
+    live = mx > float("-inf")
+    msafe = tl.where(live, mx, 0.0)
+    w = tl.where(lj > float("-inf"), tl.exp(lj - msafe), 0.0)
+    wsum = tl.sum(w, 0)
+    d = tl.arange(0, 512)
+    parts = tl.load(mo_ptr + (base + sj)[:, None] * 512 + d[None, :], mask=(sj < SPLITS)[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(live, wsum, 1.0)
+    o = tl.where(live, o, 0.0)
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h, tl.where(live, msafe + tl.log(tl.where(live, wsum, 1.0)), float("inf")))
