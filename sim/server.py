@@ -159,6 +159,13 @@ class Sim:
                                * int(a.get("pp_size") or 1))
         self.prefill_info: dict[str, dict[str, Any]] = {}
         self._info_lock = threading.Lock()
+        # decode: rooms in flight per bootstrap addr, and failures recorded by the heartbeat checker
+        self.addr_rooms: dict[str, set[int]] = {}
+        self.failure_records: dict[int, str] = {}
+        self.heartbeat_interval = max(_env_float("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0), 2.0)
+        self.heartbeat_max_failures = max(int(_env_float("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1)
+        self._heartbeat_failures: dict[str, int] = {}
+        self._heartbeat_thread: threading.Thread | None = None
         self.load_seconds = _env_float("PDCTL_SIM_LOAD_SECONDS", 1.0)
         self.warmup_seconds = _env_float("PDCTL_SIM_WARMUP_SECONDS", 0.5)
         self.waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
@@ -431,7 +438,42 @@ class Sim:
                 f"Both servers must use the same --kv-cache-dtype value."))
         with self._info_lock:
             self.prefill_info[addr] = info
+            if self._heartbeat_thread is None:
+                self._heartbeat_thread = threading.Thread(target=self._heartbeat_checker, daemon=True,
+                                                          name="HeartbeatChecker")
+                self._heartbeat_thread.start()
         return True
+
+    def _heartbeat_checker(self) -> None:
+        """``CommonKVManager._start_heartbeat_checker_thread``: decode polls each known prefill
+        bootstrap ``/health``; after ``max_failures`` misses the prefill is dropped and its in-flight
+        rooms fail with "Lost connection with prefill instance"."""
+        while not self.stop_event.wait(self.heartbeat_interval):
+            with self._info_lock:
+                addrs = list(self.prefill_info)
+            for addr in addrs:
+                ok = False
+                try:
+                    with urllib.request.urlopen(f"http://{addr}/health", timeout=3) as resp:
+                        ok = resp.status == 200
+                except Exception:  # noqa: BLE001
+                    ok = False
+                if ok:
+                    self._heartbeat_failures[addr] = 0
+                    continue
+                log.info(f"Attempting to reconnect to {addr}...")
+                self._heartbeat_failures[addr] = self._heartbeat_failures.get(addr, 0) + 1
+                if self._heartbeat_failures[addr] >= self.heartbeat_max_failures:
+                    self._handle_node_failure(addr)
+
+    def _handle_node_failure(self, addr: str) -> None:
+        with self._info_lock:
+            self.prefill_info.pop(addr, None)
+            self._heartbeat_failures.pop(addr, None)
+            rooms = list(self.addr_rooms.pop(addr, set()))
+            for room in rooms:
+                self.failure_records[room] = f"Lost connection with prefill instance (bootstrap_addr: {addr})"
+        log.error(f"Lost connection with prefill instance (bootstrap_addr: {addr}), {len(rooms)} requests affected")
 
     def _scheduler_crash(self, exc: BaseException) -> None:
         """An uncaught exception in the scheduler loop: SGLang kills the whole server (SIGKILL)."""
@@ -470,8 +512,19 @@ class Sim:
         m.s(m.kv_transfer_alloc_ms).observe(0.1)
         m.s(m.num_decode_transfer_queue_reqs).inc()
         init = time.monotonic()
+        with self._info_lock:
+            self.addr_rooms.setdefault(addr, set()).add(room)
         try:
             while True:
+                with self._info_lock:
+                    reason = self.failure_records.pop(room, None)
+                if reason is not None:
+                    msg = (f"Decode transfer failed for request rank=0 decode_req.req.rid={rid!r} "
+                           f"decode_req.req.bootstrap_room={room} with exception "
+                           f"KVTransferError(bootstrap_room={room}): {reason}")
+                    log.error(msg)
+                    m.s(m.num_transfer_failed_reqs).inc()
+                    raise Abort(msg, 500)
                 remaining = self.waiting_timeout - (time.monotonic() - init)
                 if remaining <= 0:
                     elapsed = time.monotonic() - init
@@ -487,7 +540,7 @@ class Sim:
                     log.error(msg)
                     m.s(m.num_transfer_failed_reqs).inc()
                     raise Abort(msg, 500)
-                wait = min(1.0, remaining)
+                wait = min(0.5, remaining)
                 url = f"http://{addr}/sim/kv?room={room}&wait={wait:.3f}"
                 try:
                     with urllib.request.urlopen(url, timeout=wait + 5) as resp:
@@ -501,6 +554,9 @@ class Sim:
                         raise Abort("Server is shutting down.", 503) from None
         finally:
             m.s(m.num_decode_transfer_queue_reqs).dec()
+            with self._info_lock:
+                self.addr_rooms.get(addr, set()).discard(room)
+                self.failure_records.pop(room, None)
 
     def run(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run one request to completion; returns the pieces and accounting."""

@@ -221,3 +221,28 @@ def test_fake_backend_decode_serves_without_prefill():
     with start_sim(["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]) as d:
         code, out = http_post(d.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}})
         assert code == 200 and len(out["output_ids"]) == 3
+
+
+def test_prefill_death_fails_in_flight_transfer_via_heartbeat():
+    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}
+    p, d = pd_pair(["--enable-metrics"], env)
+    try:
+        body = {"text": "hi", "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
+                "bootstrap_room": 555}
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=http_post(d.url + "/generate", body, timeout=30)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.5)
+        p.popen.kill()
+        t.join(30)
+        code, res = out["r"]
+        assert code == 500 and time.monotonic() - t0 < 15
+        assert "Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:" in res["message"]
+        assert "Decode transfer failed" in res["message"]
+        assert counter(d.url, "sglang:num_transfer_failed_reqs") == 1
+        assert "requests affected" in d.log_text()
+    finally:
+        p.stop()
+        d.stop()
