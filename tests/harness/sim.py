@@ -2,7 +2,7 @@
 
 Small API, for any test that needs engines or a router:
 
-    from harness.sim import start_sim, start_smg, free_port, pd_pair
+    from harness.sim import start_sim, start_smg, free_port, pd_pair, sim_command
 
     p = start_sim(["--model-path", "m", "--disaggregation-mode", "prefill",
                    "--disaggregation-bootstrap-port", str(free_port())])   # waits for /health == 200
@@ -189,15 +189,22 @@ def start_sim(args: list[str], env: dict[str, str] | None = None, *, wait: bool 
         args += ["--disaggregation-bootstrap-port", bport_s]
     bport = int(bport_s) if (mode == "prefill" and bport_s) else None
     host = _flag_value(args, "--host") or "127.0.0.1"
-    cmd = [sys.executable, "-m", "pdctl.sim", *args]
+    cmd = sim_command(args)
     popen, log_path = _spawn(cmd, {**FAST_ENV, **(env or {})}, "sim")
     proc = SimProcess(popen=popen, url=f"http://{host}:{port}", port=port, log_path=log_path,
                       argv=cmd, bootstrap_port=bport)
     if wait and not wait_http(proc.url + "/health", timeout=timeout, proc=proc):
+        rc = proc.popen.poll()
         proc.stop()
-        raise TimeoutError(f"sim {' '.join(args)} not healthy within {timeout}s; log:\n"
-                           + proc.log_text()[-3000:])
+        why = f"exited with status {rc}" if rc is not None else f"not healthy within {timeout}s"
+        raise TimeoutError(f"sim {' '.join(args)} {why}; log:\n" + proc.log_text()[-3000:])
     return proc
+
+
+def sim_command(args: list[str]) -> list[str]:
+    """The argv that runs the stand-in: SGLang's flags after ``python -m pdctl.sim`` (production runs
+    ``python -m sglang.launch_server`` with the same flags)."""
+    return [sys.executable, "-m", "pdctl.sim", *args]
 
 
 def smg_binary() -> str:
