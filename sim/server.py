@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 from . import model as mdl
 from . import parsers
@@ -1128,10 +1128,7 @@ class ApiHandler(_Base):
                 if fr == "stop":
                     fr, matched = "tool_calls", None
         return {"content": text, "reasoning": reasoning, "tool_calls": tool_calls, "finish_reason": fr,
-                "matched_stop": matched if fr == "stop" else None,
-                "separated": reasoning is not None or (rparser in parsers.THINK_TAG_PARSERS
-                                                       and body.get("separate_reasoning", True)
-                                                       and parsers.THINK_END in "".join(result["pieces"]))}
+                "matched_stop": matched if fr == "stop" else None}
 
     def _stream_chat(self, body, result, parsed, rid, created, model, usage) -> None:
         def chunk(delta: dict[str, Any], finish: str | None = None, matched=None) -> dict[str, Any]:
@@ -1142,7 +1139,6 @@ class ApiHandler(_Base):
         self._start_stream()
         self._sse(chunk({"role": "assistant", "content": ""}))
         pieces = result["pieces"]
-        text = "".join(pieces)
         # Reasoning deltas up to </think>, then content deltas; tool-call markup is replaced by
         # tool_calls deltas (name first, then the complete arguments), as the DSML detectors stream.
         reasoning_end = 0
@@ -1174,7 +1170,6 @@ class ApiHandler(_Base):
                         continue
                 first = False
                 self._sse(chunk({"content": p}))
-        del text
         self._sse(chunk({}, parsed["finish_reason"], parsed["matched_stop"]))
         so = body.get("stream_options") or {}
         if so.get("include_usage"):
