@@ -202,6 +202,7 @@ def apply(
         # Journal the target before touching anything: a kill from here on re-runs to the same end.
         state.target = desired
         state.plan_id = plan.plan_id
+        state.steps = {}  # this run re-proves every step of the new topology
         j.write(state)
 
         ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()))
@@ -236,6 +237,8 @@ def _remove_gone_roles(ctx, state, desired, sink) -> None:  # noqa: ANN001
     # Router first, then decode, then prefill/servers: the reverse of bring-up.
     previous.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
     for name in previous:
+        if ctx.manager.installed_text(name) is None:
+            continue
         ctx.manager.stop(name)
         ctx.manager.remove([name])
         sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
@@ -296,8 +299,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         except ProbeError as exc:
             router["readiness"] = 0
             router["error"] = str(exc)
+    from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
+
+    order = PD_STATES if topo.mode == "pd" else SINGLE_STATES
+    ordered = sorted(state.steps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     steps = {}
-    for name, rec in state.steps.items():
+    for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
         steps[name] = {
             "status": rec.status,
@@ -305,7 +312,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
         }
     reached = None
-    for name, rec in state.steps.items():
+    for name, rec in ordered:
         if rec.status in ("done", "skipped"):
             reached = name
         else:
@@ -347,6 +354,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
                 if n not in names:
                     names.append(n)
         names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
+        names = [n for n in names if manager.installed_text(n) is not None]
         for n in names:
             manager.stop(n)
             sink.emit(Event("info", f"stopped {n}", data={"unit": n}))

@@ -1,0 +1,302 @@
+"""End to end: the demo topology from nothing to parsers_configured, the seed's failure replayed,
+faults caught by the step that owns them, kills at any point. Real processes: the SGLang
+stand-in under pdctl's process supervisor and the real smg router."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pdctl.statemachine import service
+from pdctl.statemachine.errors import LockHeld, StalePlanError, StepTimeout, TopologyNotConfirmed, VerifyFailed
+from pdctl.statemachine.events import ListSink
+from pdctl.statemachine.journal import Journal
+from pdctl.statemachine.machine import PD_STATES, run_steps
+from pdctl.statemachine.steps import KVLinkVerified, ParsersConfigured, RouterExposed, steps_for
+
+pytestmark = [pytest.mark.smg, pytest.mark.slow]
+
+
+def _chat(url: str, model: str) -> dict:
+    from pdctl.statemachine.probes import chat_probe
+
+    with httpx.Client(trust_env=False) as c:
+        return chat_probe(c, url, model)
+
+
+def test_demo_from_nothing_to_parsers_configured(demo):
+    sink = ListSink()
+    result = demo.apply(sink=sink)
+    assert result.state == "parsers_configured"
+    assert [s for k, s in sink.kinds() if k in ("step_verified", "step_skipped")] == list(PD_STATES)
+    assert result.steps["kernels_built"]["status"] == "skipped"
+    assert result.steps["kernels_built"]["proof"]["summary"] == "skipped: disabled in spec"
+    # A chat through the router's port returns reasoning_content and tool_calls.
+    msg = _chat(f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
+    assert msg["reasoning_content"]
+    assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
+    # The proofs are real evidence, journaled.
+    state = Journal(demo.state, demo.name).read()
+    kv = state.steps["kv_link_verified"].proof
+    assert kv["evidence"]["pairs"][0]["route"]["page_size"] == 64
+    assert state.deployed is not None and state.target is None
+    st = demo.status()
+    assert st["healthy"] and st["reached"] == "parsers_configured"
+    # Idempotent: a second apply changes nothing (same PIDs) and skips every serving step.
+    pids = demo.pids()
+    assert len(pids) == 3
+    sink2 = ListSink()
+    demo.apply(sink=sink2)
+    assert demo.pids() == pids
+    skipped = {s for k, s in sink2.kinds() if k == "step_skipped"}
+    assert {"prefill_up", "decode_up", "router_exposed"} <= skipped
+    audit = [r["event"] for r in Journal(demo.state, demo.name).audit_records()]
+    assert audit.count("apply-done") == 2
+
+
+def _collapse(d: dict, port: int) -> dict:
+    c = copy.deepcopy(d)
+    c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer"), c.pop("router")
+    c["server"] = [{"gpus": list(range(8)), "tp": 8, "http_host": "127.0.0.1", "port": port}]
+    return c
+
+
+def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
+    demo.apply()
+    pids = demo.pids()
+    units_before = sorted(os.listdir(demo.state / "supervisor")) if (demo.state / "supervisor").exists() else []
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    # Headless, no confirmation: exit 2, the plan names the collapse, nothing changes.
+    r = demo.cli("apply", str(collapse))
+    assert r.returncode == 2, r.stderr
+    assert "PD disaggregation → single server" in r.stdout
+    plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    assert demo.pids() == pids
+    assert (sorted(os.listdir(demo.state / "supervisor")) if (demo.state / "supervisor").exists() else []) == units_before
+    # Another plan's id: refused too.
+    r = demo.cli("apply", str(collapse), "--confirm-topology", "0123456789abcdef")
+    assert r.returncode == 2 and "names another plan" in r.stderr
+    assert demo.pids() == pids
+    # This plan's id: it proceeds to the single server on the router's old port.
+    r = demo.cli("apply", str(collapse), "--confirm-topology", plan_id)
+    assert r.returncode == 0, r.stderr
+    after = demo.pids()
+    assert len(after) == 1 and not set(after) & set(pids)
+    audit = Journal(demo.state, demo.name).audit_records()
+    refused = [a for a in audit if a["event"] == "apply-refused"]
+    assert len(refused) == 2
+    started = [a for a in audit if a["event"] == "apply-started"]
+    assert started[-1]["confirmation"] == plan_id
+    # down with the collapsed spec leaves nothing running.
+    service.down(demo.load(collapse))
+    assert demo.pids() == []
+
+
+def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
+    out = demo.tmp / "plan.json"
+    r = demo.cli("plan", str(demo.spec), "-o", str(out))
+    assert r.returncode == 2
+    stale_base = demo.tmp / "plan2.json"
+    demo.cli("plan", str(demo.spec), "-o", str(stale_base))
+    r = demo.cli("apply", str(out))
+    assert r.returncode == 0, r.stderr
+    # The same saved plan again: its "from" side (nothing deployed) no longer holds.
+    r = demo.cli("apply", str(stale_base))
+    assert r.returncode == 2 and "saved plan" in r.stderr
+
+
+def test_a_second_concurrent_apply_is_refused_naming_the_holder(demo):
+    j = Journal(demo.state, demo.name)
+    with j.lock("test holder"):
+        with pytest.raises(LockHeld) as e:
+            demo.apply()
+        assert f"PID {os.getpid()}" in str(e.value)
+        r = demo.cli("apply", str(demo.spec))
+        assert r.returncode == 4 and f"PID {os.getpid()}" in r.stderr
+    assert demo.pids() == []
+
+
+# --- faults, each caught by the step that owns it ------------------------------------------------
+
+
+def _ctx(demo, **kw):
+    loaded = demo.load()
+    return service.build_context(loaded, timeouts=demo.timeouts(), **kw)
+
+
+def test_wrong_bootstrap_port_fails_kv_link_and_the_router_is_never_exposed(demo):
+    ctx = _ctx(demo)
+    kv = ctx.topology.kv_link
+    wrong = kv.model_copy(update={"bootstrap": tuple((n, h, p + 1) for n, h, p in kv.bootstrap)})
+    ctx.topology = ctx.topology.model_copy(update={"kv_link": wrong})
+    ctx.timeouts = ctx.timeouts.__class__(bootstrap=3, role_start=60)
+    t0 = time.monotonic()
+    with pytest.raises(VerifyFailed) as e:
+        run_steps(ctx, steps_for(ctx.topology), ListSink())
+    assert e.value.step == "kv_link_verified"
+    assert "cannot use the bootstrap" in e.value.message
+    assert time.monotonic() - t0 < 60
+    assert ctx.manager.status(ctx.unit_of["router"]).state == "inactive"
+    assert ctx.journal.read().steps["kv_link_verified"].status == "failed"
+    assert "router_exposed" not in ctx.journal.read().steps
+
+
+def test_prefill_never_healthy_times_out_bounded(make_demo):
+    def slow(d):
+        d["prefill"][0]["env"] = {"PDCTL_SIM_LOAD_SECONDS": "600"}
+        d["prefill"][0]["expected_cold_start_s"] = 3
+        d["decode"][0]["expected_cold_start_s"] = 3
+
+    demo = make_demo(slow)
+    t0 = time.monotonic()
+    with pytest.raises(StepTimeout) as e:
+        demo.apply()
+    elapsed = time.monotonic() - t0
+    assert e.value.step == "prefill_up"
+    assert "not reached within 3 s" in e.value.message and "Last log lines" in e.value.message
+    assert elapsed < 30
+    # What already runs stays as it was: the prefill process is still there, loading (SGLang starts
+    # its HTTP server only after the weights load, then answers 503 until warm-up ends).
+    role = demo.status()["roles"][0]
+    assert role["state"] in ("activating", "active") and role["main_pid"]
+    assert role["health"] in (0, 503)
+    os.kill(role["main_pid"], 0)  # alive
+
+
+def test_parsers_missing_on_decode_fails_parsers_configured(demo):
+    demo.apply()
+    ctx = _ctx(demo)
+    # Restart decode behind pdctl's back without its parsers (what a hand edit would do).
+    from pdctl.units import UnitSet
+
+    dec_unit = ctx.unit_of["decode"]
+    svc = ctx.units.service(dec_unit)
+    argv = list(svc.argv)
+    for flag in ("--reasoning-parser", "--tool-call-parser"):
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    bad = svc.__class__(**{**svc.__dict__, "argv": tuple(argv)})
+    units = UnitSet(target=ctx.units.target, services=tuple(bad if s.name == dec_unit else s for s in ctx.units.services))
+    ctx.manager.install(units)
+    ctx.manager.restart(dec_unit, wait=True, timeout=60)
+    with pytest.raises(VerifyFailed) as e:
+        ParsersConfigured().verify(ctx)
+    assert e.value.step == "parsers_configured"
+    assert "no tool_calls" in e.value.message and "no reasoning_content" in e.value.message
+    # decode_up's own proof also sees it.
+    from pdctl.statemachine.steps import ServersUp
+
+    assert ServersUp("decode", "decode_up").observe(ctx) is None
+
+
+def test_router_with_swapped_roles_fails_router_exposed(demo):
+    demo.apply()
+    ctx = _ctx(demo)
+    from pdctl.units import RouterLaunch, UnitSet, router_argv
+
+    r = ctx.topology.router
+    swapped = RouterLaunch(
+        executable=ctx.units.service(ctx.unit_of["router"]).argv[0],
+        prefill=((r.decode[0], r.prefill[0][1]),),
+        decode=(r.prefill[0][0],),
+        host="127.0.0.1",
+        port=r.port,
+        prometheus_host="127.0.0.1",
+        prometheus_port=demo.ports["prom"],
+        health_check_interval_s=1,
+    )
+    svc = ctx.units.service(ctx.unit_of["router"])
+    bad = svc.__class__(**{**svc.__dict__, "argv": tuple(router_argv(swapped))})
+    units = UnitSet(target=ctx.units.target, services=tuple(bad if s.name == svc.name else s for s in ctx.units.services))
+    ctx.manager.install(units)
+    ctx.manager.restart(svc.name)
+    ctx.timeouts = ctx.timeouts.__class__(router=20)
+    with pytest.raises(VerifyFailed) as e:
+        RouterExposed().verify(ctx)
+    assert e.value.step == "router_exposed"
+    assert "swapped roles" in e.value.message or "registered as prefill" in e.value.message
+
+
+def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
+    demo.apply()
+    st = demo.status()
+    dec = next(r for r in st["roles"] if r["name"] == "decode")
+    os.kill(dec["main_pid"], signal.SIGKILL)
+    seen_down = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = demo.status()
+        d = next(r for r in st["roles"] if r["name"] == "decode")
+        if not d["healthy"]:
+            seen_down = True
+            assert not st["healthy"]
+        elif seen_down and d["main_pid"] != dec["main_pid"]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"decode did not come back: {st}")
+    assert seen_down
+    assert d["restarts"] >= 1
+    # The router sees it healthy again (bounded).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and demo.status()["router"].get("readiness") != 200:
+        time.sleep(0.5)
+    assert demo.status()["healthy"]
+
+
+# --- kill -9 at five points, then re-run ---------------------------------------------------------
+
+_KILL_POINTS = [
+    ("apply_started", None),
+    ("step_started", "prefill_up"),
+    ("step_applied", "decode_up"),
+    ("step_started", "kv_link_verified"),
+    ("step_applied", "router_exposed"),
+]
+
+
+@pytest.mark.parametrize("kind,step", _KILL_POINTS, ids=[f"{k}-{s}" for k, s in _KILL_POINTS])
+def test_apply_killed_at_any_point_then_rerun_converges_without_orphans(demo, kind, step):
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    killed = False
+    deadline = time.monotonic() + 120
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == kind and (step is None or ev["step"] == step):
+                os.kill(p.pid, signal.SIGKILL)
+                killed = True
+                break
+            if time.monotonic() > deadline:
+                break
+    finally:
+        p.wait(30)
+    assert killed, "the kill point was never reached"
+    # The journal survived and is readable; re-run converges.
+    Journal(demo.state, demo.name).read()
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    st = demo.status()
+    assert st["healthy"] and st["reached"] == "parsers_configured"
+    # No orphans: exactly one engine per role and one router.
+    assert len(demo.pids()) == 3
+    service.down(demo.load())
+    deadline = time.monotonic() + 20
+    while demo.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert demo.pids() == []
