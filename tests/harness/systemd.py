@@ -23,10 +23,12 @@ Use the ``user_systemd`` fixture (module-scoped; tests share one manager) or
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -144,3 +146,82 @@ def user_systemd_session(root: Path) -> Iterator[UserSystemd]:
         yield mgr
     finally:
         mgr.stop()
+
+
+# -- a PD deployment of stand-ins, for scenario tests under either manager ------------------------
+#
+# ``pd_deployment(tmp_path, service_manager)`` builds a PD spec whose engines are ``pdctl.sim``
+# (1.5 s "model load": ``/health`` 503 until then) and whose router is the real smg behind a tiny
+# wrapper that, before exec'ing smg, records what both servers' ``/health`` answered at the
+# instant the router started: the ordering check reads that file.
+
+from harness.sim import free_port  # noqa: E402
+from pdctl.statemachine.spec import Deployment, parse_spec  # noqa: E402
+
+SMG = Path(sys.executable).parent / "smg"
+
+ROUTER_WRAPPER = """\
+#!{python}
+import json, os, sys, time, urllib.error, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({{}}))
+seen = {{}}
+for url in os.environ["PROBE_URLS"].split():
+    try:
+        seen[url] = opener.open(url, timeout=2).status
+    except urllib.error.HTTPError as e:
+        seen[url] = e.code
+    except Exception:
+        seen[url] = 0
+with open(os.environ["PROBE_OUT"], "a") as f:
+    f.write(json.dumps({{"t": time.time(), "pid": os.getpid(), "health": seen}}) + "\\n")
+os.execv({smg!r}, [{smg!r}] + sys.argv[1:])
+"""
+
+
+@dataclass
+class PD:
+    dep: Deployment
+    probe_out: Path
+    ports: dict[str, int]
+
+    def probes(self) -> list[dict]:
+        if not self.probe_out.exists():
+            return []
+        return [json.loads(line) for line in self.probe_out.read_text().splitlines() if line.strip()]
+
+
+def pd_deployment(tmp_path: Path, service_manager: str, name: str = "t") -> PD:
+    import pytest
+
+    if not SMG.exists():
+        pytest.skip(f"smg not installed at {SMG}")
+    ports = {k: free_port() for k in ("prefill", "decode", "bootstrap", "router", "metrics")}
+    wrapper = tmp_path / "bin" / "router-probe"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(ROUTER_WRAPPER.format(python=sys.executable, smg=str(SMG)))
+    wrapper.chmod(0o755)
+    probe_out = tmp_path / "router-probe.jsonl"
+    health = [f"http://127.0.0.1:{ports[r]}/health" for r in ("prefill", "decode")]
+    dep = parse_spec({
+        "name": name,
+        "service_manager": service_manager,
+        "engine": {"launcher": "sim", "env": {"PDCTL_SIM_LOAD_SECONDS": "1.5", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}},
+        "model": {"path": "deepseek-ai/DeepSeek-V4-Flash", "page_size": 64, "kv_cache_dtype": "fp8_e4m3"},
+        "prefill": [{"gpus": [0], "port": ports["prefill"], "bootstrap_port": ports["bootstrap"],
+                     "nccl_port": free_port()}],
+        "decode": [{"gpus": [1], "port": ports["decode"], "nccl_port": free_port()}],
+        "kv_transfer": {"backend": "mooncake_tcp"},
+        "router": {"port": ports["router"], "prometheus_port": ports["metrics"], "health_check_interval_s": 1,
+                   "worker_startup_timeout_s": 60, "executable": str(wrapper),
+                   "env": {"PROBE_URLS": " ".join(health), "PROBE_OUT": str(probe_out)}},
+    })
+    return PD(dep=dep, probe_out=probe_out, ports=ports)
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a live process (a zombie is dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
