@@ -703,6 +703,13 @@ class _Server(ThreadingHTTPServer):
         self.sim = sim
         super().__init__(addr, handler)
 
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            log.debug(f"client {client_address} went away: {exc!r}")
+            return
+        super().handle_error(request, client_address)
+
     def server_bind(self) -> None:
         # HTTPServer.server_bind would resolve socket.getfqdn(host): a DNS round trip we do not need.
         import socketserver
@@ -974,9 +981,19 @@ class ApiHandler(_Base):
             return self._json(400, {"object": "error", "message": f"JSON decode error: {e}",
                                     "type": "Bad Request", "param": None, "code": 400})
         stream = bool(body.get("stream"))
-        if kind == "generate":
-            return self._generate(body, stream)
-        return self._openai(kind, body, stream)
+        self._streaming = False
+        try:
+            if kind == "generate":
+                return self._generate(body, stream)
+            return self._openai(kind, body, stream)
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not take the connection down silently
+            log.exception(f"Error in request: {e}")
+            if not self._streaming:
+                return self._json(500, {"object": "error", "message": f"Internal server error: {e}",
+                                         "type": "InternalServerError", "param": None, "code": 500})
+            raise
 
     def _flush(self) -> None:
         if self.sim.running:
@@ -999,6 +1016,7 @@ class ApiHandler(_Base):
     # ---- streaming helpers (chunked transfer encoding, as uvicorn sends a StreamingResponse)
 
     def _start_stream(self) -> None:
+        self._streaming = True
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
         self.send_header("transfer-encoding", "chunked")
