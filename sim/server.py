@@ -928,8 +928,9 @@ class ApiHandler(_Base):
         if path.startswith("/v1/models/"):
             name = urllib.parse.unquote(path[len("/v1/models/"):])
             if name != sim.served_model_name:
-                return self._json(404, {"object": "error", "message": f"The model '{name}' does not exist",
-                                        "type": "NotFoundError", "param": "model", "code": 404})
+                return self._json(404, {"error": {"message": f"The model '{name}' does not exist",
+                                                  "type": "invalid_request_error", "param": "model",
+                                                  "code": "model_not_found"}})
             return self._json(200, sim.v1_models()["data"][0])
         if path == "/v1/loads":
             try:

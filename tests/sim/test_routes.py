@@ -277,3 +277,10 @@ def test_page_size_resolution_by_family(family, expected):
     assert resolved["page_size"] == expected
     _, resolved = flags.parse(["--model-path", "m", "--page-size", "16"], model.DEFAULT_PAGE_SIZE[family])
     assert resolved["page_size"] == 16
+
+
+def test_retrieve_model(srv):
+    code, body = get_json(srv.url + "/v1/models/dsv32")
+    assert code == 200 and body["id"] == "dsv32"
+    code, body = get_json(srv.url + "/v1/models/other")
+    assert code == 404 and body["error"]["code"] == "model_not_found"
