@@ -480,7 +480,7 @@ class Sim:
         tb = "".join(traceback.format_exception_only(type(exc), exc))
         log.error("Scheduler hit an exception: Traceback (most recent call last):\n"
                   '  File "sglang/srt/disaggregation/common/conn.py", in try_ensure_parallel_info\n' + tb)
-        log.error("Received sigquit from a child process. It usually means the child failed.")
+        log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
         for h in log.handlers:
             h.flush()
         sys.stderr.flush()
@@ -1231,7 +1231,11 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001
-        log.info(f"Received {signal.Signals(signum).name}, shutting down.")
+        # tokenizer_manager.SignalHandler.sigterm_handler; SGLang's sigterm_watchdog then drains the
+        # running requests (polling every 5 s) before exiting 0. The stand-in drains for under a second.
+        log.warning(f"{signal.Signals(signum).name} received. signum=None frame=None. "
+                    "Draining requests and shutting down...")
+        sim.gracefully_exit = True
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -1250,9 +1254,13 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=starter, daemon=True, name="launch").start()
     done.wait()
     sim.gracefully_exit = True
+    deadline = time.monotonic() + 0.6
+    while sim.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    log.info(f"Gracefully exiting... Remaining number of requests {sim.running}.")
     sim.stop_event.set()
     threading.Thread(target=sim.shutdown, daemon=True).start()
-    time.sleep(0.2)
+    time.sleep(0.1)
     if sim.http is not None:
         for line in ("Shutting down", "Waiting for application shutdown.", "Application shutdown complete.",
                      f"Finished server process [{os.getpid()}]"):
