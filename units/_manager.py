@@ -20,7 +20,25 @@ from ._host import HostLike
 from ._types import ServiceStatus, UnitSet
 from .errors import ServiceFailed, ServiceTimeout
 
-__all__ = ["ServiceManager"]
+__all__ = ["ServiceManager", "probe_writable"]
+
+
+def probe_writable(host: HostLike, directory: str) -> None:
+    """Raise ``OSError`` unless *directory* could be written — without creating it: the probe
+    (a file written then removed) goes into the nearest ancestor that exists, so a refusal
+    leaves no trace. An ancestor that is not a directory fails the probe."""
+    import os
+    import posixpath
+
+    d = directory.rstrip("/") or "/"
+    while not host.exists(d):
+        parent = posixpath.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    probe = posixpath.join(d, f".pdctl-write-probe-{os.getpid()}")
+    host.write_file(probe, b"", mode=0o600)
+    host.remove_file(probe)
 
 
 class ServiceManager(ABC):

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager
+from ._manager import ServiceManager, probe_writable
 from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
@@ -210,11 +210,8 @@ class ProcessSupervisor(ServiceManager):
 
     def install(self, units: UnitSet) -> list[str]:
         root = posixpath.join(self.state_dir, "services")
-        probe = posixpath.join(root, ".pdctl-write-probe")
         try:
-            self.host.make_dirs(root)
-            self.host.write_file(probe, b"", mode=0o600)
-            self.host.remove_file(probe)
+            probe_writable(self.host, root)
         except OSError as exc:
             raise UnitDirNotWritable(f"cannot write supervisor state to {root} on host {self.host.name}: {exc}",
                                      hint="choose a writable state directory") from None

@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager
+from ._manager import ServiceManager, probe_writable
 from ._systemd import is_pdctl_unit, render_env_file, unit_files
 from ._types import ServiceStatus, UnitSet
 from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
@@ -96,11 +96,8 @@ class SystemdManager(ServiceManager):
         return res
 
     def _check_writable(self, directory: str) -> None:
-        probe = posixpath.join(directory, f".pdctl-write-probe-{os.getpid()}")
         try:
-            self.host.make_dirs(directory)
-            self.host.write_file(probe, b"", mode=0o600)
-            self.host.remove_file(probe)
+            probe_writable(self.host, directory)
         except OSError as exc:
             raise UnitDirNotWritable(
                 f"cannot write units to {directory} on host {self.host.name}: {exc}",
@@ -150,6 +147,8 @@ class SystemdManager(ServiceManager):
                 raise ForeignUnit(f"{path} exists and was not written by pdctl", unit=path)
         self._check_shadowing(list(files))
 
+        for d in {posixpath.dirname(s.log_path) for s in units.services if s.log_path}:
+            self.host.make_dirs(d)
         for path, text in secrets.items():
             self.host.write_file(path, text.encode(), mode=0o600)
         changed = []

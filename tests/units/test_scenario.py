@@ -24,7 +24,7 @@ import pytest
 
 from harness.systemd import pd_deployment, pid_alive
 from pdctl.statemachine.hosts import LocalHost
-from pdctl.statemachine.launch import manager_for, unit_set_for
+from pdctl.statemachine.launch import manager_for
 from pdctl.units import ServiceManager
 
 
@@ -81,7 +81,7 @@ def run_scenario(m: ServiceManager, pd, units, start) -> None:
 def test_pd_scenario_under_real_systemd(clean_user_systemd, tmp_path):
     sd = clean_user_systemd
     pd = pd_deployment(tmp_path, "systemd-user", name="sdpd")
-    units = unit_set_for(pd.dep, scope="user", state_dir=tmp_path / "state", log_dir=tmp_path / "logs")
+    units = pd.units(scope="user", state_dir=tmp_path / "state", log_dir=tmp_path / "logs")
     m = manager_for(pd.dep, LocalHost(), state_dir=tmp_path / "state", unit_dir=str(sd.unit_dir), env=sd.env)
     assert m.kind == "systemd"
     try:
@@ -108,7 +108,7 @@ def test_pd_scenario_under_the_process_supervisor(tmp_path):
     state = tmp_path / "state"
     m = manager_for(pd.dep, LocalHost(), state_dir=state)
     assert m.kind == "process"
-    units = unit_set_for(pd.dep, scope="process", state_dir=state)
+    units = pd.units(scope="process", state_dir=state)
 
     def start_from_a_short_lived_process(target: str) -> None:
         child = subprocess.run([sys.executable, "-c", START_IN_CHILD, m.state_dir, target],

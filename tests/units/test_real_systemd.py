@@ -1,0 +1,118 @@
+"""Through a real systemd (the harness's private user manager): values reach the process unchanged,
+secrets arrive through the 0600 EnvironmentFile, and foreign units are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from pdctl.statemachine.hosts import LocalHost
+from pdctl.units import ForeignUnit, ServiceSpec, SystemdManager, TargetSpec, UnitSet
+
+pytestmark = pytest.mark.systemd
+
+DUMP = (
+    "import json,os,sys\n"
+    "tmp=sys.argv[1]+'.tmp'\n"
+    "json.dump({'argv':sys.argv[2:],'env':os.environ.get('PDCTL_PROP'),'secret':os.environ.get('PROP_TOKEN')},"
+    "open(tmp,'w'))\n"
+    "os.replace(tmp,sys.argv[1])"
+)
+
+# Everything a Python str can carry to a process: no NUL, no lone surrogates.
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=24)
+NASTY = ['a b', '"', "'", "$HOME", "${X}", "$$", "%n", "%%", "%", "\\", "\\n", "\n", "\t", "\r", ";", "\\;",
+         "-", "", " lead", "trail ", "@x", "\x1b[0m", "é€𝄞", "a\\\nb", "'$x'\"\\`"]
+
+
+def _service(tmp: Path, name: str, args: list[str], env_value: str, secret: str) -> ServiceSpec:
+    return ServiceSpec(
+        name=name, description="pdctl property probe", deployment="prop", role="probe",
+        argv=(sys.executable, "-c", DUMP, str(tmp / "out.json"), *args),
+        env={"PDCTL_PROP": env_value}, secrets={"PROP_TOKEN": secret},
+        secrets_file=str(tmp / "secrets" / "probe.env"), restart_sec=1, timeout_start_s=30,
+    )
+
+
+def _roundtrip(m: SystemdManager, tmp: Path, args: list[str], env_value: str, secret: str) -> dict:
+    out = tmp / "out.json"
+    out.unlink(missing_ok=True)
+    svc = _service(tmp, "pdctl-prop-probe.service", args, env_value, secret)
+    m.install(UnitSet(target=TargetSpec(name="pdctl-prop.target", description="p", deployment="prop",
+                                        wants=(svc.name,)), services=(svc,)))
+    m.start(svc.name)
+    deadline = time.monotonic() + 20
+    while not out.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"probe wrote nothing; status {m.status(svc.name)}")
+        time.sleep(0.02)
+    return json.loads(out.read_text())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.lists(TEXT | st.sampled_from(NASTY), max_size=5), env_value=TEXT | st.sampled_from(NASTY),
+       secret=TEXT | st.sampled_from(NASTY))
+@example(args=NASTY, env_value="".join(NASTY), secret="".join(NASTY))
+def test_spec_strings_reach_the_process_unchanged_through_systemd(clean_user_systemd, tmp_path, args,
+                                                                   env_value, secret):
+    m = clean_user_systemd.manager()
+    got = _roundtrip(m, tmp_path, args, env_value, secret)
+    assert got == {"argv": args, "env": env_value, "secret": secret}
+
+
+def test_secrets_file_is_0600_and_the_unit_never_holds_the_secret(clean_user_systemd, tmp_path):
+    m = clean_user_systemd.manager()
+    got = _roundtrip(m, tmp_path, ["x"], "plain", "s3cr3t-value")
+    assert got["secret"] == "s3cr3t-value"
+    assert stat.S_IMODE((tmp_path / "secrets" / "probe.env").stat().st_mode) == 0o600
+    unit = (clean_user_systemd.unit_dir / "pdctl-prop-probe.service").read_text()
+    assert "s3cr3t-value" not in unit and f"EnvironmentFile={tmp_path}/secrets/probe.env" in unit
+
+
+def test_a_foreign_unit_loaded_from_elsewhere_is_refused_and_nothing_changes(clean_user_systemd, tmp_path):
+    sd = clean_user_systemd
+    other = sd.runtime_dir / "systemd" / "user"  # a lower-priority user unit path the manager reads
+    other.mkdir(parents=True, exist_ok=True)
+    foreign = other / "pdctl-prop-probe.service"
+    foreign.write_text("[Service]\nExecStart=/bin/sleep 1\n")
+    try:
+        sd.systemctl("daemon-reload")
+        m = sd.manager()
+        svc = _service(tmp_path, "pdctl-prop-probe.service", [], "", "")
+        units = UnitSet(target=TargetSpec(name="pdctl-prop.target", description="p", deployment="prop",
+                                          wants=(svc.name,)), services=(svc,))
+        before = sorted(p.name for p in sd.unit_dir.iterdir())
+        with pytest.raises(ForeignUnit, match="already loaded from"):
+            m.install(units)
+        assert sorted(p.name for p in sd.unit_dir.iterdir()) == before
+        assert not (tmp_path / "secrets").exists()
+        assert foreign.read_text() == "[Service]\nExecStart=/bin/sleep 1\n"
+    finally:
+        foreign.unlink()
+        sd.systemctl("daemon-reload")
+
+
+def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path):
+    m = clean_user_systemd.manager()
+    svc = ServiceSpec(name="pdctl-lim-crash.service", description="crashes", deployment="lim", role="crash",
+                      argv=("/bin/sh", "-c", "exit 3"), restart_sec=0.2, start_limit_burst=3,
+                      start_limit_interval_s=60, timeout_start_s=10)
+    m.install(UnitSet(target=TargetSpec(name="pdctl-lim.target", description="l", deployment="lim",
+                                        wants=(svc.name,)), services=(svc,)))
+    m.start(svc.name)
+    deadline = time.monotonic() + 30
+    while m.status(svc.name).state != "failed":
+        assert time.monotonic() < deadline, m.status(svc.name)
+        time.sleep(0.1)
+    # three starts (burst 3); systemd counts the third, refused, restart too
+    assert m.status(svc.name).restarts == 3
+    time.sleep(1.0)  # five restart delays: it stays down
+    assert (m.status(svc.name).state, m.status(svc.name).restarts) == ("failed", 3)
