@@ -11,8 +11,11 @@ Environment knobs (all optional):
   answers ``/route`` with 503 until the ranks register at the end of loading.
 * ``PDCTL_SIM_WARMUP_SECONDS`` (default 0.5): HTTP port open, ``/health`` 503 until the warm-up
   request has run.
-* ``PDCTL_SIM_MODEL_FAMILY`` (default ``deepseek-v32``; also ``deepseek-v4``, ``deepseek-v31``): the
-  native reasoning / tool-call markup the "model" emits.
+* ``PDCTL_SIM_MODEL_FAMILY`` (``deepseek-v32``, ``deepseek-v4``, ``deepseek-v31``): the native
+  reasoning / tool-call markup the "model" emits.  Unset, it follows the model like SGLang does:
+  ``MODEL_PATH/config.json``'s ``model_type`` if that file exists, else the name (``*V4*`` ->
+  deepseek-v4, ``*V3.2*`` -> deepseek-v32, ``*V3.1*``/``*V3*``/``*R1*`` -> deepseek-v31), else
+  deepseek-v32.
 * ``PDCTL_SIM_ENSURE_RETRY_INTERVAL`` (default 1.0): seconds between decode's 15 attempts to fetch the
   prefill ``/route`` (SGLang's ``_ensure_retry_interval``; a sim knob so tests can fail fast).
 * SGLang's own: ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (decode, 300 s),

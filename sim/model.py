@@ -15,7 +15,7 @@ Markup is the model family's native format, as SGLang 0.5.23's parsers expect it
 * ``deepseek-v31``: ``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>{json}…`` markup
   (``function_call/deepseekv31_detector.py``).
 
-Select the family with ``PDCTL_SIM_MODEL_FAMILY``.
+The family follows the model (see ``model_family``); ``PDCTL_SIM_MODEL_FAMILY`` overrides it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,41 @@ _WORDS = (
 _TOKEN_RE = re.compile(r"<｜[^｜]*｜>|<｜DSML｜|</?think>|\w+|[^\w\s]|\s+")
 
 
-def model_family() -> str:
-    fam = os.environ.get("PDCTL_SIM_MODEL_FAMILY", DEFAULT_FAMILY).strip().lower()
-    if fam not in FAMILIES:
-        raise SystemExit(f"PDCTL_SIM_MODEL_FAMILY must be one of {', '.join(FAMILIES)}; got {fam!r}")
-    return fam
+_MODEL_TYPES = {"deepseek_v32": "deepseek-v32", "deepseek_v4": "deepseek-v4", "deepseek_v41": "deepseek-v4",
+                "deepseek_v3": "deepseek-v31"}
+
+
+def model_family(model_path: str | None = None) -> str:
+    """The family whose markup the stand-in emits.
+
+    ``PDCTL_SIM_MODEL_FAMILY`` wins; else, as SGLang reads the architecture from the checkpoint's
+    ``config.json``, a local ``MODEL_PATH/config.json`` ``model_type`` decides; else the model name
+    (``...V4...`` -> deepseek-v4, ``...V3.2...`` -> deepseek-v32, ``...V3.1``/``V3``/``R1`` ->
+    deepseek-v31); else deepseek-v32."""
+    fam = os.environ.get("PDCTL_SIM_MODEL_FAMILY", "").strip().lower()
+    if fam:
+        if fam not in FAMILIES:
+            raise SystemExit(f"PDCTL_SIM_MODEL_FAMILY must be one of {', '.join(FAMILIES)}; got {fam!r}")
+        return fam
+    if not model_path:
+        return DEFAULT_FAMILY
+    cfg = os.path.join(model_path, "config.json")
+    if os.path.isfile(cfg):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                mt = json.load(f).get("model_type")
+            if mt in _MODEL_TYPES:
+                return _MODEL_TYPES[mt]
+        except (OSError, ValueError, AttributeError):
+            pass
+    name = os.path.basename(model_path.rstrip("/")).lower()
+    if re.search(r"v4", name):
+        return "deepseek-v4"
+    if re.search(r"v3[._-]?2", name):
+        return "deepseek-v32"
+    if re.search(r"v3([._-]?1)?|r1", name):
+        return "deepseek-v31"
+    return DEFAULT_FAMILY
 
 
 def tokenize(text: str) -> list[int]:

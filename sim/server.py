@@ -137,7 +137,8 @@ class Sim:
 
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
-        self.family = mdl.model_family()
+        self.args, _ = parse(argv)
+        self.family = mdl.model_family(self.args.model_path)
         self.args, self.resolved = parse(argv, mdl.DEFAULT_PAGE_SIZE[self.family])
         a = self.resolved
         self.mode: str = a["disaggregation_mode"]

@@ -166,3 +166,28 @@ def test_bad_family_env_refuses_to_start():
     proc = subprocess.run([sys.executable, "-m", "pdctl.sim", "--model-path", "m"], capture_output=True,
                           text=True, timeout=20, env={"PDCTL_SIM_MODEL_FAMILY": "llama", "PATH": "/usr/bin"})
     assert proc.returncode != 0 and "PDCTL_SIM_MODEL_FAMILY" in proc.stderr
+
+
+@pytest.mark.parametrize("path,family", [
+    ("deepseek-ai/DeepSeek-V3.2", "deepseek-v32"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v32"),
+    ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v4"), ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek-v31"),
+    ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v31"), ("/models/some-model", "deepseek-v32"),
+])
+def test_family_follows_the_model(path, family, monkeypatch):
+    monkeypatch.delenv("PDCTL_SIM_MODEL_FAMILY", raising=False)
+    assert mdl.model_family(path) == family
+    monkeypatch.setenv("PDCTL_SIM_MODEL_FAMILY", "deepseek-v31")
+    assert mdl.model_family(path) == "deepseek-v31"
+
+
+def test_family_from_local_config_json(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDCTL_SIM_MODEL_FAMILY", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    assert mdl.model_family(str(tmp_path)) == "deepseek-v4"
+
+
+def test_v4_model_path_with_v4_parsers_parses():
+    with start_sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--reasoning-parser", "deepseek-v4",
+                    "--tool-call-parser", "deepseekv4"]) as p:
+        msg = http_post(p.url + "/v1/chat/completions", {**CHAT, "model": "x"})[1]["choices"][0]["message"]
+        assert msg["reasoning_content"] and msg["tool_calls"][0]["function"]["name"] == "get_weather"
