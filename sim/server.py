@@ -348,8 +348,8 @@ class Sim:
                 return digest, True
             self._prefill_hold(int(room), req, digest)
             return digest, True
-        # decode
-        if fake:
+        # decode (with the ``fake`` backend every receiver is a FakeKVReceiver)
+        if fake or self.resolved["disaggregation_transfer_backend"] == "fake":
             # FakeKVReceiver: nothing moves, the KV pages hold whatever was there (garbage), so the
             # output is not the prompt's; only warm-up and health checks take this path.
             return mdl.kv_digest([]), False
