@@ -88,6 +88,17 @@ def _env_float(name: str, default: float) -> float:
         raise SystemExit(f"{name} must be a number, got {raw!r}") from None
 
 
+def _trunc(v: Any, max_length: int = 2048) -> str:
+    """``request_logger._dataclass_to_string_truncated`` for the values the stand-in logs."""
+    if isinstance(v, str) and len(v) > max_length:
+        return f"{v[: max_length // 2]!r} ... {v[-(max_length // 2):]!r}"
+    if isinstance(v, list) and len(v) > max_length:
+        return f"{v[: max_length // 2]} ... {v[-(max_length // 2):]}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"'{k}': {_trunc(x, max_length)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
 class Abort(Exception):
     """A request finished with FINISH_ABORT(message, status_code)."""
 
@@ -559,10 +570,19 @@ class Sim:
                 self.addr_rooms.get(addr, set()).discard(room)
                 self.failure_records.pop(room, None)
 
+    def _req_repr(self, req: dict[str, Any], body: dict[str, Any]) -> str:
+        fields = {"rid": req["rid"], "text": body.get("text"), "input_ids": None if body.get("text") else req["ids"],
+                  "sampling_params": body.get("sampling_params") or {}, "stream": bool(body.get("stream")),
+                  "bootstrap_host": body.get("bootstrap_host"), "bootstrap_port": body.get("bootstrap_port"),
+                  "bootstrap_room": body.get("bootstrap_room")}
+        return "GenerateReqInput(" + ", ".join(f"{k}={_trunc(v)}" for k, v in fields.items()) + ")"
+
     def run(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run one request to completion; returns the pieces and accounting."""
         t0 = time.monotonic()
         req = self.prepare(kind, body)
+        if self.resolved.get("log_requests") and not str(req["rid"]).startswith("HEALTH_CHECK"):
+            log.info(f"Receive: obj={self._req_repr(req, body)}")
         with self._stats_lock:
             self.running += 1
         m = self.metrics
@@ -591,6 +611,11 @@ class Sim:
             self._log_prefill_batch(len(req["ids"]))
         if self.mode != "prefill" and len(out) > 1:  # decode lines are logged every few steps
             self._log_decode_batch(len(req["ids"]), len(out), time.monotonic() - t0)
+        if self.resolved.get("log_requests") and not str(req["rid"]).startswith("HEALTH_CHECK"):
+            out_d = {"text": "".join(out), "meta_info": {"id": req["rid"], "finish_reason": finish,
+                                                         "prompt_tokens": len(req["ids"]),
+                                                         "completion_tokens": len(out)}}
+            log.info(f"Finish: obj={self._req_repr(req, body)}, out={_trunc(out_d)}")
         return {"req": req, "pieces": out, "finish": finish, "t0": t0,
                 "prompt_tokens": len(req["ids"]), "digest": digest}
 

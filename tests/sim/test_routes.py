@@ -284,3 +284,14 @@ def test_retrieve_model(srv):
     assert code == 200 and body["id"] == "dsv32"
     code, body = get_json(srv.url + "/v1/models/other")
     assert code == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_log_requests_writes_receive_and_finish_lines():
+    with start_sim(["--log-requests"]) as p:
+        http_post(p.url + "/generate", {"text": "log me", "sampling_params": {"max_new_tokens": 2}})
+        deadline = time.monotonic() + 5
+        while "Finish: obj=GenerateReqInput(" not in p.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log = p.log_text()
+        assert "Receive: obj=GenerateReqInput(rid=" in log and "text='log me'" in log
+        assert "Finish: obj=GenerateReqInput(" in log and "'finish_reason': {'type': 'length'" in log
