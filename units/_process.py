@@ -310,6 +310,8 @@ class ProcessSupervisor(ServiceManager):
         self.host.write_file(posixpath.join(d, "watchdog.pid"), f"{pid}\n".encode())
 
     def stop(self, name: str, *, timeout: float | None = None) -> None:
+        if self.installed_text(name) is None:
+            return  # nothing installed, nothing running under this name
         data = self._unit(name)
         if data["kind"] == "target":
             for s in reversed(data["target"]["wants"]):

@@ -1,0 +1,139 @@
+"""Bad input to the managers: each refusal is a clear error and changes nothing.
+
+* the unit directory cannot be written;
+* a unit of the same name exists and pdctl did not write it (never overwritten, never removed);
+* ``systemctl`` is missing.
+
+These need no running systemd: every check runs before ``systemctl`` would be asked to act.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdctl.statemachine.hosts import LocalHost
+from pdctl.statemachine.launch import unit_set_for
+from pdctl.statemachine.spec import load_spec
+from pdctl.units import (
+    ForeignUnit,
+    ManagerUnavailable,
+    ProcessSupervisor,
+    SystemdManager,
+    UnitDirNotWritable,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def units():
+    return unit_set_for(load_spec(EXAMPLES / "demo.toml"), scope="user")
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(root.rglob("*"))}
+
+
+needs_systemctl = pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl not installed")
+
+
+@needs_systemctl
+def test_unit_dir_under_a_regular_file_is_not_writable(tmp_path, units):
+    (tmp_path / "file").write_text("x")
+    before = snapshot(tmp_path)
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(tmp_path / "file" / "units"))
+    with pytest.raises(UnitDirNotWritable, match="cannot write units to") as err:
+        m.install(units)
+    assert err.value.hint
+    assert snapshot(tmp_path) == before
+
+
+@needs_systemctl
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through mode bits")
+def test_read_only_unit_dir_is_not_writable(tmp_path, units):
+    d = tmp_path / "units"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        with pytest.raises(UnitDirNotWritable):
+            SystemdManager(LocalHost(), scope="user", unit_dir=str(d)).install(units)
+        assert list(d.iterdir()) == []
+    finally:
+        d.chmod(0o755)
+
+
+@needs_systemctl
+def test_foreign_unit_of_the_same_name_is_refused_and_nothing_changes(tmp_path, units):
+    d = tmp_path / "units"
+    d.mkdir()
+    foreign = d / "pdctl-demo-decode.service"
+    foreign.write_text("[Service]\nExecStart=/usr/bin/someone-elses\n")
+    before = snapshot(tmp_path)
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(d))
+    with pytest.raises(ForeignUnit, match="not written by pdctl") as err:
+        m.install(units)
+    assert err.value.unit == "pdctl-demo-decode.service"
+    assert snapshot(tmp_path) == before
+
+
+@needs_systemctl
+def test_remove_refuses_a_foreign_unit_and_removes_nothing(tmp_path, units):
+    d = tmp_path / "units"
+    d.mkdir()
+    (d / "pdctl-demo-router.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (d / "pdctl-demo.target").write_text("# pdctl-managed: deployment=demo role=target\n[Unit]\n")
+    before = snapshot(tmp_path)
+    with pytest.raises(ForeignUnit):
+        SystemdManager(LocalHost(), scope="user", unit_dir=str(d)).remove(list(units.names))
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("systemctl", [("no-such-systemctl-pdctl",), ("/nonexistent/bin/systemctl",)])
+def test_missing_systemctl_is_a_clear_error_that_changes_nothing(tmp_path, units, systemctl):
+    d = tmp_path / "units"
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=systemctl)
+    for call in (lambda: m.install(units), lambda: m.start("pdctl-demo.target"), lambda: m.status("x.service")):
+        with pytest.raises(ManagerUnavailable, match="not found on host") as err:
+            call()
+        assert "service_manager" in (err.value.hint or "")
+    assert not d.exists()
+
+
+def test_an_unrenderable_value_is_refused_before_anything_is_written(tmp_path):
+    import dataclasses
+
+    from pdctl.units import UnitSet
+
+    dep = load_spec(EXAMPLES / "demo.toml")
+    good = unit_set_for(dep, scope="user")
+    bad = dataclasses.replace(good.services[0], env=(("BAD-NAME", "1"),))
+    units = UnitSet(target=good.target, services=(bad, *good.services[1:]))
+    d = tmp_path / "units"
+    with pytest.raises(ValueError, match="BAD-NAME"):
+        SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=("true",)).install(units)
+    assert not d.exists()
+
+
+def test_supervisor_state_dir_not_writable(tmp_path, units):
+    (tmp_path / "file").write_text("x")
+    before = snapshot(tmp_path)
+    with pytest.raises(UnitDirNotWritable, match="supervisor state"):
+        ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "file" / "state")).install(units)
+    assert snapshot(tmp_path) == before
+
+
+def test_supervisor_refuses_a_foreign_unit_directory(tmp_path, units):
+    d = tmp_path / "state" / "services" / "pdctl-demo-prefill.service"
+    d.mkdir(parents=True)
+    (d / "unit.json").write_text('{"someone": "else"}')
+    before = snapshot(tmp_path)
+    m = ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "state"))
+    with pytest.raises(ForeignUnit):
+        m.install(units)
+    with pytest.raises(ForeignUnit):
+        m.remove(["pdctl-demo-prefill.service"])
+    assert snapshot(tmp_path) == before

@@ -1,0 +1,111 @@
+"""LocalHost: the Host surface the managers, probes and steps use, and its errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.systemd import pid_alive
+from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
+from pdctl.statemachine.hosts import CommandResult, Host, LocalHost, host_for
+from pdctl.units import HostLike
+
+
+@pytest.fixture
+def host():
+    return LocalHost()
+
+
+def test_localhost_is_a_host_and_satisfies_the_units_protocol(host):
+    assert isinstance(host, Host) and isinstance(host, HostLike)
+    assert isinstance(host_for("localhost"), LocalHost)
+    with pytest.raises(NotImplementedError):
+        host_for("gpu-7.example")
+
+
+def test_run_returns_output_and_status(host):
+    r = host.run(["sh", "-c", "echo out; echo err >&2; exit 3"], check=False)
+    assert isinstance(r, CommandResult)
+    assert (r.returncode, r.stdout, r.stderr, r.ok) == (3, "out\n", "err\n", False)
+    assert host.run(["cat"], input="fed").stdout == "fed"
+
+
+def test_run_check_raises_command_failed_with_context(host):
+    with pytest.raises(CommandFailed) as err:
+        host.run(["sh", "-c", "echo nope >&2; exit 4"])
+    assert err.value.returncode == 4 and "nope" in err.value.stderr and err.value.argv[0] == "sh"
+    assert isinstance(err.value, HostError) and isinstance(err.value, OSError)
+
+
+def test_run_timeout_kills_the_whole_group(host, tmp_path):
+    pidfile = tmp_path / "child"
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeout):
+        host.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; wait"], timeout=0.5)
+    assert time.monotonic() - t0 < 10
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(child)
+
+
+def test_run_missing_executable_is_a_host_error(host):
+    with pytest.raises(HostError, match="cannot run"):
+        host.run(["/nonexistent/pdctl-nothing"])
+
+
+def test_files_are_written_atomically_with_their_mode(host, tmp_path):
+    p = tmp_path / "a" / "b" / "secret.env"
+    host.write_file(str(p), b"X=1\n", mode=0o600)
+    assert p.read_bytes() == b"X=1\n" and stat.S_IMODE(p.stat().st_mode) == 0o600
+    host.write_text(str(p), "X=2\n", mode=0o600)
+    assert host.read_text(str(p)) == "X=2\n"
+    assert [e for e in os.listdir(p.parent)] == ["secret.env"]  # no temp file left
+    host.remove_file(str(p))
+    host.remove_file(str(p))  # missing: fine
+    assert not host.exists(str(p))
+
+
+def test_reading_a_missing_file_is_file_not_found_other_failures_are_host_errors(host, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        host.read_file(str(tmp_path / "nope"))
+    with pytest.raises(HostError):
+        host.read_file(str(tmp_path))  # a directory
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(HostError):
+        host.write_file(str(tmp_path / "f" / "under-a-file"), b"")
+
+
+def test_proc_and_sysfs_read_through_the_host(host):
+    assert host.read_text(f"/proc/{os.getpid()}/stat").startswith(str(os.getpid()))
+    assert str(os.getpid()) in host.list_dir("/proc")
+    assert host.which("sh")
+
+
+def test_spawn_detached_outlives_its_parent(host, tmp_path):
+    code = (
+        "import sys; from pdctl.statemachine.hosts import LocalHost; "
+        f"print(LocalHost().spawn_detached(['sleep', '30'], log_path={str(tmp_path / 'log')!r}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    pid = int(r.stdout.strip())
+    try:
+        assert pid_alive(pid)  # its parent is gone; it is not
+        assert os.getsid(pid) == pid  # its own session
+    finally:
+        assert host.signal(pid, signal.SIGKILL)
+
+
+def test_signal_reports_a_missing_process_and_refuses_pid_1(host):
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert host.signal(p.pid, 0) is False
+    with pytest.raises(ValueError):
+        host.signal(1, signal.SIGTERM)

@@ -1,0 +1,194 @@
+"""The process supervisor's own promises: same limits as systemd, whole-group stop, no orphan,
+clean environment, dependency and readiness semantics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness.sim import free_port
+from harness.systemd import pid_alive
+from pdctl.statemachine.hosts import LocalHost
+from pdctl.units import (
+    ProcessSupervisor,
+    ServiceFailed,
+    ServiceSpec,
+    TargetSpec,
+    UnitSet,
+    parse_env_file,
+    render_env_file,
+)
+
+
+def svc(name: str, argv: tuple[str, ...], **kw) -> ServiceSpec:
+    base = dict(description=name, deployment="sv", role=name, restart_sec=0.2, timeout_start_s=20,
+                timeout_stop_s=5)
+    return ServiceSpec(name=f"pdctl-sv-{name}.service", argv=argv, **{**base, **kw})
+
+
+def install(tmp_path: Path, *services: ServiceSpec) -> ProcessSupervisor:
+    m = ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "state"), poll_s=0.05)
+    m.install(UnitSet(target=TargetSpec(name="pdctl-sv.target", description="sv", deployment="sv",
+                                        wants=tuple(s.name for s in services)), services=services))
+    return m
+
+
+@pytest.fixture
+def cleanup():
+    managers: list[ProcessSupervisor] = []
+    yield managers.append
+    for m in managers:
+        m.stop("pdctl-sv.target")
+
+
+def wait_for(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_crashing_role_stops_at_the_start_limit_like_systemd(tmp_path, cleanup):
+    s = svc("crash", ("/bin/sh", "-c", "echo boom; exit 3"), start_limit_burst=3, start_limit_interval_s=60)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    with pytest.raises(ServiceFailed) as err:
+        m.wait_active(s.name, timeout=20)
+    assert "boom" in "\n".join(err.value.log)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
+    assert (st_.sub_state, st_.restarts) == ("start-limit-hit", 3)  # as systemd's NRestarts
+    assert sum(line == "boom" for line in m.logs(s.name, lines=100)) == 3
+
+
+def test_a_clean_exit_is_not_restarted(tmp_path, cleanup):
+    s = svc("once", ("/bin/true",))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "inactive" and x.sub_state == "dead" and x,
+                   what="inactive")
+    assert st_.restarts == 0
+
+
+def test_stop_kills_the_whole_group_and_orphans_that_left_it(tmp_path, cleanup):
+    pids = tmp_path / "pids"
+    script = f"sleep 300 & echo $! > {pids}.a; setsid sleep 301 & echo $! > {pids}.b; echo up; wait"
+    s = svc("tree", ("/bin/sh", "-c", script))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    a = int(wait_for(lambda: Path(f"{pids}.a").exists() and Path(f"{pids}.a").read_text().strip(), what="a"))
+    b = int(wait_for(lambda: Path(f"{pids}.b").exists() and Path(f"{pids}.b").read_text().strip(), what="b"))
+    main = m.main_pid(s.name)
+    assert os.getpgid(a) == main and os.getpgid(b) != main  # b left the role's group
+    m.stop(s.name)
+    wait_for(lambda: not any(pid_alive(p) for p in (main, a, b)), 10, "group and orphan to die")
+    assert m.status(s.name).state == "inactive"
+
+
+def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, cleanup):
+    s = svc("orphaned", ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    main = m.main_pid(s.name)
+    wd = int((Path(m.state_dir) / "services" / s.name / "watchdog.pid").read_text())
+    os.kill(wd, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(wd), what="watchdog to die")
+    assert m.status(s.name).sub_state == "unsupervised" and pid_alive(main)
+    m.stop(s.name)
+    wait_for(lambda: not pid_alive(main), 10, "role to die")
+
+
+def test_readiness_gate_timeout_is_a_failed_start(tmp_path, cleanup):
+    port = free_port()  # nothing listens there
+    s = svc("never", ("/bin/sleep", "300"), readiness_url=f"http://127.0.0.1:{port}/health",
+            readiness_python=sys.executable, timeout_start_s=1, start_limit_burst=2)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, 20, "failed")
+    assert st_.restarts == 2
+    assert any("readiness gate timed out" in line for line in m.logs(s.name))
+
+
+def test_active_only_after_the_readiness_url_answers(tmp_path, cleanup):
+    port = free_port()
+    # listens only after 1 s, like a server loading its model
+    s = svc("slow", (sys.executable, "-c", f"import time,http.server as h; time.sleep(1); "
+                     f"h.HTTPServer(('127.0.0.1',{port}),h.SimpleHTTPRequestHandler).serve_forever()"),
+            readiness_url=f"http://127.0.0.1:{port}/", readiness_python=sys.executable)
+    m = install(tmp_path, s)
+    cleanup(m)
+    t0 = time.monotonic()
+    m.start(s.name)
+    assert m.status(s.name).state == "activating"
+    m.wait_active(s.name, timeout=20)
+    assert time.monotonic() - t0 >= 1.0
+
+
+def test_a_role_requiring_a_failed_one_fails_and_never_starts(tmp_path, cleanup):
+    bad = svc("bad", ("/bin/sh", "-c", "exit 1"), start_limit_burst=1)
+    marker = tmp_path / "router-started"
+    dep = svc("dep", ("/bin/sh", "-c", f"touch {marker}; sleep 300"), requires=(bad.name,))
+    m = install(tmp_path, bad, dep)
+    cleanup(m)
+    m.start(dep.name)  # starts what it requires first
+    wait_for(lambda: m.status(dep.name).state == "failed", 20, "dependent to fail")
+    assert m.status(dep.name).sub_state == "dependency" and not marker.exists()
+
+
+def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cleanup, monkeypatch):
+    monkeypatch.setenv("PDCTL_TEST_LEAK", "should-not-reach-the-role")
+    out = tmp_path / "env.json"
+    s = svc("env", (sys.executable, "-c", f"import json,os; json.dump(dict(os.environ), open({str(out)!r},'w'))"),
+            env={"PLAIN": "a b $c 50%"}, secrets={"HF_TOKEN": "it's \"x\"\n$y"},
+            secrets_file=str(tmp_path / "secrets" / "env.env"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    assert "HF_TOKEN" not in (m.installed_text(s.name) or "") or "it's" not in m.installed_text(s.name)
+    assert oct((tmp_path / "secrets" / "env.env").stat().st_mode & 0o777) == "0o600"
+    m.start(s.name)
+    env = json.loads(wait_for(lambda: out.exists() and out.read_text(), what="env dump"))
+    assert env["PLAIN"] == "a b $c 50%" and env["HF_TOKEN"] == "it's \"x\"\n$y"
+    assert "PDCTL_TEST_LEAK" not in env and "PATH" in env
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or 0 not in os.sched_getaffinity(0), reason="no CPU 0")
+def test_cpu_affinity_is_applied(tmp_path, cleanup):
+    s = svc("pin", ("/bin/sleep", "300"), cpu_affinity="0", memlock_infinity=True)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    assert os.sched_getaffinity(m.main_pid(s.name)) == {0}
+
+
+def test_restart_gives_a_new_main_pid_and_unknown_units_are_inactive(tmp_path, cleanup):
+    s = svc("rs", ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    first = m.main_pid(s.name)
+    m.restart(s.name, wait=True, timeout=20)
+    assert m.main_pid(s.name) not in (None, first) and not pid_alive(first)
+    assert m.status("pdctl-nope.service").state == "inactive"
+    m.remove([s.name, "pdctl-sv.target"])
+    assert m.installed_text(s.name) is None
+
+
+@given(st.dictionaries(st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True),
+                       st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))))
+def test_env_file_round_trips(secrets):
+    assert parse_env_file(render_env_file(list(secrets.items()))) == secrets
