@@ -156,7 +156,8 @@ class ServiceSpec:
     deployment: str
     role: str
     env: Pairs = ()
-    secrets: Pairs = ()
+    secrets: Pairs = field(default=(), repr=False)
+    """Never printed: ``repr`` leaves them out and :meth:`to_json` writes ``***`` unless asked."""
     secrets_file: str | None = None
     working_dir: str | None = None
     numa_node: int | None = None
@@ -185,12 +186,16 @@ class ServiceSpec:
         if self.secrets and not self.secrets_file:
             raise ValueError(f"{self.name}: secrets need a secrets_file (an EnvironmentFile= path)")
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict (tuples become lists); :meth:`from_json` inverts it."""
+    def to_json(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
+        """A JSON-able dict (tuples become lists); :meth:`from_json` inverts it. Secret values
+        are ``"***"`` unless *reveal_secrets* (plans, journals and logs never reveal them)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = [list(x) for x in v] if f.name in ("env", "secrets") else v
+            if f.name == "secrets":
+                out[f.name] = [[k, val if reveal_secrets else "***"] for k, val in v]
+            else:
+                out[f.name] = [list(x) for x in v] if f.name == "env" else v
         return out
 
     @classmethod

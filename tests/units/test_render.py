@@ -342,3 +342,21 @@ def test_demo_and_secret_bearing_units_verify_clean(tmp_path):
     for name in files:
         r = _verify(root, name)
         assert (r.returncode, r.stdout.strip(), r.stderr.strip()) == (0, "", ""), name
+
+
+def test_secrets_never_print():
+    s = ServiceSpec(name="x.service", description="x", argv=("/bin/true",), deployment="d", role="r",
+                    secrets={"HF_TOKEN": "hf_s3cret"}, secrets_file="/etc/pdctl/d/r.env")
+    assert "hf_s3cret" not in repr(s) and "hf_s3cret" not in str(s.to_json())
+    assert s.to_json(reveal_secrets=True)["secrets"] == [["HF_TOKEN", "hf_s3cret"]]
+
+
+def test_units_imports_nothing_of_pdctl():
+    import subprocess
+    import sys
+
+    code = ("import sys, pdctl.units, pdctl.units.supervise; "
+            "print(sorted(m for m in sys.modules if m.startswith('pdctl.') and not m.startswith('pdctl.units')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
