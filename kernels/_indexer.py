@@ -11,12 +11,15 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    and 64 fp32 scales (8448 B, one contiguous page), ``tl.dot(q8, k8ᵀ)`` (fp8 MMA, fp32 accumulate) →
    ``[64 heads, 64 tokens]``, ReLU per head, ``· w[:, None]``, sum over heads, ``· k_scale``, and stores the 64
    logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
-2. ``_topk_kernel``: one program per row. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Otherwise an exact
-   radix select over the L_b logits: fp32 bits → order-preserving int32 keys, four 8-bit digit passes with
-   ``tl.histogram`` narrow the k-th largest key, and a last pass writes every key above it plus enough keys equal
-   to it (first in position order) — exactly k entries, unsorted (SGLang's contract is unsorted). Positions are
-   mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the same pass (SGLang's
-   ``fast_topk_transform_fused``), or left logical with ``physical=False``.
+2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
+   logits (digits of 11, 11 and 10 bits): three ``_topk_hist_kernel`` passes build 2048-bin histograms of the
+   keys that match the digits picked so far, then ``_topk_select_kernel`` writes every key above the k-th
+   largest plus enough keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass
+   runs on a ``(B, R)`` grid, R = max(1, 264 // B) programs splitting each row (so one long row still spreads
+   over the GPU), accumulating with global atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
+   are mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the select pass (SGLang's
+   ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied at the
+   k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
 
 The logits workspace is ``[B, width·64]`` fp32 allocated with ``torch.empty``: only its first L_b columns of row b
 are ever written or read, so the width costs address space, not time (the tests check output and time are
@@ -38,13 +41,15 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """``chunk_pages``: 64-token pages per work item; ``programs_per_sm``: persistent programs per SM."""
+    """``chunk_pages``: 64-token pages per logits work item; ``programs_per_sm``: persistent logits programs per
+    SM; ``topk_programs``: target programs per top-k pass (split over the rows: R = max(1, topk_programs // B))."""
 
-    chunk_pages: int = 4
-    programs_per_sm: int = 2
+    chunk_pages: int = 2
+    programs_per_sm: int = 4
     logits_warps: int = 4
-    topk_block: int = 2048
-    topk_warps: int = 8
+    topk_block: int = 1024
+    topk_warps: int = 4
+    topk_programs: int = 264
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -59,124 +64,10 @@ def set_indexer_config(cfg: IndexerConfig) -> None:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
-    import triton
-    import triton.language as tl
+def _kernels() -> Any:
+    from pdctl.kernels import _indexer_kernels
 
-    @triton.jit
-    def _indexer_logits_kernel(
-        q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, cu_ptr, logits_ptr, stride_lg,
-        B, NUM_PROGS,
-        BLOCK_B: tl.constexpr,
-        CHUNK_PAGES: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        jb = tl.arange(0, BLOCK_B)
-        starts = tl.load(cu_ptr + jb, mask=jb < B, other=2147483647)
-        total = tl.load(cu_ptr + B)
-        hh = tl.arange(0, 64)
-        dd = tl.arange(0, 128)
-        tok = tl.arange(0, 64)
-        for w in range(pid, total, NUM_PROGS):
-            b = tl.sum((starts <= w).to(tl.int32), 0) - 1
-            c = w - tl.load(cu_ptr + b)
-            seq = tl.load(seqlen_ptr + b)
-            b64 = b.to(tl.int64)
-            q = tl.load(q_ptr + b64 * 8192 + hh[:, None] * 128 + dd[None, :])  # e4m3 [64, 128]
-            wv = tl.load(w_ptr + b64 * 64 + hh)  # fp32 [64]
-            for pg in tl.static_range(CHUNK_PAGES):
-                pos0 = (c * CHUNK_PAGES + pg) * 64
-                if pos0 < seq:
-                    page = tl.load(bt_ptr + b64 * stride_bt + pos0 // 64).to(tl.int64)
-                    k = tl.load(kc_ptr + page * 8448 + tok[:, None] * 128 + dd[None, :])  # e4m3 [64, 128]
-                    ksc = tl.load(ks_ptr + page * 2112 + 2048 + tok)  # fp32 [64]
-                    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [64 heads, 64 tokens]
-                    s = tl.maximum(s, 0.0) * wv[:, None]  # ReLU per head, then the head weight
-                    lg = tl.sum(s, 0) * ksc
-                    pos = pos0 + tok
-                    tl.store(logits_ptr + b64 * stride_lg + pos, lg, mask=pos < seq)
-
-    @triton.jit
-    def _topk_kernel(
-        logits_ptr, stride_lg, seqlen_ptr, bt_ptr, stride_bt, out_ptr, stride_o,
-        TOPK: tl.constexpr,
-        BLOCK: tl.constexpr,
-        PHYSICAL: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        b64 = b.to(tl.int64)
-        seq = tl.load(seqlen_ptr + b)
-        offs = tl.arange(0, BLOCK)
-        orow = out_ptr + b64 * stride_o
-        if seq <= TOPK:
-            for j0 in tl.static_range(0, TOPK, BLOCK):
-                j = j0 + offs
-                inb = j < seq
-                val = j
-                if PHYSICAL:
-                    page = tl.load(bt_ptr + b64 * stride_bt + j // 64, mask=inb, other=0)
-                    val = page * 64 + j % 64
-                tl.store(orow + j, tl.where(inb, val, -1), mask=j < TOPK)
-        else:
-            lrow = logits_ptr + b64 * stride_lg
-            bins = tl.arange(0, 256)
-            thr = tl.zeros([], dtype=tl.int32)
-            need = tl.full([], TOPK, dtype=tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], dtype=tl.int32)
-                nomatch = tl.zeros([], dtype=tl.int32)
-                for n0 in range(0, seq, BLOCK):
-                    n = n0 + offs
-                    inb = n < seq
-                    x = tl.load(lrow + n, mask=inb, other=0.0)
-                    i = x.to(tl.int32, bitcast=True)
-                    ks = i ^ ((i >> 31) & 0x7FFFFFFF)  # order-preserving signed key of the fp32 value
-                    if p == 0:
-                        dig = (ks >> 24) + 128
-                        match = inb
-                    else:
-                        dig = (ks >> (24 - 8 * p)) & 255
-                        match = inb & ((ks >> (32 - 8 * p)) == (thr >> (32 - 8 * p)))
-                    hist += tl.histogram(tl.where(match, dig, 0), 256)
-                    nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
-                hist -= tl.where(bins == 0, nomatch, 0)
-                tot = tl.sum(hist, 0)
-                suffix = tot - tl.cumsum(hist, 0) + hist  # keys with digit >= d (within the prefix)
-                dstar = tl.sum((suffix >= need).to(tl.int32), 0) - 1
-                at = tl.sum(tl.where(bins == dstar, suffix, 0), 0)
-                hat = tl.sum(tl.where(bins == dstar, hist, 0), 0)
-                need -= at - hat
-                if p == 0:
-                    thr = (dstar - 128) << 24
-                else:
-                    thr = thr | (dstar << (24 - 8 * p))
-            n_gt = TOPK - need
-            cg = tl.zeros([], dtype=tl.int32)
-            ce = tl.zeros([], dtype=tl.int32)
-            for n0 in range(0, seq, BLOCK):
-                n = n0 + offs
-                inb = n < seq
-                x = tl.load(lrow + n, mask=inb, other=0.0)
-                i = x.to(tl.int32, bitcast=True)
-                ks = i ^ ((i >> 31) & 0x7FFFFFFF)
-                gt = inb & (ks > thr)
-                eq = inb & (ks == thr)
-                gti = gt.to(tl.int32)
-                eqi = eq.to(tl.int32)
-                rg = cg + tl.cumsum(gti, 0) - 1
-                re = ce + tl.cumsum(eqi, 0) - 1
-                take_eq = eq & (re < need)
-                dst = tl.where(gt, rg, n_gt + re)
-                sel = gt | take_eq
-                val = n
-                if PHYSICAL:
-                    page = tl.load(bt_ptr + b64 * stride_bt + n // 64, mask=sel, other=0)
-                    val = page * 64 + n % 64
-                tl.store(orow + dst, val, mask=sel)
-                cg += tl.sum(gti, 0)
-                ce += tl.sum(eqi, 0)
-
-    return _indexer_logits_kernel, _topk_kernel
+    return _indexer_kernels
 
 
 def _num_sms(device: torch.device) -> int:
@@ -233,12 +124,12 @@ def indexer_logits(
     cu = torch.zeros(b + 1, dtype=torch.int32, device=q8.device)
     torch.cumsum((seq_lens.clamp_min(0) + (chunk - 1)) // chunk, 0, out=cu[1:])
     programs = cfg.programs_per_sm * _num_sms(q8.device)
-    logits_k, _ = _kernels()
+    kern = _kernels()
     kc = index_k_cache.view(torch.float8_e4m3fn)
     ks = index_k_cache.view(torch.float32)
-    logits_k[(programs,)](
+    kern._indexer_logits_kernel[(programs,)](
         q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, cu, logits, logits.stride(0),
-        b, programs, BLOCK_B=max(16, _next_pow2(b)), CHUNK_PAGES=cfg.chunk_pages, num_warps=cfg.logits_warps,
+        b, programs, BLOCK_B=max(16, _next_pow2(b)), CHUNK=chunk, num_warps=cfg.logits_warps,
     )
     return logits
 
@@ -266,13 +157,13 @@ def lightning_indexer(
         block_table: ``int32 [B, W]`` 64-token page ids; only the first ceil(L_b/64) entries of row b are read, so
             W may be the full max-context width SGLang hands over under CUDA graphs.
         seq_lens: ``int32 [B]`` on the device, L_b including the new token; must satisfy L_b ≤ 64·W.
-        topk: entries per output row (2048 for DeepSeek-V3.2); a multiple of 2 up to the ``topk_block``.
+        topk: entries per output row (2048 for DeepSeek-V3.2).
         physical: emit physical slots (default) or logical positions.
         out: optional ``int32 [B, topk]`` output; logits: optional fp32 workspace ``[B, ≥ 64·W]``.
 
     Returns:
         ``int32 [B, topk]``: rows with L_b ≤ topk are ``[0..L_b−1, −1…]`` (mapped); others hold exactly topk
-        distinct entries, unsorted; ties at the k-th value are taken in position order.
+        distinct entries, unsorted; which of several keys tied at the k-th value are kept is unspecified.
 
     Raises:
         ValueError: on shape/dtype mismatches.
@@ -288,10 +179,18 @@ def lightning_indexer(
         raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
     if b == 0:
         return out
-    _, topk_k = _kernels()
-    block = min(cfg.topk_block, _next_pow2(topk))
-    topk_k[(b,)](
-        logits, logits.stride(0), seq_lens, block_table, block_table.stride(0), out, out.stride(0),
+    kern = _kernels()
+    block = cfg.topk_block
+    segs = max(1, cfg.topk_programs // b)
+    hb = b * 2048  # elements between one pass's histograms and the next
+    ws = torch.zeros(3 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 3 histograms + 2 counters per row
+    hist, cnt = ws[: 3 * hb], ws[3 * hb:]
+    for p in range(3):
+        kern._topk_hist_kernel[(b, segs)](
+            logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
+        )
+    kern._topk_select_kernel[(b, segs)](
+        logits, logits.stride(0), seq_lens, hist, hb, cnt, block_table, block_table.stride(0), out, out.stride(0),
         TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
     )
     return out

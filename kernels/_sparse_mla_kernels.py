@@ -59,6 +59,7 @@ def _sparse_mla_decode_kernel(
     HAS_LEN: tl.constexpr,
     SPLIT_OUT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    RELOAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -91,60 +92,105 @@ def _sparse_mla_decode_kernel(
     acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    if PREFETCH:
-        valid, r0, r1, r2, r3, rpe, c0, c1, c2, c3 = _load_tile(
-            irow, start, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
+    if RELOAD:
+        # FP8 path with one converted 128-lane chunk live at a time: QKᵀ converts and consumes each chunk in turn;
+        # PV re-reads the same bytes (an L1/L2 hit: they were just loaded) and converts them again. Keeping all
+        # four bf16 chunks live for PV costs 255 registers and spills at 16 heads (measured on H200, Triton 3.6),
+        # i.e. one program per SM and no latency hiding for the gathers.
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(irow + offs, mask=offs < end, other=-1)
+            valid = idx >= 0
+            row = tl.where(valid, idx, 0).to(tl.int64)
+            kbase = tl.multiple_of(row * stride_kv, 16)
+            kb = kv_ptr + kbase[:, None] + d[None, :]
+            rbase = tl.multiple_of(row * stride_kvr + ROPE_OFF, 8)
+            kpe = tl.load(kvr_ptr + rbase[:, None] + dr[None, :], mask=valid[:, None], other=0.0).to(cdt)
+            sbase = tl.multiple_of(row * stride_kvs + 128, 4)
+            c0 = tl.load(kvs_ptr + sbase, mask=valid, other=0.0)
+            c1 = tl.load(kvs_ptr + sbase + 1, mask=valid, other=0.0)
+            c2 = tl.load(kvs_ptr + sbase + 2, mask=valid, other=0.0)
+            c3 = tl.load(kvs_ptr + sbase + 3, mask=valid, other=0.0)
+            s = tl.dot(qpe, tl.trans(kpe))
+            kc = tl.load(kb, mask=valid[:, None], other=0.0).to(cdt)
+            s += tl.dot(q0, tl.trans(kc)) * c0[None, :]
+            kc = tl.load(kb + 128, mask=valid[:, None], other=0.0).to(cdt)
+            s += tl.dot(q1, tl.trans(kc)) * c1[None, :]
+            kc = tl.load(kb + 256, mask=valid[:, None], other=0.0).to(cdt)
+            s += tl.dot(q2, tl.trans(kc)) * c2[None, :]
+            kc = tl.load(kb + 384, mask=valid[:, None], other=0.0).to(cdt)
+            s += tl.dot(q3, tl.trans(kc)) * c3[None, :]
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # evict_first: a different load op from the QK one (no CSE back into one live tile), and the bytes
+            # are dead after this use.
+            kc = tl.load(kb, mask=valid[:, None], other=0.0, eviction_policy="evict_first").to(cdt)
+            acc0 = tl.dot((p * c0[None, :]).to(cdt), kc, acc0 * alpha[:, None])
+            kc = tl.load(kb + 128, mask=valid[:, None], other=0.0, eviction_policy="evict_first").to(cdt)
+            acc1 = tl.dot((p * c1[None, :]).to(cdt), kc, acc1 * alpha[:, None])
+            kc = tl.load(kb + 256, mask=valid[:, None], other=0.0, eviction_policy="evict_first").to(cdt)
+            acc2 = tl.dot((p * c2[None, :]).to(cdt), kc, acc2 * alpha[:, None])
+            kc = tl.load(kb + 384, mask=valid[:, None], other=0.0, eviction_policy="evict_first").to(cdt)
+            acc3 = tl.dot((p * c3[None, :]).to(cdt), kc, acc3 * alpha[:, None])
+            m_i = m_new
+    else:
         if PREFETCH:
-            cur_valid = valid
-            k0 = r0.to(cdt)
-            k1 = r1.to(cdt)
-            k2 = r2.to(cdt)
-            k3 = r3.to(cdt)
-            kpe = rpe.to(cdt)
-            s0 = c0
-            s1 = c1
-            s2 = c2
-            s3 = c3
             valid, r0, r1, r2, r3, rpe, c0, c1, c2, c3 = _load_tile(
-                irow, n0 + BLOCK_N, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr,
-                ROPE_OFF, FP8, BLOCK_N)
-        else:
-            cur_valid, k0, k1, k2, k3, kpe, s0, s1, s2, s3 = _load_tile(
-                irow, n0, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
-            k0 = k0.to(cdt)
-            k1 = k1.to(cdt)
-            k2 = k2.to(cdt)
-            k3 = k3.to(cdt)
-            kpe = kpe.to(cdt)
-        s = tl.dot(qpe, tl.trans(kpe))
-        if FP8:
-            s += tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            s += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            s += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            s += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-        else:
-            s = tl.dot(q0, tl.trans(k0), s)
-            s = tl.dot(q1, tl.trans(k1), s)
-            s = tl.dot(q2, tl.trans(k2), s)
-            s = tl.dot(q3, tl.trans(k3), s)
-        s = tl.where(cur_valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            acc0 = tl.dot((p * s0[None, :]).to(cdt), k0, acc0 * alpha[:, None])
-            acc1 = tl.dot((p * s1[None, :]).to(cdt), k1, acc1 * alpha[:, None])
-            acc2 = tl.dot((p * s2[None, :]).to(cdt), k2, acc2 * alpha[:, None])
-            acc3 = tl.dot((p * s3[None, :]).to(cdt), k3, acc3 * alpha[:, None])
-        else:
-            pc = p.to(cdt)
-            acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
-            acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
-            acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
-        m_i = m_new
+                irow, start, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                cur_valid = valid
+                k0 = r0.to(cdt)
+                k1 = r1.to(cdt)
+                k2 = r2.to(cdt)
+                k3 = r3.to(cdt)
+                kpe = rpe.to(cdt)
+                s0 = c0
+                s1 = c1
+                s2 = c2
+                s3 = c3
+                valid, r0, r1, r2, r3, rpe, c0, c1, c2, c3 = _load_tile(
+                    irow, n0 + BLOCK_N, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr,
+                    ROPE_OFF, FP8, BLOCK_N)
+            else:
+                cur_valid, k0, k1, k2, k3, kpe, s0, s1, s2, s3 = _load_tile(
+                    irow, n0, end, kv_ptr, stride_kv, kvs_ptr, stride_kvs, kvr_ptr, stride_kvr, ROPE_OFF, FP8, BLOCK_N)
+                k0 = k0.to(cdt)
+                k1 = k1.to(cdt)
+                k2 = k2.to(cdt)
+                k3 = k3.to(cdt)
+                kpe = kpe.to(cdt)
+            s = tl.dot(qpe, tl.trans(kpe))
+            if FP8:
+                s += tl.dot(q0, tl.trans(k0)) * s0[None, :]
+                s += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+                s += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+                s += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+            else:
+                s = tl.dot(q0, tl.trans(k0), s)
+                s = tl.dot(q1, tl.trans(k1), s)
+                s = tl.dot(q2, tl.trans(k2), s)
+                s = tl.dot(q3, tl.trans(k3), s)
+            s = tl.where(cur_valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP8:
+                acc0 = tl.dot((p * s0[None, :]).to(cdt), k0, acc0 * alpha[:, None])
+                acc1 = tl.dot((p * s1[None, :]).to(cdt), k1, acc1 * alpha[:, None])
+                acc2 = tl.dot((p * s2[None, :]).to(cdt), k2, acc2 * alpha[:, None])
+                acc3 = tl.dot((p * s3[None, :]).to(cdt), k3, acc3 * alpha[:, None])
+            else:
+                pc = p.to(cdt)
+                acc0 = tl.dot(pc, k0, acc0 * alpha[:, None])
+                acc1 = tl.dot(pc, k1, acc1 * alpha[:, None])
+                acc2 = tl.dot(pc, k2, acc2 * alpha[:, None])
+                acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
+            m_i = m_new
 
     live = l_i > 0.0
     inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)

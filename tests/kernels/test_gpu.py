@@ -92,6 +92,7 @@ def test_indexer_output_and_time_do_not_depend_on_max_context():
         times[name] = _bench_us(lambda bt=bt, out=out, lg=lg: lightning_indexer(q8, w, cache, bt, sl, 2048, out=out,
                                                                                  logits=lg), reps=100)
         outs[name] = out
-    assert torch.equal(outs["32K"], outs["160K"])
+    # The top-k is unsorted (slots are claimed with atomics): compare as sets.
+    assert torch.equal(outs["32K"].sort(dim=1).values, outs["160K"].sort(dim=1).values)
     # Spec goal: within 5 %; the test allows 10 % for run-to-run noise of a ~20 µs graph replay.
     assert times["160K"] <= 1.10 * times["32K"], times

@@ -1,0 +1,133 @@
+"""Lightning indexer vs the float64 reference, through Triton's interpreter (CPU, small shapes).
+
+The interpreter reports 2 SMs, so the persistent logits grid is 8 programs walking many more work items, and the
+top-k splits rows over a few programs: the work distribution of the GPU path is exercised, at small widths.
+Lengths straddle page and top-k boundaries (0, 1, 63, 64, 65, k, k + 1, several k).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdctl.kernels._build import check_topk, make_indexer_case
+from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer
+from pdctl.kernels._reference import (
+    logical_to_physical,
+    pack_index_k_cache,
+    reference_indexer_logits,
+    reference_lightning_indexer,
+    unpack_index_k_cache,
+)
+
+TOPK = 128
+CFG = IndexerConfig(chunk_pages=2, programs_per_sm=4, topk_block=128, topk_programs=6)
+
+
+def _case(lens, max_context=1024, seed=1):
+    return make_indexer_case(lens, max_context=max_context, device="cpu", seed=seed, extra_pages=3)
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 2])
+def test_logits_match_reference_on_exactly_each_rows_tokens(chunk_pages):
+    lens = [0, 1, 63, 64, 65, 300, 700]
+    q8, w, cache, bt, sl = _case(lens)
+    lg = torch.full((len(lens), bt.shape[1] * 64), float("nan"))
+    indexer_logits(q8, w, cache, bt, sl, logits=lg, config=IndexerConfig(chunk_pages=chunk_pages, programs_per_sm=4))
+    ref = reference_indexer_logits(q8, w, cache, bt, sl)
+    for b, n in enumerate(lens):
+        assert torch.isfinite(lg[b, :n]).all()
+        if n:
+            assert ((lg[b, :n].double() - ref[b]).abs().max() / ref[b].abs().max()).item() < 1e-6
+        assert torch.isnan(lg[b, n:]).all(), "columns past L_b must not be touched"
+
+
+def test_relu_is_applied_per_head_before_the_weighted_sum():
+    # With mixed-sign weights, folding the heads into one GEMV (no per-head ReLU) gives different logits.
+    q8, w, cache, bt, sl = _case([200])
+    lg = indexer_logits(q8, w, cache, bt, sl, config=CFG)[0, :200].double()
+    k8, ks = unpack_index_k_cache(cache)
+    slots = logical_to_physical(torch.arange(200), bt[0]).long()
+    folded = ((w[0].double()[:, None] * q8[0].double()).sum(0) @ k8[slots].double().T) * ks[slots].double()
+    assert (lg - folded).abs().max() > 1e-3 * lg.abs().max()
+
+
+@pytest.mark.parametrize("physical", [True, False])
+def test_topk_is_a_valid_topk_over_exactly_each_row(physical):
+    lens = [0, 1, 65, TOPK, TOPK + 1, 333, 1000]
+    q8, w, cache, bt, sl = _case(lens)
+    out = torch.full((len(lens), TOPK), -7, dtype=torch.int32)
+    lightning_indexer(q8, w, cache, bt, sl, TOPK, out=out, physical=physical, config=CFG)
+    assert not (out == -7).any(), "every output entry must be written"
+    ref = reference_indexer_logits(q8, w, cache, bt, sl)
+    if physical:
+        phys = out
+    else:
+        phys = torch.stack([logical_to_physical(out[b], bt[b]) for b in range(len(lens))])
+    res = check_topk(phys, ref, bt, sl, TOPK, rel_tol=1e-6)
+    assert res["ok"], res
+    # Rows with L <= k answer [0 .. L-1, -1 ...] in order.
+    for b, n in enumerate(lens):
+        if n <= TOPK:
+            expect = logical_to_physical(torch.arange(TOPK).where(torch.arange(TOPK) < n, -1), bt[b])
+            assert torch.equal(phys[b], expect)
+
+
+def test_topk_matches_reference_sets_without_ties():
+    lens = [500, 900]
+    q8, w, cache, bt, sl = _case(lens, seed=5)
+    out = lightning_indexer(q8, w, cache, bt, sl, TOPK, config=CFG)
+    ref = reference_lightning_indexer(q8, w, cache, bt, sl, TOPK)
+    for b in range(len(lens)):
+        assert sorted(out[b].tolist()) == sorted(ref[b].tolist())
+
+
+def test_topk_with_all_logits_tied_returns_k_distinct_tokens():
+    q8, w, cache, bt, sl = _case([777])
+    out = lightning_indexer(q8, torch.zeros_like(w), cache, bt, sl, TOPK, config=CFG)
+    valid = logical_to_physical(torch.arange(777), bt[0])
+    row = out[0]
+    assert row.unique().numel() == TOPK and torch.isin(row, valid).all()
+
+
+def test_negative_logits_order_correctly():
+    q8, w, cache, bt, sl = _case([400], seed=9)
+    out = lightning_indexer(q8, -w.abs() - 1e-3, cache, bt, sl, TOPK, config=CFG)  # every logit <= 0
+    ref = reference_indexer_logits(q8, -w.abs() - 1e-3, cache, bt, sl)
+    assert (ref[0] <= 0).all()
+    assert check_topk(out, ref, bt, sl, TOPK, rel_tol=1e-6)["ok"]
+
+
+def test_output_does_not_depend_on_the_block_table_width():
+    q8, w, cache, bt, sl = _case([300, 1000], max_context=4096)
+    narrow = bt[:, : 1024 // 64].contiguous()
+    a = lightning_indexer(q8, w, cache, bt, sl, TOPK, config=CFG)
+    b = lightning_indexer(q8, w, cache, narrow, sl, TOPK, config=CFG)
+    assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+
+
+def test_index_cache_pack_round_trip():
+    k8 = torch.randn(128, 128).to(torch.float8_e4m3fn)
+    ks = torch.rand(128)
+    cache = pack_index_k_cache(k8, ks)
+    assert cache.shape == (2, 8448)
+    k2, s2 = unpack_index_k_cache(cache)
+    assert torch.equal(k2.view(torch.uint8), k8.view(torch.uint8)) and torch.equal(s2, ks)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda a: a.update(q8=a["q8"].float()), "q8 must be"),
+        (lambda a: a.update(weights=a["weights"][:, :32]), "weights must be"),
+        (lambda a: a.update(index_k_cache=a["index_k_cache"][:, :8000]), "index_k_cache must be"),
+        (lambda a: a.update(block_table=a["block_table"].long()), "block_table must be"),
+        (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must be"),
+    ],
+)
+def test_indexer_rejects_bad_inputs(mutate, match):
+    q8, w, cache, bt, sl = _case([10, 20])
+    args = dict(q8=q8, weights=w, index_k_cache=cache, block_table=bt, seq_lens=sl)
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        lightning_indexer(**args)

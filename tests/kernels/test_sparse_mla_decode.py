@@ -1,0 +1,106 @@
+"""Sparse-MLA decode vs the float64 reference, through Triton's interpreter (CPU, small shapes).
+
+The interpreter computes bf16 ``tl.dot`` wrongly, so the bf16 cache layout is exercised here with fp16/fp32
+data (the kernel is dtype-generic: it computes in q's dtype); the FP8 656-byte layout runs as on the GPU.
+Shapes are odd on purpose: head counts that are not multiples of the head block, top-k widths that are not
+multiples of the row tile, split counts that do not divide the rows, short and empty rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdctl.kernels._reference import dequantize_kv656, quantize_kv656, reference_sparse_mla_decode
+from pdctl.kernels._sparse_mla import DecodeConfig, default_decode_config, sparse_mla_decode
+
+SM = 0.135234
+
+
+def _case(heads, rows=4, topk=96, slots=400, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(rows, heads, 576, generator=g) * 0.5).to(dtype)
+    kv = torch.randn(slots, 576, generator=g)
+    idx = torch.stack([torch.randperm(slots, generator=g)[:topk] for _ in range(rows)]).to(torch.int32)
+    length = torch.full((rows,), topk, dtype=torch.int32)
+    length[1] = topk // 3  # a short row: positions past it must be ignored even though their slots are valid
+    idx[min(2, rows - 1), 5::7] = -1  # scattered −1 inside a row
+    idx[rows - 1] = -1  # an empty row
+    return q, kv, idx, length
+
+
+def _check(o, lse, ro, rl, atol):
+    dead = torch.isinf(rl)
+    assert torch.isfinite(o).all()
+    assert (o.double() - ro).abs().max().item() <= atol
+    assert (lse.double()[~dead] - rl[~dead]).abs().max().item() <= 1e-4
+    assert torch.isinf(lse[dead]).all() and (lse[dead] > 0).all(), "empty rows must give lse = +inf"
+    assert (o[dead] == 0).all(), "empty rows must give o = 0"
+
+
+@pytest.mark.parametrize("kv_format", ["float", "fp8"])
+@pytest.mark.parametrize("heads", [8, 20])
+@pytest.mark.parametrize(
+    "cfg",
+    [DecodeConfig(16, 32, 4, 1, splits=1), DecodeConfig(16, 32, 4, 1, splits=3, prefetch=1),
+     DecodeConfig(16, 16, 4, 1, splits=2, prefetch=2)],
+    ids=["single", "split3-prefetch", "split2-reload"],
+)
+def test_decode_matches_reference_with_padding_lengths_and_empty_rows(kv_format, heads, cfg):
+    q, kv, idx, length = _case(heads)
+    cache = quantize_kv656(kv) if kv_format == "fp8" else kv
+    out = torch.full((q.shape[0], heads, 512), float("nan"))
+    lse = torch.full((q.shape[0], heads), float("nan"))
+    sparse_mla_decode(q, cache, idx, SM, length, out=out, lse=lse, config=cfg)
+    ro, rl = reference_sparse_mla_decode(q, cache, idx, SM, length)
+    _check(out, lse, ro, rl, atol=2e-5)
+
+
+def test_decode_fp16_operands_with_a_32_head_block():
+    q, kv, idx, length = _case(40, rows=3, topk=64, dtype=torch.float16)
+    o, lse = sparse_mla_decode(q, kv.half(), idx, SM, length, config=DecodeConfig(32, 32, 4, 1, splits=2))
+    ro, rl = reference_sparse_mla_decode(q, kv.half(), idx, SM, length)
+    assert o.dtype == torch.float16
+    _check(o, lse, ro, rl, atol=2e-3)
+
+
+def test_topk_length_hides_valid_indices_past_it():
+    q, kv, idx, length = _case(8, rows=2, topk=64)
+    length = torch.tensor([10, 64], dtype=torch.int32)
+    o, lse = sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(16, 16, 4, 1, splits=1))
+    o_trunc, lse_trunc = sparse_mla_decode(q[:1], kv, idx[:1, :10].contiguous(), SM, None,
+                                           config=DecodeConfig(16, 16, 4, 1, splits=1))
+    assert torch.allclose(o[0], o_trunc[0], atol=1e-6) and torch.allclose(lse[0], lse_trunc[0], atol=1e-6)
+
+
+def test_fp8_layout_round_trip_is_what_the_kernel_reads():
+    kv = torch.randn(64, 576) * 3
+    buf = quantize_kv656(kv)
+    assert buf.shape == (64, 656) and buf.dtype == torch.uint8
+    deq = dequantize_kv656(buf)
+    assert torch.equal(deq[:, 512:], kv[:, 512:].bfloat16().float())  # rope kept in bf16
+    scales = buf[:, 512:528].contiguous().view(torch.float32)
+    assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)  # ue8m0: powers of two
+    assert ((deq[:, :512] - kv[:, :512]).abs() <= kv[:, :512].abs() * 0.0625 + scales.amax() * 2**-9).all()
+
+
+def test_default_config_splits_a_single_row_across_the_gpu():
+    cfg = default_decode_config(16, 1, "fp8", num_sms=132)
+    assert cfg.splits >= 8
+    assert default_decode_config(16, 64, "fp8", num_sms=132).splits <= cfg.splits
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (lambda q, kv, idx: (q[..., :512], kv, idx), "q must be"),
+        (lambda q, kv, idx: (q, kv[:, :500], idx), "kv must be"),
+        (lambda q, kv, idx: (q, kv, idx.long()), "int32"),
+        (lambda q, kv, idx: (q, kv.half(), idx), "must match q dtype"),
+        (lambda q, kv, idx: (q, kv, idx[:1]), "indices must be"),
+    ],
+)
+def test_decode_rejects_bad_shapes_with_the_values(bad, match):
+    q, kv, idx, _ = _case(8, rows=3, topk=16)
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_decode(*bad(q, kv, idx), SM)
