@@ -253,6 +253,27 @@ def chat_cmd(
     raise typer.Exit(ExitCode.OK if r.status_code == 200 else ExitCode.ERROR)
 
 
+@app.command("console")
+def console_cmd(
+    spec: SpecArg,
+    state_dir: StateDirOpt = None,
+    readonly: Annotated[bool, typer.Option("--readonly", help="Watch only: every mutating key binding is removed")] = False,
+    refresh: Annotated[
+        Optional[float],
+        typer.Option("--refresh", metavar="SECONDS", min=0.1, help="Telemetry interval (default: the spec's console.refresh_s, 1 s)"),
+    ] = None,
+) -> None:
+    """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it.
+
+    Textual is imported here only: the headless commands never load it."""
+    from pdctl.statemachine.service import load
+
+    loaded = load(spec, state_dir=state_dir)
+    from pdctl.console.app import run_console
+
+    raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))
+
+
 def _rewrite(argv: list[str]) -> list[str]:
     """``--apply X`` → ``apply X``; a bare spec path → ``console SPEC``."""
     if argv and argv[0] == "--apply":

@@ -1,0 +1,58 @@
+"""The plan panel: the pending plan in Terraform's text (``render_text``), coloured by action."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from pdctl.statemachine.plan import Plan, render_text
+
+__all__ = ["PlanPanel", "render_plan"]
+
+
+def render_plan(plan: Plan | None, *, error: str | None = None) -> Text:
+    """*plan* as ``pdctl plan`` prints it, each line coloured by what it does."""
+    if error:
+        return Text(f"The spec cannot be planned: {error}", style="bold red")
+    if plan is None:
+        return Text("no plan yet (r reloads the spec)", style="dim")
+    out = Text()
+    for i, line in enumerate(render_text(plan).splitlines()):
+        s = line.lstrip()
+        style = ""
+        if s.startswith("-/+") or s.startswith("- "):
+            style = "bold red"
+        elif s.startswith("+"):
+            style = "green"
+        elif s.startswith("~"):
+            style = "yellow"
+        elif s.startswith("!"):
+            style = "bold red"
+        elif s.startswith("#"):
+            style = "dim"
+        elif s.startswith("Plan:") or s.startswith("No changes"):
+            style = "bold"
+        if i:
+            out.append("\n")
+        out.append(line, style=style)
+    return out
+
+
+class PlanPanel(Widget):
+    """The plan from what is deployed to what the (re)loaded spec asks."""
+
+    DEFAULT_CSS = """
+    PlanPanel {
+        height: auto;
+        padding: 0 1;
+    }
+    """
+
+    plan: reactive[Plan | None] = reactive(None, layout=True)
+    """The plan shown (None: not planned yet)."""
+    error: reactive[str | None] = reactive(None, layout=True)
+    """Why the spec could not be loaded or planned."""
+
+    def render(self) -> Text:
+        return render_plan(self.plan, error=self.error)

@@ -1,0 +1,460 @@
+"""The console: a Textual app over the same engine as headless mode (``pdctl console SPEC``).
+
+It holds no deployment logic. Apply runs :func:`pdctl.statemachine.service.apply` in a thread
+worker (group ``apply``) with a sink that posts :class:`ConsoleApp.ApplyProgressed` messages;
+reloading the spec runs :func:`~pdctl.statemachine.service.plan_spec` in another (group
+``plan``); telemetry (journal, service manager, scrapes, NVML/sysfs, logs) runs in a third
+(group ``telemetry``) at the configured interval and posts :class:`ConsoleApp.TelemetryUpdated`
+snapshots, each superseding the one before. The UI thread only renders.
+
+Key availability is computed in :meth:`ConsoleApp.check_action`: apply is greyed while an apply
+runs, cancel is greyed while none does. ``--readonly`` removes every mutating binding from the
+keymap itself (as k9s does), so no key can reach them; ``check_action`` hides them as well.
+A topology change opens :class:`~pdctl.console._confirm.TopologyConfirmScreen` (type the
+deployment's name); a disruptive one a y/N :class:`~pdctl.console._confirm.YesNoScreen`; the
+engine re-checks the plan id it is given, so a plan that changed underneath is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingsMap
+from textual.containers import VerticalScroll
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import Footer, Header, TabbedContent, TabPane
+from textual.worker import get_current_worker
+
+from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
+from pdctl.console._gpu import GpuPanel
+from pdctl.console._logs import LogsPanel
+from pdctl.console._plan import PlanPanel, render_plan
+from pdctl.console._proof import ProofPanel
+from pdctl.console._steps import StepsPanel
+from pdctl.console._throughput import ThroughputPanel
+from pdctl.console._topology import TopologyPanel
+from pdctl.console.collect import Collector, Snapshot, current_topology, log_sources
+from pdctl.console.views import StepView, expected_states, step_views
+from pdctl.statemachine.events import Event
+from pdctl.statemachine.plan import Plan
+
+__all__ = ["MUTATING_ACTIONS", "ApplyCancelled", "ConsoleApp", "run_console"]
+
+MUTATING_ACTIONS = frozenset({"apply", "cancel_apply"})
+"""Actions that change (or halt a change to) the deployment: gone in ``--readonly``."""
+
+TABS = ("topology", "gpu", "throughput", "logs", "proof", "plan")
+
+
+class ApplyCancelled(Exception):
+    """Raised by the console's sink to halt an apply at the next event (the engine journals it
+    as a failure of the step in progress; what already runs stays as it was)."""
+
+
+class _PostingSink:
+    """An :class:`~pdctl.statemachine.events.EventSink` that reposts each event as a message
+    (with the journal as it now stands), and halts the run once cancel is asked."""
+
+    def __init__(self, app: ConsoleApp, cancel: threading.Event) -> None:
+        self.app = app
+        self.cancel = cancel
+
+    def emit(self, event: Event) -> None:
+        journal = None
+        try:
+            journal = self.app.loaded.journal.read()
+        except Exception:  # noqa: BLE001 - progress without the journal is still progress
+            pass
+        self.app.post_message(ConsoleApp.ApplyProgressed(event, journal))
+        if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "step_failed"):
+            raise ApplyCancelled("apply cancelled from the console")
+
+
+class ConsoleApp(App[int]):
+    """pdctl's console for one deployment spec."""
+
+    TITLE = "pdctl"
+    CSS_PATH = "console.tcss"
+    ENABLE_COMMAND_PALETTE = False  # no second path to actions that --readonly removes
+
+    BINDINGS = [
+        Binding("a", "apply", "Apply/resume"),
+        Binding("x", "cancel_apply", "Cancel apply"),
+        Binding("r", "reload", "Reload spec"),
+        Binding("1", "show_tab('topology')", "Topology", show=False),
+        Binding("2", "show_tab('gpu')", "GPU/NUMA", show=False),
+        Binding("3", "show_tab('throughput')", "Throughput", show=False),
+        Binding("4", "show_tab('logs')", "Logs", show=False),
+        Binding("5", "show_tab('proof')", "Proof", show=False),
+        Binding("6", "show_tab('plan')", "Plan", show=False),
+        Binding("left_square_bracket", "log_role(-1)", "Prev log", show=False),
+        Binding("right_square_bracket", "log_role(1)", "Next log", show=False),
+        Binding("s", "focus_steps", "Steps", show=False),
+        Binding("q", "quit", "Quit"),
+    ]
+    """
+    | Key(s) | Description |
+    | :- | :- |
+    | a | Apply the spec (or resume an interrupted apply). Topology change: type the name; disruptive: y/N. Not in --readonly. |
+    | x | Cancel the running apply at its next event. Not in --readonly. |
+    | r | Reload the spec from disk and show the plan. |
+    | 1-6 | Topology, GPU/NUMA, Throughput, Logs, Proof, Plan. |
+    | [ / ] | Previous / next role in the logs panel. |
+    | s | Focus the state-machine panel (↑/↓, Enter shows a proof). |
+    | q | Quit (a running apply continues until its next event, then stops). |
+    """
+
+    applying: reactive[bool] = reactive(False, bindings=True)
+    """An apply worker is running."""
+    plan: reactive[Plan | None] = reactive(None, bindings=True)
+    """The plan from the journal to the loaded spec."""
+
+    # -- messages ----------------------------------------------------------------------------------
+    class TelemetryUpdated(Message):
+        """A new snapshot from the telemetry worker; a newer one replaces a queued older one."""
+
+        def __init__(self, snapshot: Snapshot) -> None:
+            super().__init__()
+            self.snapshot = snapshot
+
+        def can_replace(self, message: Message) -> bool:
+            return isinstance(message, ConsoleApp.TelemetryUpdated)
+
+    class ApplyProgressed(Message):
+        """The engine emitted *event* during an apply; *journal* is the journal just after."""
+
+        def __init__(self, event: Event, journal: Any) -> None:
+            super().__init__()
+            self.event = event
+            self.journal = journal
+
+    class ApplyFinished(Message):
+        """An apply ended: *result* on success, *error* otherwise."""
+
+        def __init__(self, result: Any, error: BaseException | None) -> None:
+            super().__init__()
+            self.result = result
+            self.error = error
+
+    class Planned(Message):
+        """The spec was (re)loaded and planned (*error*: why it could not be)."""
+
+        def __init__(self, loaded: Any, plan: Plan | None, error: str | None) -> None:
+            super().__init__()
+            self.loaded = loaded
+            self.plan = plan
+            self.error = error
+
+    # -- construction ------------------------------------------------------------------------------
+    def __init__(
+        self,
+        loaded: Any,
+        *,
+        readonly: bool = False,
+        refresh_s: float | None = None,
+        state_dir: str | Path | None = None,
+        live: bool = True,
+        apply_fn: Callable[..., Any] | None = None,
+        collector: Collector | None = None,
+        timeouts: Any = None,
+        clock: Callable[[], float] = time.time,
+        nvml: bool = True,
+    ) -> None:
+        super().__init__()
+        self.loaded = loaded
+        self.readonly = readonly
+        self.refresh_s = float(refresh_s or loaded.deployment.console.refresh_s or 1.0)
+        self.state_dir = state_dir
+        self.live = live
+        self.apply_fn = apply_fn
+        self.timeouts = timeouts
+        self.clock = clock
+        self.collector = collector or Collector(loaded, interval_s=self.refresh_s, nvml=nvml, clock=clock)
+        self.log_role: str | None = None
+        self.snapshot: Snapshot | None = None
+        self.plan_error: str | None = None
+        self.last_apply_error: BaseException | None = None
+        self._cancel = threading.Event()
+        self._wake = threading.Event()
+        self._planned_serial: int | None = None
+        self._selected_step: str | None = None
+        if readonly:
+            # Remove mutating bindings from the keymap itself: no key reaches them.
+            kept = [b for _k, b in self._bindings if b.action.split("(", 1)[0] not in MUTATING_ACTIONS]
+            self._bindings = BindingsMap(kept)
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        topo = current_topology(self.loaded, None)
+        yield StepsPanel(step_views(expected_states(topo), None, self.clock()), id="steps")
+        with TabbedContent(id="tabs", initial="topology"):
+            with TabPane("1 Topology", id="topology"):
+                with VerticalScroll():
+                    yield TopologyPanel(topo, id="topology-panel")
+            with TabPane("2 GPU/NUMA", id="gpu"):
+                with VerticalScroll():
+                    yield GpuPanel(id="gpu-panel")
+            with TabPane("3 Throughput", id="throughput"):
+                with VerticalScroll():
+                    yield ThroughputPanel(id="throughput-panel")
+            with TabPane("4 Logs", id="logs"):
+                yield LogsPanel(id="logs-panel")
+            with TabPane("5 Proof", id="proof"):
+                with VerticalScroll():
+                    yield ProofPanel(id="proof-panel")
+            with TabPane("6 Plan", id="plan"):
+                with VerticalScroll():
+                    yield PlanPanel(id="plan-panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = f"pdctl · {self.loaded.deployment.name}"
+        self.sub_title = self._status_line()
+        topo = current_topology(self.loaded, None)
+        self.query_one(LogsPanel).roles = tuple(log_sources(topo))
+        self.query_one(StepsPanel).focus()
+        if self.live:
+            self.reload_spec(reread=False)
+            self.poll_telemetry()
+
+    def on_unmount(self) -> None:
+        self._wake.set()
+
+    # -- key availability -------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in MUTATING_ACTIONS and self.readonly:
+            return False
+        if action == "apply":
+            return None if self.applying else True
+        if action == "cancel_apply":
+            return True if self.applying else None
+        return True
+
+    # -- workers ----------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="telemetry", exit_on_error=False, description="telemetry")
+    def poll_telemetry(self) -> None:
+        """Collect a snapshot every ``refresh_s`` seconds until cancelled."""
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            t0 = time.monotonic()
+            try:
+                snap = self.collector.collect(log_role=self.log_role)
+            except Exception as exc:  # noqa: BLE001 - keep polling; say what broke
+                self.call_from_thread(self.notify, f"telemetry: {type(exc).__name__}: {exc}", severity="warning")
+            else:
+                if not worker.is_cancelled:
+                    self.post_message(self.TelemetryUpdated(snap))
+            self._wake.wait(max(0.05, self.refresh_s - (time.monotonic() - t0)))
+            self._wake.clear()
+
+    @work(thread=True, exclusive=True, group="plan", exit_on_error=False, description="plan")
+    def reload_spec(self, reread: bool = True) -> None:
+        """(Re)load the spec from disk when *reread*, then plan it against the journal."""
+        from pdctl.statemachine.service import load, plan_spec
+
+        loaded = self.loaded
+        try:
+            if reread:
+                loaded = load(self.loaded.path, state_dir=self.state_dir)
+            plan = plan_spec(loaded)
+        except Exception as exc:  # noqa: BLE001 - a broken spec is shown, never fatal
+            self.post_message(self.Planned(loaded, None, f"{type(exc).__name__}: {exc}"))
+            return
+        self.post_message(self.Planned(loaded, plan, None))
+
+    @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
+    def run_apply(self, confirm: str | None) -> None:
+        """Drive the engine's apply (the same call as ``pdctl apply``)."""
+        fn = self.apply_fn
+        if fn is None:
+            from pdctl.statemachine.service import apply as fn
+        kw: dict[str, Any] = {"confirm": confirm, "sink": _PostingSink(self, self._cancel)}
+        if self.timeouts is not None:
+            kw["timeouts"] = self.timeouts
+        try:
+            result = fn(self.loaded, **kw)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the UI as a value
+            self.post_message(self.ApplyFinished(None, exc))
+            return
+        self.post_message(self.ApplyFinished(result, None))
+
+    # -- actions ----------------------------------------------------------------------------------
+    def action_apply(self) -> None:
+        if self.readonly or self.applying:
+            return
+        plan = self.plan
+        if plan is None:
+            self.notify("No plan yet: the spec could not be planned" if self.plan_error else "Planning… try again in a moment", severity="warning")
+            return
+        if plan.requires_confirmation:
+
+            def done(ok: bool | None) -> None:
+                if ok:
+                    self.start_apply(plan.plan_id)
+                else:
+                    self.notify("Topology change cancelled: nothing changed")
+
+            self.push_screen(TopologyConfirmScreen(plan, self.loaded.deployment.name), done)
+            return
+        if plan.cls == "disruptive" and plan.from_topology is not None:
+
+            def yn(ok: bool | None) -> None:
+                if ok:
+                    self.start_apply(None)
+                else:
+                    self.notify("Not applied: nothing changed")
+
+            restarts = ", ".join(plan.restarts()) or "serving roles"
+            self.push_screen(YesNoScreen(f"Apply plan {plan.plan_id}? It restarts {restarts}.", render_plan(plan)), yn)
+            return
+        self.start_apply(None)
+
+    def start_apply(self, confirm: str | None) -> None:
+        """Start the apply worker (confirming plan id *confirm* when given)."""
+        if self.readonly or self.applying:
+            return
+        self._cancel.clear()
+        self.applying = True
+        self.last_apply_error = None
+        self.sub_title = self._status_line()
+        self.run_apply(confirm)
+
+    def action_cancel_apply(self) -> None:
+        if self.applying and not self.readonly:
+            self._cancel.set()
+            self.notify("Cancelling at the next step event…")
+
+    def action_reload(self) -> None:
+        self.reload_spec(reread=True)
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_log_role(self, delta: int) -> None:
+        self.query_one(LogsPanel).action_cycle(delta)
+
+    def action_focus_steps(self) -> None:
+        self.query_one(StepsPanel).focus()
+
+    # -- message handlers -------------------------------------------------------------------------
+    def on_console_app_telemetry_updated(self, message: TelemetryUpdated) -> None:
+        self.show_snapshot(message.snapshot)
+
+    def show_snapshot(self, snap: Snapshot) -> None:
+        """Render *snap* in every panel (also how tests feed fixed samples)."""
+        self.snapshot = snap
+        steps = self.query_one(StepsPanel)
+        steps.steps = snap.steps
+        topo_panel = self.query_one(TopologyPanel)
+        topo_panel.topology = snap.topology
+        topo_panel.services = dict(snap.services)
+        gpu = self.query_one(GpuPanel)
+        gpu.topology = snap.topology
+        gpu.sample = snap.gpu
+        self.query_one(ThroughputPanel).samples = snap.throughput
+        logs = self.query_one(LogsPanel)
+        roles = tuple(log_sources(snap.topology))
+        if logs.roles != roles:
+            logs.roles = roles
+        if snap.log_role is not None and snap.log_role == logs.role:
+            logs.show(snap.log_role, snap.log_lines)
+        self._refresh_proof(snap.steps)
+        self.sub_title = self._status_line()
+        serial = snap.journal.serial if snap.journal is not None else 0
+        if self.live and self._planned_serial is not None and serial != self._planned_serial and not self.applying:
+            self._planned_serial = serial
+            self.reload_spec(reread=False)
+
+    def _refresh_proof(self, steps: tuple[StepView, ...]) -> None:
+        if self._selected_step is None:
+            return
+        for s in steps:
+            if s.name == self._selected_step:
+                self.query_one(ProofPanel).step = s
+
+    def on_steps_panel_step_selected(self, message: StepsPanel.StepSelected) -> None:
+        self._selected_step = message.step.name
+        self.query_one(ProofPanel).step = message.step
+        self.action_show_tab("proof")
+
+    def on_logs_panel_role_changed(self, message: LogsPanel.RoleChanged) -> None:
+        self.log_role = message.role
+        self._wake.set()
+
+    def on_console_app_planned(self, message: Planned) -> None:
+        self.loaded = message.loaded
+        self.collector.set_loaded(message.loaded)
+        self.plan_error = message.error
+        self.plan = message.plan
+        if message.plan is not None:
+            self._planned_serial = message.plan.from_serial
+        panel = self.query_one(PlanPanel)
+        panel.error = message.error
+        panel.plan = message.plan
+        self.query_one(TopologyPanel).plan = message.plan
+        if message.error:
+            self.notify(f"Spec not planned: {message.error}", severity="error", timeout=8)
+        self.sub_title = self._status_line()
+
+    def on_console_app_apply_progressed(self, message: ApplyProgressed) -> None:
+        ev = message.event
+        if message.journal is not None:
+            topo = current_topology(self.loaded, message.journal)
+            steps = step_views(expected_states(topo), message.journal, self.clock())
+            self.query_one(StepsPanel).steps = steps
+            self._refresh_proof(steps)
+        if ev.kind in ("step_failed", "role_removed"):
+            self.notify(ev.message, severity="error" if ev.kind == "step_failed" else "information", timeout=8)
+        self.sub_title = self._status_line(ev.message)
+
+    def on_console_app_apply_finished(self, message: ApplyFinished) -> None:
+        self.applying = False
+        self.last_apply_error = message.error
+        if message.error is None:
+            self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied")
+        else:
+            err = message.error
+            hint = getattr(err, "hint", None)
+            step = getattr(err, "step", None)
+            text = f"{'step ' + step + ': ' if step else ''}{getattr(err, 'message', None) or err}"
+            self.notify(text + (f"\nhint: {hint}" if hint else ""), title=type(err).__name__, severity="error", timeout=15)
+        self.sub_title = self._status_line()
+        if self.live:
+            self.reload_spec(reread=False)
+            self._wake.set()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _status_line(self, event: str | None = None) -> str:
+        bits = []
+        if self.readonly:
+            bits.append("READ-ONLY")
+        if self.applying:
+            bits.append(f"applying… {event}" if event else "applying…")
+        else:
+            snap = self.snapshot
+            if snap is not None and snap.steps:
+                reached = None
+                for s in snap.steps:
+                    if s.status in ("done", "skipped"):
+                        reached = s.name
+                    else:
+                        break
+                failed = [s.name for s in snap.steps if s.status == "failed"]
+                bits.append(f"failed at {failed[0]}" if failed else f"reached {reached}" if reached else "not deployed")
+            if self.plan is not None and self.plan.has_changes:
+                bits.append(f"plan: {self.plan.cls} change pending")
+        return " · ".join(bits)
+
+
+def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:
+    """Run the console in this terminal until the operator quits; returns the exit code."""
+    app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
+    rc = app.run()
+    return int(rc or 0)

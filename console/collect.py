@@ -1,0 +1,258 @@
+"""The console's one I/O module: what the panels show, gathered into a frozen :class:`Snapshot`.
+
+:class:`Collector` runs only in a worker thread (never on the UI thread). Each
+:meth:`Collector.collect` reads the journal, asks the service manager for each role's state and
+main PID, scrapes each server's ``/metrics`` and the router's prometheus port, reads NVML, sysfs
+and ``/proc`` through :mod:`pdctl.console.telemetry`, and tails the selected role's log through
+the manager. A source that fails is reported as such in the snapshot; ``collect`` never raises
+for a deployment that is down — that is what it reports.
+
+It holds no deployment logic: it calls the engine's journal, topology and service-manager APIs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdctl.console.metrics import ThroughputSample, ThroughputTracker, parse_scrape
+from pdctl.console.telemetry import GpuNumaSample, RoleNuma, read_gpu_numa
+from pdctl.console.views import StepView, expected_states, step_views, unit_names
+from pdctl.statemachine.journal import JournalState
+from pdctl.statemachine.topology import Topology, topology_of
+
+__all__ = ["Collector", "ServiceView", "Snapshot", "current_topology", "gpu_owners", "log_sources", "role_numa", "scrape_sources"]
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    """What the service manager says of one unit."""
+
+    role: str
+    unit: str
+    state: str
+    main_pid: int | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the panels render at one moment (epoch seconds ``at``)."""
+
+    at: float
+    topology: Topology
+    journal: JournalState | None = None
+    steps: tuple[StepView, ...] = ()
+    services: Mapping[str, ServiceView] = field(default_factory=dict)
+    throughput: tuple[ThroughputSample, ...] = ()
+    gpu: GpuNumaSample | None = None
+    log_role: str | None = None
+    log_lines: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Problems gathering the snapshot itself (never a deployment being down)."""
+
+
+def current_topology(loaded: Any, journal: JournalState | None) -> Topology:
+    """What the deployment is (or is becoming): the journal's target, else what it deployed, else
+    what the spec asks."""
+    if journal is not None and (journal.target or journal.deployed):
+        return journal.target or journal.deployed  # type: ignore[return-value]
+    return topology_of(loaded.deployment)
+
+
+def gpu_owners(dep: Any, topo: Topology) -> dict[int, str]:
+    """GPU index → role name, for roles on this machine."""
+    out: dict[int, str] = {}
+    for r in topo.roles:
+        h = dep.hosts.get(r.host)
+        if h is not None and not h.is_local:
+            continue
+        for g in r.gpus:
+            out[g] = r.name
+    return out
+
+
+def role_numa(dep: Any, role_name: str) -> tuple[int | None, str | None]:
+    """``(NUMA node, declared CPU list)`` the spec asks for *role_name*: the role's ``numa_node``,
+    else the one node all its GPUs sit on (``hosts.<h>.gpu_numa``); the CPU list from
+    ``hosts.<h>.numa_cpus``. Mirrors how the engine renders ``CPUAffinity=``."""
+    for name, _kind, r in dep.roles():
+        if name != role_name:
+            continue
+        host = dep.hosts.get(r.host)
+        node = r.numa_node
+        if node is None and host is not None and host.gpu_numa and all(g < len(host.gpu_numa) for g in r.gpus):
+            nodes = {host.gpu_numa[g] for g in r.gpus}
+            if len(nodes) == 1:
+                node = nodes.pop()
+        cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
+        return node, cpus
+    return None, None
+
+
+def _dial(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def scrape_sources(topo: Topology) -> list[tuple[str, str, str]]:
+    """``(source, kind, metrics URL)``: every server's ``/metrics`` and the router's prometheus port."""
+    out = [(r.name, r.kind, f"{r.url}/metrics") for r in topo.roles]
+    if topo.router is not None:
+        s = topo.router.settings
+        out.append(("router", "router", f"http://{_dial(str(s.get('prometheus_host', '127.0.0.1')))}:{s.get('prometheus_port', 29000)}/metrics"))
+    return out
+
+
+def log_sources(topo: Topology) -> list[str]:
+    """Roles whose logs the logs panel can show (servers, then the router)."""
+    return [r.name for r in topo.roles] + (["router"] if topo.router is not None else [])
+
+
+class Collector:
+    """Gathers :class:`Snapshot` s for one loaded spec. One owner (the telemetry worker).
+
+    *interval_s* sets when a source counts as stale (three intervals without a good scrape).
+    *nvml* False skips NVML (tests). *manager* and *client* are injectable."""
+
+    def __init__(
+        self,
+        loaded: Any,
+        *,
+        interval_s: float = 1.0,
+        client: Any = None,
+        manager: Any = None,
+        nvml: bool = True,
+        clock: Callable[[], float] = time.time,
+        log_lines: int = 200,
+        scrape_timeout_s: float | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.interval_s = interval_s
+        self.nvml = nvml
+        self.clock = clock
+        self.log_lines = log_lines
+        self.scrape_timeout_s = scrape_timeout_s if scrape_timeout_s is not None else max(0.5, min(2.0, interval_s))
+        self.tracker = ThroughputTracker(stale_after_s=3 * interval_s)
+        self._client = client
+        self._manager = manager
+
+    # -- lazily built engine handles --------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(trust_env=False)
+        return self._client
+
+    @property
+    def manager(self) -> Any:
+        if self._manager is None:
+            from pdctl.statemachine import launch
+            from pdctl.statemachine.hosts import LocalHost
+
+            self._manager = launch.manager_for(self.loaded.deployment, LocalHost(), state_dir=str(self.loaded.journal.dir))
+        return self._manager
+
+    def set_loaded(self, loaded: Any) -> None:
+        """Follow a reloaded spec (the journal directory may differ)."""
+        if loaded.journal.dir != self.loaded.journal.dir:
+            self._manager = None
+        self.loaded = loaded
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    # -- parts --------------------------------------------------------------------------------------
+    def read_journal(self) -> tuple[JournalState | None, str | None]:
+        try:
+            return self.loaded.journal.read(), None
+        except Exception as exc:  # noqa: BLE001 - a torn or foreign journal is shown, not fatal
+            return None, f"journal: {exc}"
+
+    def services(self, topo: Topology) -> dict[str, ServiceView]:
+        out = {}
+        for role, unit in unit_names(topo).items():
+            try:
+                st = self.manager.status(unit)
+                out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts)
+            except Exception as exc:  # noqa: BLE001
+                out[role] = ServiceView(role, unit, f"unknown ({type(exc).__name__})")
+        return out
+
+    def scrape(self, topo: Topology, at: float) -> tuple[ThroughputSample, ...]:
+        import httpx
+
+        out = []
+        for source, kind, url in scrape_sources(topo):
+            try:
+                r = self.client.get(url, timeout=self.scrape_timeout_s)
+                if r.status_code != 200:
+                    raise ValueError(f"HTTP {r.status_code}")
+                sc = parse_scrape(r.text, at)
+            except (httpx.HTTPError, ValueError) as exc:
+                msg = "connection refused" if isinstance(exc, httpx.ConnectError) else f"{type(exc).__name__}: {exc}"[:120]
+                out.append(self.tracker.observe(source, kind, url, at, None, msg))
+                continue
+            out.append(self.tracker.observe(source, kind, url, at, sc))
+        return tuple(out)
+
+    def gpu(self, topo: Topology, services: Mapping[str, ServiceView]) -> GpuNumaSample:
+        dep = self.loaded.deployment
+        roles = []
+        for r in topo.roles:
+            node, cpus = role_numa(dep, r.name)
+            sv = services.get(r.name)
+            pid = sv.main_pid if sv is not None and sv.state in ("active", "activating", "reloading") else None
+            roles.append(RoleNuma(r.name, pid, node, cpus))
+        return read_gpu_numa(roles, gpu_owners(dep, topo), nvml=self.nvml, clock=self.clock)
+
+    def logs(self, topo: Topology, role: str | None) -> tuple[str, ...]:
+        if role is None:
+            return ()
+        unit = unit_names(topo).get(role)
+        if unit is None:
+            return ()
+        try:
+            return tuple(self.manager.logs(unit, lines=self.log_lines))
+        except Exception as exc:  # noqa: BLE001 - a missing journal/log is shown as a line
+            return (f"(logs unavailable: {type(exc).__name__}: {exc})",)
+
+    def collect(self, *, log_role: str | None = None, gpu: bool = True, throughput: bool = True) -> Snapshot:
+        """One snapshot. Never raises for a down deployment."""
+        at = self.clock()
+        notes: list[str] = []
+        journal, err = self.read_journal()
+        if err:
+            notes.append(err)
+        topo = current_topology(self.loaded, journal)
+        services = self.services(topo)
+        tp = self.scrape(topo, at) if throughput else ()
+        g = None
+        if gpu:
+            try:
+                g = self.gpu(topo, services)
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"gpu/numa: {exc}")
+        from pdctl.statemachine.steps import steps_for
+
+        hints = {}
+        try:
+            hints = {s.name: s.hint for s in steps_for(topo)}
+        except Exception:  # noqa: BLE001 - hints are a courtesy
+            pass
+        return Snapshot(
+            at=at,
+            topology=topo,
+            journal=journal,
+            steps=step_views(expected_states(topo), journal, at, hints),
+            services=services,
+            throughput=tp,
+            gpu=g,
+            log_role=log_role,
+            log_lines=self.logs(topo, log_role),
+            notes=tuple(notes),
+        )

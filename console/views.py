@@ -1,0 +1,119 @@
+"""View models the panels render: pure functions from engine values to rows. No I/O, no Textual.
+
+Keeping them here (not in the widgets) lets tests check what an operator will read without
+running an app, and lets :mod:`pdctl.console.collect` build them off the UI thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdctl.statemachine.journal import JournalState
+from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
+from pdctl.statemachine.topology import Topology
+
+__all__ = ["StepView", "expected_states", "fmt_duration", "step_views", "unit_names"]
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One row of the steps panel."""
+
+    name: str
+    status: str
+    """pending, running, done, skipped or failed."""
+    summary: str = ""
+    elapsed_s: float | None = None
+    """How long the step took (running: so far)."""
+    age_s: float | None = None
+    """Seconds since it finished."""
+    proof: Mapping[str, Any] | None = None
+    error: str | None = None
+    hint: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def expected_states(topology: Topology | None) -> tuple[str, ...]:
+    """The steps of *topology*'s state machine (PD: six; single server: four)."""
+    if topology is not None and topology.mode == "single":
+        states = SINGLE_STATES
+        if topology.router is None:
+            states = tuple(s for s in states if s != "router_exposed")
+        return states
+    return PD_STATES
+
+
+def step_views(states: tuple[str, ...], journal: JournalState | None, now: float, hints: Mapping[str, str] | None = None) -> tuple[StepView, ...]:
+    """Rows for *states* from the journal's step records (absent: pending)."""
+    out = []
+    recs = journal.steps if journal is not None else {}
+    for name in states:
+        rec = recs.get(name)
+        if rec is None:
+            out.append(StepView(name=name, status="pending"))
+            continue
+        proof = rec.proof or None
+        summary = (proof or {}).get("summary") or rec.error or ""
+        if rec.started_at is not None:
+            end = rec.finished_at if rec.finished_at is not None else (now if rec.status == "running" else None)
+            elapsed = (end - rec.started_at) if end is not None else None
+        else:
+            elapsed = None
+        age = (now - rec.finished_at) if rec.finished_at is not None else None
+        out.append(
+            StepView(
+                name=name,
+                status=rec.status,
+                summary=summary if rec.status != "running" else "running…",
+                elapsed_s=max(0.0, elapsed) if elapsed is not None else None,
+                age_s=max(0.0, age) if age is not None else None,
+                proof=proof,
+                error=rec.error,
+                hint=(hints or {}).get(name),
+                started_at=rec.started_at,
+                finished_at=rec.finished_at,
+            )
+        )
+    return tuple(out)
+
+
+def fmt_duration(s: float | None) -> str:
+    """``0.4s``, ``12s``, ``3m05s``, ``2h04m``; ``-`` for None."""
+    if s is None:
+        return "-"
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def unit_names(topo: Topology) -> dict[str, str]:
+    """Role name (and ``router``) → unit name, as the engine names units."""
+    from pdctl.statemachine.service import unit_names as _u
+
+    return _u(topo)
+
+
+def new_lines(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """``(lines to append, reset)`` to turn a view showing the tail *old* into the tail *new*.
+
+    Both are the last N lines of a growing log; *new* is *old* shifted by the lines written since.
+    Finds the shift where ``old[d:] == new[:len(old) - d]``; when none fits (rotated or
+    truncated log), ``reset`` is True and everything in *new* is to be shown afresh."""
+    if not old:
+        return new, False
+    if old == new:
+        return (), False
+    n = len(old)
+    for d in range(n):
+        k = n - d
+        if k <= len(new) and old[d] == new[0] and old[d:] == new[:k]:
+            return new[k:], False
+    return new, True
