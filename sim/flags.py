@@ -199,8 +199,12 @@ def resolve(args: argparse.Namespace, argv: list[str], default_page_size: int = 
     if d.get("tokenizer_path") is None:
         d["tokenizer_path"] = d["model_path"]
     if d.get("enable_dp_attention") and d.get("attn_dp_size", 1) == 1:
-        # 0.5.23: `--dp-size N --enable-dp-attention` is the deprecated spelling of `--attn-dp-size N`.
+        # parallel_hook._handle_deprecated_dp_attention: `--dp-size N --enable-dp-attention` is the old
+        # spelling of `--attn-dp-size N`; dp_size counts replicas again.
         d["attn_dp_size"] = d.get("dp_size", 1)
+        d["dp_size"] = 1
+    # ServerArgs.resolved_dict reports the deprecated flag as "an attention-DP width is configured".
+    d["enable_dp_attention"] = int(d.get("attn_dp_size") or 1) > 1
     if d.get("page_size") is None:
         d["page_size"] = default_page_size
     if d.get("context_length") is None:
@@ -209,14 +213,25 @@ def resolve(args: argparse.Namespace, argv: list[str], default_page_size: int = 
         # "Radix cache is disabled for decode server" unless decode radix cache is enabled.
         if not d.get("disaggregation_decode_enable_radix_cache"):
             d["disable_radix_cache"] = True
-    d["launch_command"] = "python -m sglang.launch_server " + " ".join(_quote(a) for a in argv)
+    # server_args.prepare_server_args: the CLI arguments joined with spaces (watermark config redacted)
+    d["launch_command"] = _redact_watermark(argv)
     return d
 
 
-def _quote(a: str) -> str:
-    if a and re.fullmatch(r"[A-Za-z0-9_@%+=:,./-]+", a):
-        return a
-    return "'" + a.replace("'", "'\"'\"'") + "'"
+def _redact_watermark(argv: list[str]) -> str:
+    out, redact_next = [], False
+    for a in argv:
+        if redact_next:
+            out.append("<redacted>")
+            redact_next = False
+        elif a == "--watermark-config":
+            out.append(a)
+            redact_next = True
+        elif a.startswith("--watermark-config="):
+            out.append("--watermark-config=<redacted>")
+        else:
+            out.append(a)
+    return " ".join(out)
 
 
 def parse(argv: list[str], default_page_size: int = 1) -> tuple[argparse.Namespace, dict[str, Any]]:

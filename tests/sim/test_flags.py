@@ -48,14 +48,17 @@ def test_defaults_and_prefix_abbreviation():
     assert resolved["disaggregation_transfer_backend"] == "mooncake"
     assert resolved["host"] == "127.0.0.1" and resolved["port"] == 30000
     assert resolved["served_model_name"] == "m"
-    assert resolved["launch_command"].startswith("python -m sglang.launch_server --model-path m")
+    assert resolved["launch_command"] == "--model-path m --tp 4 --disaggregation-mode decode"
 
 
 def test_human_readable_int_and_deprecated_dp_attention():
     args, resolved = flags.parse(["--model-path", "m", "--context-length", "128k", "--dp-size", "8",
                                   "--enable-dp-attention"])
     assert resolved["context_length"] == 128000
-    assert resolved["attn_dp_size"] == 8
+    assert resolved["attn_dp_size"] == 8 and resolved["dp_size"] == 1
+    assert resolved["enable_dp_attention"] is True
+    _, resolved = flags.parse(["--model-path", "m", "--attn-dp-size", "4", "--tp", "4"])
+    assert resolved["enable_dp_attention"] is True and resolved["attn_dp_size"] == 4
 
 
 @pytest.mark.parametrize("bad", [
