@@ -152,6 +152,19 @@ class Sim:
         self.family = mdl.model_family(self.args.model_path)
         self.args, self.resolved = parse(argv, mdl.DEFAULT_PAGE_SIZE[self.family])
         a = self.resolved
+        self._startup_warnings: list[str] = []
+        if self.family == "deepseek-v32":
+            # overrides._dsa_kv_cache_dtype_default (an H200-class SM90 device: auto -> bfloat16)
+            kv = a["kv_cache_dtype"]
+            if kv == "auto":
+                kv = "bfloat16"
+                self._startup_warnings.append("Setting KV cache dtype to bfloat16 for DeepSeek DSA on SM90 device.")
+            if kv == "bf16":
+                kv = "bfloat16"
+            if kv not in ("bfloat16", "fp8_e4m3"):
+                raise StartupError("AssertionError: DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3 "
+                                   "kv_cache_dtype")
+            a["kv_cache_dtype"] = kv
         self.mode: str = a["disaggregation_mode"]
         self.served_model_name: str = a["served_model_name"]
         self.max_total_num_tokens = int(a.get("max_total_tokens") or 524288)
@@ -666,6 +679,8 @@ class Sim:
                  f"tp_size={a['tp_size']}, host={host!r}, port={port}}}")
         if self.args.page_size is None and self.page_size != 1:
             log.warning(f"Setting page size to {self.page_size} for {self.model_info()['architectures'][0]}.")
+        for w in self._startup_warnings:
+            log.warning(w)
         if self.mode == "prefill":
             bport = int(a["disaggregation_bootstrap_port"])
             self.bootstrap = _Server((host, bport), BootstrapHandler, self)
@@ -1249,7 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sim = Sim(argv)  # argparse exits 2 on bad flags, like SGLang
     except StartupError as e:
-        print(f"Traceback (most recent call last):\n  File \"sglang/srt/arg_groups/pd_disaggregation_hook.py\"\n"
+        print(f"Traceback (most recent call last):\n  File \"sglang/srt/server_args.py\", in prepare_server_args\n"
               f"{e}", file=sys.stderr)
         return 1
     _configure_logging(sim.resolved)

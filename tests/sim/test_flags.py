@@ -110,3 +110,14 @@ def test_help_exits_0():
     proc = run_sim("--help")
     assert proc.returncode == 0
     assert "--disaggregation-bootstrap-port" in proc.stdout
+
+
+def test_dsa_kv_cache_dtype_resolution():
+    from harness.sim import start_sim
+    import json as _json
+    from harness.sim import http_get
+    with start_sim([]) as p:  # DeepSeek-V3.2: auto -> bfloat16 on an SM90 device
+        assert _json.loads(http_get(p.url + "/server_info")[1])["kv_cache_dtype"] == "bfloat16"
+    proc = run_sim("--model-path", "deepseek-ai/DeepSeek-V3.2", "--kv-cache-dtype", "fp8_e5m2")
+    assert proc.returncode != 0
+    assert "DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3 kv_cache_dtype" in proc.stderr
