@@ -11,6 +11,7 @@ Every method is bounded: nothing waits without a timeout, and a wait that runs o
 
 from __future__ import annotations
 
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -20,7 +21,15 @@ from ._host import HostLike
 from ._types import ServiceStatus, UnitSet
 from .errors import ServiceFailed, ServiceTimeout
 
-__all__ = ["ServiceManager", "probe_writable"]
+__all__ = ["ServiceManager", "clean_log_lines", "probe_writable"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def clean_log_lines(text: str, lines: int) -> list[str]:
+    """The last *lines* lines of *text*, terminal colour codes removed (smg colours its log
+    even when it is not a terminal)."""
+    return [_ANSI.sub("", line) for line in text.splitlines()[-lines:]] if lines > 0 else []
 
 
 def probe_writable(host: HostLike, directory: str) -> None:

@@ -28,9 +28,12 @@ role's process group directly. State lives in ``STATE_DIR/services/<unit name>/`
 (marked ``"managed_by": "pdctl"``), ``status.json`` (written atomically by the watchdog),
 ``watchdog.pid``, ``main.pid``, ``output.log``, ``supervise.log``.
 
-What it does not do: ``NUMAPolicy=bind`` (memory binding needs systemd or numactl; CPU affinity
-is applied), and a restart of a server does not restart the router (systemd 252 propagates that
-restart through ``Requires=``; here the router just sees the worker come back).
+Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
+``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
+``setrlimit`` — each applied in the child before exec, best effort (a CPU list or node the machine
+lacks is ignored, as it must not stop a laptop demo). One difference: a restart of a server does
+not restart the router (systemd 252 propagates that restart through ``Requires=``; here the
+router just sees the worker come back).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import time
 from collections.abc import Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, probe_writable
+from ._manager import ServiceManager, clean_log_lines, probe_writable
 from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
@@ -378,4 +381,4 @@ class ProcessSupervisor(ServiceManager):
         path = posixpath.join(self._dir(name), "output.log")
         if not self.host.exists(path):
             return []
-        return self.host.read_file(path).decode("utf-8", "replace").splitlines()[-lines:]
+        return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)

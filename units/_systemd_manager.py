@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, probe_writable
+from ._manager import ServiceManager, clean_log_lines, probe_writable
 from ._systemd import is_pdctl_unit, render_env_file, unit_files
 from ._types import ServiceStatus, UnitSet
 from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
@@ -245,9 +245,8 @@ class SystemdManager(ServiceManager):
                 path = line.split(":", 1)[1]
                 if not self.host.exists(path):
                     return []
-                data = self.host.read_file(path).decode("utf-8", "replace")
-                return data.splitlines()[-lines:]
+                return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
         flag = "--user-unit" if self.scope == "user" else "--unit"
         res = self.host.run([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"],
                             timeout=self.command_timeout, check=False)
-        return res.stdout.splitlines()[-lines:] if res.returncode == 0 else []
+        return clean_log_lines(res.stdout, lines) if res.returncode == 0 else []

@@ -29,6 +29,9 @@ BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGN
 """What the role inherits from the watchdog's environment (systemd, too, starts from a clean one)."""
 
 PR_SET_CHILD_SUBREAPER = 36
+MPOL_BIND = 2
+SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+"""``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 
 
 class Watchdog:
@@ -42,6 +45,7 @@ class Watchdog:
         self.proc: subprocess.Popen | None = None
         self.log = open(d / "output.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as the watchdog
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.libc = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -84,11 +88,26 @@ class Watchdog:
                 os.sched_setaffinity(0, cpus & os.sched_getaffinity(0) or cpus)
             except OSError:
                 pass
+        if self.spec.numa_node is not None:
+            self.bind_memory(self.spec.numa_node)
         if self.spec.memlock_infinity:
             try:
                 resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            except (OSError, ValueError):
-                pass
+            except (OSError, ValueError):  # no CAP_SYS_RESOURCE: the most we may have
+                hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+                try:
+                    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+                except (OSError, ValueError):
+                    pass
+
+    def bind_memory(self, node: int) -> None:
+        """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec; ignored where unsupported."""
+        nr = SYS_SET_MEMPOLICY.get(os.uname().machine)
+        if nr is None or not 0 <= node < 1024:
+            return
+        mask = (ctypes.c_ulong * 16)()
+        mask[node // 64] = 1 << (node % 64)
+        self.libc.syscall(nr, MPOL_BIND, mask, ctypes.c_ulong(1024 + 1))
 
     def spawn(self) -> None:
         cwd = self.spec.working_dir or str(self.dir)
@@ -215,8 +234,8 @@ class Watchdog:
         signal.signal(signal.SIGINT, self.on_term)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        except (OSError, AttributeError):
+            self.libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except AttributeError:
             pass
         (self.dir / "watchdog.pid").write_text(f"{os.getpid()}\n")
         s = self.spec

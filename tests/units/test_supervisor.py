@@ -167,12 +167,20 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or 0 not in os.sched_getaffinity(0), reason="no CPU 0")
-def test_cpu_affinity_is_applied(tmp_path, cleanup):
-    s = svc("pin", ("/bin/sleep", "300"), cpu_affinity="0", memlock_infinity=True)
+def test_cpu_affinity_numa_binding_and_memlock_are_applied(tmp_path, cleanup):
+    node0 = Path("/sys/devices/system/node/node0").exists()
+    s = svc("pin", ("/bin/sleep", "300"), cpu_affinity="0", memlock_infinity=True,
+            numa_node=0 if node0 else None)
     m = install(tmp_path, s)
     cleanup(m)
     m.start(s.name, wait=True, timeout=20)
-    assert os.sched_getaffinity(m.main_pid(s.name)) == {0}
+    pid = m.main_pid(s.name)
+    assert os.sched_getaffinity(pid) == {0}
+    memlock = next(line.split()[3:5] for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                   if line.startswith("Max locked memory"))
+    assert memlock[0] == memlock[1]  # soft raised to the hard limit (unlimited where permitted)
+    if node0 and os.uname().machine in ("x86_64", "aarch64"):
+        assert "bind:0" in Path(f"/proc/{pid}/numa_maps").read_text()
 
 
 def test_restart_gives_a_new_main_pid_and_unknown_units_are_inactive(tmp_path, cleanup):
@@ -192,3 +200,11 @@ def test_restart_gives_a_new_main_pid_and_unknown_units_are_inactive(tmp_path, c
                        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))))
 def test_env_file_round_trips(secrets):
     assert parse_env_file(render_env_file(list(secrets.items()))) == secrets
+
+
+def test_log_lines_lose_terminal_colours():
+    from pdctl.units._manager import clean_log_lines
+
+    text = "a\n\x1b[2m2026-11-29\x1b[0m \x1b[32m INFO\x1b[0m ready\nlast"
+    assert clean_log_lines(text, 2) == ["2026-11-29  INFO ready", "last"]
+    assert clean_log_lines(text, 0) == []
