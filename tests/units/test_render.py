@@ -360,3 +360,14 @@ def test_units_imports_nothing_of_pdctl():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_pdctl_units_command_writes_the_golden_files(tmp_path):
+    import sys
+
+    out = tmp_path / "units"
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [Path(line).name for line in r.stdout.split()] == list(GOLDEN)
+    assert {p.name: p.read_text() for p in out.iterdir()} == GOLDEN
