@@ -398,7 +398,13 @@ class Sim:
         m.s(m.num_prefill_bootstrap_queue_reqs).inc()
         t0 = time.monotonic()
         try:
-            if entry.fetched.wait(self.bootstrap_timeout):
+            while not entry.fetched.wait(min(0.2, max(self.bootstrap_timeout - (time.monotonic() - t0), 0))):
+                if time.monotonic() - t0 >= self.bootstrap_timeout:
+                    break
+                if req["client_gone"]() or self.stop_event.is_set():
+                    log.info(f"Abort request {req['rid']}: the client went away")
+                    raise Abort("The client disconnected.", 499)
+            else:
                 return
             elapsed = time.monotonic() - t0
             log.warning(
@@ -590,10 +596,14 @@ class Sim:
                   "bootstrap_room": body.get("bootstrap_room")}
         return "GenerateReqInput(" + ", ".join(f"{k}={_trunc(v)}" for k, v in fields.items()) + ")"
 
-    def run(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Run one request to completion; returns the pieces and accounting."""
+    def run(self, kind: str, body: dict[str, Any], client_gone=None) -> dict[str, Any]:
+        """Run one request to completion; returns the pieces and accounting.
+
+        ``client_gone()`` tells whether the HTTP client has disconnected (the tokenizer manager
+        aborts such a request)."""
         t0 = time.monotonic()
         req = self.prepare(kind, body)
+        req["client_gone"] = client_gone or (lambda: False)
         if self.resolved.get("log_requests") and not str(req["rid"]).startswith("HEALTH_CHECK"):
             log.info(f"Receive: obj={self._req_repr(req, body)}")
         with self._stats_lock:
@@ -788,6 +798,18 @@ class _Base(BaseHTTPRequestHandler):
 
     def _text(self, status: int, text: str, ctype: str = "text/plain; charset=utf-8") -> None:
         self._send(status, text.encode("utf-8"), ctype)
+
+    def _client_gone(self) -> bool:
+        """True once the peer has closed the connection (readable with nothing to read)."""
+        import select
+        import socket as _socket
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            if not r:
+                return False
+            return self.connection.recv(1, _socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _raw(self) -> bytes:
         """The request body, read once (so a keep-alive connection stays in sync whatever we answer)."""
@@ -1086,7 +1108,7 @@ class ApiHandler(_Base):
     def _generate(self, body: dict[str, Any], stream: bool) -> None:
         sim = self.sim
         try:
-            result = sim.run("generate", body)
+            result = sim.run("generate", body, self._client_gone)
         except Abort as e:
             if stream:
                 self._start_stream()
@@ -1119,7 +1141,7 @@ class ApiHandler(_Base):
     def _openai(self, kind: str, body: dict[str, Any], stream: bool) -> None:
         sim = self.sim
         try:
-            result = sim.run(kind, body)
+            result = sim.run(kind, body, self._client_gone)
         except Abort as e:
             if stream:
                 self._start_stream()

@@ -246,3 +246,26 @@ def test_prefill_death_fails_in_flight_transfer_via_heartbeat():
     finally:
         p.stop()
         d.stop()
+
+
+def test_prefill_drops_a_held_request_when_the_client_goes_away():
+    import socket as _socket
+    p = start_sim(["--disaggregation-mode", "prefill", "--enable-metrics"],
+                  {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"})
+    try:
+        body = json.dumps({"text": "hi", "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
+                           "bootstrap_room": 808}).encode()
+        s = _socket.create_connection(("127.0.0.1", p.port))
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.5)
+        s.close()
+        deadline = time.monotonic() + 5
+        while "the client went away" not in p.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "Abort request" in p.log_text()
+        code, m = http_get(p.url + "/metrics")
+        fams = {f.name: f for f in text_string_to_metric_families(m.decode())}
+        assert fams["sglang:num_prefill_bootstrap_queue_reqs"].samples[0].value == 0
+    finally:
+        p.stop()
