@@ -54,7 +54,9 @@ def _roundtrip(m: SystemdManager, tmp: Path, args: list[str], env_value: str, se
         if time.monotonic() > deadline:
             raise AssertionError(f"probe wrote nothing; status {m.status(svc.name)}")
         time.sleep(0.02)
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    m.stop(svc.name)  # the next example's start must not find it still exiting
+    return got
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
