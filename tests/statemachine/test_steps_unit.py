@@ -1,0 +1,145 @@
+"""Steps and probes without processes: facts in, verdicts out (httpx.MockTransport, fixtures)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdctl.statemachine import probes
+from pdctl.statemachine.errors import InvalidTransition, ProbeError
+from pdctl.statemachine.machine import PD_STATES, StateMachine
+from pdctl.statemachine.spec import parse_spec
+from pdctl.statemachine.steps import check_chat_response, expected_server_info, router_mismatches, server_info_mismatches
+from pdctl.statemachine.topology import topology_of
+
+from .specs import seed_dict
+
+SEED_TOPO = topology_of(parse_spec(seed_dict()))
+
+WORKERS = {
+    "workers": [
+        {"url": "http://127.0.0.1:30010", "worker_type": "prefill", "is_healthy": True, "bootstrap_port": 8998,
+         "metadata": {"disaggregation_mode": "prefill"}},
+        {"url": "http://127.0.0.1:30020", "worker_type": "decode", "is_healthy": True, "bootstrap_port": None,
+         "metadata": {"disaggregation_mode": "decode"}},
+    ],
+    "total": 2,
+    "stats": {"prefill_count": 1, "decode_count": 1, "regular_count": 0},
+}
+
+
+def test_the_machine_only_moves_forward_one_state_at_a_time():
+    m = StateMachine(PD_STATES)
+    m.advance("kernels_built")
+    with pytest.raises(InvalidTransition, match="next state is 'prefill_up'"):
+        m.advance("decode_up")
+    with pytest.raises(InvalidTransition):
+        m.advance("kernels_built")
+    for s in PD_STATES[1:]:
+        m.advance(s)
+    assert m.done and m.next_state is None
+
+
+def test_router_workers_matching_the_topology_have_no_mismatch():
+    workers, stats = probes.parse_workers(WORKERS)
+    assert router_mismatches(workers, stats, SEED_TOPO) == []
+
+
+def test_router_workers_with_swapped_roles_are_named():
+    data = json.loads(json.dumps(WORKERS))
+    data["workers"][0]["url"], data["workers"][1]["url"] = data["workers"][1]["url"], data["workers"][0]["url"]
+    bad = router_mismatches(*probes.parse_workers(data), SEED_TOPO)
+    text = "; ".join(bad)
+    assert "http://127.0.0.1:30020 registered as prefill, expected decode" in text
+    assert "disaggregation_mode=decode (swapped roles?)" in text
+
+
+def test_an_unhealthy_or_missing_worker_is_named():
+    data = json.loads(json.dumps(WORKERS))
+    data["workers"][1]["is_healthy"] = False
+    assert "http://127.0.0.1:30020 is not healthy" in router_mismatches(*probes.parse_workers(data), SEED_TOPO)
+    data["workers"].pop()
+    data["stats"]["decode_count"] = 0
+    bad = router_mismatches(*probes.parse_workers(data), SEED_TOPO)
+    assert "worker http://127.0.0.1:30020 (decode) missing" in bad and "decode_count = 0, expected 1" in bad
+
+
+def test_router_workers_of_another_shape_raise_a_probe_error():
+    with pytest.raises(ProbeError):
+        probes.parse_workers({"error": "nope"})
+
+
+def test_server_info_mismatch_names_each_field():
+    role = SEED_TOPO.role("decode")
+    exp = expected_server_info(role, SEED_TOPO)
+    info = dict(exp, tool_call_parser=None, page_size=32)
+    bad = server_info_mismatches(info, exp)
+    assert "tool_call_parser is None, expected 'deepseekv4'" in bad
+    assert "page_size is 32, expected 64" in bad
+    assert exp["disaggregation_mode"] == "decode" and exp["tp_size"] == 4
+
+
+PARSERS = {"reasoning_parser": "deepseek-v4", "tool_call_parser": "deepseekv4", "chat_template": None}
+
+
+def _resp(msg):
+    return {"choices": [{"message": msg, "finish_reason": "tool_calls"}]}
+
+
+def test_chat_with_parsed_reasoning_and_tool_calls_passes():
+    ok, bad = check_chat_response(
+        _resp({"content": "", "reasoning_content": "think", "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}),
+        PARSERS,
+    )
+    assert bad == [] and len(ok) == 2
+
+
+def test_chat_with_raw_markup_left_in_content_fails():
+    raw = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">...'
+    ok, bad = check_chat_response(_resp({"content": "<think>hmm</think>" + raw, "reasoning_content": None, "tool_calls": None}), PARSERS)
+    assert any("no reasoning_content" in b for b in bad)
+    assert any("no tool_calls" in b for b in bad)
+    assert any("raw model markup" in b for b in bad)
+
+
+def test_metric_totals_sum_every_label_set():
+    text = (
+        "# HELP sglang:num_transfer_failed_reqs_total x\n# TYPE sglang:num_transfer_failed_reqs_total counter\n"
+        'sglang:num_transfer_failed_reqs_total{engine_type="decode",tp_rank="0"} 2.0\n'
+        'sglang:num_transfer_failed_reqs_total{engine_type="decode",tp_rank="1"} 1.0\n'
+    )
+    assert probes.parse_metric_total(text, "sglang:num_transfer_failed_reqs_total") == 3.0
+    assert probes.parse_metric_total(text, "sglang:num_bootstrap_failed_reqs_total") == 0.0
+
+
+def test_probes_through_a_mock_transport():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/route":
+            assert dict(request.url.params) == probes.BOOTSTRAP_ROUTE_QUERY
+            return httpx.Response(503, text="Prefill server not fully registered yet (0 workers registered).")
+        if request.url.path == "/readiness":
+            return httpx.Response(200, json={"status": "ready", "healthy_workers": 2, "total_workers": 2})
+        if request.url.path == "/workers":
+            return httpx.Response(200, json=WORKERS)
+        if request.url.path == "/health":
+            return httpx.Response(503)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    c = httpx.Client(transport=httpx.MockTransport(handler))
+    status, body = probes.bootstrap_route(c, "127.0.0.1", 8998)
+    assert status == 503 and "not fully registered" in body
+    assert probes.router_readiness(c, "http://r")[0] == 200
+    assert probes.router_workers(c, "http://r")[1]["prefill_count"] == 1
+    assert probes.health(c, "http://s") == 503
+    with pytest.raises(ProbeError, match="HTTP 404"):
+        probes.server_info(c, "http://s")
+
+
+def test_health_of_a_closed_port_is_zero():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    c = httpx.Client(transport=httpx.MockTransport(refuse))
+    assert probes.health(c, "http://127.0.0.1:1") == 0
