@@ -185,6 +185,7 @@ class ConsoleApp(App[int]):
         self._wake = threading.Event()
         self._planned_serial: int | None = None
         self._selected_step: str | None = None
+        self._active_tab = "topology"
         if readonly:
             # Remove mutating bindings from the keymap itself: no key reaches them.
             kept = [b for _k, b in self._bindings if b.action.split("(", 1)[0] not in MUTATING_ACTIONS]
@@ -245,7 +246,8 @@ class ConsoleApp(App[int]):
         while not worker.is_cancelled:
             t0 = time.monotonic()
             try:
-                snap = self.collector.collect(log_role=self.log_role)
+                # Logs are read only while their tab shows (a log file is re-read whole).
+                snap = self.collector.collect(log_role=self.log_role if self._active_tab == "logs" else None)
             except Exception as exc:  # noqa: BLE001 - keep polling; say what broke
                 self.call_from_thread(self.notify, f"telemetry: {type(exc).__name__}: {exc}", severity="warning")
             else:
@@ -383,6 +385,12 @@ class ConsoleApp(App[int]):
         self._selected_step = message.step.name
         self.query_one(ProofPanel).step = message.step
         self.action_show_tab("proof")
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._active_tab = event.pane.id or ""
+        if self._active_tab == "logs":
+            self._wake.set()
 
     def on_logs_panel_role_changed(self, message: LogsPanel.RoleChanged) -> None:
         self.log_role = message.role

@@ -193,6 +193,8 @@ class Collector:
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}")
                 sc = parse_scrape(r.text, at)
+                if not sc.samples and not sc.histograms:
+                    raise ValueError("none of the expected metrics in the answer (server without --enable-metrics?)")
             except (httpx.HTTPError, ValueError) as exc:
                 msg = "connection refused" if isinstance(exc, httpx.ConnectError) else f"{type(exc).__name__}: {exc}"[:120]
                 out.append(self.tracker.observe(source, kind, url, at, None, msg))
