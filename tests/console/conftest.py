@@ -1,0 +1,289 @@
+"""Fixtures for console tests: the demo spec on free ports (the pattern of
+tests/statemachine/conftest.py, copied so each suite owns its fixtures), a fake service manager,
+mocked scrapes, a ``wait_for`` for pilots, and fixed samples for deterministic snapshots."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness.sim import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo.toml"
+FIX = Path(__file__).parent / "fixtures"
+
+
+def dump_toml(d: dict) -> str:
+    """A small TOML writer for spec shapes (tomllib reads it back to the same dict)."""
+
+    def val(v):  # noqa: ANN001, ANN202
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False)
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + "}"
+        return repr(v) if isinstance(v, float) else str(v)
+
+    def table_list(v):  # noqa: ANN001, ANN202
+        return isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+
+    lines: list[str] = []
+    for k, v in d.items():
+        if not isinstance(v, dict) and not table_list(v):
+            lines.append(f"{k} = {val(v)}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            if k == "hosts":
+                for hk, hv in v.items():
+                    lines.append(f"[hosts.{hk}]")
+                    lines += [f"{kk} = {val(x)}" for kk, x in hv.items()]
+            else:
+                lines.append(f"[{k}]")
+                lines += [f"{kk} = {val(x)}" for kk, x in v.items()]
+        elif table_list(v):
+            for item in v:
+                lines.append(f"[[{k}]]")
+                lines += [f"{kk} = {val(x)}" for kk, x in item.items()]
+    return "\n".join(lines) + "\n"
+
+
+def demo_dict() -> dict:
+    return tomllib.loads(DEMO.read_text())
+
+
+def listening_pids(ports: list[int]) -> list[int]:
+    """PIDs listening on one of *ports* (from /proc/net/tcp* and each process's sockets)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:
+                inodes.add(f[9])
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                out.add(int(pid))
+                break
+    return sorted(out)
+
+
+class ConsoleDemo:
+    """The demo topology on free ports in a temporary directory (not started until applied)."""
+
+    def __init__(self, tmp: Path, mutate=None) -> None:  # noqa: ANN001
+        d = demo_dict()
+        self.name = "c" + uuid.uuid4().hex[:8]
+        d["name"] = self.name
+        self.ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
+        d["prefill"][0].update(port=self.ports["prefill"], bootstrap_port=self.ports["bootstrap"], nccl_port=self.ports["pnccl"])
+        d["decode"][0].update(port=self.ports["decode"], nccl_port=self.ports["dnccl"])
+        d["router"].update(port=self.ports["router"], prometheus_port=self.ports["prom"], health_check_interval_s=1)
+        d["engine"]["env"] = {**d["engine"].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "0.3", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
+        if mutate:
+            mutate(d)
+        self.dict = d
+        self.tmp = tmp
+        self.spec = tmp / f"{self.name}.toml"
+        self.spec.write_text(dump_toml(d))
+        self.state = tmp / "state"
+
+    def write(self, d: dict, name: str) -> Path:
+        p = self.tmp / name
+        p.write_text(dump_toml(d))
+        return p
+
+    def load(self, spec: Path | None = None):  # noqa: ANN201
+        from pdctl.statemachine import service
+
+        return service.load(spec or self.spec, state_dir=self.state)
+
+    def timeouts(self):  # noqa: ANN201
+        from pdctl.statemachine.steps import Timeouts
+
+        return Timeouts(role_start=60, bootstrap=15, kv_request=30, router=60, chat=30)
+
+    def pretend_deployed(self, mutate) -> None:  # noqa: ANN001
+        """Journal as deployed the topology of this spec changed by *mutate* (no process runs):
+        the plan from there to this spec is what the console must confirm."""
+        from pdctl.statemachine.journal import Journal, JournalState
+        from pdctl.statemachine.topology import topology_of
+
+        other = copy.deepcopy(self.dict)
+        mutate(other)
+        dep = self.load(self.write(other, "deployed.toml")).deployment
+        Journal(self.state, self.name).write(JournalState(name=self.name, deployed=topology_of(dep)))
+
+    def down(self) -> None:
+        from pdctl.statemachine import service
+
+        try:
+            service.down(self.load())
+        except Exception:  # noqa: BLE001 - nothing deployed, or a broken journal: clean up below
+            pass
+        finally:
+            for pid in listening_pids(list(self.ports.values())):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture
+def console_demo(tmp_path):
+    d = ConsoleDemo(tmp_path)
+    yield d
+    d.down()
+
+
+class FakeManager:
+    """A service manager whose units are active unless their role is in ``down``."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    def status(self, unit: str):  # noqa: ANN201
+        from pdctl.units import ServiceStatus
+
+        if any(f"-{d}." in unit for d in self.down):
+            return ServiceStatus(unit, "failed")
+        return ServiceStatus(unit, "active", main_pid=os.getpid(), restarts=0)
+
+    def logs(self, unit: str, *, lines: int = 50) -> list[str]:
+        return [f"{unit}: line {i}" for i in range(3)]
+
+
+def metrics_transport(ports: dict[str, int], down: set[str]) -> httpx.MockTransport:
+    """Serves the fixture expositions on the demo's ports; a role in *down* refuses connections."""
+    texts = {ports["prefill"]: ("prefill", "prefill_metrics.txt"), ports["decode"]: ("decode", "decode_metrics.txt"), ports["prom"]: ("router", "smg_metrics.txt")}
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        role, name = texts[req.url.port]
+        if role in down:
+            raise httpx.ConnectError("connection refused", request=req)
+        return httpx.Response(200, text=(FIX / name).read_text())
+
+    return httpx.MockTransport(handler)
+
+
+async def wait_for(pilot, pred, timeout: float = 10.0, step: float = 0.05) -> None:  # noqa: ANN001
+    """Let the app run until *pred()* holds (AssertionError after *timeout* seconds)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in {timeout}s")
+        await pilot.pause(step)
+
+
+# --- fixed data for snapshots ------------------------------------------------------------------
+
+FIXED_NOW = 1_800_000_000.0
+
+
+def fixed_journal(name: str, *, through: int = 6):  # noqa: ANN201
+    """A journal whose first *through* steps are proven (fixed times and proofs)."""
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.machine import PD_STATES
+
+    summaries = {
+        "kernels_built": "skipped: disabled in spec",
+        "prefill_up": "prefill up: active, healthy, /server_info as specified",
+        "decode_up": "decode up: active, healthy, /server_info as specified",
+        "kv_link_verified": "KV link proven: bootstrap reached from decode, paired request completed",
+        "router_exposed": "router on 127.0.0.1:30001: ready, 1 prefill + 1 decode workers healthy",
+        "parsers_configured": "chat with tools and thinking through the router: reasoning_content and tool_calls parsed",
+    }
+    j = JournalState(name=name, serial=7)
+    t = FIXED_NOW - 600
+    for i, s in enumerate(PD_STATES[:through]):
+        status = "skipped" if s == "kernels_built" else "done"
+        proof = {
+            "summary": summaries[s],
+            "checks": [f"{s}: check {k}" for k in (1, 2)],
+            "evidence": {"status": 200, "step": s},
+            "commands": [f"pdctl-probe {s}"],
+            "at": t + 2,
+        }
+        j.steps[s] = StepRecord(status, proof, None, t, t + 0.5 + i)
+        t += 3
+    return j
+
+
+def fixed_throughput():  # noqa: ANN201
+    from pdctl.console.metrics import ThroughputSample
+
+    wave = tuple(100 + 80 * math.sin(i / 6) for i in range(120))
+    return (
+        ThroughputSample("prefill", "prefill", "http://127.0.0.1:30010/metrics", "ok", age_s=0.0, input_tok_s=5321.0, gen_tok_s=0.0, running=4, queued=1,
+                         kv_usage=0.12, ttft_s=(0.21, 0.48, 0.93), kv_xfer_ms=(3.5, 12.0), kv_xfer_failed=0, kv_xfer_failed_s=0.0, history=wave),
+        ThroughputSample("decode", "decode", "http://127.0.0.1:30020/metrics", "ok", age_s=0.0, gen_tok_s=812.0, running=16, queued=0, kv_usage=0.41,
+                         ttft_s=(0.25, 0.51, 0.97), itl_s=(0.012, 0.021, 0.044), kv_xfer_failed=2, kv_xfer_failed_s=0.0, history=tuple(v * 0.2 for v in wave)),
+        ThroughputSample("router", "router", "http://127.0.0.1:29000/metrics", "down", error="connection refused", age_s=12.0, req_s=3.2, err_s=0.0,
+                         errors=1, workers_healthy=2, workers_total=2, history=(*tuple(3.0 for _ in range(60)), *(None,) * 12)),
+    )
+
+
+def fixed_gpu(owners: dict[int, str]):  # noqa: ANN201
+    from pdctl.console.telemetry import AffinitySample, GpuNumaSample, GpuSample, NumaNodeSample
+
+    gpus = tuple(
+        GpuSample(index=i, name="NVIDIA H200", uuid=f"GPU-{i}", util_pct=[97, 95, 96, 94, 61, 60, 63, 58][i], mem_used_bytes=(120 + i) * 1024**3,
+                  mem_total_bytes=141 * 1024**3, temperature_c=60 + i, power_w=500.0 + 10 * i, power_limit_w=700.0,
+                  pcie_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0", numa_node=0 if i < 4 else 1, numa_source="nvml")
+        for i in range(8)
+    )
+    nodes = (
+        NumaNodeSample(0, "0-47,96-143", 96, 1024 * 1024**3, 700 * 1024**3),
+        NumaNodeSample(1, "48-95,144-191", 96, 1024 * 1024**3, 650 * 1024**3),
+    )
+    aff = (
+        AffinitySample("prefill", 4100, 0, "0-47,96-143", "0-47,96-143", "ok", "matches"),
+        AffinitySample("decode", 4200, 1, "48-95,144-191", "0-191", "mismatch", "also on 0-47,96-143"),
+    )
+    return GpuNumaSample(at=FIXED_NOW, nvml_ok=True, driver_version="580.65.06", gpus=gpus, nodes=nodes, affinity=aff, owners=owners)
+
+
+def fixed_snapshot(loaded, *, gpu=None):  # noqa: ANN001, ANN201
+    from pdctl.console.collect import ServiceView, Snapshot, current_topology, gpu_owners
+    from pdctl.console.telemetry import GpuNumaSample
+    from pdctl.console.views import expected_states, step_views
+
+    j = fixed_journal(loaded.deployment.name)
+    topo = current_topology(loaded, None)
+    services = {
+        "prefill": ServiceView("prefill", "u", "active", 4100, 0),
+        "decode": ServiceView("decode", "u", "active", 4200, 1),
+        "router": ServiceView("router", "u", "active", 4300, 0),
+    }
+    if gpu is None:
+        gpu = GpuNumaSample(at=FIXED_NOW, nvml_ok=False, nvml_error="NVML unavailable: NVML Shared Library Not Found", owners=gpu_owners(loaded.deployment, topo))
+    return Snapshot(at=FIXED_NOW, topology=topo, journal=j, steps=step_views(expected_states(topo), j, FIXED_NOW), services=services,
+                    throughput=fixed_throughput(), gpu=gpu)

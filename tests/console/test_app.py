@@ -1,0 +1,245 @@
+"""Pilot tests of the console (``App.run_test``): the topology confirmation, the y/N for a
+disruptive change, read-only mode, greyed-out keys, cancel, panels surviving a source going down,
+and — with real processes — applying the demo to parsers_configured from the console."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from textual.widgets import Button, Input
+
+from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
+from pdctl.console._gpu import GpuPanel
+from pdctl.console._steps import StepsPanel
+from pdctl.console._throughput import ThroughputPanel
+from pdctl.console.app import MUTATING_ACTIONS, ApplyCancelled, ConsoleApp
+from pdctl.console.collect import Collector
+from pdctl.statemachine.events import Event
+from pdctl.statemachine.journal import Journal
+from pdctl.statemachine.machine import PD_STATES
+
+from .conftest import FakeManager, metrics_transport, wait_for
+
+SIZE = (80, 24)
+
+
+class Recorder:
+    """Stands in for ``service.apply``: records each call's confirmation."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
+        self.calls.append({"confirm": confirm})
+        sink.emit(Event("apply_done", "done"))
+        return type("R", (), {"state": "parsers_configured"})()
+
+
+def make_app(demo, *, down: set[str] | None = None, manager: FakeManager | None = None, **kw) -> ConsoleApp:  # noqa: ANN001
+    loaded = demo.load()
+    client = httpx.Client(transport=metrics_transport(demo.ports, down if down is not None else set()))
+    collector = Collector(loaded, interval_s=0.1, client=client, manager=manager or FakeManager(), nvml=False)
+    kw.setdefault("apply_fn", Recorder())
+    return ConsoleApp(loaded, refresh_s=0.1, collector=collector, nvml=False, **kw)
+
+
+def _gpus_changed(d: dict) -> None:
+    d["prefill"][0]["gpus"] = [0, 1]
+    d["prefill"][0]["tp"] = 2
+
+
+def _parsers_changed(d: dict) -> None:
+    d["parsers"] = {"reasoning_parser": "deepseek-r1", "tool_call_parser": "deepseekv3"}
+
+
+async def _open_topology_modal(pilot, app) -> TopologyConfirmScreen:  # noqa: ANN001
+    await wait_for(pilot, lambda: app.plan is not None)
+    assert app.plan.requires_confirmation
+    await pilot.press("a")
+    await wait_for(pilot, lambda: isinstance(app.screen, TopologyConfirmScreen))
+    return app.screen
+
+
+async def test_topology_modal_refuses_a_wrong_name(console_demo):
+    console_demo.pretend_deployed(_gpus_changed)
+    serial = Journal(console_demo.state, console_demo.name).read().serial
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        modal = await _open_topology_modal(pilot, app)
+        confirm = modal.query_one("#confirm", Button)
+        assert confirm.disabled
+        await pilot.press(*"not-the-name")
+        assert confirm.disabled
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is modal  # still asking
+        assert "not applied" in str(modal.query_one("#why").render())
+        assert app.apply_fn.calls == []
+    assert Journal(console_demo.state, console_demo.name).read().serial == serial
+
+
+async def test_topology_modal_proceeds_with_the_right_name_and_confirms_that_plan_id(console_demo):
+    console_demo.pretend_deployed(_gpus_changed)
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        modal = await _open_topology_modal(pilot, app)
+        plan_id = app.plan.plan_id
+        await pilot.press(*console_demo.name[:-1])
+        assert modal.query_one("#confirm", Button).disabled
+        await pilot.press(console_demo.name[-1])
+        assert not modal.query_one("#confirm", Button).disabled
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.apply_fn.calls)
+        assert app.apply_fn.calls == [{"confirm": plan_id}]
+        assert not isinstance(app.screen, TopologyConfirmScreen)
+
+
+async def test_escape_cancels_the_topology_modal_and_nothing_changes(console_demo):
+    console_demo.pretend_deployed(_gpus_changed)
+    before = Journal(console_demo.state, console_demo.name).path.read_bytes()
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await _open_topology_modal(pilot, app)
+        await pilot.press(*console_demo.name)  # even with the right name typed
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, TopologyConfirmScreen))
+        await pilot.pause(0.3)
+        assert app.apply_fn.calls == []
+        assert not app.applying
+    assert Journal(console_demo.state, console_demo.name).path.read_bytes() == before
+
+
+async def test_a_disruptive_change_asks_y_n(console_demo):
+    console_demo.pretend_deployed(_parsers_changed)
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert app.plan.cls == "disruptive" and not app.plan.requires_confirmation
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("n")
+        await wait_for(pilot, lambda: not isinstance(app.screen, YesNoScreen))
+        assert app.apply_fn.calls == []
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.apply_fn.calls)
+        assert app.apply_fn.calls == [{"confirm": None}]
+
+
+async def test_readonly_has_no_mutating_binding(console_demo):
+    console_demo.pretend_deployed(_parsers_changed)
+    app = make_app(console_demo, readonly=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        actions = {b.action.split("(")[0] for _k, b in app._bindings}
+        assert "reload" in actions and not (actions & MUTATING_ACTIONS)
+        active = {ab.binding.action.split("(")[0] for ab in app.screen.active_bindings.values()}
+        assert not (active & MUTATING_ACTIONS)
+        await pilot.press("a", "x")
+        await pilot.pause(0.2)
+        assert app.apply_fn.calls == [] and app.screen is app.screen_stack[0]
+        assert app.check_action("apply", ()) is False
+        assert "READ-ONLY" in app.sub_title
+
+
+class BlockingApply:
+    """An apply that emits step events until cancelled (or released)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+
+    def __call__(self, loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
+        self.started.set()
+        try:
+            while not self.release.wait(0.05):
+                sink.emit(Event("step_started", "prefill_up: started", step="prefill_up"))
+        except BaseException as exc:
+            self.error = exc
+            raise
+        return type("R", (), {"state": "parsers_configured"})()
+
+
+async def test_apply_greys_itself_out_while_running_and_cancel_halts_it(console_demo):
+    fake = BlockingApply()
+    app = make_app(console_demo, apply_fn=fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert app.check_action("cancel_apply", ()) is None  # greyed: nothing to cancel
+        await pilot.press("a")  # first deployment: no confirmation needed
+        await wait_for(pilot, lambda: fake.started.is_set() and app.applying)
+        assert app.check_action("apply", ()) is None  # greyed, not hidden
+        by_action = {ab.binding.action: ab for ab in app.screen.active_bindings.values()}
+        assert by_action["apply"].enabled is False and by_action["cancel_apply"].enabled is True
+        await pilot.press("a")  # ignored while running
+        await pilot.press("x")
+        await wait_for(pilot, lambda: not app.applying, timeout=5)
+        assert isinstance(fake.error, ApplyCancelled)
+        assert isinstance(app.last_apply_error, ApplyCancelled)
+        assert app.check_action("apply", ()) is True
+
+
+async def test_panels_survive_a_source_going_down(console_demo):
+    down: set[str] = set()
+    mgr = FakeManager()
+    app = make_app(console_demo, down=down, manager=mgr)
+    async with app.run_test(size=SIZE) as pilot:
+        tp = app.query_one(ThroughputPanel)
+        await wait_for(pilot, lambda: len(tp.samples) == 3 and all(s.state == "ok" for s in tp.samples))
+        await pilot.press("3")
+        down |= {"prefill", "router"}
+        mgr.down.add("prefill")
+        await wait_for(pilot, lambda: {s.source: s.state for s in tp.samples} == {"prefill": "down", "decode": "ok", "router": "down"})
+        await pilot.pause(0.3)  # several more ticks with sources down
+        assert app.is_running
+        text = str(tp.render())
+        for key in ("2", "1", "4", "5", "6", "3"):
+            await pilot.press(key)
+            await pilot.pause(0.05)
+        assert app.query_one(GpuPanel).sample is not None
+        assert app.snapshot.services["prefill"].state == "failed"
+        down.clear()
+        mgr.down.clear()
+        await wait_for(pilot, lambda: all(s.state == "ok" for s in tp.samples))
+    assert text is not None
+
+
+async def test_selecting_a_step_shows_its_proof(console_demo):
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None)
+        steps = app.query_one(StepsPanel)
+        assert [s.name for s in steps.steps] == list(PD_STATES)
+        await pilot.press("down", "enter")
+        assert app.query_one("#tabs").active == "proof"
+        assert app.query_one("ProofPanel").step.name == "prefill_up"
+
+
+@pytest.mark.smg
+@pytest.mark.slow
+async def test_console_applies_the_demo_to_parsers_configured(console_demo):
+    """Real processes: the SGLang stand-in under the process supervisor and the real smg router."""
+    loaded = console_demo.load()
+    app = ConsoleApp(loaded, refresh_s=0.5, timeouts=console_demo.timeouts(), nvml=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None, timeout=20)
+        assert app.plan.from_topology is None  # a first deployment needs no typed confirmation
+        await pilot.press("a")
+        await wait_for(pilot, lambda: app.applying, timeout=5)
+        await wait_for(pilot, lambda: not app.applying, timeout=150)
+        assert app.last_apply_error is None, app.last_apply_error
+        steps = app.query_one(StepsPanel).steps
+        assert [s.name for s in steps] == list(PD_STATES)
+        assert all(s.status in ("done", "skipped") for s in steps), [(s.name, s.status) for s in steps]
+        tp = app.query_one(ThroughputPanel)
+        await wait_for(pilot, lambda: len(tp.samples) == 3 and all(s.state == "ok" for s in tp.samples), timeout=10)
+        router = next(s for s in tp.samples if s.source == "router")
+        assert router.workers_total == 2 and router.workers_healthy == 2
+        await wait_for(pilot, lambda: app.plan is not None and not app.plan.has_changes, timeout=10)
+    state = Journal(console_demo.state, console_demo.name).read()
+    assert state.deployed is not None and state.target is None
+    assert state.steps["parsers_configured"].status == "done"
