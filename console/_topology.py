@@ -53,10 +53,9 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         add, change, destroy = plan.counts()
         style = CLASS_STYLE.get(plan.cls or "", "bold")
         banner = Text(no_wrap=False)
-        banner.append(f"Pending plan {plan.plan_id} ({plan.cls}): ", style=style)
-        banner.append(f"{add} to add, {change} to change, {destroy} to destroy")
-        for w in plan.topology_changes:
-            banner.append(f"\n  ! {w}", style="bold red")
+        banner.append(f"Pending {plan.cls} plan {plan.plan_id}: ", style=style)
+        banner.append(f"+{add} ~{change} -{destroy}")
+        banner.append(" (a: review, apply)", style="dim")
         parts.append(banner)
 
     t = Table.grid(padding=(0, 1))

@@ -457,7 +457,7 @@ class ConsoleApp(App[int]):
                 failed = [s.name for s in snap.steps if s.status == "failed"]
                 bits.append(f"failed at {failed[0]}" if failed else f"reached {reached}" if reached else "not deployed")
             if self.plan is not None and self.plan.has_changes:
-                bits.append(f"plan: {self.plan.cls} change pending")
+                bits.append(f"pending: {self.plan.cls}")
         return " · ".join(bits)
 
 
