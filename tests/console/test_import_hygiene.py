@@ -1,0 +1,65 @@
+"""The headless path never imports Textual; one module imports pynvml.
+
+Each check runs in a fresh interpreter and reads ``sys.modules`` (harlequin's
+``test_import_hygiene``): an import added anywhere on the path shows up here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo.toml"
+
+PROBE = """
+import json, sys
+{body}
+mods = sorted(sys.modules)
+sys.stderr.write("\\nIMPORTS " + json.dumps({{"textual": [m for m in mods if m == "textual" or m.startswith("textual.")],
+                                     "pynvml": "pynvml" in sys.modules}}) + "\\n")
+"""
+
+
+def _modules(body: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", PROBE.format(body=body)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("IMPORTS ")]
+    assert line, r.stderr[-2000:]
+    return json.loads(line[-1][len("IMPORTS ") :])
+
+
+@pytest.mark.parametrize("argv", [["plan", str(DEMO)], ["validate", str(DEMO)], ["status", str(DEMO), "--json"]])
+def test_the_headless_cli_does_not_import_textual(argv, tmp_path):
+    body = f"""
+from pdctl.console.cli import main
+try:
+    main({[*argv, "--state-dir", str(tmp_path)] if argv[0] != "validate" else argv!r})
+except SystemExit:
+    pass
+"""
+    got = _modules(body)
+    assert got["textual"] == []
+    assert got["pynvml"] is False
+
+
+def test_the_console_data_modules_do_not_import_textual():
+    got = _modules("import pdctl.console, pdctl.console.telemetry, pdctl.console.metrics, pdctl.console.views, pdctl.console.collect")
+    assert got == {"textual": [], "pynvml": False}  # pynvml only on the first NVML read
+
+
+def test_the_console_command_does_import_textual():
+    """The check above is not vacuous: the app does pull Textual in."""
+    assert _modules("import pdctl.console.app")["textual"]
+
+
+def test_only_the_telemetry_module_imports_pynvml():
+    importers = []
+    for folder in ("console", "statemachine", "units", "sim", "kernels", "pdctl"):
+        for p in (ROOT / folder).rglob("*.py"):
+            if re.search(r"^\s*(import pynvml|from pynvml)", p.read_text(errors="replace"), re.M):
+                importers.append(str(p.relative_to(ROOT)))
+    assert importers == ["console/telemetry.py"]

@@ -1,0 +1,81 @@
+"""The console in a real terminal: ``pdctl console SPEC`` inside tmux (80x24), keys sent,
+``capture-pane`` read back. Uses a private tmux socket and kills only the session it made."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from pdctl.console import telemetry
+
+from .conftest import ConsoleDemo
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+
+STEPS = ("kernels_built", "prefill_up", "decode_up", "kv_link_verified", "router_exposed", "parsers_configured")
+
+
+class Tmux:
+    def __init__(self) -> None:
+        self.socket = f"pdctl-test-{uuid.uuid4().hex[:8]}"
+        self.session = "console"
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10, check=check)
+
+    def start(self, command: str) -> None:
+        self.run("new-session", "-d", "-s", self.session, "-x", "80", "-y", "24", command)
+
+    def capture(self) -> str:
+        return self.run("capture-pane", "-p", "-t", self.session, check=False).stdout
+
+    def keys(self, *keys: str) -> None:
+        self.run("send-keys", "-t", self.session, *keys)
+
+    def wait_for(self, *texts: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.capture()
+            if all(t in screen for t in texts):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"{texts} not on screen after {timeout}s:\n{screen}")
+
+    def alive(self) -> bool:
+        return self.run("has-session", "-t", self.session, check=False).returncode == 0
+
+    def kill(self) -> None:
+        self.run("kill-session", "-t", self.session, check=False)
+
+
+@pytest.fixture
+def tmux():
+    t = Tmux()
+    yield t
+    t.kill()
+
+
+def test_console_in_tmux_shows_the_six_steps_and_the_gpu_panel(tmp_path, tmux):
+    demo = ConsoleDemo(tmp_path)  # a free-port copy of examples/demo.toml; nothing started
+    tmux.start(f"TERM=xterm-256color PDCTL_STATE_DIR={demo.state} exec {sys.executable} -m pdctl {demo.spec} --refresh 0.5")
+    screen = tmux.wait_for(*STEPS)
+    assert "State machine" in screen and "pending" in screen
+    tmux.keys("2")
+    if telemetry.nvml_status()[0]:
+        screen = tmux.wait_for("GPU(s), driver")
+    else:
+        screen = tmux.wait_for("No GPU telemetry")
+        assert "NVML" in screen
+        assert "GPUs the spec assigns: prefill 0-3, decode 4-7" in screen
+    assert all(s in screen for s in STEPS)  # the steps stay on screen over every tab
+    tmux.keys("q")
+    deadline = time.monotonic() + 10
+    while tmux.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not tmux.alive(), "q did not quit the console"
