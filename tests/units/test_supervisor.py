@@ -60,7 +60,10 @@ def wait_for(pred, timeout=20.0, what="condition"):
 
 
 def test_a_crashing_role_stops_at_the_start_limit_like_systemd(tmp_path, cleanup):
-    s = svc("crash", ("/bin/sh", "-c", "echo boom; exit 3"), start_limit_burst=3, start_limit_interval_s=60)
+    # a readiness URL nobody serves: without it the role would count as active the instant it
+    # started (as a Type=exec unit without a gate does), and wait_active could return
+    s = svc("crash", ("/bin/sh", "-c", "echo boom; exit 3"), start_limit_burst=3, start_limit_interval_s=60,
+            readiness_url=f"http://127.0.0.1:{free_port()}/health", readiness_python=sys.executable)
     m = install(tmp_path, s)
     cleanup(m)
     m.start(s.name)
