@@ -12,8 +12,8 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    ``[64 heads, 64 tokens]``, ReLU per head, ``· w[:, None]``, sum over heads, ``· k_scale``, and stores the 64
    logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
-   logits (digits of 11, 11 and 10 bits): three ``_topk_hist_kernel`` passes build 2048-bin histograms of the
-   keys that match the digits picked so far, then ``_topk_select_kernel`` writes every key above the k-th
+   logits (one byte per pass, high byte first): four ``_topk_hist_kernel`` passes build 256-bin histograms of
+   the keys that match the bytes picked so far, then ``_topk_select_kernel`` writes every key above the k-th
    largest plus enough keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass
    runs on a ``(B, R)`` grid, R = max(1, 264 // B) programs splitting each row (so one long row still spreads
    over the GPU), accumulating with global atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
@@ -182,10 +182,10 @@ def lightning_indexer(
     kern = _kernels()
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
-    hb = b * 2048  # elements between one pass's histograms and the next
-    ws = torch.zeros(3 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 3 histograms + 2 counters per row
-    hist, cnt = ws[: 3 * hb], ws[3 * hb:]
-    for p in range(3):
+    hb = b * 256  # elements between one pass's histograms and the next
+    ws = torch.zeros(4 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 4 histograms + 2 counters per row
+    hist, cnt = ws[: 4 * hb], ws[4 * hb:]
+    for p in range(4):
         kern._topk_hist_kernel[(b, segs)](
             logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
         )
