@@ -27,8 +27,8 @@ class StepView:
     summary: str = ""
     elapsed_s: float | None = None
     """How long the step took (running: so far)."""
-    age_s: float | None = None
-    """Seconds since it finished."""
+    age_s: float | None = field(default=None, compare=False)
+    """Seconds since it finished (not compared: a row that only aged is not redrawn)."""
     proof: Mapping[str, Any] | None = None
     error: str | None = None
     hint: str | None = None
