@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Text capture of the console's GPU/NUMA panel on a GPU machine (issue 5's acceptance run).
+
+Reads NVML (nvidia-ml-py), ``/sys/devices/system/node`` and ``/proc`` exactly as the console's
+telemetry worker does, owns each GPU to a role from the spec's topology (default: the seed,
+``examples/seed.toml``: prefill on GPUs 0-3 / NUMA 0, decode on 4-7 / NUMA 1), and prints the
+panel as text — either a plain render of the panel (default) or the whole console run headless
+through Textual's ``run_test`` on the GPU/NUMA tab (``--app``). Starts nothing, changes nothing.
+
+Needs only pdctl's core dependencies and nvidia-ml-py. Works from an installed pdctl or from a
+bare checkout (the repository's folders are mapped into the ``pdctl`` namespace on the fly).
+
+Affinity: no role runs here, so each role shows "not running" unless you hand it a PID:
+``--pid prefill=1234`` or ``--self-as prefill`` (this process; run it under
+``numactl --cpunodebind=0 --membind=0`` to see ``ok``, or unpinned to see the mismatch flagged).
+
+    python benchmarks/gpu_panel_capture.py                       # plain render, 140 columns
+    python benchmarks/gpu_panel_capture.py --self-as decode --app --size 120x40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import io
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bootstrap() -> None:
+    """Map the checkout's folders into ``pdctl.*`` when pdctl is not installed."""
+    try:
+        import pdctl.console.telemetry  # noqa: F401
+        import pdctl.statemachine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    import pdctl
+
+    for sub in ("units", "statemachine", "console"):
+        name = f"pdctl.{sub}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, ROOT / sub / "__init__.py", submodule_search_locations=[str(ROOT / sub)])
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = mod
+        setattr(pdctl, sub, mod)
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", nargs="?", default=str(ROOT / "examples" / "seed.toml"))
+    ap.add_argument("--pid", action="append", default=[], metavar="ROLE=PID", help="read ROLE's affinity from PID")
+    ap.add_argument("--self-as", metavar="ROLE", help="use this process's PID for ROLE")
+    ap.add_argument("--app", action="store_true", help="run the whole console headless (Textual run_test) on the GPU tab")
+    ap.add_argument("--size", default="140x40", help="columns x rows (default 140x40)")
+    args = ap.parse_args()
+    _bootstrap()
+
+    from rich.console import Console
+
+    from pdctl.console._gpu import render_gpu_panel
+    from pdctl.console.collect import Snapshot, current_topology, gpu_owners, role_numa
+    from pdctl.console.telemetry import RoleNuma, nvml_status, read_gpu_numa
+    from pdctl.statemachine.service import load
+
+    cols, rows = (int(x) for x in args.size.split("x"))
+    loaded = load(args.spec, state_dir=tempfile.mkdtemp(prefix="pdctl-gpu-capture-"))  # never reads a live journal
+    topo = current_topology(loaded, None)
+    pids = {k: int(v) for k, v in (p.split("=", 1) for p in args.pid)}
+    if args.self_as:
+        pids[args.self_as] = os.getpid()
+    roles = [RoleNuma(r.name, pids.get(r.name), *role_numa(loaded.deployment, r.name)) for r in topo.roles]
+    sample = read_gpu_numa(roles, gpu_owners(loaded.deployment, topo))
+    ok, why = nvml_status()
+
+    print(f"# pdctl GPU/NUMA panel capture — host {socket.gethostname()}, spec {args.spec} ({loaded.deployment.name})")
+    print(f"# NVML: {'ok, driver ' + str(sample.driver_version) if ok else why}; {len(sample.gpus)} GPU(s); {len(sample.nodes)} NUMA node(s)")
+    if not args.app:
+        con = Console(file=io.StringIO(), width=cols, record=True, color_system=None, force_terminal=False)
+        con.print(render_gpu_panel(sample, topo))
+        print(con.export_text().rstrip())
+        return 0
+
+    from pdctl.console.app import ConsoleApp
+    from pdctl.console.views import expected_states, step_views
+
+    snap = Snapshot(at=sample.at, topology=topo, steps=step_views(expected_states(topo), None, sample.at), gpu=sample)
+
+    async def run() -> str:
+        app = ConsoleApp(loaded, live=False, nvml=False)
+        async with app.run_test(size=(cols, rows)) as pilot:
+            app.show_snapshot(snap)
+            await pilot.press("2")
+            await pilot.pause(0.3)
+            con = Console(file=io.StringIO(), width=cols, height=rows, record=True, color_system=None)
+            con.print(app.screen._compositor.render_update(full=True))
+            return con.export_text()
+
+    print(asyncio.run(run()).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
