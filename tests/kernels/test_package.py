@@ -1,0 +1,112 @@
+"""Import hygiene, the build entry point on a machine without a GPU, and the SGLang plugin's refusals and hooks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdctl.kernels import sglang_plugin
+from pdctl.kernels._reference import quantize_kv656, reference_sparse_mla_decode
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def test_importing_the_package_imports_neither_torch_nor_triton():
+    code = "import sys, pdctl.kernels as k; k.__all__; print('torch' in sys.modules, 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@no_gpu
+def test_build_cli_says_cannot_build_here_and_exits_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pdctl.kernels", "build", "--cache-dir", str(tmp_path)],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"})
+    assert r.returncode == 2, r.stderr
+    assert "cannot build here: no CUDA GPU" in r.stderr
+    assert r.stdout == ""
+
+
+@no_gpu
+def test_build_and_verify_raises_the_typed_error(tmp_path, monkeypatch):
+    from pdctl.kernels import KernelsBuildError, build_and_verify
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KernelsBuildError, match="cannot build here: no CUDA GPU"):
+        build_and_verify(tmp_path)
+
+
+def test_plugin_refuses_an_unknown_sglang_version(monkeypatch):
+    monkeypatch.setattr(sglang_plugin, "_sglang_version", lambda: "0.5.22")
+    with pytest.raises(sglang_plugin.PluginRefusedError, match="0.5.22 is not a version"):
+        sglang_plugin.register()
+    monkeypatch.setattr(sglang_plugin, "_sglang_version", lambda: None)
+    with pytest.raises(sglang_plugin.PluginRefusedError, match="not installed"):
+        sglang_plugin.register()
+
+
+def test_plugin_refusal_is_fatal_when_required(monkeypatch):
+    monkeypatch.setattr(sglang_plugin, "_sglang_version", lambda: "9.9.9")
+    monkeypatch.setenv("PDCTL_KERNELS_REQUIRED", "1")
+    with pytest.raises(SystemExit, match="9.9.9"):
+        sglang_plugin.register()
+
+
+def test_plugin_plans_the_documented_hooks_for_0_5_23():
+    plan = sglang_plugin.planned_hooks("0.5.23")
+    assert set(plan) == set(sglang_plugin.KNOWN_VERSIONS["0.5.23"])
+    only_indexer = sglang_plugin.planned_hooks("0.5.23", ("indexer",))
+    assert list(only_indexer) == ["sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"]
+
+
+def test_entry_point_table_names_the_register_function():
+    import tomllib
+    from pathlib import Path
+
+    data = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert data["project"]["entry-points"]["sglang.srt.plugins"] == {
+        "pdctl_kernels": "pdctl.kernels.sglang_plugin:register"}
+
+
+def test_flashmla_kv_hook_computes_sparse_mla_on_the_fp8_cache():
+    # The hook binds SGLang's arguments by name, calls our kernel and returns flash_mla's [T, 1, h, 512] shape.
+    g = torch.Generator().manual_seed(3)
+    t, h, slots = 2, 16, 256
+    q = torch.randn(t, h, 576, generator=g) * 0.5  # fp32 under the interpreter (bf16 dot is broken there)
+    kv = quantize_kv656(torch.randn(slots, 576, generator=g)).view(-1, 64, 1, 656)
+    idx = torch.randint(0, slots, (t, 64), generator=g, dtype=torch.int32)
+    idx[1, 40:] = -1
+    lens = torch.tensor([64, 40], dtype=torch.int32)
+
+    def original(self, q_all, kv_cache, v_head_dim, sm_scale, layer, metadata, page_table_1):
+        raise AssertionError("must not fall back")
+
+    o = sglang_plugin._flashmla_kv_hook(
+        original, None, q_all=q.view(t, 1, h, 576), kv_cache=kv, v_head_dim=512, sm_scale=0.1,
+        layer=SimpleNamespace(tp_q_head_num=h, head_dim=576),
+        metadata=SimpleNamespace(dsa_cache_seqlens_int32=lens), page_table_1=idx,
+    )
+    ro, _ = reference_sparse_mla_decode(q, kv.view(-1, 656), idx, 0.1, lens)
+    assert o.shape == (t, 1, h, 512)
+    assert (o[:, 0].double() - ro).abs().max() < 1e-4
+
+
+def test_flashmla_sparse_hook_only_routes_decode_calls():
+    calls = []
+
+    def original(self, q_all, kv_cache, v_head_dim, page_table_1, sm_scale, topk_length=None, attn_sink=None):
+        calls.append("original")
+        return "original"
+
+    args = dict(q_all=torch.zeros(1, 16, 576), kv_cache=torch.zeros(64, 1, 576, dtype=torch.bfloat16),
+                v_head_dim=512, page_table_1=torch.zeros(1, 64, dtype=torch.int32), sm_scale=0.1)
+    assert sglang_plugin._flashmla_sparse_hook(original, None, **args) == "original"  # extend/prefill: untouched
+    token = sglang_plugin._IN_DECODE.set(True)
+    try:  # in decode but with an attention sink: unsupported, so the original runs
+        assert sglang_plugin._flashmla_sparse_hook(original, None, **args, attn_sink=torch.zeros(16)) == "original"
+    finally:
+        sglang_plugin._IN_DECODE.reset(token)
+    assert calls == ["original", "original"]
