@@ -333,6 +333,26 @@ class ConsoleApp(App[int]):
             self._cancel.set()
             self.notify("Cancelling at the next step event…")
 
+    async def action_quit(self) -> None:
+        """Quit; while an apply runs, ask first, then cancel it at its next step event."""
+        if not self.applying:
+            self.exit(0)
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self._cancel.set()
+                self.exit(0)
+
+        self.push_screen(
+            YesNoScreen(
+                "An apply is running. Quit, and cancel it at its next step event?",
+                "What already runs stays as it was and the journal records where it stopped; "
+                "`pdctl apply SPEC` (or a from the console) resumes from there.",
+            ),
+            done,
+        )
+
     def action_reload(self) -> None:
         self.reload_spec(reread=True)
 
@@ -465,4 +485,8 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
     """Run the console in this terminal until the operator quits; returns the exit code."""
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
     rc = app.run()
+    if app.applying:
+        import sys
+
+        sys.stderr.write("pdctl: the apply stops at its next step event; waiting for it…\n")
     return int(rc or 0)

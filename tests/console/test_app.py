@@ -243,3 +243,22 @@ async def test_console_applies_the_demo_to_parsers_configured(console_demo):
     state = Journal(console_demo.state, console_demo.name).read()
     assert state.deployed is not None and state.target is None
     assert state.steps["parsers_configured"].status == "done"
+
+
+async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo):
+    fake = BlockingApply()
+    app = make_app(console_demo, apply_fn=fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: app.applying)
+        await pilot.press("q")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("n")
+        await pilot.pause(0.2)
+        assert app.is_running and app.applying and fake.error is None
+        await pilot.press("q")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: fake.error is not None, timeout=5)
+    assert isinstance(fake.error, ApplyCancelled)
