@@ -143,7 +143,8 @@ def test_active_only_after_the_readiness_url_answers(tmp_path, cleanup):
 
 
 def test_a_role_requiring_a_failed_one_fails_and_never_starts(tmp_path, cleanup):
-    bad = svc("bad", ("/bin/sh", "-c", "exit 1"), start_limit_burst=1)
+    bad = svc("bad", ("/bin/sh", "-c", "exit 1"), start_limit_burst=1,  # never ready, then fails
+              readiness_url=f"http://127.0.0.1:{free_port()}/health", readiness_python=sys.executable)
     marker = tmp_path / "router-started"
     dep = svc("dep", ("/bin/sh", "-c", f"touch {marker}; sleep 300"), requires=(bad.name,))
     m = install(tmp_path, bad, dep)
