@@ -171,7 +171,8 @@ class ConsoleApp(App[int]):
         self.loaded = loaded
         self.readonly = readonly
         self.refresh_s = float(refresh_s or loaded.deployment.console.refresh_s or 1.0)
-        self.state_dir = state_dir
+        self.state_dir = state_dir if state_dir is not None else loaded.journal.dir
+        """Where the journal lives; a reload keeps it (an edited spec plans against the same journal)."""
         self.live = live
         self.apply_fn = apply_fn
         self.timeouts = timeouts
@@ -186,6 +187,7 @@ class ConsoleApp(App[int]):
         self._planned_serial: int | None = None
         self._selected_step: str | None = None
         self._active_tab = "topology"
+        self._show_plan_on_planned = False
         if readonly:
             # Remove mutating bindings from the keymap itself: no key reaches them.
             kept = [b for _k, b in self._bindings if b.action.split("(", 1)[0] not in MUTATING_ACTIONS]
@@ -354,6 +356,7 @@ class ConsoleApp(App[int]):
         )
 
     def action_reload(self) -> None:
+        self._show_plan_on_planned = True
         self.reload_spec(reread=True)
 
     def action_show_tab(self, tab: str) -> None:
@@ -429,6 +432,9 @@ class ConsoleApp(App[int]):
         self.query_one(TopologyPanel).plan = message.plan
         if message.error:
             self.notify(f"Spec not planned: {message.error}", severity="error", timeout=8)
+        if self._show_plan_on_planned:  # r: reloading the spec shows its plan
+            self._show_plan_on_planned = False
+            self.action_show_tab("plan")
         self.sub_title = self._status_line()
 
     def on_console_app_apply_progressed(self, message: ApplyProgressed) -> None:

@@ -20,7 +20,7 @@ from pdctl.statemachine.events import Event
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES
 
-from .conftest import FakeManager, metrics_transport, wait_for
+from .conftest import FakeManager, dump_toml, metrics_transport, wait_for
 
 SIZE = (80, 24)
 
@@ -262,3 +262,47 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
         await pilot.press("y")
         await wait_for(pilot, lambda: fake.error is not None, timeout=5)
     assert isinstance(fake.error, ApplyCancelled)
+
+
+async def test_reloading_an_edited_spec_shows_its_plan(console_demo):
+    from pdctl.statemachine.journal import JournalState
+    from pdctl.statemachine.topology import topology_of
+
+    # Deployed exactly as the spec asks: no changes.
+    Journal(console_demo.state, console_demo.name).write(JournalState(name=console_demo.name, deployed=topology_of(console_demo.load().deployment)))
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert not app.plan.has_changes
+        edited = dict(console_demo.dict)
+        edited["parsers"] = {"reasoning_parser": "deepseek-r1", "tool_call_parser": "deepseekv3"}
+        console_demo.spec.write_text(dump_toml(edited))
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.plan is not None and app.plan.has_changes)
+        assert app.plan.cls == "disruptive" and app.plan.restarts() == ["prefill", "decode"]
+        assert app.query_one("#tabs").active == "plan"
+        assert "reasoning_parser" in str(app.query_one("PlanPanel").render())
+
+
+async def test_the_logs_panel_follows_the_selected_role(console_demo):
+    class GrowingLogs(FakeManager):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def logs(self, unit: str, *, lines: int = 50) -> list[str]:
+            self.n += 1
+            return [f"{unit} #{i}" for i in range(self.n)][-lines:]
+
+    mgr = GrowingLogs()
+    app = make_app(console_demo, manager=mgr)
+    async with app.run_test(size=SIZE) as pilot:
+        from textual.widgets import Log
+
+        await pilot.press("4")
+        log = app.query_one(Log)
+        await wait_for(pilot, lambda: log.line_count >= 3)
+        assert "prefill" in log.lines[-1]
+        await pilot.press("right_square_bracket")
+        await wait_for(pilot, lambda: log.line_count >= 1 and "decode" in log.lines[-1])
+        assert all("decode" in ln for ln in log.lines)
