@@ -37,6 +37,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from pdctl.statemachine.hosts import Host as HostType
 from pdctl.statemachine.spec import Deployment, Host, ServerRole
 from pdctl.units import (
     ForeignUnit,
@@ -337,9 +338,16 @@ def services_for(
     return out
 
 
-def unit_set_for(dep: Deployment, **kwargs: object) -> UnitSet:
-    """:func:`services_for` plus the deployment's target, as one :class:`UnitSet`."""
-    services = services_for(dep, **kwargs)  # type: ignore[arg-type]
+def unit_set_for(
+    dep: Deployment,
+    *,
+    scope: str | None = None,
+    state_dir: str | Path | None = None,
+    log_dir: str | Path | None = None,
+) -> UnitSet:
+    """:func:`services_for` plus the deployment's target, as one :class:`UnitSet` (what a
+    :class:`~pdctl.units.ServiceManager` installs)."""
+    services = services_for(dep, scope=scope, state_dir=state_dir, log_dir=log_dir)
     target = TargetSpec(name=target_name(dep), description=f"pdctl deployment {dep.name}",
                         deployment=dep.name, wants=tuple(s.name for s in services))
     return UnitSet(target=target, services=tuple(services))
@@ -347,7 +355,7 @@ def unit_set_for(dep: Deployment, **kwargs: object) -> UnitSet:
 
 def manager_for(
     dep: Deployment,
-    host: object,
+    host: HostType,
     *,
     state_dir: str | Path,
     unit_dir: str | None = None,
@@ -362,8 +370,8 @@ def manager_for(
     (tests point them at a private user manager)."""
     scope = scope_for(dep)
     if scope == "process":
-        return ProcessSupervisor(host, state_dir=os.path.join(str(state_dir), "supervisor"))  # type: ignore[arg-type]
-    return SystemdManager(host, scope=scope, unit_dir=unit_dir, systemctl=systemctl, env=env)  # type: ignore[arg-type]
+        return ProcessSupervisor(host, state_dir=os.path.join(str(state_dir), "supervisor"))
+    return SystemdManager(host, scope=scope, unit_dir=unit_dir, systemctl=systemctl, env=env)
 
 
 def write_units(dep: Deployment, out_dir: str | Path) -> list[Path]:

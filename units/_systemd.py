@@ -22,6 +22,16 @@ A separate ``*-ready.service`` (oneshot, ``RemainAfterExit=``) would double the 
 run by the engine's own interpreter (``readiness_python``), so it needs nothing on the host that
 the role does not already need — not curl, not pdctl.
 
+Ordering and restarts
+---------------------
+Prefill and decode have no ordering between them (decode contacts the prefill bootstrap only at
+the first request), so they start in parallel. The router ``Requires=`` and is ``After=`` both:
+it starts only once both are active, i.e. ready. Seen on systemd 252 (test harness): when a
+server is restarted by ``Restart=on-failure``, systemd restarts the router too (the restart job
+propagates along ``Requires=``), and the router's start again waits for that server's gate —
+with one prefill the deployment cannot serve meanwhile anyway. ``PartOf=`` the target makes
+``systemctl stop/restart pdctl-<name>.target`` reach every role.
+
 Quoting
 -------
 Values reach the process unchanged: argv words and ``Environment=`` assignments are written

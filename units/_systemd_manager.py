@@ -60,7 +60,7 @@ class SystemdManager(ServiceManager):
         self.unit_dir = unit_dir
         self._systemctl = [*systemctl, *(["--user"] if scope == "user" else [])]
         self._journalctl = list(journalctl)
-        self._env = dict(env) if env else None
+        self._env = dict(env) if env else {}
         self.command_timeout = command_timeout
         self._have_systemctl = False
 
@@ -81,12 +81,14 @@ class SystemdManager(ServiceManager):
             )
         self._have_systemctl = True
 
+    def _with_env(self, argv: list[str]) -> list[str]:
+        """Extra environment travels in the argv (``env K=V systemctl …``), so it means the same
+        on a local host and over SSH, and the host's own environment stays as it is."""
+        return ["env", *(f"{k}={v}" for k, v in self._env.items()), *argv] if self._env else argv
+
     def _ctl(self, *args: str, check: bool = True, timeout: float | None = None):
-        argv = [*self._systemctl, *args]
-        env = None
-        if self._env:
-            env = {**os.environ, **self._env}
-        res = self.host.run(argv, timeout=timeout or self.command_timeout, env=env, check=False)
+        argv = self._with_env([*self._systemctl, *args])
+        res = self.host.run(argv, timeout=timeout or self.command_timeout, check=False)
         if check and res.returncode != 0:
             unit = args[-1] if args else None
             raise ServiceFailed(
@@ -247,6 +249,6 @@ class SystemdManager(ServiceManager):
                     return []
                 return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
         flag = "--user-unit" if self.scope == "user" else "--unit"
-        res = self.host.run([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"],
+        res = self.host.run(self._with_env([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]),
                             timeout=self.command_timeout, check=False)
         return clean_log_lines(res.stdout, lines) if res.returncode == 0 else []
