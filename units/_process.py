@@ -24,7 +24,8 @@ session) that owns that role until told to stop:
 
 :meth:`stop` sends SIGTERM to the watchdog (after checking ``/proc/PID/cmdline`` really is that
 watchdog — PIDs are reused) and waits, bounded; if the watchdog itself was killed, it stops the
-role's process group directly. State lives in ``STATE_DIR/services/<unit name>/``: ``unit.json``
+role's process group directly, signalling only processes whose environment carries
+``PDCTL_UNIT=<unit name>`` (set for every role), never a group whose id was reused. State lives in ``STATE_DIR/services/<unit name>/``: ``unit.json``
 (marked ``"managed_by": "pdctl"``), ``status.json`` (written atomically by the watchdog),
 ``watchdog.pid``, ``main.pid``, ``output.log``, ``supervise.log``.
 
@@ -54,6 +55,8 @@ from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritab
 __all__ = ["ProcessSupervisor", "parse_env_file"]
 
 WATCHDOG_MODULE = "pdctl.units.supervise"
+UNIT_ENV = "PDCTL_UNIT"
+"""Set to the unit name in every role's environment: how a stop recognises the role's processes."""
 
 
 def parse_env_file(text: str) -> dict[str, str]:
@@ -184,7 +187,10 @@ class ProcessSupervisor(ServiceManager):
             return False
         return WATCHDOG_MODULE.encode() in cmd and self._dir(name).encode() in cmd
 
-    def _group_members(self, pgid: int) -> list[int]:
+    def _group_members(self, pgid: int, name: str) -> list[int]:
+        """Live members of process group *pgid* that carry ``PDCTL_UNIT=<name>`` in their
+        environment — so a PID (and group id) reused by someone else is never signalled."""
+        tag = f"{UNIT_ENV}={name}".encode()
         out = []
         try:
             entries = self.host.list_dir("/proc")
@@ -198,7 +204,11 @@ class ProcessSupervisor(ServiceManager):
             except OSError:
                 continue
             if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"):
-                out.append(int(e))
+                try:
+                    if tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
+                        out.append(int(e))
+                except OSError:
+                    continue
         return out
 
     def _wait_gone(self, check, timeout: float) -> bool:
@@ -332,12 +342,12 @@ class ProcessSupervisor(ServiceManager):
                 self.host.signal(wpid, signal.SIGKILL)
                 self._wait_gone(lambda: self._alive(wpid), 5)
         mpid = self._read_pid(name, "main.pid")
-        if mpid and self._group_members(mpid):
+        if mpid and self._group_members(mpid, name):
             # The watchdog is gone (killed) but the role's group lives on: stop it directly.
             self.host.signal(mpid, signal.SIGTERM, group=True)
-            if not self._wait_gone(lambda: bool(self._group_members(mpid)), min(t, 30)):
+            if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), min(t, 30)):
                 self.host.signal(mpid, signal.SIGKILL, group=True)
-                if not self._wait_gone(lambda: bool(self._group_members(mpid)), 5):
+                if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), 5):
                     raise ServiceTimeout(f"{name}: process group {mpid} survived SIGKILL", unit=name)
         d = self._dir(name)
         for f in ("watchdog.pid", "main.pid"):

@@ -22,7 +22,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from ._process import _proc_pgrp, _proc_state, parse_env_file
+from ._process import UNIT_ENV, _proc_pgrp, _proc_state, parse_env_file
 from ._types import ServiceSpec
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
@@ -72,6 +72,7 @@ class Watchdog:
     def env(self) -> dict[str, str]:
         env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
         env.update(dict(self.spec.env))
+        env[UNIT_ENV] = self.spec.name
         if self.secrets_file and os.path.exists(self.secrets_file):
             env.update(parse_env_file(Path(self.secrets_file).read_text()))
         return env

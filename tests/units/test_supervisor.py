@@ -168,6 +168,7 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
     env = json.loads(wait_for(lambda: out.exists() and out.read_text(), what="env dump"))
     assert env["PLAIN"] == "a b $c 50%" and env["HF_TOKEN"] == "it's \"x\"\n$y"
     assert "PDCTL_TEST_LEAK" not in env and "PATH" in env
+    assert env["PDCTL_UNIT"] == s.name  # the tag a stop uses to recognise the role's processes
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or 0 not in os.sched_getaffinity(0), reason="no CPU 0")
