@@ -275,17 +275,20 @@ def build_and_verify(
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     try:
         import torch
-        import triton
     except ImportError as e:  # pragma: no cover - depends on the host
-        raise KernelsBuildError(f"cannot build here: torch/triton are not installed ({e}); install pdctl[kernels]") from e
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise KernelsBuildError("cannot build here: TRITON_INTERPRET=1 is set (the CPU interpreter is for tests only)")
+        raise KernelsBuildError(f"cannot build here: torch is not installed ({e}); install pdctl[kernels]") from e
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise KernelsBuildError(
             "cannot build here: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; "
             f"torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
             "run the kernels_built step on the GPU host that will serve"
         )
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise KernelsBuildError("cannot build here: TRITON_INTERPRET=1 is set (the CPU interpreter is for tests only)")
+    try:
+        import triton
+    except Exception as e:  # pragma: no cover - depends on the host  # noqa: BLE001
+        raise KernelsBuildError(f"cannot build here: triton is not importable ({e!r}); install pdctl[kernels]") from e
 
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, set_indexer_config
     from pdctl.kernels._reference import reference_indexer_logits, reference_sparse_mla_decode
