@@ -230,6 +230,76 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
     return rows_out
 
 
+def bench_f16_experiment(heads, batches, log) -> list[dict]:
+    """FP8 KV: bf16 vs fp16 MMA operands (``DecodeConfig.mma_f16``), same configs, same inputs, same call, next to
+    FlashMLA. Configs: the two shapes of config that won at h ≤ 32 in the full sweep (16-head blocks; 32-row tiles
+    × 4 warps with chunk re-reads, or 64-row tiles × 8 warps with register prefetch), splits bracketing one
+    program per SM."""
+    import torch
+
+    from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
+    from pdctl.kernels._reference import reference_sparse_mla_decode
+    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+
+    sm = 0.135234
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        import flash_mla as fm
+    except Exception:
+        fm = None
+    res = []
+    for h in heads:
+        for rows in batches:
+            r = {"fmt": "fp8", "h": h, "B": rows, "experiment": "mma_f16"}
+            try:
+                q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
+                ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
+                o = torch.empty(rows, h, 512, dtype=q.dtype, device="cuda")
+                lse = torch.empty(rows, h, dtype=torch.float32, device="cuda")
+                nrot = rotations(rows * 2048 * 656)
+                idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
+                                .to(torch.int32) for _ in range(nrot - 1)]
+                progs = rows * -(-h // 16)
+                s0 = 1
+                while s0 * progs < nsm and s0 < 32:
+                    s0 *= 2
+                for f16 in (0, 1):
+                    best = None
+                    for bn, warps, pf in ((32, 4, 2), (64, 8, 1)):
+                        for splits in sorted({s0, min(64, 2 * s0)}):
+                            cfg = DecodeConfig(16, bn, warps, 2, splits, pf, f16)
+                            o.fill_(float("nan"))
+                            sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
+                            err = _decode_tolerance_check(o, lse, ro, rl)
+                            if not err["ok"]:
+                                r.setdefault("wrong", []).append((cfg.as_dict(), err))
+                                continue
+                            us = graph_us_multi([lambda cfg=cfg, ix=ix: sparse_mla_decode(
+                                q, kv, ix, sm, None, out=o, lse=lse, config=cfg) for ix in idxs])
+                            if best is None or us < best[0]:
+                                best = (us, cfg.as_dict(), err["max_abs_err"])
+                    r["f16" if f16 else "bf16"] = best
+                if fm is not None:
+                    qp = torch.zeros(rows, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
+                    qp[:, 0, :h] = q
+                    kc = kv.view(-1, 64, 1, 656)
+                    sched, _ = fm.get_mla_metadata()
+
+                    def call(ix=idx):
+                        return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
+                                                         ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
+
+                    call()
+                    r["flashmla_us"] = graph_us_multi([lambda ix=ix: call(ix) for ix in idxs])
+                del q, kv, idx, idxs, ro, rl, o, lse
+                torch.cuda.empty_cache()
+            except Exception:
+                r["error"] = traceback.format_exc()[-600:]
+            log(json.dumps(r, default=str))
+            res.append(r)
+    return res
+
+
 def naive_indexer(q8, w, cache, bt, sl, topk: int):
     """What a careless drop-in does: score every token of the full-width block table, top-k over the full row."""
     import torch
@@ -406,13 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"decode done ({time.time() - t0:.0f}s)")
     idx = bench_indexer(ceil, args.lens, args.batches, log) if "indexer" in sec else []
     log(f"indexer done ({time.time() - t0:.0f}s)")
+    f16 = bench_f16_experiment(args.heads, args.batches, log) if "f16" in sec else []
+    if f16:
+        log("| h | B | bf16-MMA µs | fp16-MMA µs | FlashMLA µs (64 heads) |")
+        for r in f16:
+            log(f"| {r['h']} | {r['B']} | {_f((r.get('bf16') or [None])[0])} | {_f((r.get('f16') or [None])[0])} | "
+                f"{_f(r.get('flashmla_us'))} |")
     text = render(meta, ceil, dec, idx)
     print(text)
     Path(args.out).write_text(text)
     if out_dir:
         (Path(out_dir) / "RESULTS.md").write_text(text)
         (Path(out_dir) / "bench.json").write_text(json.dumps({"meta": meta, "ceil": ceil, "decode": dec,
-                                                                "indexer": idx}, indent=1, default=str))
+                                                                "indexer": idx, "f16": f16}, indent=1, default=str))
     return 0
 
 

@@ -47,6 +47,9 @@ class DecodeConfig:
     prefetch: int = 0
     """0: plain loop. 1: load the next tile's KV into registers while computing this one (hand-rolled double
     buffering). 2 (FP8 only): convert one 128-lane chunk at a time and re-read it for PV (register-lean)."""
+    mma_f16: int = 0
+    """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
+    not chosen by ``build_and_verify``)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -193,7 +196,7 @@ def sparse_mla_decode(
         mid_o, mid_l,
         heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
         ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
-        PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2,
+        PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2, MMA_F16=fp8 and bool(cfg.mma_f16),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))

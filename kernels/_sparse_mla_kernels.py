@@ -60,23 +60,29 @@ def _sparse_mla_decode_kernel(
     SPLIT_OUT: tl.constexpr,
     PREFETCH: tl.constexpr,
     RELOAD: tl.constexpr,
+    MMA_F16: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
-    cdt = q_ptr.dtype.element_ty
+    if MMA_F16:
+        # FP8 KV with fp16 MMA operands: e4m3 -> fp16 is exact and one conversion per two values on sm_89+;
+        # requires |q| and |k_pe| < 65504 (fp16 range), which the kernel does not check.
+        cdt = tl.float16
+    else:
+        cdt = q_ptr.dtype.element_ty
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, 128)
     dr = tl.arange(0, 64)
     qrow = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q0 = tl.load(qrow + d[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(qrow + 128 + d[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(qrow + 256 + d[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(qrow + 384 + d[None, :], mask=hmask[:, None], other=0.0)
-    qpe = tl.load(qrow + 512 + dr[None, :], mask=hmask[:, None], other=0.0)
+    q0 = tl.load(qrow + d[None, :], mask=hmask[:, None], other=0.0).to(cdt)
+    q1 = tl.load(qrow + 128 + d[None, :], mask=hmask[:, None], other=0.0).to(cdt)
+    q2 = tl.load(qrow + 256 + d[None, :], mask=hmask[:, None], other=0.0).to(cdt)
+    q3 = tl.load(qrow + 384 + d[None, :], mask=hmask[:, None], other=0.0).to(cdt)
+    qpe = tl.load(qrow + 512 + dr[None, :], mask=hmask[:, None], other=0.0).to(cdt)
 
     n_valid = K
     if HAS_LEN:
