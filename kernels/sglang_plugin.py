@@ -28,6 +28,14 @@ target (sglang 0.5.23)                                                          
 ``sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged`` (decode only)  :func:`lightning_indexer`
 =====================================================================================  =========================
 
+Server flags: only the decode impls above are hooked, so the unit must select one of them —
+``--dsa-decode-backend flashmla_kv`` with ``--kv-cache-dtype fp8_e4m3`` (656-byte FP8 rows) or
+``--dsa-decode-backend flashmla_sparse`` (bf16 rows). SGLang's default decode impl on an H200 with bf16 KV is
+``fa3``, which is *not* hooked. The indexer hook applies whatever the decode impl. Not done: SGLang still computes
+FlashMLA's scheduling metadata for ``flashmla_kv`` in ``init_forward_metadata*`` (``_compute_flashmla_metadata``);
+on a GPU where SGLang's FlashMLA import/metadata fails (e.g. sm_120) that needs one more hook. The plugin has been
+exercised by unit tests with stand-in objects only, not inside a running SGLang server.
+
 What each hook keeps from SGLang: ``forward_decode`` still stores the new KV and builds ``page_table_1``
 (physical slots, −1 padded) before calling the impl; we replace only the attention kernel, passing
 ``metadata.dsa_cache_seqlens_int32`` (valid index count per row) as ``topk_length``. Extend/prefill calls,
