@@ -63,6 +63,7 @@ class SystemdManager(ServiceManager):
         self._env = dict(env) if env else {}
         self.command_timeout = command_timeout
         self._have_systemctl = False
+        self._have_manager = False
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -80,6 +81,21 @@ class SystemdManager(ServiceManager):
                 hint="install systemd, or set service_manager = \"process\" in the spec",
             )
         self._have_systemctl = True
+
+    def _require_manager(self) -> None:
+        """A systemctl that cannot reach its manager (PID 1 is not systemd; no user manager) is
+        as good as none: say so before anything is written."""
+        self._require_systemctl()
+        if self._have_manager:
+            return
+        res = self._ctl("show", "-p", "Version", check=False)
+        if res.returncode != 0 or not res.stdout.startswith("Version="):
+            raise ManagerUnavailable(
+                f"no systemd {self.scope} manager answers on host {self.host.name}: "
+                f"{(res.stderr or res.stdout).strip().splitlines()[-1:] or ['(no output)']}",
+                hint='set service_manager = "process" (or "systemd-user" with a running user manager)',
+            )
+        self._have_manager = True
 
     def _with_env(self, argv: list[str]) -> list[str]:
         """Extra environment travels in the argv (``env K=V systemctl …``), so it means the same
@@ -133,7 +149,7 @@ class SystemdManager(ServiceManager):
     # -- ServiceManager ----------------------------------------------------------------------
 
     def install(self, units: UnitSet) -> list[str]:
-        self._require_systemctl()
+        self._require_manager()
         files = unit_files(units, scope=self.scope)  # ValueError before any write
         secrets = {s.secrets_file: render_env_file(s.secrets, deployment=s.deployment)
                    for s in units.services if s.secrets and s.secrets_file}
@@ -165,7 +181,7 @@ class SystemdManager(ServiceManager):
         return changed
 
     def remove(self, names: Sequence[str]) -> None:
-        self._require_systemctl()
+        self._require_manager()
         present = [n for n in names if self.host.exists(self._unit_path(n))]
         for n in present:
             self._check_owner(n)
@@ -211,14 +227,14 @@ class SystemdManager(ServiceManager):
         return default
 
     def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
-        self._require_systemctl()
+        self._require_manager()
         self._ctl("reset-failed", "--", name, check=False)
         self._ctl("start", "--no-block", "--", name)
         if wait:
             self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)
 
     def stop(self, name: str, *, timeout: float | None = None) -> None:
-        self._require_systemctl()
+        self._require_manager()
         members = self.members(name)
         t = timeout or max([self._timeout_of(n, "TimeoutStopSec", 120) for n in [name, *members]]) + 30
         # Name the members too: `systemctl stop X.target` returns once the target's own job is
@@ -226,7 +242,7 @@ class SystemdManager(ServiceManager):
         self._ctl("stop", "--", name, *members, timeout=t)
 
     def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
-        self._require_systemctl()
+        self._require_manager()
         self._ctl("restart", "--no-block", "--", name)
         if wait:
             self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)

@@ -2,9 +2,10 @@
 
 * the unit directory cannot be written;
 * a unit of the same name exists and pdctl did not write it (never overwritten, never removed);
-* ``systemctl`` is missing.
+* ``systemctl`` is missing, or no manager answers it.
 
-These need no running systemd: every check runs before ``systemctl`` would be asked to act.
+These need no running systemd: a stub ``systemctl`` that only answers ``show`` stands in for a
+manager, and every check runs before ``systemctl`` would be asked to act.
 """
 
 from __future__ import annotations
@@ -40,12 +41,26 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 needs_systemctl = pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl not installed")
 
+STUB_SYSTEMCTL = """#!/bin/sh
+# answers what install asks before it writes; records every other call
+for a in "$@"; do case "$a" in Version) echo Version=252; exit 0;; esac; done
+echo "$@" >> "$0.calls"
+"""
+
+
+@pytest.fixture
+def stub_systemctl(tmp_path_factory) -> tuple[str]:
+    p = tmp_path_factory.mktemp("bin") / "systemctl"
+    p.write_text(STUB_SYSTEMCTL)
+    p.chmod(0o755)
+    return (str(p),)
+
 
 @needs_systemctl
-def test_unit_dir_under_a_regular_file_is_not_writable(tmp_path, units):
+def test_unit_dir_under_a_regular_file_is_not_writable(tmp_path, units, stub_systemctl):
     (tmp_path / "file").write_text("x")
     before = snapshot(tmp_path)
-    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(tmp_path / "file" / "units"))
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(tmp_path / "file" / "units"), systemctl=stub_systemctl)
     with pytest.raises(UnitDirNotWritable, match="cannot write units to") as err:
         m.install(units)
     assert err.value.hint
@@ -54,26 +69,26 @@ def test_unit_dir_under_a_regular_file_is_not_writable(tmp_path, units):
 
 @needs_systemctl
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through mode bits")
-def test_read_only_unit_dir_is_not_writable(tmp_path, units):
+def test_read_only_unit_dir_is_not_writable(tmp_path, units, stub_systemctl):
     d = tmp_path / "units"
     d.mkdir()
     d.chmod(0o555)
     try:
         with pytest.raises(UnitDirNotWritable):
-            SystemdManager(LocalHost(), scope="user", unit_dir=str(d)).install(units)
+            SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=stub_systemctl).install(units)
         assert list(d.iterdir()) == []
     finally:
         d.chmod(0o755)
 
 
 @needs_systemctl
-def test_foreign_unit_of_the_same_name_is_refused_and_nothing_changes(tmp_path, units):
+def test_foreign_unit_of_the_same_name_is_refused_and_nothing_changes(tmp_path, units, stub_systemctl):
     d = tmp_path / "units"
     d.mkdir()
     foreign = d / "pdctl-demo-decode.service"
     foreign.write_text("[Service]\nExecStart=/usr/bin/someone-elses\n")
     before = snapshot(tmp_path)
-    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(d))
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=stub_systemctl)
     with pytest.raises(ForeignUnit, match="not written by pdctl") as err:
         m.install(units)
     assert err.value.unit == "pdctl-demo-decode.service"
@@ -81,15 +96,16 @@ def test_foreign_unit_of_the_same_name_is_refused_and_nothing_changes(tmp_path, 
 
 
 @needs_systemctl
-def test_remove_refuses_a_foreign_unit_and_removes_nothing(tmp_path, units):
+def test_remove_refuses_a_foreign_unit_and_removes_nothing(tmp_path, units, stub_systemctl):
     d = tmp_path / "units"
     d.mkdir()
     (d / "pdctl-demo-router.service").write_text("[Service]\nExecStart=/bin/true\n")
     (d / "pdctl-demo.target").write_text("# pdctl-managed: deployment=demo role=target\n[Unit]\n")
     before = snapshot(tmp_path)
     with pytest.raises(ForeignUnit):
-        SystemdManager(LocalHost(), scope="user", unit_dir=str(d)).remove(list(units.names))
+        SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=stub_systemctl).remove(list(units.names))
     assert snapshot(tmp_path) == before
+    assert not Path(stub_systemctl[0] + ".calls").exists()  # nothing was stopped either
 
 
 @pytest.mark.parametrize("systemctl", [("no-such-systemctl-pdctl",), ("/nonexistent/bin/systemctl",)])
@@ -114,7 +130,7 @@ def test_an_unrenderable_value_is_refused_before_anything_is_written(tmp_path):
     units = UnitSet(target=good.target, services=(bad, *good.services[1:]))
     d = tmp_path / "units"
     with pytest.raises(ValueError, match="BAD-NAME"):
-        SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=("true",)).install(units)
+        SystemdManager(LocalHost(), scope="user", unit_dir=str(d), systemctl=("echo", "Version=1")).install(units)
     assert not d.exists()
 
 
@@ -137,3 +153,18 @@ def test_supervisor_refuses_a_foreign_unit_directory(tmp_path, units):
     with pytest.raises(ForeignUnit):
         m.remove(["pdctl-demo-prefill.service"])
     assert snapshot(tmp_path) == before
+
+
+@needs_systemctl
+def test_systemctl_without_a_manager_is_a_clear_error_that_changes_nothing(tmp_path, units):
+    """systemctl is there, but nothing answers it (no user manager at this runtime dir; on CI
+    PID 1 is not systemd either)."""
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    d = tmp_path / "units"
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(d),
+                       env={"XDG_RUNTIME_DIR": str(xdg), "DBUS_SESSION_BUS_ADDRESS": f"unix:path={xdg}/bus"})
+    with pytest.raises(ManagerUnavailable, match="no systemd user manager answers") as err:
+        m.install(units)
+    assert "process" in (err.value.hint or "")
+    assert not d.exists()
