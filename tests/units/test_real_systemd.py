@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pdctl.statemachine.hosts import LocalHost
 from pdctl.units import ForeignUnit, ServiceSpec, SystemdManager, TargetSpec, UnitSet
 
 pytestmark = pytest.mark.systemd
