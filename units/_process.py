@@ -32,8 +32,9 @@ role's process group directly, signalling only processes whose environment carri
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
 ``setrlimit`` — each applied in the child before exec, best effort (a CPU list or node the machine
-lacks is ignored, as it must not stop a laptop demo). One difference: a restart of a server does
-not restart the router (systemd 252 propagates that restart through ``Requires=``; here the
+lacks is ignored, as it must not stop a laptop demo). Differences from systemd: nothing brings
+the roles back after a reboot (run ``pdctl apply`` again), and a restart of a server does not
+restart the router (systemd 252 propagates that restart through ``Requires=``; here the
 router just sees the worker come back).
 """
 
