@@ -17,6 +17,7 @@ import typer
 
 from pdctl.console.exit_codes import ExitCode, exit_code_for
 from pdctl.statemachine.errors import PdctlError
+from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused "
@@ -304,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         sys.exit(ExitCode.INTERRUPTED)
     except PdctlError as e:
+        _err(f"error: {e}")
+        sys.exit(exit_code_for(e))
+    except UnitsError as e:  # pdctl.units has its own root (it imports nothing of pdctl)
         _err(f"error: {e}")
         sys.exit(exit_code_for(e))
     except KeyboardInterrupt:

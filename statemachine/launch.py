@@ -182,8 +182,8 @@ def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch
         http_host=role.http_host,
         served_name=dep.model.served_name,
         context_length=dep.model.context_length,
-        page_size=dep.model.page_size,
-        kv_cache_dtype=dep.model.kv_cache_dtype,
+        page_size=role.page_size if role.page_size is not None else dep.model.page_size,
+        kv_cache_dtype=role.kv_cache_dtype if role.kv_cache_dtype is not None else dep.model.kv_cache_dtype,
         trust_remote_code=dep.model.trust_remote_code,
         load_format=dep.model.load_format,
         attention_backend=dep.model.attention_backend,
@@ -205,9 +205,37 @@ def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch
         numa_node=node,
         numa_cpus=cpus,
         cache_dir=_cache_dir(dep),
-        env={**dep.engine.env, **role.env},
+        env={**dep.engine.env, **kernels_env(dep, kind), **role.env},
         extra_args=tuple(role.extra_args),
     )
+
+
+def kernels_env(dep: Deployment, kind: str) -> dict[str, str]:
+    """The environment that turns pdctl's SGLang plugin on for a serving role when the spec
+    enables the kernels (``pdctl.kernels.sglang_plugin``, entry point ``pdctl_kernels``): the
+    plugin name, the directory ``kernels_built`` wrote the manifest and Triton binaries into, and
+    ``PDCTL_KERNELS_REQUIRED=1`` so that a refused activation stops the server instead of
+    silently serving on SGLang's own kernels."""
+    if not dep.kernels.enabled or kind not in ("prefill", "decode", "server"):
+        return {}
+    cache = _cache_dir(dep)
+    routes = [r for r, k in (("decode", "sparse_mla_decode"), ("indexer", "lightning_indexer")) if k in dep.kernels.which]
+    return {
+        "SGLANG_PLUGINS": "pdctl_kernels",
+        "PDCTL_KERNELS_DIR": cache,
+        "PDCTL_KERNELS_ROUTE": ",".join(routes),
+        "PDCTL_KERNELS_REQUIRED": "1",
+        "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+    }
+
+
+def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``[secrets]`` with ``env:NAME`` values read from pdctl's environment (unset → ``""``)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for k, v in dep.secrets.items():
+        out[k] = environ.get(v[4:], "") if v.startswith("env:") else v
+    return out
 
 
 def router_launch(dep: Deployment) -> RouterLaunch | None:
@@ -286,6 +314,8 @@ def services_for(
     for role_name, kind, role in dep.roles():
         s = _server_launch(dep, kind, role)
         plain, secret = split_secrets(server_env(s))
+        secret.update(resolve_secrets(dep))
+        plain = {k: v for k, v in plain.items() if k not in secret}
         start = int(2 * role.expected_cold_start_s) if role.expected_cold_start_s else 3600
         name = unit_name(dep, role_name)
         host = s.http_host
@@ -314,6 +344,8 @@ def services_for(
     r = router_launch(dep)
     if r is not None:
         plain, secret = split_secrets(router_env(r))
+        secret.update(resolve_secrets(dep))
+        plain = {k: v for k, v in plain.items() if k not in secret}
         name = router_unit_name(dep)
         out.append(ServiceSpec(
             name=name,

@@ -61,7 +61,16 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
     "--dsa-decode-backend": "model.dsa_decode_backend",
     "--enable-metrics": "(always on: pdctl passes it)",
 }
-_OWNED_ENV = {"CUDA_VISIBLE_DEVICES": "gpus", "SGLANG_CACHE_DIR": "engine.cache_dir", "SGLANG_PLUGINS": "kernels"}
+_OWNED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "gpus",
+    "SGLANG_CACHE_DIR": "engine.cache_dir",
+    "SGLANG_PLUGINS": "kernels",
+    "PDCTL_KERNELS_DIR": "kernels",
+    "PDCTL_KERNELS_ROUTE": "kernels.which",
+}
+# pdctl's SGLang plugin hooks these DSA decode paths of SGLang 0.5.23 (pdctl.kernels.sglang_plugin).
+_PLUGIN_DECODE_BACKENDS = ("flashmla_kv", "flashmla_sparse")
+_PLUGIN_VERSIONS = ("0.5.23",)
 _OWNED_ROUTER_FLAGS = {
     "--host": "router.host",
     "--port": "router.port",
@@ -430,6 +439,22 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     for key in dep.engine.env:
         if key in _OWNED_ENV:
             err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+
+    # --- kernels --------------------------------------------------------------------------------
+    if dep.kernels.enabled and "sparse_mla_decode" in dep.kernels.which:
+        if dep.model.dsa_decode_backend not in _PLUGIN_DECODE_BACKENDS:
+            err(
+                "model.dsa_decode_backend",
+                f"{dep.model.dsa_decode_backend!r}: pdctl's sparse-MLA decode kernel is routed in only on SGLang's "
+                f"{' / '.join(_PLUGIN_DECODE_BACKENDS)} decode paths; with this backend the built kernel would never run",
+                'set model.dsa_decode_backend = "flashmla_kv" (FP8 KV) or "flashmla_sparse", or drop sparse_mla_decode from kernels.which',
+            )
+    if dep.kernels.enabled and dep.sglang_version not in _PLUGIN_VERSIONS:
+        err(
+            "kernels.enabled",
+            f"pdctl's SGLang plugin knows SGLang {', '.join(_PLUGIN_VERSIONS)} only and refuses {dep.sglang_version}",
+            "target SGLang 0.5.23, or set kernels.enabled = false",
+        )
 
     out.sort(key=lambda x: 0 if x.level == "error" else 1)
     return out

@@ -307,3 +307,16 @@ def test_validation_contacts_nothing_and_changes_nothing(tmp_path, monkeypatch):
     dep = load_spec(SEED)
     validate(dep)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kernels_need_a_decode_backend_the_plugin_hooks():
+    d = seed_dict()
+    d["model"]["dsa_decode_backend"] = "fa3"
+    _one(d, "model.dsa_decode_backend", "would never run", "flashmla_kv")
+
+
+def test_kernels_need_a_target_version_the_plugin_knows():
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
+    _one(d, "kernels.enabled", "refuses 0.5.6")

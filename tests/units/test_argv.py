@@ -37,7 +37,7 @@ SEED_PREFILL_ARGV = [
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
     "--dsa-prefill-backend", "triton_sparse_mla",
-    "--dsa-decode-backend", "triton",
+    "--dsa-decode-backend", "flashmla_kv",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -61,7 +61,7 @@ SEED_DECODE_ARGV = [
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
     "--dsa-prefill-backend", "triton_sparse_mla",
-    "--dsa-decode-backend", "triton",
+    "--dsa-decode-backend", "flashmla_kv",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -150,11 +150,18 @@ def test_seed_router_argv_is_the_hand_derived_one(seed):
     assert router_argv(launch_for_role(seed, "router")) == SEED_ROUTER_ARGV
 
 
+
+# The seed enables pdctl's kernels: the SGLang plugin's switches (pdctl.kernels.sglang_plugin).
+PLUGIN_ENV = {"SGLANG_PLUGINS": "pdctl_kernels", "PDCTL_KERNELS_DIR": "/var/cache/sglang",
+              "PDCTL_KERNELS_ROUTE": "decode,indexer", "PDCTL_KERNELS_REQUIRED": "1",
+              "TRITON_CACHE_DIR": "/var/cache/sglang/triton"}
+
+
 def test_seed_environment_pins_gpus_and_the_cache_dir(seed):
     assert server_env(launch_for_role(seed, "prefill")) == {
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
     assert server_env(launch_for_role(seed, "decode")) == {
-        "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
 
 
 def test_seed_services_carry_the_golden_argv_and_env(seed):
@@ -162,7 +169,7 @@ def test_seed_services_carry_the_golden_argv_and_env(seed):
     assert list(svc) == ["prefill", "decode", "router"]
     assert list(svc["prefill"].argv) == SEED_PREFILL_ARGV
     assert list(svc["router"].argv) == SEED_ROUTER_ARGV
-    assert dict(svc["decode"].env) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+    assert dict(svc["decode"].env) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
     assert svc["prefill"].numa_node == 0 and svc["prefill"].cpu_affinity == "0-31,64-95"
     assert svc["decode"].numa_node == 1 and svc["decode"].cpu_affinity == "32-63,96-127"
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device-machine call for the GPU acceptance runs that are not the kernels' own benchmark:
+# the kernels_built step of examples/seed.toml, then text captures of the console's GPU/NUMA panel.
+# Usage (device tool, repo root, .whl carried): bash benchmarks/device_acceptance.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v flash_mla)
+[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
+tree=/tmp/tree/pdctl; mkdir -p $tree
+for f in pdctl/*.py; do ln -sf "$PWD/$f" $tree/; done
+for s in console statemachine kernels units sim; do ln -sfn "$PWD/$s" $tree/$s; done
+export PYTHONPATH=/tmp/tree:/tmp/site
+nvidia-smi -L; nvidia-smi topo -m 2>&1 | head -5
+timeout 300 python3 benchmarks/device_kernels_step.py 2>&1 | tee "$OUT/kernels_step.log" | tail -40
+timeout 60 python3 benchmarks/gpu_panel_capture.py 2>&1 | tee "$OUT/gpu_panel_plain.txt"
+timeout 90 python3 benchmarks/gpu_panel_capture.py --app --size 120x40 --self-as decode 2>&1 | tee "$OUT/gpu_panel_app.txt"

@@ -1,0 +1,46 @@
+"""Secrets from the spec reach processes only through the 0600 environment file."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+
+from pdctl.statemachine.launch import services_for, write_units
+from pdctl.statemachine.spec import parse_spec
+
+from .specs import dump_toml, seed_dict
+
+
+def test_spec_secrets_go_to_the_environment_file_never_the_unit(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF", "MODEL_HUB_AUTH": "literal-value"}
+    dep = parse_spec(d)
+    for svc in services_for(dep):
+        assert "HF_TOKEN" not in dict(svc.env) and "MODEL_HUB_AUTH" not in dict(svc.env)
+        assert dict(svc.secrets) == {"HF_TOKEN": "hf_from_env", "MODEL_HUB_AUTH": "literal-value"}
+        assert svc.secrets_file == f"/etc/pdctl/dsv4-flash/{svc.role}.env"
+    written = write_units(dep, tmp_path)
+    units = [p for p in written if p.suffix == ".service"]
+    envs = [p for p in written if p.suffix == ".env"]
+    assert units and len(envs) == 3
+    for p in units:
+        text = p.read_text()
+        assert "hf_from_env" not in text and "literal-value" not in text
+        assert "EnvironmentFile=" in text
+    for p in envs:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+        assert "hf_from_env" in p.read_text()
+
+
+def test_units_into_a_directory_with_a_foreign_file_is_refused_cleanly(tmp_path):
+    spec = tmp_path / "seed.toml"
+    spec.write_text(dump_toml(seed_dict()))
+    out = tmp_path / "units"
+    out.mkdir()
+    (out / "pdctl-dsv4-flash-prefill.service").write_text("[Service]\nExecStart=/bin/true\n")
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "not written by pdctl" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["pdctl-dsv4-flash-prefill.service"]
