@@ -489,6 +489,9 @@ class RouterExposed(Step):
             if st.state == "failed":
                 logs = "\n    ".join(ctx.manager.logs(ctx.unit_of["router"], lines=15))
                 raise ApplyFailed(f"router unit failed; last log lines:\n    {logs}", step=self.name)
+            if not st.is_active:  # its readiness gate has not passed yet
+                last[:] = [f"router unit {st.state}"]
+                return None
             try:
                 return self._check(ctx)
             except (VerifyFailed, ProbeError) as exc:

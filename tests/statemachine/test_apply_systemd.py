@@ -1,0 +1,54 @@
+"""The demo topology from nothing to parsers_configured under a real systemd (a private user
+manager, tests/harness/systemd.py), with the real smg router: the same state machine and units
+that production runs, only the engine executable differs."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from harness.systemd import user_systemd_session
+from pdctl.statemachine import service
+from pdctl.statemachine.probes import chat_probe
+
+from .conftest import Demo
+
+pytestmark = [pytest.mark.systemd, pytest.mark.smg, pytest.mark.slow]
+
+
+def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp_path, monkeypatch):
+    session = user_systemd_session(tmp_path / "systemd")
+    sd = next(session)
+    demo = None
+    try:
+        # systemctl --user from this process reaches the private manager; units go to its HOME.
+        monkeypatch.setenv("XDG_RUNTIME_DIR", sd.env["XDG_RUNTIME_DIR"])
+        monkeypatch.setenv("HOME", sd.env["HOME"])
+        (tmp_path / "demo").mkdir()
+        demo = Demo(tmp_path / "demo", mutate=lambda d: d.update(service_manager="systemd-user"))
+        result = demo.apply()
+        assert result.state == "parsers_configured"
+        # Units, not supervised processes: systemd reports them active with their main PIDs.
+        names = service.unit_names(service.topology_of(demo.load().deployment))
+        for unit in names.values():
+            show = sd.systemctl("show", unit, "-p", "ActiveState", "-p", "MainPID").stdout
+            assert "ActiveState=active" in show, show
+        # The router became active only after both servers did (Requires=/After= + readiness gates).
+        def entered(unit: str) -> int:
+            out = sd.systemctl("show", unit, "-p", "ActiveEnterTimestampMonotonic").stdout
+            return int(out.strip().split("=", 1)[1])
+
+        assert entered(names["router"]) > entered(names["prefill"])
+        assert entered(names["router"]) > entered(names["decode"])
+        with httpx.Client(trust_env=False) as c:
+            msg = chat_probe(c, f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
+        assert msg["reasoning_content"] and msg["tool_calls"]
+        assert demo.status()["healthy"]
+        service.down(demo.load())
+        assert demo.pids() == []
+        for unit in names.values():
+            assert "ActiveState=inactive" in sd.systemctl("show", unit, "-p", "ActiveState").stdout
+    finally:
+        if demo is not None:
+            demo.down()
+        session.close()
