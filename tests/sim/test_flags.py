@@ -11,7 +11,8 @@ import pytest
 
 from pdctl.sim import flags
 
-REF = Path("/work/shared/reference/sglang-0.5.23/launch_server-flags.json")
+# shared/ lies beside the checkout (developers and CI alike).
+REF = Path(__file__).resolve().parents[3] / "shared" / "reference" / "sglang-0.5.23" / "launch_server-flags.json"
 
 
 def run_sim(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
