@@ -113,17 +113,34 @@ def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     return cmd, os.path.join(cache, "pdctl-kernels-manifest.json")
 
 
+def _local_host(dep: Deployment):  # noqa: ANN202
+    """The one host every role of *dep* runs on. Raises HostError for a remote host: SSH hosts
+    are not implemented yet, and a remote role must never be started here by mistake."""
+    from pdctl.statemachine.errors import HostError
+    from pdctl.statemachine.hosts import host_for
+
+    used = {r.host for _n, _k, r in dep.roles()} | ({dep.router.on} if dep.router and dep.router.on else set())
+    for key in sorted(used):
+        h = dep.hosts.get(key)
+        if h is not None and not h.is_local:
+            raise HostError(
+                f"host {key!r} ({h.address}) is remote: pdctl drives only the host it runs on for now",
+                host=key,
+                hint="run pdctl on that host, or wait for SSH hosts",
+            )
+    return host_for("localhost")
+
+
 def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, restart: set[str] | None = None):  # noqa: ANN001, ANN201
     """Everything the steps need for *loaded* on this host (local)."""
     import httpx
 
     from pdctl.statemachine import launch
-    from pdctl.statemachine.hosts import LocalHost
     from pdctl.statemachine.steps import Context, Timeouts
 
     dep = loaded.deployment
     topo = topology_of(dep)
-    host = LocalHost()
+    host = _local_host(dep)
     units = launch.unit_set_for(dep, state_dir=str(loaded.journal.dir))
     manager = launch.manager_for(dep, host, state_dir=str(loaded.journal.dir))
     unit_of = unit_names(topo)
@@ -196,6 +213,7 @@ def apply(
         except Exception as exc:
             j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
             raise
+        _local_host(loaded.deployment)  # refuse remote hosts before anything changes
         j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
@@ -259,11 +277,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
 
     from pdctl.statemachine import launch, probes
     from pdctl.statemachine.errors import ProbeError
-    from pdctl.statemachine.hosts import LocalHost
 
     state = loaded.journal.read()
     topo = state.target or state.deployed or topology_of(loaded.deployment)
-    manager = launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(loaded.journal.dir))
+    manager = launch.manager_for(loaded.deployment, _local_host(loaded.deployment), state_dir=str(loaded.journal.dir))
     names = unit_names(topo)
     client = client or httpx.Client(trust_env=False)
     now = _time.time()
@@ -338,14 +355,13 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     that nothing is deployed. Returns the units stopped. Holds the lock."""
     from pdctl.statemachine import launch
     from pdctl.statemachine.events import Event, NullSink
-    from pdctl.statemachine.hosts import LocalHost
 
     sink = sink or NullSink()
     j = loaded.journal
     with j.lock("down"):
         state = j.read()
         j.audit("down-started", serial=state.serial)
-        manager = launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(j.dir))
+        manager = launch.manager_for(loaded.deployment, _local_host(loaded.deployment), state_dir=str(j.dir))
         names: list[str] = []
         for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
             if topo is None:

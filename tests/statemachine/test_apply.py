@@ -300,3 +300,18 @@ def test_apply_killed_at_any_point_then_rerun_converges_without_orphans(demo, ki
     while demo.pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert demo.pids() == []
+
+
+def test_a_remote_host_is_refused_before_anything_changes(make_demo):
+    def remote(d):
+        d["hosts"]["gpu2"] = {"address": "10.0.0.2"}
+        d["decode"][0]["host"] = "gpu2"
+        d["prefill"][0]["http_host"] = "0.0.0.0"
+
+    demo = make_demo(remote)
+    from pdctl.statemachine.errors import HostError
+
+    with pytest.raises(HostError, match="is remote"):
+        demo.apply()
+    assert demo.pids() == []
+    assert Journal(demo.state, demo.name).read().target is None
