@@ -50,20 +50,24 @@ class TopologyConfirmScreen(ModalScreen[bool]):
         #plan { height: auto; max-height: 12; border: round $primary-darken-2; }
         #ask { margin-top: 0; }
         #why { color: $error; height: auto; }
+        .warnings { color: $warning; margin-bottom: 1; }
         #buttons { height: 3; align-horizontal: right; }
         #buttons > Button { margin-left: 1; }
     }
     """
 
-    def __init__(self, plan: Plan, name_to_type: str | None = None) -> None:
+    def __init__(self, plan: Plan, name_to_type: str | None = None, *, warnings: str = "") -> None:
         super().__init__()
         self.plan = plan
         self.expected = name_to_type or plan.deployment
+        self.warnings = warnings
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Static(f"Topology change to deployment {self.expected!r} — plan {self.plan.plan_id}", id="title")
             with VerticalScroll(id="plan"):
+                if self.warnings:
+                    yield Static(self.warnings, classes="warnings")
                 yield Static(render_plan(self.plan))
             yield Static(f"Type the deployment's name ([b]{self.expected}[/b]) to apply this plan. Escape cancels; nothing changes.", id="ask")
             yield Input(placeholder="deployment name", id="name")

@@ -21,8 +21,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingsMap
@@ -46,6 +47,8 @@ from pdctl.statemachine.events import Event
 from pdctl.statemachine.plan import Plan
 
 __all__ = ["MUTATING_ACTIONS", "ApplyCancelled", "ConsoleApp", "run_console"]
+
+W = TypeVar("W")
 
 MUTATING_ACTIONS = frozenset({"apply", "cancel_apply"})
 """Actions that change (or halt a change to) the deployment: gone in ``--readonly``."""
@@ -188,6 +191,8 @@ class ConsoleApp(App[int]):
         self._selected_step: str | None = None
         self._active_tab = "topology"
         self._show_plan_on_planned = False
+        self._panels_ready = False
+        """The main screen is composed and mounted (messages arriving outside that are dropped)."""
         if readonly:
             # Remove mutating bindings from the keymap itself: no key reaches them.
             kept = [b for _k, b in self._bindings if b.action.split("(", 1)[0] not in MUTATING_ACTIONS]
@@ -217,17 +222,24 @@ class ConsoleApp(App[int]):
                     yield PlanPanel(id="plan-panel")
         yield Footer()
 
+    def _w(self, cls: type[W]) -> W:
+        """The main screen's widget of type *cls* (whatever modal is on top)."""
+        return self._main.query_one(cls)
+
     def on_mount(self) -> None:
+        self._main = self.screen
+        self._panels_ready = True
         self.title = f"pdctl · {self.loaded.deployment.name}"
         self.sub_title = self._status_line()
         topo = current_topology(self.loaded, None)
-        self.query_one(LogsPanel).roles = tuple(log_sources(topo))
-        self.query_one(StepsPanel).focus()
+        self._w(LogsPanel).roles = tuple(log_sources(topo))
+        self._w(StepsPanel).focus()
         if self.live:
             self.reload_spec(reread=False)
             self.poll_telemetry()
 
     def on_unmount(self) -> None:
+        self._panels_ready = False
         self._wake.set()
 
     # -- key availability -------------------------------------------------------------------------
@@ -291,12 +303,17 @@ class ConsoleApp(App[int]):
 
     # -- actions ----------------------------------------------------------------------------------
     def action_apply(self) -> None:
+        """Apply (or resume). Asks as the plan demands: a topology change to a deployed topology
+        needs the deployment's name typed; any other non-trivial plan (a first deployment, a
+        disruptive change) a y/N; in-place changes and a resume with no changes none. Spec
+        warnings are shown before the question."""
         if self.readonly or self.applying:
             return
         plan = self.plan
         if plan is None:
             self.notify("No plan yet: the spec could not be planned" if self.plan_error else "Planning… try again in a moment", severity="warning")
             return
+        warnings = self._warnings_text()
         if plan.requires_confirmation:
 
             def done(ok: bool | None) -> None:
@@ -305,9 +322,9 @@ class ConsoleApp(App[int]):
                 else:
                     self.notify("Topology change cancelled: nothing changed")
 
-            self.push_screen(TopologyConfirmScreen(plan, self.loaded.deployment.name), done)
+            self.push_screen(TopologyConfirmScreen(plan, self.loaded.deployment.name, warnings=warnings), done)
             return
-        if plan.cls == "disruptive" and plan.from_topology is not None:
+        if plan.has_changes and plan.cls in ("disruptive", "topology"):
 
             def yn(ok: bool | None) -> None:
                 if ok:
@@ -315,10 +332,20 @@ class ConsoleApp(App[int]):
                 else:
                     self.notify("Not applied: nothing changed")
 
-            restarts = ", ".join(plan.restarts()) or "serving roles"
-            self.push_screen(YesNoScreen(f"Apply plan {plan.plan_id}? It restarts {restarts}.", render_plan(plan)), yn)
+            if plan.from_topology is None:
+                question = f"Deploy {plan.deployment!r} (plan {plan.plan_id})?"
+            else:
+                question = f"Apply plan {plan.plan_id}? It restarts {', '.join(plan.restarts()) or 'serving roles'}."
+            detail = Text()
+            if warnings:
+                detail.append(warnings + "\n\n", style="yellow")
+            detail.append_text(render_plan(plan))
+            self.push_screen(YesNoScreen(question, detail), yn)
             return
         self.start_apply(None)
+
+    def _warnings_text(self) -> str:
+        return "\n".join(f"warning: {w.field}: {w.message}" for w in getattr(self.loaded, "warnings", ()) or ())
 
     def start_apply(self, confirm: str | None) -> None:
         """Start the apply worker (confirming plan id *confirm* when given)."""
@@ -360,13 +387,13 @@ class ConsoleApp(App[int]):
         self.reload_spec(reread=True)
 
     def action_show_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
+        self._w(TabbedContent).active = tab
 
     def action_log_role(self, delta: int) -> None:
-        self.query_one(LogsPanel).action_cycle(delta)
+        self._w(LogsPanel).action_cycle(delta)
 
     def action_focus_steps(self) -> None:
-        self.query_one(StepsPanel).focus()
+        self._w(StepsPanel).focus()
 
     # -- message handlers -------------------------------------------------------------------------
     def on_console_app_telemetry_updated(self, message: TelemetryUpdated) -> None:
@@ -374,17 +401,19 @@ class ConsoleApp(App[int]):
 
     def show_snapshot(self, snap: Snapshot) -> None:
         """Render *snap* in every panel (also how tests feed fixed samples)."""
+        if not self._panels_ready:
+            return
         self.snapshot = snap
-        steps = self.query_one(StepsPanel)
+        steps = self._w(StepsPanel)
         steps.steps = snap.steps
-        topo_panel = self.query_one(TopologyPanel)
+        topo_panel = self._w(TopologyPanel)
         topo_panel.topology = snap.topology
         topo_panel.services = dict(snap.services)
-        gpu = self.query_one(GpuPanel)
+        gpu = self._w(GpuPanel)
         gpu.topology = snap.topology
         gpu.sample = snap.gpu
-        self.query_one(ThroughputPanel).samples = snap.throughput
-        logs = self.query_one(LogsPanel)
+        self._w(ThroughputPanel).samples = snap.throughput
+        logs = self._w(LogsPanel)
         roles = tuple(log_sources(snap.topology))
         if logs.roles != roles:
             logs.roles = roles
@@ -402,11 +431,11 @@ class ConsoleApp(App[int]):
             return
         for s in steps:
             if s.name == self._selected_step:
-                self.query_one(ProofPanel).step = s
+                self._w(ProofPanel).step = s
 
     def on_steps_panel_step_selected(self, message: StepsPanel.StepSelected) -> None:
         self._selected_step = message.step.name
-        self.query_one(ProofPanel).step = message.step
+        self._w(ProofPanel).step = message.step
         self.action_show_tab("proof")
 
     @on(TabbedContent.TabActivated)
@@ -420,16 +449,18 @@ class ConsoleApp(App[int]):
         self._wake.set()
 
     def on_console_app_planned(self, message: Planned) -> None:
+        if not self._panels_ready:
+            return
         self.loaded = message.loaded
         self.collector.set_loaded(message.loaded)
         self.plan_error = message.error
         self.plan = message.plan
         if message.plan is not None:
             self._planned_serial = message.plan.from_serial
-        panel = self.query_one(PlanPanel)
+        panel = self._w(PlanPanel)
         panel.error = message.error
         panel.plan = message.plan
-        self.query_one(TopologyPanel).plan = message.plan
+        self._w(TopologyPanel).plan = message.plan
         if message.error:
             self.notify(f"Spec not planned: {message.error}", severity="error", timeout=8)
         if self._show_plan_on_planned:  # r: reloading the spec shows its plan
@@ -438,11 +469,13 @@ class ConsoleApp(App[int]):
         self.sub_title = self._status_line()
 
     def on_console_app_apply_progressed(self, message: ApplyProgressed) -> None:
+        if not self._panels_ready:
+            return
         ev = message.event
         if message.journal is not None:
             topo = current_topology(self.loaded, message.journal)
             steps = step_views(expected_states(topo), message.journal, self.clock())
-            self.query_one(StepsPanel).steps = steps
+            self._w(StepsPanel).steps = steps
             self._refresh_proof(steps)
         if ev.kind in ("step_failed", "role_removed"):
             self.notify(ev.message, severity="error" if ev.kind == "step_failed" else "information", timeout=8)

@@ -170,7 +170,9 @@ async def test_apply_greys_itself_out_while_running_and_cancel_halts_it(console_
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
         assert app.check_action("cancel_apply", ()) is None  # greyed: nothing to cancel
-        await pilot.press("a")  # first deployment: no confirmation needed
+        await pilot.press("a")  # a first deployment: y/N, not a typed name
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
         await wait_for(pilot, lambda: fake.started.is_set() and app.applying)
         assert app.check_action("apply", ()) is None  # greyed, not hidden
         by_action = {ab.binding.action: ab for ab in app.screen.active_bindings.values()}
@@ -227,8 +229,10 @@ async def test_console_applies_the_demo_to_parsers_configured(console_demo):
     app = ConsoleApp(loaded, refresh_s=0.5, timeouts=console_demo.timeouts(), nvml=False)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.plan is not None, timeout=20)
-        assert app.plan.from_topology is None  # a first deployment needs no typed confirmation
+        assert app.plan.from_topology is None  # a first deployment: y/N, no typed confirmation
         await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
         await wait_for(pilot, lambda: app.applying, timeout=5)
         await wait_for(pilot, lambda: not app.applying, timeout=150)
         assert app.last_apply_error is None, app.last_apply_error
@@ -251,6 +255,8 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
         await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
         await wait_for(pilot, lambda: app.applying)
         await pilot.press("q")
         await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
