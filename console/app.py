@@ -28,6 +28,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingsMap
 from textual.containers import VerticalScroll
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Footer, Header, TabbedContent, TabPane
@@ -397,7 +398,10 @@ class ConsoleApp(App[int]):
 
     # -- message handlers -------------------------------------------------------------------------
     def on_console_app_telemetry_updated(self, message: TelemetryUpdated) -> None:
-        self.show_snapshot(message.snapshot)
+        try:
+            self.show_snapshot(message.snapshot)
+        except NoMatches:  # the app is shutting down: its panels are gone
+            self._panels_ready = False
 
     def show_snapshot(self, snap: Snapshot) -> None:
         """Render *snap* in every panel (also how tests feed fixed samples)."""
@@ -449,6 +453,12 @@ class ConsoleApp(App[int]):
         self._wake.set()
 
     def on_console_app_planned(self, message: Planned) -> None:
+        try:
+            self._planned(message)
+        except NoMatches:
+            self._panels_ready = False
+
+    def _planned(self, message: Planned) -> None:
         if not self._panels_ready:
             return
         self.loaded = message.loaded
@@ -469,6 +479,12 @@ class ConsoleApp(App[int]):
         self.sub_title = self._status_line()
 
     def on_console_app_apply_progressed(self, message: ApplyProgressed) -> None:
+        try:
+            self._progressed(message)
+        except NoMatches:
+            self._panels_ready = False
+
+    def _progressed(self, message: ApplyProgressed) -> None:
         if not self._panels_ready:
             return
         ev = message.event
