@@ -47,6 +47,10 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
     head.append(f"  {'PD disaggregation' if show.mode == 'pd' else 'single server'}", style="cyan")
     dep = show.deployment
     head.append(f"  sglang {dep.get('sglang_version', '?')}  {dep.get('service_manager', '?')}", style="dim")
+    hosts = dep.get("hosts") or {}
+    if hosts:
+        head.append("  hosts ", style="dim")
+        head.append(", ".join(k if h.get("address") in (None, k) else f"{k}={h.get('address')}" for k, h in hosts.items()))
     parts.append(head)
 
     if plan is not None and plan.has_changes:

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 import pytest
-from textual.widgets import Button, Input
+from textual.widgets import Button
 
 from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
 from pdctl.console._gpu import GpuPanel
