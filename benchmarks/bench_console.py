@@ -23,6 +23,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -175,6 +176,7 @@ def main() -> int:
         stop.set()
         service.down(loaded)
         os.close(master)
+        shutil.rmtree(tmp, ignore_errors=True)
     if not results:
         return 1
     worst = max(p for _t, p, _b in results)
