@@ -9,6 +9,7 @@ proof. Needs a CUDA GPU, torch and triton. Run on the device machine (see device
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +30,9 @@ def main() -> int:
     cache = tempfile.mkdtemp(prefix="sglang-cache-")
     old_cache = cmd[cmd.index("--cache-dir") + 1]
     cmd = [sys.executable, *[cache if a == old_cache else a for a in cmd[1:]]]
+    if os.environ.get("PYTHONPATH"):  # a bare checkout mapped onto PYTHONPATH (device_acceptance.sh)
+        # Run from /tmp: in the checkout, ./pdctl would shadow the mapped package for `-m`.
+        cmd = ["env", "-C", "/tmp", f"PYTHONPATH={os.environ['PYTHONPATH']}", *cmd]
     manifest = manifest.replace(old_cache, cache)
     ctx = SimpleNamespace(dep=dep, host=LocalHost(), kernels_command=cmd, kernels_manifest=manifest, timeouts=Timeouts())
     step = KernelsBuilt()
