@@ -14,7 +14,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from pdctl.console.telemetry import format_cpulist
-from pdctl.statemachine.plan import Plan, ResourceChange, _short
+from pdctl.statemachine.plan import Plan, ResourceChange, format_value
 from pdctl.statemachine.topology import Topology
 
 __all__ = ["CLASS_STYLE", "TopologyPanel", "render_topology"]
@@ -86,7 +86,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         )
         if c is not None:
             for a in c.changes:
-                details.append(Text(f"    ~ {r.name}.{a.path}: {_short(a.before)} → {_short(a.after)}", style=CLASS_STYLE.get(a.cls, "")))
+                details.append(Text(f"    ~ {r.name}.{a.path}: {format_value(a.before)} → {format_value(a.after)}", style=CLASS_STYLE.get(a.cls, "")))
             if c.action == "delete":
                 details.append(Text(f"    - {r.name}: stopped and removed", style="bold red"))
             elif c.action == "create":
@@ -130,7 +130,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
     parts.append(line)
     if c is not None:
         for a in c.changes:
-            parts.append(Text(f"    ~ {a.path}: {_short(a.before)} → {_short(a.after)}", style=CLASS_STYLE.get(a.cls, "")))
+            parts.append(Text(f"    ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}", style=CLASS_STYLE.get(a.cls, "")))
     for addr in ("deployment", "console"):
         c = changes.get(addr)
         if c is not None:

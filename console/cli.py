@@ -72,6 +72,9 @@ def plan(
     loaded = load(spec, state_dir=state_dir)
     _warnings(loaded)
     p = plan_spec(loaded)
+    pending = loaded.journal.read().target
+    if pending is not None:
+        _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
     if out is not None:
         p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
@@ -166,6 +169,7 @@ def status_cmd(
 
 def _status_text(st: dict) -> str:
     lines = [f"deployment {st['deployment']} ({st['mode']}): " + ("healthy" if st["healthy"] else "NOT healthy")
+             + ("" if st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
              + (f", reached {st['reached']}" if st["reached"] else "") + (" [apply in progress or interrupted]" if st["applying"] else "")]
     for r in st["roles"]:
         lines.append(
@@ -288,21 +292,37 @@ def _command_names() -> set[str]:
     return {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}  # type: ignore[union-attr]
 
 
+def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """``(Exit, UsageError, Abort)`` classes of click and of the copy typer vendors (typer >= 0.24
+    ships its own ``typer._click``; its exceptions are not click's)."""
+    mods = []
+    for name in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            mods.append(__import__(name, fromlist=["UsageError"]))
+        except ImportError:
+            pass
+    def kinds(attr: str) -> tuple[type, ...]:
+        return tuple(getattr(m, attr) for m in mods if hasattr(m, attr))
+
+    return kinds("Exit"), kinds("UsageError"), kinds("Abort")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    import click
-
+    exit_kinds, usage_kinds, abort_kinds = _click_kinds()
     args = _rewrite(list(sys.argv[1:] if argv is None else argv))
     try:
         rc = app(args=args, prog_name="pdctl", standalone_mode=False)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except exit_kinds as e:
         sys.exit(e.exit_code)
-    except click.UsageError as e:
-        e.show(file=sys.stderr)
+    except usage_kinds as e:
+        if type(e).__name__ != "NoArgsIsHelpError":  # that one has already printed the help
+            e.show(file=sys.stderr)
         sys.exit(ExitCode.USAGE)
-    except click.Abort:
+    except abort_kinds:
+        _err("interrupted")
         sys.exit(ExitCode.INTERRUPTED)
     except PdctlError as e:
         _err(f"error: {e}")
@@ -310,7 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     except UnitsError as e:  # pdctl.units has its own root (it imports nothing of pdctl)
         _err(f"error: {e}")
         sys.exit(exit_code_for(e))
+    except OSError as e:  # the state directory or a spec path the OS refused
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        _err(f"error:{where}: {e.strerror or e}")
+        _err("  hint: check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)")
+        sys.exit(ExitCode.ERROR)
     except KeyboardInterrupt:
+        _err("interrupted: what already runs stays as it is; run the same command again to converge")
         sys.exit(ExitCode.INTERRUPTED)
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
-

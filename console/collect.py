@@ -75,21 +75,11 @@ def gpu_owners(dep: Any, topo: Topology) -> dict[int, str]:
 
 
 def role_numa(dep: Any, role_name: str) -> tuple[int | None, str | None]:
-    """``(NUMA node, declared CPU list)`` the spec asks for *role_name*: the role's ``numa_node``,
-    else the one node all its GPUs sit on (``hosts.<h>.gpu_numa``); the CPU list from
-    ``hosts.<h>.numa_cpus``. Mirrors how the engine renders ``CPUAffinity=``."""
-    for name, _kind, r in dep.roles():
-        if name != role_name:
-            continue
-        host = dep.hosts.get(r.host)
-        node = r.numa_node
-        if node is None and host is not None and host.gpu_numa and all(g < len(host.gpu_numa) for g in r.gpus):
-            nodes = {host.gpu_numa[g] for g in r.gpus}
-            if len(nodes) == 1:
-                node = nodes.pop()
-        cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
-        return node, cpus
-    return None, None
+    """``(NUMA node, declared CPU list)`` the spec asks for *role_name* (the engine's own
+    :func:`pdctl.statemachine.launch.numa_for`, which renders ``CPUAffinity=``)."""
+    from pdctl.statemachine.launch import numa_for
+
+    return numa_for(dep, role_name)
 
 
 def _dial(host: str) -> str:

@@ -112,6 +112,10 @@ class Host(ABC):
     def signal(self, pid: int, sig: int, *, group: bool = False) -> bool:
         """Send *sig* to *pid* (or to process group *pid*). False when no such process."""
 
+    @abstractmethod
+    def readlink(self, path: str) -> str:
+        """Target of a symbolic link (``/proc/<pid>/fd/<n>`` → ``socket:[inode]``). OSError if none."""
+
     # -- derived ---------------------------------------------------------------------------
 
     def read_text(self, path: str) -> str:
@@ -242,6 +246,9 @@ class LocalHost(Host):
             raise HostError(f"cannot start {argv[0]} on {self.name}: {exc.strerror or exc}", host=self.name) from None
         _reap_in_background(proc)  # no zombie while we live; init adopts it once we exit
         return proc.pid
+
+    def readlink(self, path: str) -> str:
+        return os.readlink(path)
 
     def signal(self, pid: int, sig: int, *, group: bool = False) -> bool:
         if pid <= 1:

@@ -132,6 +132,16 @@ def _url_host(dep: Deployment, role: ServerRole) -> str:
     return _connect_host(role.http_host)
 
 
+def numa_for(dep: Deployment, role_name: str) -> tuple[int | None, str | None]:
+    """``(NUMA node, CPU list)`` the spec asks for *role_name* — what ``NUMAMask=`` and
+    ``CPUAffinity=`` render: the role's ``numa_node``, else the one node all its GPUs sit on
+    (``hosts.<h>.gpu_numa``); the CPU list from ``hosts.<h>.numa_cpus`` (None: unknown)."""
+    for name, _kind, role in dep.roles():
+        if name == role_name:
+            return _numa(dep, role)
+    return None, None
+
+
 def _numa(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
     host = dep.hosts.get(role.host)
     node = role.numa_node

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdctl.statemachine.topology import RoleTopology, Topology
 
-__all__ = ["AttrChange", "ChangeClass", "Plan", "ResourceChange", "make_plan", "plan_id_of", "render_text"]
+__all__ = ["AttrChange", "ChangeClass", "Plan", "ResourceChange", "format_value", "make_plan", "plan_id_of", "render_text"]
 
 ChangeClass = Literal["topology", "disruptive", "in_place"]
 Action = Literal["create", "update", "replace", "delete"]
@@ -223,7 +223,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         if cls == "topology":
             for d in diffs:
                 if d.cls == "topology":
-                    words.append(f"{name} {d.path} {_short(d.before)} → {_short(d.after)}")
+                    words.append(f"{name} {d.path} {format_value(d.before)} → {format_value(d.after)}")
         changes.append(
             ResourceChange(
                 address=f"role.{name}",
@@ -335,7 +335,8 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     )
 
 
-def _short(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """A plan value as the plan text shows it (GPU lists ``0,1,2,3``, JSON otherwise)."""
     if isinstance(v, list | tuple):
         return ",".join(str(x) for x in v) if all(isinstance(x, int) for x in v) else json.dumps(v)
     return json.dumps(v) if not isinstance(v, int) else str(v)
@@ -357,7 +358,7 @@ def render_text(plan: Plan) -> str:
         lines.append(f"{c.symbol:>3} {c.address}: {c.summary}")
         for a in c.changes:
             mark = "  # forces replacement" if c.action == "replace" and a.cls == "topology" else ""
-            lines.append(f"      ~ {a.path}: {_short(a.before)} → {_short(a.after)}{mark}")
+            lines.append(f"      ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}{mark}")
         if c.restarts and c.action == "update":
             lines.append(f"      restarts: {', '.join(c.restarts)}")
         lines.append("")

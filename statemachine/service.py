@@ -255,6 +255,8 @@ def _remove_gone_roles(ctx, state, desired, sink) -> None:  # noqa: ANN001
     # Router first, then decode, then prefill/servers: the reverse of bring-up.
     previous.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
     for name in previous:
+        if state.units.pop(name, None) is not None:
+            ctx.journal.write(state)
         if ctx.manager.installed_text(name) is None:
             continue
         ctx.manager.stop(name)
@@ -334,7 +336,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             reached = name
         else:
             break
-    all_healthy = all(r["healthy"] for r in roles) and (router is None or (router.get("readiness") == 200 and router["state"] == "active"))
+    all_healthy = (
+        all(r["healthy"] for r in roles)
+        and (router is None or (router.get("readiness") == 200 and router["state"] == "active"))
+        and state.target is None  # an apply in progress, or one that was interrupted, has not converged
+    )
+    spec_topo = topology_of(loaded.deployment)
     return {
         "deployment": topo.name,
         "mode": topo.mode,
@@ -342,6 +349,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "plan_id": state.plan_id,
         "deployed": state.deployed is not None,
         "applying": state.target is not None,
+        "matches_spec": spec_topo == (state.target or state.deployed),
         "reached": reached,
         "healthy": all_healthy,
         "roles": roles,

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from pdctl.statemachine import probes
+from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
@@ -72,6 +72,11 @@ class Context:
         spec = self.units.service(unit)
         return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    def forget(self, unit: str) -> None:
+        """Drop *unit*'s proven fingerprint from the journal (atomically) before touching it."""
+        if self.journal_state.units.pop(unit, None) is not None:
+            self.journal.write(self.journal_state)
+
     def definition_changed(self, unit: str) -> bool:
         """True when *unit*'s desired definition differs from the one last proven running."""
         return self.journal_state.units.get(unit) != self.fingerprint(unit)
@@ -102,6 +107,47 @@ def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: flo
 
 # --- server roles --------------------------------------------------------------------------------
 
+
+def _role_ports(role: RoleTopology) -> set[int]:
+    from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS
+
+    out = {role.port}
+    if role.kind == "prefill" and role.bootstrap_port:
+        out.add(role.bootstrap_port)
+    if role.nccl_port:
+        out.add(role.nccl_port)
+    if role.attn_dp > 1:
+        out |= {role.port + off for off in DERIVED_PORT_OFFSETS}
+    return out
+
+
+def _describe(ls: list[ports.Listener]) -> str:
+    return ", ".join(f"port {x.port} by PID {x.pid or '?'} ({x.command or 'unknown'})" for x in ls)
+
+
+def _preflight_ports(ctx: Context, name: str, wanted: set[int], main_pid: int | None, step: str) -> None:
+    """Refuse to start *name* while a process outside its unit holds one of its ports."""
+    foreign = ports.foreign_listeners(ctx.host, wanted, main_pid)
+    if foreign:
+        raise ApplyFailed(
+            f"{name}: cannot start, its ports are taken: {_describe(foreign)}",
+            step=step,
+            hint="stop that process (another deployment?) or give this role other ports in the spec",
+        )
+
+
+def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str) -> None:
+    """The process answering on *port* must be *unit*'s own (main PID or a descendant)."""
+    ok, ls = ports.listener_belongs(ctx.host, port, main_pid)
+    if not ok:
+        who = _describe(ls) if ls else f"nobody listens on port {port}"
+        raise VerifyFailed(
+            f"{name}: {unit} (main PID {main_pid}) does not hold its port: {who}",
+            step=step,
+            hint="another process answers in its place: stop it, or move this role to free ports",
+        )
+
+
 _MODE = {"prefill": "prefill", "decode": "decode", "server": "null"}
 
 
@@ -120,6 +166,10 @@ def expected_server_info(role: RoleTopology, topo: Topology) -> dict[str, Any]:
     }
     if model.get("served_name"):
         exp["served_model_name"] = model["served_name"]
+    if model.get("context_length"):
+        exp["context_length"] = model["context_length"]
+    if s.get("mem_fraction") is not None:
+        exp["mem_fraction_static"] = s["mem_fraction"]
     if model.get("page_size") is not None:
         exp["page_size"] = model["page_size"]
     if model.get("kv_cache_dtype") not in (None, "auto"):
@@ -161,6 +211,7 @@ class ServersUp(Step):
         code = probes.health(ctx.client, role.url)
         if code != 200:
             raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)
+        _check_owner(ctx, role.name, unit, role.port, st.main_pid, self.name)
         info = probes.server_info(ctx.client, role.url)
         exp = expected_server_info(role, ctx.topology)
         bad = server_info_mismatches(info, exp)
@@ -168,6 +219,7 @@ class ServersUp(Step):
             raise VerifyFailed(f"{role.name}: /server_info differs from the spec: " + "; ".join(bad), step=self.name)
         checks = [
             f"{unit} active (main PID {st.main_pid})",
+            f"port {role.port} is held by {unit}'s own process tree",
             f"GET {role.url}/health → 200",
             f"GET {role.url}/server_info matches {len(exp)} expected fields ({', '.join(sorted(exp))})",
         ]
@@ -194,19 +246,26 @@ class ServersUp(Step):
 
     def apply(self, ctx: Context) -> None:
         roles = self._roles(ctx)
-        changed = set(ctx.manager.install(ctx.units))
+        actions: dict[str, str | None] = {}
         for r in roles:
             unit = ctx.unit_of[r.name]
             st = ctx.manager.status(unit)
-            stale = (
-                r.name in ctx.restart
-                or unit in changed
-                or ctx.definition_changed(unit)
-                or not self._serves_as_specified(ctx, r)
-            )
-            if st.state in ("active", "activating") and stale:
+            running = st.state in ("active", "activating")
+            # Nothing starts while a process outside this unit holds one of its ports.
+            _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
+            stale = r.name in ctx.restart or ctx.definition_changed(unit) or not self._serves_as_specified(ctx, r)
+            actions[unit] = ("restart" if stale else None) if running else "start"
+        for unit, action in actions.items():
+            if action:  # a kill from here on must never let observe skip this unit as proven
+                ctx.forget(unit)
+        changed = set(ctx.manager.install(ctx.units))
+        for unit, action in actions.items():
+            if action is None and unit in changed:
+                ctx.forget(unit)
+                action = "restart"
+            if action == "restart":
                 ctx.manager.restart(unit)
-            elif st.state not in ("active", "activating"):
+            elif action == "start":
                 ctx.manager.start(unit)
         for r in roles:
             self._wait_healthy(ctx, r)
@@ -450,8 +509,14 @@ class RouterExposed(Step):
             return None
 
     def apply(self, ctx: Context) -> None:
-        ctx.manager.install(ctx.units)
         unit = ctx.unit_of["router"]
+        r = ctx.topology.router
+        assert r is not None
+        st = ctx.manager.status(unit)
+        wanted = {r.port, int(r.settings.get("prometheus_port") or r.port)}
+        _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)
+        ctx.forget(unit)
+        ctx.manager.install(ctx.units)
         st = ctx.manager.status(unit)
         if st.state in ("active", "activating"):
             ctx.manager.restart(unit)
@@ -460,6 +525,10 @@ class RouterExposed(Step):
 
     def _check(self, ctx: Context) -> Proof:
         url = ctx.router_url()
+        r0 = ctx.topology.router
+        assert r0 is not None
+        unit = ctx.unit_of["router"]
+        _check_owner(ctx, "router", unit, r0.port, ctx.manager.status(unit).main_pid, self.name)
         status, body = probes.router_readiness(ctx.client, url)
         if status != 200:
             raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)

@@ -315,3 +315,71 @@ def test_a_remote_host_is_refused_before_anything_changes(make_demo):
         demo.apply()
     assert demo.pids() == []
     assert Journal(demo.state, demo.name).read().target is None
+
+
+def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(demo):
+    import socket as _socket
+
+    squatter = _socket.socket()
+    squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", demo.ports["decode"]))
+    squatter.listen()
+    try:
+        with pytest.raises(Exception) as e:
+            demo.apply()
+        assert getattr(e.value, "step", None) == "decode_up"
+        assert f"port {demo.ports['decode']} by PID {os.getpid()}" in str(e.value)
+        # prefill came up (it owns its ports); decode never started; nothing else did.
+        st = demo.status()
+        assert [r["state"] for r in st["roles"]] == ["active", "inactive"]
+        assert not st["healthy"]
+    finally:
+        squatter.close()
+
+
+def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
+    first = make_demo()
+    first.apply()
+
+    def same_ports(d):
+        d["prefill"][0].update(port=first.ports["prefill"], bootstrap_port=first.ports["bootstrap"], nccl_port=first.ports["pnccl"])
+
+    second = make_demo(same_ports)
+    from pdctl.statemachine.steps import ServersUp
+
+    ctx = service.build_context(second.load(), timeouts=second.timeouts())
+    # Another deployment answers on this prefill's port: health 200 and a matching /server_info,
+    # but the process is not this unit's.
+    assert ServersUp("prefill", "prefill_up").observe(ctx) is None
+    with pytest.raises(Exception, match="ports are taken"):
+        ServersUp("prefill", "prefill_up").apply(ctx)
+    assert first.status()["healthy"]
+
+
+def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):
+    demo.apply()
+    changed = copy.deepcopy(demo.dict)
+    changed["model"]["context_length"] = 65536
+    spec2 = demo.write(changed, "ctx.toml")
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(spec2), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "step_applied" and ev["step"] == "prefill_up":
+                os.kill(p.pid, signal.SIGKILL)  # prefill restarted with the new context length
+                break
+    finally:
+        p.wait(30)
+    with httpx.Client(trust_env=False) as c:
+        info = c.get(f"http://127.0.0.1:{demo.ports['prefill']}/server_info").json()
+    assert info["context_length"] == 65536
+    assert not demo.status()["healthy"]  # interrupted: not converged
+    # Back to the original spec: the plan shows no spec change, but the apply must restart prefill.
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    with httpx.Client(trust_env=False) as c:
+        info = c.get(f"http://127.0.0.1:{demo.ports['prefill']}/server_info").json()
+    assert info["context_length"] == 131072
+    assert demo.status()["healthy"]

@@ -1,0 +1,119 @@
+"""Who listens on a TCP port: so that a proof is about the process pdctl started.
+
+A ``/health`` that answers 200 proves nothing if the answer comes from another deployment that
+already holds the port (the role's own process then dies with "Address already in use" while the
+probe talks to the stranger). pdctl therefore checks, on the role's host:
+
+* before starting a role, that none of its ports is held by a process outside the role's unit
+  (:func:`foreign_listeners`), and
+* in every proof, that the process listening on the role's HTTP port is the unit's main process
+  or one of its descendants (:func:`listener_belongs`).
+
+Facts come from Linux's ``/proc/net/tcp``/``tcp6`` (state ``0A`` = LISTEN; the local port is hex),
+``/proc/<pid>/fd`` socket links and ``/proc/<pid>/stat`` (parent PID), read through the host object
+so that an SSH host answers the same way. The parsers are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Listener", "foreign_listeners", "listeners", "listener_belongs", "parse_proc_net_tcp"]
+
+
+@dataclass(frozen=True)
+class Listener:
+    port: int
+    pid: int | None
+    """None when the socket's owner could not be found (another user's process, a namespace)."""
+    command: str = ""
+
+
+def parse_proc_net_tcp(text: str) -> dict[str, int]:
+    """``{socket inode: local port}`` of the LISTEN sockets in a ``/proc/net/tcp*`` table."""
+    out: dict[str, int] = {}
+    for row in text.splitlines()[1:]:
+        f = row.split()
+        if len(f) > 9 and f[3] == "0A":
+            out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    return out
+
+
+def _read(host, path: str) -> str:  # noqa: ANN001
+    try:
+        return host.read_file(path).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def listeners(host, ports: set[int]) -> list[Listener]:  # noqa: ANN001
+    """The processes listening on any of *ports* on *host* (one entry per port and PID)."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for inode, port in parse_proc_net_tcp(_read(host, table)).items():
+            if port in ports:
+                inodes[inode] = port
+    if not inodes:
+        return []
+    found: dict[tuple[int, int], Listener] = {}
+    try:
+        pids = [p for p in host.list_dir("/proc") if p.isdigit()]
+    except OSError:
+        pids = []
+    for pid in pids:
+        try:
+            fds = host.list_dir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = host.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                port = inodes[link[8:-1]]
+                cmd = _read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+                found[(port, int(pid))] = Listener(port, int(pid), cmd[:160])
+    seen_ports = {p for p, _ in found}
+    out = list(found.values())
+    out += [Listener(p, None) for p in set(inodes.values()) - seen_ports]
+    return sorted(out, key=lambda x: (x.port, x.pid or 0))
+
+
+def _parent(host, pid: int) -> int | None:  # noqa: ANN001
+    stat = _read(host, f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    # comm may hold spaces and parentheses: the fields after the last ')' are fixed.
+    rest = stat.rsplit(")", 1)[-1].split()
+    try:
+        return int(rest[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
+    seen = 0
+    while pid and pid > 1 and seen < 64:
+        if pid == ancestor:
+            return True
+        pid = _parent(host, pid) or 0
+        seen += 1
+    return pid == ancestor
+
+
+def listener_belongs(host, port: int, main_pid: int | None) -> tuple[bool, list[Listener]]:  # noqa: ANN001
+    """Whether every listener on *port* is *main_pid* or a descendant of it."""
+    ls = listeners(host, {port})
+    if not ls or main_pid is None:
+        return False, ls
+    return all(lst.pid is not None and _is_descendant(host, lst.pid, main_pid) for lst in ls), ls
+
+
+def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001
+    """Listeners on *ports* that are not the unit's main process (or its descendants)."""
+    return [
+        lst
+        for lst in listeners(host, ports)
+        if lst.pid is None or main_pid is None or not _is_descendant(host, lst.pid, main_pid)
+    ]
