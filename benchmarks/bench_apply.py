@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from statemachine.specs import dump_toml  # noqa: E402  (tests/statemachine/specs.py)
+from harness.deploy import dump_toml  # noqa: E402  (tests/harness/deploy.py)
 
 from pdctl.statemachine import service, steps  # noqa: E402
 from pdctl.statemachine.events import Event  # noqa: E402

@@ -25,7 +25,6 @@ import pty
 import select
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -33,58 +32,20 @@ import tempfile
 import termios
 import threading
 import time
-import tomllib
 import urllib.request
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TAB_KEYS = {"topology": "1", "gpu": "2", "throughput": "3", "logs": "4", "proof": "5", "plan": "6"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _toml(d: dict) -> str:
-    def val(v):  # noqa: ANN001, ANN202
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + "}"
-        return str(v)
-
-    lines = [f"{k} = {val(v)}" for k, v in d.items() if not isinstance(v, dict | list) or (isinstance(v, list) and not all(isinstance(x, dict) for x in v))]
-    for k, v in d.items():
-        if isinstance(v, dict):
-            if k == "hosts":
-                for hk, hv in v.items():
-                    lines += [f"[hosts.{hk}]", *(f"{kk} = {val(x)}" for kk, x in hv.items())]
-            else:
-                lines += [f"[{k}]", *(f"{kk} = {val(x)}" for kk, x in v.items())]
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            for item in v:
-                lines += [f"[[{k}]]", *(f"{kk} = {val(x)}" for kk, x in item.items())]
-    return "\n".join(lines) + "\n"
+sys.path.insert(0, str(ROOT / "tests"))
+from harness.deploy import Demo  # noqa: E402  (tests/harness/deploy.py: the demo on free ports)
 
 
 def demo_spec(tmp: Path) -> tuple[Path, dict[str, int]]:
-    d = tomllib.loads((ROOT / "examples" / "demo.toml").read_text())
-    d["name"] = "bench" + uuid.uuid4().hex[:6]
-    ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
-    d["prefill"][0].update(port=ports["prefill"], bootstrap_port=ports["bootstrap"], nccl_port=ports["pnccl"])
-    d["decode"][0].update(port=ports["decode"], nccl_port=ports["dnccl"])
-    d["router"].update(port=ports["router"], prometheus_port=ports["prom"])
-    d["engine"]["env"] = {**d["engine"].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "0.3", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
-    spec = tmp / f"{d['name']}.toml"
-    spec.write_text(_toml(d))
-    return spec, ports
+    d = Demo(tmp)
+    return d.spec, d.ports
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,135 +1,28 @@
-"""Fixtures for console tests: the demo spec on free ports (the pattern of
-tests/statemachine/conftest.py, copied so each suite owns its fixtures), a fake service manager,
+"""Fixtures for console tests: the demo spec on free ports (harness.deploy.Demo), a fake service manager,
 mocked scrapes, a ``wait_for`` for pilots, and fixed samples for deterministic snapshots."""
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import signal
 import time
-import tomllib
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness.sim import free_port
+from harness.deploy import Demo, demo_dict, dump_toml, listening_pids
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples" / "demo.toml"
+__all__ = ["ConsoleDemo", "demo_dict", "dump_toml", "listening_pids"]
+
 FIX = Path(__file__).parent / "fixtures"
 
 
-def dump_toml(d: dict) -> str:
-    """A small TOML writer for spec shapes (tomllib reads it back to the same dict)."""
-
-    def val(v):  # noqa: ANN001, ANN202
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v, ensure_ascii=False)
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + "}"
-        return repr(v) if isinstance(v, float) else str(v)
-
-    def table_list(v):  # noqa: ANN001, ANN202
-        return isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
-
-    lines: list[str] = []
-    for k, v in d.items():
-        if not isinstance(v, dict) and not table_list(v):
-            lines.append(f"{k} = {val(v)}")
-    for k, v in d.items():
-        if isinstance(v, dict):
-            if k == "hosts":
-                for hk, hv in v.items():
-                    lines.append(f"[hosts.{hk}]")
-                    lines += [f"{kk} = {val(x)}" for kk, x in hv.items()]
-            else:
-                lines.append(f"[{k}]")
-                lines += [f"{kk} = {val(x)}" for kk, x in v.items()]
-        elif table_list(v):
-            for item in v:
-                lines.append(f"[[{k}]]")
-                lines += [f"{kk} = {val(x)}" for kk, x in item.items()]
-    return "\n".join(lines) + "\n"
-
-
-def demo_dict() -> dict:
-    return tomllib.loads(DEMO.read_text())
-
-
-def listening_pids(ports: list[int]) -> list[int]:
-    """PIDs listening on one of *ports* (from /proc/net/tcp* and each process's sockets)."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:
-                inodes.add(f[9])
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                out.add(int(pid))
-                break
-    return sorted(out)
-
-
-class ConsoleDemo:
+class ConsoleDemo(Demo):
     """The demo topology on free ports in a temporary directory (not started until applied)."""
 
-    def __init__(self, tmp: Path, mutate=None) -> None:  # noqa: ANN001
-        d = demo_dict()
-        self.name = "c" + uuid.uuid4().hex[:8]
-        d["name"] = self.name
-        self.ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
-        d["prefill"][0].update(port=self.ports["prefill"], bootstrap_port=self.ports["bootstrap"], nccl_port=self.ports["pnccl"])
-        d["decode"][0].update(port=self.ports["decode"], nccl_port=self.ports["dnccl"])
-        d["router"].update(port=self.ports["router"], prometheus_port=self.ports["prom"], health_check_interval_s=1)
-        d["engine"]["env"] = {**d["engine"].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "0.3", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
-        if mutate:
-            mutate(d)
-        self.dict = d
-        self.tmp = tmp
-        self.spec = tmp / f"{self.name}.toml"
-        self.spec.write_text(dump_toml(d))
-        self.state = tmp / "state"
-
-    def write(self, d: dict, name: str) -> Path:
-        p = self.tmp / name
-        p.write_text(dump_toml(d))
-        return p
-
-    def load(self, spec: Path | None = None):  # noqa: ANN201
-        from pdctl.statemachine import service
-
-        return service.load(spec or self.spec, state_dir=self.state)
-
-    def timeouts(self):  # noqa: ANN201
-        from pdctl.statemachine.steps import Timeouts
-
-        return Timeouts(role_start=60, bootstrap=15, kv_request=30, router=60, chat=30)
+    prefix = "c"
 
     def pretend_deployed(self, mutate) -> None:  # noqa: ANN001
         """Journal as deployed the topology of this spec changed by *mutate* (no process runs):
@@ -141,20 +34,6 @@ class ConsoleDemo:
         mutate(other)
         dep = self.load(self.write(other, "deployed.toml")).deployment
         Journal(self.state, self.name).write(JournalState(name=self.name, deployed=topology_of(dep)))
-
-    def down(self) -> None:
-        from pdctl.statemachine import service
-
-        try:
-            service.down(self.load())
-        except Exception:  # noqa: BLE001 - nothing deployed, or a broken journal: clean up below
-            pass
-        finally:
-            for pid in listening_pids(list(self.ports.values())):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 @pytest.fixture

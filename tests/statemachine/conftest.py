@@ -1,130 +1,14 @@
-"""Fixtures for end-to-end deployments: the demo spec on free ports, under the process supervisor,
-with the SGLang stand-in and the real smg router. Every deployment is taken down afterwards."""
+"""Fixtures for end-to-end deployments (harness.deploy.Demo): the demo spec on free ports, under the
+process supervisor, with the SGLang stand-in and the real smg router. Every deployment is taken
+down afterwards."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
-
 import pytest
 
-from harness.sim import free_port
+from harness.deploy import Demo
 
-from .specs import demo_dict, dump_toml
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def engine_pids(ports: list[int]) -> list[int]:
-    """PIDs of the processes listening on one of *ports* on this machine (from /proc/net/tcp*
-    and each process's socket descriptors). smg retitles itself (``smg::router``), so command
-    lines cannot tell which deployment a router belongs to; its listening port can."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:
-                inodes.add(f[9])
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                out.add(int(pid))
-                break
-    return sorted(out)
-
-
-class Demo:
-    """The demo topology on free ports in a temporary directory."""
-
-    def __init__(self, tmp: Path, mutate=None) -> None:  # noqa: ANN001
-        d = demo_dict()
-        self.name = "t" + uuid.uuid4().hex[:8]
-        d["name"] = self.name
-        self.ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
-        d["prefill"][0].update(port=self.ports["prefill"], bootstrap_port=self.ports["bootstrap"], nccl_port=self.ports["pnccl"])
-        d["decode"][0].update(port=self.ports["decode"], nccl_port=self.ports["dnccl"])
-        d["router"].update(port=self.ports["router"], prometheus_port=self.ports["prom"], health_check_interval_s=1)
-        d["engine"]["env"] = {**d["engine"].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "0.3", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
-        if mutate:
-            mutate(d)
-        self.dict = d
-        self.tmp = tmp
-        self.spec = tmp / f"{self.name}.toml"
-        self.spec.write_text(dump_toml(d))
-        self.state = tmp / "state"
-
-    def write(self, d: dict, name: str) -> Path:
-        p = self.tmp / name
-        p.write_text(dump_toml(d))
-        return p
-
-    def load(self, spec: Path | None = None):  # noqa: ANN201
-        from pdctl.statemachine import service
-
-        return service.load(spec or self.spec, state_dir=self.state)
-
-    def timeouts(self):  # noqa: ANN201
-        from pdctl.statemachine.steps import Timeouts
-
-        return Timeouts(role_start=60, bootstrap=15, kv_request=30, router=60, chat=30)
-
-    def apply(self, spec: Path | None = None, **kw):  # noqa: ANN201
-        from pdctl.statemachine import service
-
-        kw.setdefault("timeouts", self.timeouts())
-        return service.apply(self.load(spec), **kw)
-
-    def status(self) -> dict:
-        from pdctl.statemachine import service
-
-        return service.status(self.load())
-
-    def pids(self) -> list[int]:
-        return engine_pids(list(self.ports.values()))
-
-    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PDCTL_STATE_DIR": str(self.state)}
-        return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-    def down(self) -> None:
-        from pdctl.statemachine import service
-
-        from pdctl.statemachine.errors import HostError
-
-        try:
-            service.down(self.load())
-        except HostError:
-            pass  # a spec with a remote host: nothing of it was started here
-        finally:
-            # Last resort for a broken test: end only the processes this deployment started.
-            for pid in self.pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 10
-            while self.pids() and time.monotonic() < deadline:
-                time.sleep(0.1)
+__all__ = ["Demo"]
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from pdctl.statemachine import service
-from pdctl.statemachine.errors import LockHeld, StalePlanError, StepTimeout, TopologyNotConfirmed, VerifyFailed
+from pdctl.statemachine.errors import LockHeld, StepTimeout, VerifyFailed
 from pdctl.statemachine.events import ListSink
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES, run_steps
-from pdctl.statemachine.steps import KVLinkVerified, ParsersConfigured, RouterExposed, steps_for
+from pdctl.statemachine.steps import ParsersConfigured, RouterExposed, steps_for
 
 pytestmark = [pytest.mark.smg, pytest.mark.slow]
 

@@ -1,0 +1,150 @@
+"""A demo deployment on free loopback ports, for end-to-end tests and benchmarks.
+
+``Demo(tmp)`` writes a copy of ``examples/demo.toml`` (the SGLang stand-in under the process
+supervisor, the real smg router) with free ports, a unique name, fast stand-in start-up and its
+own state directory; nothing starts until ``apply``. ``down()`` stops what it started and, as a
+last resort for a broken test, ends the processes that listen on its ports — found through
+``/proc`` (smg retitles itself ``smg::router``, so command lines cannot tell deployments apart).
+
+Specs are written with ``tomli_w``; ``tomllib`` reads them back to the same dict.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import tomli_w
+
+from harness.sim import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo.toml"
+SEED = ROOT / "examples" / "seed.toml"
+
+__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "dump_toml", "listening_pids", "seed_dict"]
+
+
+def dump_toml(d: dict) -> str:
+    """TOML text of a spec dict."""
+    return tomli_w.dumps(d)
+
+
+def demo_dict() -> dict:
+    return tomllib.loads(DEMO.read_text())
+
+
+def seed_dict() -> dict:
+    return tomllib.loads(SEED.read_text())
+
+
+def listening_pids(ports: list[int]) -> list[int]:
+    """PIDs of the processes listening on one of *ports* on this machine."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:
+                inodes.add(f[9])
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                out.add(int(pid))
+                break
+    return sorted(out)
+
+
+class Demo:
+    """The demo topology on free ports in a temporary directory."""
+
+    prefix = "t"
+
+    def __init__(self, tmp: Path, mutate=None) -> None:  # noqa: ANN001
+        d = demo_dict()
+        self.name = self.prefix + uuid.uuid4().hex[:8]
+        d["name"] = self.name
+        self.ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
+        d["prefill"][0].update(port=self.ports["prefill"], bootstrap_port=self.ports["bootstrap"], nccl_port=self.ports["pnccl"])
+        d["decode"][0].update(port=self.ports["decode"], nccl_port=self.ports["dnccl"])
+        d["router"].update(port=self.ports["router"], prometheus_port=self.ports["prom"], health_check_interval_s=1)
+        d["engine"]["env"] = {**d["engine"].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "0.3", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
+        if mutate:
+            mutate(d)
+        self.dict = d
+        self.tmp = Path(tmp)
+        self.spec = self.tmp / f"{self.name}.toml"
+        self.spec.write_text(dump_toml(d))
+        self.state = self.tmp / "state"
+
+    def write(self, d: dict, name: str) -> Path:
+        p = self.tmp / name
+        p.write_text(dump_toml(d))
+        return p
+
+    def load(self, spec: Path | None = None):  # noqa: ANN201
+        from pdctl.statemachine import service
+
+        return service.load(spec or self.spec, state_dir=self.state)
+
+    def timeouts(self):  # noqa: ANN201
+        from pdctl.statemachine.steps import Timeouts
+
+        return Timeouts(role_start=60, bootstrap=15, kv_request=30, router=60, chat=30)
+
+    def apply(self, spec: Path | None = None, **kw):  # noqa: ANN201
+        from pdctl.statemachine import service
+
+        kw.setdefault("timeouts", self.timeouts())
+        return service.apply(self.load(spec), **kw)
+
+    def status(self) -> dict:
+        from pdctl.statemachine import service
+
+        return service.status(self.load())
+
+    def pids(self) -> list[int]:
+        return listening_pids(list(self.ports.values()))
+
+    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PDCTL_STATE_DIR": str(self.state)}
+        return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+    def down(self) -> None:
+        from pdctl.statemachine import service
+        from pdctl.statemachine.errors import PdctlError
+
+        try:
+            service.down(self.load())
+        except PdctlError:
+            pass  # a remote host or a broken journal: nothing of it to stop here, see below
+        finally:
+            # Last resort for a broken test: end only the processes listening on this demo's ports.
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
