@@ -66,6 +66,7 @@ def main() -> None:
         request.extensions["t0"] = time.perf_counter()
 
     def on_response(response: httpx.Response) -> None:
+        response.read()  # the body arrives after the headers: waiting on the engine too
         t0 = response.request.extensions.get("t0")
         if t0 is not None and clock.step:
             clock.wait[clock.step] += time.perf_counter() - t0

@@ -40,6 +40,7 @@ __all__ = [
     "new_bootstrap_room",
     "paired_generate",
     "parse_metric_total",
+    "parse_metric_totals",
     "parse_workers",
     "router_readiness",
     "router_workers",
@@ -157,20 +158,27 @@ def metrics(client: httpx.Client, url: str, *, timeout: float = 5.0) -> str:
     return r.text
 
 
-def parse_metric_total(text: str, name: str) -> float:
-    """Sum of all samples of counter/gauge *name* (e.g. ``sglang:num_transfer_failed_reqs``)
-    across label sets, parsed with prometheus-client's text parser. 0.0 when absent."""
+def parse_metric_totals(text: str, names: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """For each counter/gauge in *names* (e.g. ``sglang:num_transfer_failed_reqs_total``), the
+    sum of its samples across label sets; 0.0 when absent. One pass of prometheus-client's text
+    parser over *text*."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
-    base = name.removesuffix("_total")
+    bases = {n.removesuffix("_total"): n for n in names}
+    totals = {n: 0.0 for n in names}
     for fam in text_string_to_metric_families(text):
-        if fam.name != base:
+        name = bases.get(fam.name)
+        if name is None:
             continue
         for s in fam.samples:
-            if s.name in (base, base + "_total"):
-                total += s.value
-    return total
+            if s.name in (fam.name, fam.name + "_total"):
+                totals[name] += s.value
+    return totals
+
+
+def parse_metric_total(text: str, name: str) -> float:
+    """:func:`parse_metric_totals` for one metric."""
+    return parse_metric_totals(text, (name,))[name]
 
 
 def router_readiness(client: httpx.Client, base_url: str, *, timeout: float = 5.0) -> tuple[int, Any]:

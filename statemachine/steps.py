@@ -376,7 +376,7 @@ class KVLinkVerified(Step):
             text = probes.metrics(ctx.client, f"{url}/metrics")
         except ProbeError:
             return {}
-        return {n: probes.parse_metric_total(text, n) for n in _FAIL_COUNTERS}
+        return probes.parse_metric_totals(text, _FAIL_COUNTERS)
 
     def verify(self, ctx: Context) -> Proof:
         topo = ctx.topology
