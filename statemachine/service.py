@@ -218,6 +218,7 @@ def apply(
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
         # Journal the target before touching anything: a kill from here on re-runs to the same end.
+        unfinished = state.target  # an interrupted apply's target: its roles may run too
         state.target = desired
         state.plan_id = plan.plan_id
         state.steps = {}  # this run re-proves every step of the new topology
@@ -225,7 +226,7 @@ def apply(
 
         ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()))
         ctx.journal_state = state
-        _remove_gone_roles(ctx, state, desired, sink)
+        _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
         try:
             machine = run_steps(ctx, steps_for(desired), sink)
         except Exception as exc:
@@ -240,13 +241,14 @@ def apply(
         return ApplyResult(plan, machine.state, {k: v.to_json() for k, v in state.steps.items()})
 
 
-def _remove_gone_roles(ctx, state, desired, sink) -> None:  # noqa: ANN001
-    """Stop and remove the units of roles that were deployed (or targeted) but are not wanted."""
+def _remove_gone_roles(ctx, state, earlier, sink) -> None:  # noqa: ANN001
+    """Stop and remove the units of roles that *earlier* topologies (the deployed one, an
+    interrupted apply's target) had but the desired one has not."""
     from pdctl.statemachine.events import Event
 
     wanted = set(ctx.unit_of.values())
     previous: list[str] = []
-    for topo in (state.deployed, state.target):
+    for topo in earlier:
         if topo is None:
             continue
         for name in unit_names(topo).values():
@@ -386,6 +388,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         state.deployed = None
         state.target = None
         state.steps = {}
+        state.units = {}  # nothing runs: no definition is proven any more
         j.write(state)
         j.audit("down-done", units=names)
         return names

@@ -383,3 +383,27 @@ def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):
         info = c.get(f"http://127.0.0.1:{demo.ports['prefill']}/server_info").json()
     assert info["context_length"] == 131072
     assert demo.status()["healthy"]
+
+
+def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    r = demo.cli("plan", str(collapse))
+    plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(collapse), "--confirm-topology", plan_id, "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "step_applied" and ev["step"] == "server_up":
+                os.kill(p.pid, signal.SIGKILL)  # the single server runs; the journal still says PD
+                break
+    finally:
+        p.wait(30)
+    # Back to PD (the deployed spec): the half-started single server must go, PD must come back.
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "stopped and removed" in r.stderr and "-server.service" in r.stderr
+    assert demo.status()["healthy"]
+    assert len(demo.pids()) == 3
