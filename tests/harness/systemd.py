@@ -136,11 +136,11 @@ class UserSystemd:
 
 def user_systemd_session(root: Path) -> Iterator[UserSystemd]:
     """Generator body for a pytest fixture: skip when impossible, always tear down."""
-    import pytest
+    from harness import skip_or_fail
 
     why = UserSystemd.skip_reason()
     if why:
-        pytest.skip(f"real systemd: {why}")
+        skip_or_fail(f"real systemd: {why}")
     mgr = UserSystemd.start(root)
     try:
         yield mgr
@@ -201,10 +201,10 @@ class PD:
 
 
 def pd_deployment(tmp_path: Path, service_manager: str, name: str = "t") -> PD:
-    import pytest
+    from harness import skip_or_fail
 
     if not SMG.exists():
-        pytest.skip(f"smg not installed at {SMG}")
+        skip_or_fail(f"smg not installed at {SMG}")
     ports = {k: free_port() for k in ("prefill", "decode", "bootstrap", "router", "metrics")}
     wrapper = tmp_path / "bin" / "router-probe"
     wrapper.parent.mkdir(parents=True, exist_ok=True)

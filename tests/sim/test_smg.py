@@ -25,7 +25,9 @@ def stack():
     try:
         smg_binary()
     except FileNotFoundError:
-        pytest.skip("smg binary not installed")
+        from harness import skip_or_fail
+
+        skip_or_fail("smg binary not installed")
     p, d = pd_pair(PARSERS)
     r = None
     try:
