@@ -1,22 +1,25 @@
 """Lightning indexer (DeepSeek-V3.2 DSA) for decode in Triton: O(Σ L_b) logits plus an exact top-k over L_b.
 
-Two launches, both with grids fixed by the host's SM count and the batch size — never by the block table's
+Every launch has a grid fixed by the host's SM count and the batch size — never by the block table's
 width or the max context (the failure mode of the spec §4.2: SGLang's contract hands a replacement a
 full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x tok/s by sizing a grid by it):
 
-1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = 2 x SMs by default). The work list is
-   built on the device from ``seq_lens`` — ``n_b = ceil(L_b / CHUNK)``, exclusive prefix ``cu`` (a cumsum, no
-   host sync, so it is CUDA-graph safe) — and program p walks items p, p+P, … < cu[B]. Item (b, c) loads q8[b]
-   ``[64, 128]`` e4m3 and w[b] once, then for each 64-token page of its chunk: the page's keys ``[64, 128]`` e4m3
-   and 64 fp32 scales (8448 B, one contiguous page), ``tl.dot(q8, k8ᵀ)`` (fp8 MMA, fp32 accumulate) →
-   ``[64 heads, 64 tokens]``, ReLU per head, ``· w[:, None]``, sum over heads, ``· k_scale``, and stores the 64
-   logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
+1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = programs_per_sm x SMs). The work list is
+   built on the device from ``seq_lens`` — pages ``p_b = ceil(L_b / 64)``, a run length
+   ``seg = ceil(Σ p_b / P)``, ``n_b = ceil(p_b / seg)`` items per request and their exclusive prefix ``cu`` (torch
+   ops on the device, no host sync, so it is CUDA-graph safe and balanced whatever the mix of lengths) — and
+   program p walks items p, p+P, … < cu[B]. Item (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for
+   each ``chunk_pages`` 64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page
+   (8448 B, one contiguous page), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64
+   heads]``, ReLU per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows),
+   ``· k_scale``, and stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
-   logits (one byte per pass, high byte first): four ``_topk_hist_kernel`` passes build 256-bin histograms of
-   the keys that match the bytes picked so far, then ``_topk_select_kernel`` writes every key above the k-th
-   largest plus enough keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass
-   runs on a ``(B, R)`` grid, R = max(1, 264 // B) programs splitting each row (so one long row still spreads
-   over the GPU), accumulating with global atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
+   logits (one byte per pass, high byte first): four 256-bin histograms of the keys that match the bytes picked
+   so far — the first accumulated by the logits kernel as it writes the logits, the other three by
+   ``_topk_hist_kernel`` passes — then ``_topk_select_kernel`` writes every key above the k-th largest plus
+   enough keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass runs on a
+   ``(B, R)`` grid, R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads
+   over the GPU; a program whose share of a short row is empty exits at once), accumulating with global atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
    are mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the select pass (SGLang's
    ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied at the
    k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
@@ -41,15 +44,19 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """``chunk_pages``: 64-token pages per logits work item; ``programs_per_sm``: persistent logits programs per
-    SM; ``topk_programs``: target programs per top-k pass (split over the rows: R = max(1, topk_programs // B))."""
+    """``chunk_pages``: 64-token pages per step of the logits loop (the MMA's M = 64·chunk_pages);
+    ``programs_per_sm``: persistent logits programs per SM; ``logits_stages``: software-pipelining depth of the
+    page loop; ``topk_programs``: target programs per top-k pass (split over the rows: R = max(1,
+    topk_programs // B); programs whose share of a short row is empty exit at once)."""
 
-    chunk_pages: int = 2
+    chunk_pages: int = 1
     programs_per_sm: int = 4
     logits_warps: int = 4
+    logits_stages: int = 3
     topk_block: int = 1024
     topk_warps: int = 4
-    topk_programs: int = 264
+    topk_programs: int = 1056
+    topk_stages: int = 3
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -107,9 +114,11 @@ def indexer_logits(
     *,
     logits: torch.Tensor | None = None,
     config: IndexerConfig | None = None,
+    hist: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits into ``logits [B, ≥ width·64] fp32``: row b is defined on columns [0, L_b) only (the rest
-    is left untouched). Arguments as :func:`lightning_indexer`."""
+    is left untouched). Arguments as :func:`lightning_indexer`; ``hist`` (int32, ≥ 256·B, zeroed by the caller)
+    receives the top-k's first radix histogram (row b at ``hist[256·b:]``)."""
     import torch
 
     _check(q8, weights, index_k_cache, block_table, seq_lens)
@@ -120,16 +129,22 @@ def indexer_logits(
         logits = torch.empty(b, max(width, 1), dtype=torch.float32, device=q8.device)
     if b == 0:
         return logits
-    chunk = cfg.chunk_pages * 64
-    cu = torch.zeros(b + 1, dtype=torch.int32, device=q8.device)
-    torch.cumsum((seq_lens.clamp_min(0) + (chunk - 1)) // chunk, 0, out=cu[1:])
     programs = cfg.programs_per_sm * _num_sms(q8.device)
+    pages = (seq_lens.clamp_min(0) + 63) // 64
+    per = cfg.chunk_pages  # runs are whole loop steps
+    seg = (((pages.sum() + (programs - 1)) // programs + (per - 1)) // per * per).clamp_min(per)
+    seg = seg.to(torch.int32).reshape(1)
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=q8.device)
+    torch.cumsum((pages + seg - 1) // seg, 0, out=cu[1:])
     kern = _kernels()
     kc = index_k_cache.view(torch.float8_e4m3fn)
     ks = index_k_cache.view(torch.float32)
     kern._indexer_logits_kernel[(programs,)](
-        q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, cu, logits, logits.stride(0),
-        b, programs, BLOCK_B=max(16, _next_pow2(b)), CHUNK=chunk, num_warps=cfg.logits_warps,
+        q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, cu, seg, logits, logits.stride(0),
+        hist if hist is not None else cu,
+        b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=hist is not None,
+        num_warps=cfg.logits_warps,
+        num_stages=cfg.logits_stages,
     )
     return logits
 
@@ -170,27 +185,29 @@ def lightning_indexer(
     """
     import torch
 
-    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=config)
     cfg = config or _TUNED.get("default") or IndexerConfig()
     b = q8.shape[0]
     if out is None:
         out = torch.empty(b, topk, dtype=torch.int32, device=q8.device)
     if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
+    hb = b * 256  # elements between one pass's histograms and the next
+    ws = torch.zeros(4 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 4 histograms + 2 counters per row
+    hist, cnt = ws[: 4 * hb], ws[4 * hb:]
+    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg, hist=hist)
     if b == 0:
         return out
     kern = _kernels()
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
-    hb = b * 256  # elements between one pass's histograms and the next
-    ws = torch.zeros(4 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 4 histograms + 2 counters per row
-    hist, cnt = ws[: 4 * hb], ws[4 * hb:]
-    for p in range(4):
+    for p in range(1, 4):  # pass 0 was accumulated by the logits kernel
         kern._topk_hist_kernel[(b, segs)](
             logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
+            num_stages=cfg.topk_stages,
         )
     kern._topk_select_kernel[(b, segs)](
         logits, logits.stride(0), seq_lens, hist, hb, cnt, block_table, block_table.stride(0), out, out.stride(0),
         TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
+        num_stages=cfg.topk_stages,
     )
     return out

@@ -14,36 +14,54 @@ import triton.language as tl
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, cu_ptr, logits_ptr, stride_lg,
+    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, cu_ptr, seg_ptr, logits_ptr, stride_lg, hist_ptr,
     B, NUM_PROGS,
     BLOCK_B: tl.constexpr,
-    CHUNK: tl.constexpr,
+    PAGES: tl.constexpr,
+    HIST: tl.constexpr,
 ):
-    # Persistent: program p walks work items p, p + NUM_PROGS, ... < cu[B]; item w is chunk c of request b.
+    # Persistent: program p walks work items p, p + NUM_PROGS, ... < cu[B]; item w is the run of up to `seg`
+    # 64-token pages number i = w − cu[b] of request b (seg = ceil(Σ pages / NUM_PROGS), computed on the device).
+    # Tokens are the MMA's M dimension: s[tok, head] = k8[tok] · q8[head] with q8ᵀ as the (shared-memory) B
+    # operand, so the ReLU·w head-sum is a reduction inside each warp's rows, and each page's 8 KB of keys is one
+    # contiguous pipelined copy. With HIST, the top-k's first radix pass (256-bin histogram of the keys' high
+    # byte) is accumulated here too, saving one pass over the logits.
     pid = tl.program_id(0)
     jb = tl.arange(0, BLOCK_B)
     starts = tl.load(cu_ptr + jb, mask=jb < B, other=2147483647)
     total = tl.load(cu_ptr + B)
+    seg = tl.load(seg_ptr)
     hh = tl.arange(0, 64)
     dd = tl.arange(0, 128)
-    tok = tl.arange(0, CHUNK)
+    tok = tl.arange(0, 64 * PAGES)
+    slot = tok % 64
     for w in range(pid, total, NUM_PROGS):
         b = tl.sum((starts <= w).to(tl.int32), 0) - 1
-        c = w - tl.load(cu_ptr + b)
+        i = w - tl.load(cu_ptr + b)
         seq = tl.load(seqlen_ptr + b)
         b64 = b.to(tl.int64)
-        q = tl.load(q_ptr + b64 * 8192 + hh[:, None] * 128 + dd[None, :])  # e4m3 [64, 128]
+        qt = tl.load(q_ptr + b64 * 8192 + hh[None, :] * 128 + dd[:, None])  # e4m3 [128, 64] = q8ᵀ
         wv = tl.load(w_ptr + b64 * 64 + hh)  # fp32 [64]
-        pos = c * CHUNK + tok
-        inb = pos < seq
-        page = tl.load(bt_ptr + b64 * stride_bt + pos // 64, mask=inb, other=0).to(tl.int64)
-        krow = tl.multiple_of(page * 8448 + (pos % 64) * 128, 16)  # page = 64·128 B keys | 64 fp32 scales
-        k = tl.load(kc_ptr + krow[:, None] + dd[None, :], mask=inb[:, None], other=0.0)  # e4m3 [CHUNK, 128]
-        ksc = tl.load(ks_ptr + page * 2112 + 2048 + pos % 64, mask=inb, other=0.0)  # fp32 [CHUNK]
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [64 heads, CHUNK tokens]
-        s = tl.maximum(s, 0.0) * wv[:, None]  # ReLU per head, then the head weight
-        lg = tl.sum(s, 0) * ksc
-        tl.store(logits_ptr + b64 * stride_lg + pos, lg, mask=inb)
+        pg0 = i * seg
+        pg1 = tl.minimum(pg0 + seg, tl.cdiv(seq, 64))
+        btrow = bt_ptr + b64 * stride_bt
+        lrow = logits_ptr + b64 * stride_lg
+        for pg in range(pg0, pg1, PAGES):
+            pgs = pg + tok // 64
+            inb = ((pg * 64 + tok) < seq) & (pgs < pg1)
+            page = tl.load(btrow + pgs, mask=pgs < pg1, other=0).to(tl.int64)
+            krow = tl.multiple_of(page * 8448 + slot * 128, 16)  # page = 64·128 B keys | 64 fp32 scales
+            k = tl.load(kc_ptr + krow[:, None] + dd[None, :], mask=inb[:, None], other=0.0)  # e4m3 [64·PAGES, 128]
+            ksc = tl.load(ks_ptr + page * 2112 + 2048 + slot, mask=inb, other=0.0)  # fp32 [64·PAGES]
+            s = tl.dot(k, qt, out_dtype=tl.float32)  # [64·PAGES tokens, 64 heads]
+            s = tl.maximum(s, 0.0) * wv[None, :]  # ReLU per head, then the head weight
+            lg = tl.sum(s, 1) * ksc
+            tl.store(lrow + pg * 64 + tok, lg, mask=inb)
+            if HIST:
+                bins = tl.arange(0, 256)
+                hist = tl.histogram(tl.where(inb, (_key(lg) >> 24) + 128, 0), 256)
+                hist -= tl.where(bins == 0, 64 * PAGES - tl.sum(inb.to(tl.int32), 0), 0)
+                tl.atomic_add(hist_ptr + b64 * 256 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
