@@ -436,6 +436,57 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072, 8), (32768, 64))) -> list[dict]:
+    """Indexer launch configs side by side (section ``isweep``): logits-only µs for each logits config, then the
+    whole indexer (logits + top-k) for top-k variants on the fastest logits config. Every config's top-k is
+    compared, as a set, with the default config's output."""
+    import torch
+
+    from pdctl.kernels._build import make_indexer_case
+    from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer
+
+    logit_cfgs = [IndexerConfig(chunk_pages=c, logits_warps=w, logits_stages=st, programs_per_sm=pp)
+                  for c, w in ((1, 4), (2, 4), (2, 8)) for st in (3, 4) for pp in (2, 4, 8)]
+    rows = []
+    for L, B in cases:
+        q8, w, cache, bt, sl = make_indexer_case([L] * B, max_context=163840)
+        lg = torch.empty(B, bt.shape[1] * 64, dtype=torch.float32, device="cuda")
+        ref = lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg).sort(dim=1).values.clone()
+        res = []
+        for cfg in logit_cfgs:
+            try:
+                us = graph_us_multi([lambda cfg=cfg: indexer_logits(q8, w, cache, bt, sl, logits=lg, config=cfg)])
+                same = bool(torch.equal(lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)
+                                        .sort(dim=1).values, ref))
+                res.append((us, cfg, same))
+            except Exception as e:
+                log(f"  isweep {cfg} failed: {str(e)[:160]}")
+        res.sort(key=lambda x: x[0])
+        byts = B * L * 132
+        for us, cfg, same in res:
+            log(f"isweep L={L} B={B} logits {us:.1f} us {byts / us / 1e3 / ceil['copy_GBps']:.0%} copy same={same} {cfg}")
+        best = next((c for _, c, ok in res if ok), IndexerConfig())
+        from dataclasses import replace
+
+        full = []
+        for tp, tb, tw, ts in ((264, 1024, 4, 3), (1056, 1024, 4, 3), (2112, 1024, 4, 3), (1056, 4096, 8, 3),
+                               (1056, 2048, 4, 1), (528, 4096, 8, 3)):
+            cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, topk_stages=ts)
+            try:
+                us = graph_us_multi([lambda cfg=cfg: lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)])
+                same = bool(torch.equal(lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)
+                                        .sort(dim=1).values, ref))
+                full.append((us, cfg, same))
+                log(f"isweep L={L} B={B} full {us:.1f} us {byts / us / 1e3 / ceil['copy_GBps']:.0%} copy same={same} {cfg}")
+            except Exception as e:
+                log(f"  isweep {cfg} failed: {str(e)[:160]}")
+        rows.append({"L": L, "B": B, "logits": [(round(u, 2), c.as_dict(), ok) for u, c, ok in res],
+                     "full": [(round(u, 2), c.as_dict(), ok) for u, c, ok in full]})
+        del q8, w, cache, bt, sl, lg
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(REPO / "kernels" / "RESULTS.md"))
@@ -474,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     dec = bench_decode(ceil, args.heads, args.batches, args.fmts, log, "flashmla" in sec, "ref" in sec) \
         if "decode" in sec else []
     log(f"decode done ({time.time() - t0:.0f}s)")
+    isw = bench_indexer_sweep(ceil, log) if "isweep" in sec else []
+    log(f"indexer sweep done ({time.time() - t0:.0f}s)")
     idx = bench_indexer(ceil, args.lens, args.batches, log) if "indexer" in sec else []
     log(f"indexer done ({time.time() - t0:.0f}s)")
     f16 = bench_f16_experiment(args.heads, args.batches, log) if "f16" in sec else []
@@ -488,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir:
         (Path(out_dir) / "RESULTS.md").write_text(text)
         (Path(out_dir) / "bench.json").write_text(json.dumps({"meta": meta, "ceil": ceil, "decode": dec,
-                                                                "indexer": idx, "f16": f16}, indent=1, default=str))
+                                                                "indexer": idx, "f16": f16, "isweep": isw}, indent=1, default=str))
     return 0
 
 

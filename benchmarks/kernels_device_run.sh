@@ -14,12 +14,12 @@ export TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 for s in "${stages[@]}"; do
   case "$s" in
-    tests) timeout 200 python3 -m pytest tests/kernels -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     build) PYTHONPATH=$PWD/.devpkg:${PYTHONPATH:-} timeout 300 python3 -c "
 import sys; sys.argv=['pdctl.kernels','build','--cache-dir','$OUT/kcache','--heads','16']
 sys.path.insert(0,'tests/kernels'); import conftest  # maps kernels/ -> pdctl.kernels on a bare checkout
 from pdctl.kernels.__main__ import main; rc=main(); print('build rc', rc); sys.exit(rc)" 2>&1 | tee "$OUT/build.log" | tail -5
        cp "$OUT/kcache/pdctl-kernels-manifest.json" "$OUT/manifest.json" 2>/dev/null; rm -rf "$OUT/kcache" ;;
-    bench) timeout 560 python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
+    bench) timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
   esac
 done

@@ -235,7 +235,20 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                 for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(64, s0 * 2)}):
                     cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
                                            splits=splits, prefetch=prefetch))
-    return sorted(cands, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))
+    if kv_format == "fp8":
+        from pdctl.kernels._sparse_mla import gluon_available
+
+        if gluon_available():
+            for bh in (16, 32):
+                if bh > max(16, heads):
+                    continue
+                progs = rows * -(-heads // bh)
+                s0 = 1
+                while s0 * progs < num_sms and s0 < 32:
+                    s0 *= 2
+                for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(32, s0 * 2)}):
+                    cands.add(DecodeConfig(block_h=bh, block_n=64, num_warps=4, num_stages=2, splits=splits, gluon=1))
+    return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))
 
 
 def build_and_verify(

@@ -50,6 +50,9 @@ class DecodeConfig:
     mma_f16: int = 0
     """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
     not chosen by ``build_and_verify``)."""
+    gluon: int = 0
+    """FP8 KV on sm_90 only: 1 = the Gluon tokens-as-M wgmma kernel (``_sparse_mla_gluon``; block_h 16 or 32,
+    block_n 64, 4 warps; block_n, num_warps, num_stages and prefetch are ignored)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -92,6 +95,28 @@ def _kernels() -> tuple[Any, Any]:
     from pdctl.kernels import _sparse_mla_kernels as k
 
     return k._sparse_mla_decode_kernel, k._combine_kernel
+
+
+@functools.cache
+def _gluon_kernel() -> Any:
+    from pdctl.kernels import _sparse_mla_gluon as g
+
+    return g._decode_fp8_tm_kernel
+
+
+def gluon_available(device: torch.device | None = None) -> bool:
+    """True when the Gluon FP8 kernel can run here: a Hopper (sm_90) GPU and a Triton that ships Gluon."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    try:
+        _gluon_kernel()
+    except Exception:
+        return False
+    return True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -187,18 +212,29 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
-    compiled = main_k[grid](
-        q, q.stride(0), q.stride(1),
-        kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,
-        indices, indices.stride(0),
-        topk_length if topk_length is not None else indices,
-        out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        mid_o, mid_l,
-        heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
-        ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
-        PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2, MMA_F16=fp8 and bool(cfg.mma_f16),
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.gluon:
+        if not fp8 or cfg.block_h not in (16, 32) or q.dtype != torch.bfloat16:
+            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32, got {cfg}")
+        compiled = _gluon_kernel()[grid](
+            q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
+            topk_length if topk_length is not None else indices,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
+            heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
+            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, num_warps=4,
+        )
+    else:
+        compiled = main_k[grid](
+            q, q.stride(0), q.stride(1),
+            kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,
+            indices, indices.stride(0),
+            topk_length if topk_length is not None else indices,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0),
+            mid_o, mid_l,
+            heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
+            ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
+            PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2, MMA_F16=fp8 and bool(cfg.mma_f16),
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1:
         comb_k[(t_rows, heads)](
