@@ -179,7 +179,10 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
                                     .to(torch.int32) for _ in range(nrot - 1)]
                     r["rotations"] = nrot
                     best = None
-                    for cfg in _decode_candidates(h, rows, nsm, fmt):
+                    cands = _decode_candidates(h, rows, nsm, fmt)
+                    if os.environ.get("PDCTL_BENCH_GLUON_ONLY"):
+                        cands = [c for c in cands if c.gluon]
+                    for cfg in cands:
                         try:
                             o.fill_(float("nan"))
                             lse.fill_(float("nan"))
@@ -446,7 +449,7 @@ def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072,
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer
 
     logit_cfgs = [IndexerConfig(chunk_pages=c, logits_warps=w, logits_stages=st, programs_per_sm=pp)
-                  for c, w in ((1, 4), (2, 4), (2, 8)) for st in (3, 4) for pp in (2, 4, 8)]
+                  for c, w, st in ((1, 4, 3), (1, 4, 5), (2, 8, 3)) for pp in (4, 8, 16)]
     rows = []
     for L, B in cases:
         q8, w, cache, bt, sl = make_indexer_case([L] * B, max_context=163840)
@@ -469,8 +472,8 @@ def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072,
         from dataclasses import replace
 
         full = []
-        for tp, tb, tw, ts in ((264, 1024, 4, 3), (1056, 1024, 4, 3), (2112, 1024, 4, 3), (1056, 4096, 8, 3),
-                               (1056, 2048, 4, 1), (528, 4096, 8, 3)):
+        for tp, tb, tw, ts in ((264, 1024, 4, 3), (528, 1024, 4, 3), (1056, 1024, 4, 3), (2112, 1024, 4, 3),
+                               (1056, 2048, 4, 3), (528, 2048, 8, 3)):
             cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, topk_stages=ts)
             try:
                 us = graph_us_multi([lambda cfg=cfg: lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)])

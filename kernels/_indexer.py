@@ -4,22 +4,23 @@ Every launch has a grid fixed by the host's SM count and the batch size — neve
 width or the max context (the failure mode of the spec §4.2: SGLang's contract hands a replacement a
 full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x tok/s by sizing a grid by it):
 
-1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = programs_per_sm x SMs). The work list is
-   built on the device from ``seq_lens`` — pages ``p_b = ceil(L_b / 64)``, a run length
-   ``seg = ceil(Σ p_b / P)``, ``n_b = ceil(p_b / seg)`` items per request and their exclusive prefix ``cu`` (torch
-   ops on the device, no host sync, so it is CUDA-graph safe and balanced whatever the mix of lengths) — and
-   program p walks items p, p+P, … < cu[B]. Item (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for
-   each ``chunk_pages`` 64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page
-   (8448 B, one contiguous page), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64
-   heads]``, ReLU per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows),
-   ``· k_scale``, and stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
+1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = programs_per_sm x SMs). Each program derives
+   the work list from ``seq_lens`` on the device — pages ``p_b = ceil(L_b / 64)``, a run length
+   ``seg = ceil(Σ p_b / P)`` pages, ``n_b = ceil(p_b / seg)`` runs per request and their prefix sum — so it needs
+   no host sync and no extra launch (CUDA-graph safe), and is balanced whatever the mix of lengths; program p
+   walks runs p, p+P, … Run (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for each ``chunk_pages``
+   64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page (8448 B, one
+   contiguous page), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
+   per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
+   stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
-   logits (one byte per pass, high byte first): four 256-bin histograms of the keys that match the bytes picked
-   so far — the first accumulated by the logits kernel as it writes the logits, the other three by
-   ``_topk_hist_kernel`` passes — then ``_topk_select_kernel`` writes every key above the k-th largest plus
-   enough keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass runs on a
+   logits, high bits first: a 256-bin histogram of the top byte (counted by the logits kernel as it writes the
+   logits), then four 6-bit digits (``_topk_hist_kernel`` passes 1–4, 64-bin histograms of the keys that match
+   the digits picked so far), then ``_topk_select_kernel`` writes every key above the k-th largest plus enough
+   keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass runs on a
    ``(B, R)`` grid, R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads
-   over the GPU; a program whose share of a short row is empty exits at once), accumulating with global atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
+   over the GPU; a program whose share of a short row is empty exits at once), accumulating with global
+   atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
    are mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the select pass (SGLang's
    ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied at the
    k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
@@ -130,18 +131,12 @@ def indexer_logits(
     if b == 0:
         return logits
     programs = cfg.programs_per_sm * _num_sms(q8.device)
-    pages = (seq_lens.clamp_min(0) + 63) // 64
-    per = cfg.chunk_pages  # runs are whole loop steps
-    seg = (((pages.sum() + (programs - 1)) // programs + (per - 1)) // per * per).clamp_min(per)
-    seg = seg.to(torch.int32).reshape(1)
-    cu = torch.zeros(b + 1, dtype=torch.int32, device=q8.device)
-    torch.cumsum((pages + seg - 1) // seg, 0, out=cu[1:])
     kern = _kernels()
     kc = index_k_cache.view(torch.float8_e4m3fn)
     ks = index_k_cache.view(torch.float32)
     kern._indexer_logits_kernel[(programs,)](
-        q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, cu, seg, logits, logits.stride(0),
-        hist if hist is not None else cu,
+        q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, logits, logits.stride(0),
+        hist if hist is not None else seq_lens,
         b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=hist is not None,
         num_warps=cfg.logits_warps,
         num_stages=cfg.logits_stages,
@@ -192,15 +187,15 @@ def lightning_indexer(
     if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
     hb = b * 256  # elements between one pass's histograms and the next
-    ws = torch.zeros(4 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 4 histograms + 2 counters per row
-    hist, cnt = ws[: 4 * hb], ws[4 * hb:]
+    ws = torch.zeros(5 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 5 histograms + 2 counters per row
+    hist, cnt = ws[: 5 * hb], ws[5 * hb:]
     logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg, hist=hist)
     if b == 0:
         return out
     kern = _kernels()
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
-    for p in range(1, 4):  # pass 0 was accumulated by the logits kernel
+    for p in range(1, 5):  # pass 0 was counted by the logits kernel
         kern._topk_hist_kernel[(b, segs)](
             logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
             num_stages=cfg.topk_stages,

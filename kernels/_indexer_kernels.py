@@ -1,11 +1,14 @@
 """Triton kernels of the lightning indexer (imported lazily by ``_indexer``; see its docstring for the design).
 
 Keys for the top-k: an fp32 logit's bits ``i`` map to the order-preserving signed key ``i ^ ((i >> 31) & 0x7fffffff)``
-(negative floats get their magnitude bits flipped). The radix select runs on the key's four bytes, high
-byte first (offset by 128 to be non-negative), each pass a 256-bin ``tl.histogram`` over the keys that match
-the bytes chosen so far, accumulated by many programs per row with global atomics. (A first version used three
-11-bit digits with 2048-bin histograms: on an H200 its top-k took ~38 µs for one 8K row, i.e. ~9 µs per pass;
-our unverified reading is that Triton's histogram lowering costs grow with the bin count.) Grids: ``(B, R)`` with R fixed by the SM count and B, never by the context length.
+(negative floats get their magnitude bits flipped). The radix select runs on the key high bits first: the top
+byte (offset by 128 to be non-negative, a 256-bin histogram counted by the logits kernel as it writes the logits),
+then four 6-bit digits (64-bin histograms, ``_topk_hist_kernel`` passes 1–4) over the keys that match the digits
+chosen so far, accumulated by many programs per row with global atomics. Digit widths follow the cost of
+``tl.histogram`` on sm_90 (Triton 3.6 lowers it to one warp vote per bit plus a population count per bin a lane
+owns; counted in the PTX: 256 bins ≈ 2.5 warp instructions per key, 64 bins ≈ 0.6, so the 6-bit passes stay
+memory-bound while the earlier 8-bit passes were issue-bound at ~25 µs per 8 MB of logits on an H200). Grids:
+``(B, R)`` with R fixed by the SM count and B, never by the context length.
 """
 
 import triton
@@ -14,31 +17,37 @@ import triton.language as tl
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, cu_ptr, seg_ptr, logits_ptr, stride_lg, hist_ptr,
+    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, logits_ptr, stride_lg, hist_ptr,
     B, NUM_PROGS,
     BLOCK_B: tl.constexpr,
     PAGES: tl.constexpr,
     HIST: tl.constexpr,
 ):
-    # Persistent: program p walks work items p, p + NUM_PROGS, ... < cu[B]; item w is the run of up to `seg`
-    # 64-token pages number i = w − cu[b] of request b (seg = ceil(Σ pages / NUM_PROGS), computed on the device).
-    # Tokens are the MMA's M dimension: s[tok, head] = k8[tok] · q8[head] with q8ᵀ as the (shared-memory) B
-    # operand, so the ReLU·w head-sum is a reduction inside each warp's rows, and each page's 8 KB of keys is one
-    # contiguous pipelined copy. With HIST, the top-k's first radix pass (256-bin histogram of the keys' high
-    # byte) is accumulated here too, saving one pass over the logits.
+    # Persistent: every program derives the same work list from seq_lens (no host sync, no extra launch):
+    # p_b = ceil(L_b / 64) pages, runs of seg = ceil(Σ p_b / NUM_PROGS) pages (a multiple of PAGES), n_b runs per
+    # request; program p walks runs p, p + NUM_PROGS, ... Tokens are the MMA's M dimension:
+    # s[tok, head] = k8[tok] · q8[head] with q8ᵀ as the (shared-memory) B operand, so the ReLU·w head-sum is a
+    # reduction inside each warp's rows, and each page's 8 KB of keys is one contiguous pipelined copy. With
+    # HIST, the top-k's first radix pass (256-bin histogram of the keys' high byte) is counted here too.
     pid = tl.program_id(0)
     jb = tl.arange(0, BLOCK_B)
-    starts = tl.load(cu_ptr + jb, mask=jb < B, other=2147483647)
-    total = tl.load(cu_ptr + B)
-    seg = tl.load(seg_ptr)
+    lens = tl.maximum(tl.load(seqlen_ptr + jb, mask=jb < B, other=0), 0)
+    pages = tl.cdiv(lens, 64)
+    seg = tl.cdiv(tl.cdiv(tl.sum(pages, 0), NUM_PROGS), PAGES) * PAGES
+    seg = tl.maximum(seg, PAGES)
+    runs = tl.cdiv(pages, seg)
+    cu_incl = tl.cumsum(runs, 0)
+    cu_excl = cu_incl - runs
+    total = tl.sum(runs, 0)
     hh = tl.arange(0, 64)
     dd = tl.arange(0, 128)
     tok = tl.arange(0, 64 * PAGES)
     slot = tok % 64
     for w in range(pid, total, NUM_PROGS):
-        b = tl.sum((starts <= w).to(tl.int32), 0) - 1
-        i = w - tl.load(cu_ptr + b)
-        seq = tl.load(seqlen_ptr + b)
+        b = tl.sum((cu_incl <= w).to(tl.int32), 0)
+        sel = jb == b
+        i = w - tl.sum(tl.where(sel, cu_excl, 0), 0)
+        seq = tl.sum(tl.where(sel, lens, 0), 0)
         b64 = b.to(tl.int64)
         qt = tl.load(q_ptr + b64 * 8192 + hh[None, :] * 128 + dd[:, None])  # e4m3 [128, 64] = q8ᵀ
         wv = tl.load(w_ptr + b64 * 64 + hh)  # fp32 [64]
@@ -71,9 +80,9 @@ def _key(x):
 
 
 @triton.jit
-def _pick_digit(hist_ptr, need):
+def _pick_digit(hist_ptr, need, NB: tl.constexpr):
     # Largest digit d with #(keys with digit >= d) >= need; returns (d, need minus the keys strictly above d).
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, NB)
     h = tl.load(hist_ptr + bins)
     suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
@@ -84,21 +93,25 @@ def _pick_digit(hist_ptr, need):
 
 @triton.jit
 def _threshold(hist_ptr, HB, PASSES: tl.constexpr, TOPK: tl.constexpr):
-    # Key prefix (and the count still needed among keys equal to it) from the histograms of passes < PASSES.
+    # Key prefix (and the count still needed among keys equal to it) from the histograms of passes < PASSES:
+    # pass 0 is the 8-bit top byte, pass p ≥ 1 the 6-bit digit at bits [24 − 6p, 30 − 6p).
     # hist_ptr points at this row's pass-0 histogram; pass p's is p·HB elements further.
     need = tl.full([], TOPK, dtype=tl.int32)
     thr = tl.zeros([], dtype=tl.int32)
     if PASSES >= 1:
-        d, need = _pick_digit(hist_ptr, need)
+        d, need = _pick_digit(hist_ptr, need, 256)
         thr = (d - 128) << 24
     if PASSES >= 2:
-        d, need = _pick_digit(hist_ptr + HB, need)
-        thr = thr | (d << 16)
+        d, need = _pick_digit(hist_ptr + HB, need, 64)
+        thr = thr | (d << 18)
     if PASSES >= 3:
-        d, need = _pick_digit(hist_ptr + 2 * HB, need)
-        thr = thr | (d << 8)
+        d, need = _pick_digit(hist_ptr + 2 * HB, need, 64)
+        thr = thr | (d << 12)
     if PASSES >= 4:
-        d, need = _pick_digit(hist_ptr + 3 * HB, need)
+        d, need = _pick_digit(hist_ptr + 3 * HB, need, 64)
+        thr = thr | (d << 6)
+    if PASSES >= 5:
+        d, need = _pick_digit(hist_ptr + 4 * HB, need, 64)
         thr = thr | d
     return thr, need
 
@@ -108,12 +121,13 @@ def _topk_hist_kernel(
     logits_ptr, stride_lg, seqlen_ptr, hist_ptr, HB,
     PASS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Pass PASS (0..3) of the radix select: 256-bin histogram of key byte 3 − PASS over this program's segment
-    # of row b, counting only keys whose higher bytes equal the prefix picked from passes < PASS.
+    # Pass PASS (1..4) of the radix select: 64-bin histogram of the 6-bit digit at bits [24 − 6·PASS, 30 − 6·PASS)
+    # over this program's segment of row b, counting only keys whose higher bits equal the prefix picked so far.
     b = tl.program_id(0)
     r = tl.program_id(1)
     nr = tl.num_programs(1)
     seq = tl.load(seqlen_ptr + b)
+    SH: tl.constexpr = 24 - 6 * PASS  # the digit's lowest bit; bits ≥ SH + 6 are the prefix
     if seq > TOPK:
         b64 = b.to(tl.int64)
         hrow = hist_ptr + b64 * 256
@@ -122,21 +136,16 @@ def _topk_hist_kernel(
         lo = r * seg
         hi = tl.minimum(lo + seg, seq)
         offs = tl.arange(0, BLOCK)
-        hist = tl.zeros([256], dtype=tl.int32)
+        hist = tl.zeros([64], dtype=tl.int32)
         nomatch = tl.zeros([], dtype=tl.int32)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + offs
             inb = n < hi
             ks = _key(tl.load(logits_ptr + b64 * stride_lg + n, mask=inb, other=0.0))
-            if PASS == 0:
-                dig = (ks >> 24) + 128
-                match = inb
-            else:
-                dig = (ks >> (24 - 8 * PASS)) & 255
-                match = inb & ((ks >> (32 - 8 * PASS)) == (thr >> (32 - 8 * PASS)))
-            hist += tl.histogram(tl.where(match, dig, 0), 256)
+            match = inb & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
+            hist += tl.histogram(tl.where(match, (ks >> SH) & 63, 0), 64)
             nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
-        bins = tl.arange(0, 256)
+        bins = tl.arange(0, 64)
         hist -= tl.where(bins == 0, nomatch, 0)
         tl.atomic_add(hrow + PASS * HB + bins, hist, mask=hist > 0, sem="relaxed")
 
@@ -166,7 +175,7 @@ def _topk_select_kernel(
                     val = page * 64 + j % 64
                 tl.store(orow + j, tl.where(inb, val, -1), mask=j < TOPK)
     else:
-        thr, need = _threshold(hist_ptr + b64 * 256, HB, 4, TOPK)
+        thr, need = _threshold(hist_ptr + b64 * 256, HB, 5, TOPK)
         n_gt = TOPK - need
         seg = tl.cdiv(tl.cdiv(seq, nr), BLOCK) * BLOCK
         lo = r * seg

@@ -51,8 +51,9 @@ class DecodeConfig:
     """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
     not chosen by ``build_and_verify``)."""
     gluon: int = 0
-    """FP8 KV on sm_90 only: 1 = the Gluon tokens-as-M wgmma kernel (``_sparse_mla_gluon``; block_h 16 or 32,
-    block_n 64, 4 warps; block_n, num_warps, num_stages and prefetch are ignored)."""
+    """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernel (``_sparse_mla_gluon``; block_h 16 or 32, 64-token
+    tiles, 4 warps; block_n, num_warps, num_stages and prefetch are ignored) with 1: two cp.async stages,
+    2: one stage."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -220,7 +221,8 @@ def sparse_mla_decode(
             topk_length if topk_length is not None else indices,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
-            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, num_warps=4,
+            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h,
+            STAGES=2 if cfg.gluon == 1 else 1, num_warps=4,
         )
     else:
         compiled = main_k[grid](

@@ -6,19 +6,22 @@ Why a second kernel: in the ``tl.dot`` kernel (``_sparse_mla_kernels``) a 16-hea
 with the converted FP8 tile on top that is 255 registers and spills (compiled offline with ``ptxas -v`` for
 sm_90a), i.e. one or two programs per SM and few gathers in flight. Here one warpgroup (4 warps) owns a program:
 
-* Sᵀ[64 tokens, BH heads] = K_g[64, 128] · Q_gᵀ[128, BH] per 128-lane chunk g (plus the 64 rope lanes), with K_g
-  converted e4m3 → bf16 straight into wgmma's register A operand and Qᵀ resident in shared memory as the B
-  operand; the chunk's per-token scale multiplies its partial score (``s += sc_g[:, None] · S_g``), as in the
-  ``tl.dot`` kernel, so no element-wise dequantisation happens;
-* the online softmax runs over tokens (axis 0), and Oᵀ_g[128, BH] += V_gᵀ[128, 64] · (P ∘ sc_g)ᵀ[64, BH] with V_gᵀ
-  read transposed from the same staged bytes and (P ∘ sc_g)ᵀ written to shared memory as the B operand;
-* the 64 gathered rows of the next tile (512 e4m3 + 64 bf16 lanes each) are in flight as 16-byte ``cp.async``
-  copies into the other of two shared-memory stages while this tile computes; index and scale loads run one
-  tile ahead in registers.
+* the 64 gathered rows of a tile (512 e4m3 + 64 bf16 lanes each) arrive in shared memory as 16-byte ``cp.async``
+  copies, ``STAGES`` tiles in flight; each tile is converted once, e4m3 → bf16 (16-byte shared loads and stores,
+  no scale applied), into four [64, 128] wgmma-swizzled chunks;
+* Sᵀ[64 tokens, BH heads] = K_g[64, 128] · Q_gᵀ[128, BH] per chunk g (plus the 64 rope lanes), both operands read
+  by wgmma from shared memory; the chunk's per-token scale multiplies its partial score
+  (``s += sc_g[:, None] · S_g``), as in the ``tl.dot`` kernel;
+* the online softmax runs over tokens (axis 0), and Oᵀ_g[128, BH] += K_gᵀ[128, 64] · (P ∘ sc_g)ᵀ[64, BH], the same
+  converted chunk read transposed (an MN-major A operand) and (P ∘ sc_g)ᵀ written to shared memory as B.
+
+An earlier version converted each chunk straight into wgmma's register A operand from the staged bytes; the
+transposed byte gathers for the PV product bank-conflicted and it ran 10 % slower than the ``tl.dot`` kernel on
+the H200 (2026-11-30), so the bf16 tile is now staged once.
 
 Program grid, split-K and the LSE merge are those of the ``tl.dot`` kernel (``_combine_kernel`` merges splits).
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses it only when the config
-says ``gluon=1``.
+says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one).
 """
 
 from triton.experimental import gluon
@@ -28,23 +31,33 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 
 @gluon.jit
-def _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_buf, rope_buf,
-                CP_NOPE: gl.constexpr, CP_ROPE: gl.constexpr):
-    # Gather 64 selected rows: 512 e4m3 lanes and 64 bf16 rope lanes each, as 16-byte cp.async copies.
-    offs_a = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, CP_NOPE))
-    idx_a = gl.load(irow + offs_a, mask=offs_a < end, other=-1)
-    row_a = gl.where(idx_a >= 0, idx_a, 0).to(gl.int64) * 656
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, CP_NOPE))
-    ptrs = kv8_ptr + gl.expand_dims(row_a, 1) + gl.expand_dims(cols, 0)
-    mask = gl.expand_dims(idx_a >= 0, 1) & gl.expand_dims(cols < 512, 0)
-    cp.async_copy_global_to_shared(nope_buf, ptrs, mask=mask)
-    offs_b = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, CP_ROPE))
-    idx_b = gl.load(irow + offs_b, mask=offs_b < end, other=-1)
-    row_b = gl.where(idx_b >= 0, idx_b, 0).to(gl.int64) * 328 + 264
-    colr = gl.arange(0, 64, layout=gl.SliceLayout(0, CP_ROPE))
-    rptrs = kvr_ptr + gl.expand_dims(row_b, 1) + gl.expand_dims(colr, 0)
-    rmask = gl.expand_dims(idx_b >= 0, 1) & gl.expand_dims(colr < 64, 0)
-    cp.async_copy_global_to_shared(rope_buf, rptrs, mask=rmask)
+def _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_buf, rope_buf, CP_NOPE: gl.constexpr, CP_ROPE: gl.constexpr):
+    # Gather 64 selected rows into shared memory as 16-byte cp.async copies: 512 e4m3 lanes and 64 bf16 rope
+    # lanes per row; invalid rows (index -1, or past `end`) are zero-filled.
+    offs = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, CP_NOPE))
+    idx = gl.load(irow + offs, mask=offs < end, other=-1)
+    base = gl.expand_dims(gl.where(idx >= 0, idx, 0).to(gl.int64) * 656, 1)
+    cols = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, CP_NOPE)), 0)
+    cp.async_copy_global_to_shared(nope_buf, kv8_ptr + base + cols, mask=gl.expand_dims(idx >= 0, 1) & (cols < 512))
+    offs_r = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, CP_ROPE))
+    idx_r = gl.load(irow + offs_r, mask=offs_r < end, other=-1)
+    base_r = gl.expand_dims(gl.where(idx_r >= 0, idx_r, 0).to(gl.int64) * 328 + 264, 1)
+    cols_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CP_ROPE)), 0)
+    cp.async_copy_global_to_shared(rope_buf, kvr_ptr + base_r + cols_r,
+                                   mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64))
+
+
+@gluon.jit
+def _load_scales(kvs_ptr, irow, n0, end, ROW: gl.constexpr):
+    offs = n0 + gl.arange(0, 64, layout=ROW)
+    idx = gl.load(irow + offs, mask=offs < end, other=-1)
+    valid = idx >= 0
+    srow = gl.where(valid, idx, 0).to(gl.int64) * 164 + 128
+    c0 = gl.load(kvs_ptr + srow, mask=valid, other=0.0)
+    c1 = gl.load(kvs_ptr + srow + 1, mask=valid, other=0.0)
+    c2 = gl.load(kvs_ptr + srow + 2, mask=valid, other=0.0)
+    c3 = gl.load(kvs_ptr + srow + 3, mask=valid, other=0.0)
+    return c0, c1, c2, c3, valid
 
 
 @gluon.jit
@@ -54,17 +67,18 @@ def _decode_fp8_tm_kernel(
     idx_ptr, stride_it, len_ptr,
     o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr,
     H, K, qk_scale_log2, SPLITS,
-    HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr,
+    HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LD_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     CP_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-    CP_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ST_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
-    NOPE_SL: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
-    ROPE_SL: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], gl.bfloat16)
     QPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], gl.bfloat16)
     P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_H], gl.bfloat16)
@@ -73,7 +87,6 @@ def _decode_fp8_tm_kernel(
     hb = gl.program_id(1)
     sp = gl.program_id(2)
 
-    # Q^T chunks into shared memory (wgmma B operands), stored [heads, lanes] and viewed transposed.
     qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     qd = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     qrow = q_ptr + t.to(gl.int64) * stride_qt + gl.expand_dims(qh, 1) * stride_qh
@@ -83,11 +96,13 @@ def _decode_fp8_tm_kernel(
         q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
     qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
     qpe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], QPE_SL,
-                                      gl.load(qrow + 512 + gl.expand_dims(qd2, 0), mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+                                      gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
+                                              mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], KC_SL)
+    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KPE_SL)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_H], P_SL)
-    nope_s = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 512], NOPE_SL)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], ROPE_SL)
-    fence_async_shared()
+    nope_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 512], ST_SL)
+    rope_st = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 64], ST_SL)
 
     n_valid = K
     if HAS_LEN:
@@ -106,37 +121,43 @@ def _decode_fp8_tm_kernel(
     acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
     zs = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
 
-    _issue_tile(kv8_ptr, kvr_ptr, irow, start, end, nope_s.index(0), rope_s.index(0), CP_NOPE, CP_ROPE)
-    cp.commit_group()
-    offs = start + gl.arange(0, 64, layout=ROW)
-    idx_n = gl.load(irow + offs, mask=offs < end, other=-1)
-    for it in range(n_tiles):
-        stg = it % 2
-        n0 = start + it * 64
-        idx_c = idx_n
-        srow = gl.where(idx_c >= 0, idx_c, 0).to(gl.int64) * 164 + 128
-        c0 = gl.load(kvs_ptr + srow, mask=idx_c >= 0, other=0.0)
-        c1 = gl.load(kvs_ptr + srow + 1, mask=idx_c >= 0, other=0.0)
-        c2 = gl.load(kvs_ptr + srow + 2, mask=idx_c >= 0, other=0.0)
-        c3 = gl.load(kvs_ptr + srow + 3, mask=idx_c >= 0, other=0.0)
-        _issue_tile(kv8_ptr, kvr_ptr, irow, n0 + 64, end, nope_s.index(1 - stg), rope_s.index(1 - stg), CP_NOPE, CP_ROPE)
+    for j in gl.static_range(STAGES - 1):
+        _issue_tile(kv8_ptr, kvr_ptr, irow, start + j * 64, end, nope_st.index(j), rope_st.index(j), CP_NOPE, LD_ROPE)
         cp.commit_group()
-        offs = n0 + 64 + gl.arange(0, 64, layout=ROW)
-        idx_n = gl.load(irow + offs, mask=offs < end, other=-1)
-        cp.wait_group(1)
+    d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, start, end, ROW)
+    for it in range(n_tiles):
+        n0 = start + it * 64
+        stg = it % STAGES
+        if STAGES > 1:
+            # the stage read in the previous iteration is free (barrier at its end): refill it
+            _issue_tile(kv8_ptr, kvr_ptr, irow, n0 + (STAGES - 1) * 64, end, nope_st.index((it + STAGES - 1) % STAGES),
+                        rope_st.index((it + STAGES - 1) % STAGES), CP_NOPE, LD_ROPE)
+            cp.commit_group()
+            cp.wait_group(STAGES - 1)
+        else:
+            _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_st.index(0), rope_st.index(0), CP_NOPE, LD_ROPE)
+            cp.commit_group()
+            cp.wait_group(0)
         gl.thread_barrier()
-        nope = nope_s.index(stg)
-        kpe = rope_s.index(stg).load(A_OP)
-        s = warpgroup_mma(kpe, qpe_s.permute([1, 0]), zs)
-        k0 = nope.slice(0, 128, dim=1).load(A_OP).to(gl.bfloat16)
-        s += warpgroup_mma(k0, q_s.index(0).permute([1, 0]), zs) * gl.expand_dims(c0, 1)
-        k1 = nope.slice(128, 128, dim=1).load(A_OP).to(gl.bfloat16)
-        s += warpgroup_mma(k1, q_s.index(1).permute([1, 0]), zs) * gl.expand_dims(c1, 1)
-        k2 = nope.slice(256, 128, dim=1).load(A_OP).to(gl.bfloat16)
-        s += warpgroup_mma(k2, q_s.index(2).permute([1, 0]), zs) * gl.expand_dims(c2, 1)
-        k3 = nope.slice(384, 128, dim=1).load(A_OP).to(gl.bfloat16)
-        s += warpgroup_mma(k3, q_s.index(3).permute([1, 0]), zs) * gl.expand_dims(c3, 1)
-        valid = idx_c >= 0
+        nst = nope_st.index(stg)
+        kc_s.index(0).store(nst.slice(0, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+        kc_s.index(1).store(nst.slice(128, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+        kc_s.index(2).store(nst.slice(256, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+        kc_s.index(3).store(nst.slice(384, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+        kpe_s.store(rope_st.index(stg).load(LD_ROPE))
+        c0 = d0
+        c1 = d1
+        c2 = d2
+        c3 = d3
+        valid = rv
+        d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, n0 + 64, end, ROW)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(kpe_s, qpe_s.permute([1, 0]), zs)
+        s += warpgroup_mma(kc_s.index(0), q_s.index(0).permute([1, 0]), zs) * gl.expand_dims(c0, 1)
+        s += warpgroup_mma(kc_s.index(1), q_s.index(1).permute([1, 0]), zs) * gl.expand_dims(c1, 1)
+        s += warpgroup_mma(kc_s.index(2), q_s.index(2).permute([1, 0]), zs) * gl.expand_dims(c2, 1)
+        s += warpgroup_mma(kc_s.index(3), q_s.index(3).permute([1, 0]), zs) * gl.expand_dims(c3, 1)
         s = gl.where(gl.expand_dims(valid, 1), s * qk_scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
@@ -150,14 +171,10 @@ def _decode_fp8_tm_kernel(
         fence_async_shared()
         gl.thread_barrier()
         al = gl.expand_dims(alpha, 0)
-        v = nope.slice(0, 128, dim=1).permute([1, 0]).load(A_OP).to(gl.bfloat16)
-        acc0 = warpgroup_mma(v, p_s.index(0), acc0 * al)
-        v = nope.slice(128, 128, dim=1).permute([1, 0]).load(A_OP).to(gl.bfloat16)
-        acc1 = warpgroup_mma(v, p_s.index(1), acc1 * al)
-        v = nope.slice(256, 128, dim=1).permute([1, 0]).load(A_OP).to(gl.bfloat16)
-        acc2 = warpgroup_mma(v, p_s.index(2), acc2 * al)
-        v = nope.slice(384, 128, dim=1).permute([1, 0]).load(A_OP).to(gl.bfloat16)
-        acc3 = warpgroup_mma(v, p_s.index(3), acc3 * al)
+        acc0 = warpgroup_mma(kc_s.index(0).permute([1, 0]), p_s.index(0), acc0 * al)
+        acc1 = warpgroup_mma(kc_s.index(1).permute([1, 0]), p_s.index(1), acc1 * al)
+        acc2 = warpgroup_mma(kc_s.index(2).permute([1, 0]), p_s.index(2), acc2 * al)
+        acc3 = warpgroup_mma(kc_s.index(3).permute([1, 0]), p_s.index(3), acc3 * al)
         gl.thread_barrier()
     cp.wait_group(0)
 

@@ -47,8 +47,8 @@ def test_sparse_mla_decode_matches_the_reference_at_real_shapes(kv_format, heads
 
 
 @pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 32), (128, 16)])
-@pytest.mark.parametrize("rows,splits", [(1, 32), (8, 4), (64, 1), (64, 2)])
-def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits):
+@pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (64, 1, 1), (64, 2, 2)])
+def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits, variant):
     from pdctl.kernels._sparse_mla import DecodeConfig, gluon_available
 
     if not gluon_available():
@@ -57,7 +57,7 @@ def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits):
     ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
     o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((rows, heads), float("nan"), device="cuda")
-    cfg = DecodeConfig(block_h=block_h, splits=splits, gluon=1)
+    cfg = DecodeConfig(block_h=block_h, splits=splits, gluon=variant)
     sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse, config=cfg)
     err = _decode_tolerance_check(o, lse, ro, rl)
     assert err["ok"], err
