@@ -53,7 +53,7 @@ class DecodeConfig:
     gluon: int = 0
     """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernel (``_sparse_mla_gluon``; block_h 16 or 32, 64-token
     tiles, 4 warps; block_n, num_warps, num_stages and prefetch are ignored) with 1: two cp.async stages,
-    2: one stage."""
+    2: one stage, 3: rows loaded straight into registers (no staging, two programs per SM)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -214,15 +214,15 @@ def sparse_mla_decode(
     main_k, comb_k = _kernels()
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
     if cfg.gluon:
-        if not fp8 or cfg.block_h not in (16, 32) or q.dtype != torch.bfloat16:
-            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32, got {cfg}")
+        if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
+            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-3, got {cfg}")
         compiled = _gluon_kernel()[grid](
             q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
             topk_length if topk_length is not None else indices,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
             HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h,
-            STAGES=2 if cfg.gluon == 1 else 1, num_warps=4,
+            STAGES={1: 2, 2: 1, 3: 0}[cfg.gluon], num_warps=4,
         )
     else:
         compiled = main_k[grid](

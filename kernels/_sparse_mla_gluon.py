@@ -6,8 +6,9 @@ Why a second kernel: in the ``tl.dot`` kernel (``_sparse_mla_kernels``) a 16-hea
 with the converted FP8 tile on top that is 255 registers and spills (compiled offline with ``ptxas -v`` for
 sm_90a), i.e. one or two programs per SM and few gathers in flight. Here one warpgroup (4 warps) owns a program:
 
-* the 64 gathered rows of a tile (512 e4m3 + 64 bf16 lanes each) arrive in shared memory as 16-byte ``cp.async``
-  copies, ``STAGES`` tiles in flight; each tile is converted once, e4m3 → bf16 (16-byte shared loads and stores,
+* the 64 gathered rows of a tile (512 e4m3 + 64 bf16 lanes each) arrive either in shared memory as 16-byte
+  ``cp.async`` copies, ``STAGES`` tiles in flight, or (``STAGES = 0``) straight in registers, with half the
+  shared memory so that two programs share an SM; each tile is converted once, e4m3 → bf16 (16-byte accesses,
   no scale applied), into four [64, 128] wgmma-swizzled chunks;
 * Sᵀ[64 tokens, BH heads] = K_g[64, 128] · Q_gᵀ[128, BH] per chunk g (plus the 64 rope lanes), both operands read
   by wgmma from shared memory; the chunk's per-token scale multiplies its partial score
@@ -17,11 +18,13 @@ sm_90a), i.e. one or two programs per SM and few gathers in flight. Here one war
 
 An earlier version converted each chunk straight into wgmma's register A operand from the staged bytes; the
 transposed byte gathers for the PV product bank-conflicted and it ran 10 % slower than the ``tl.dot`` kernel on
-the H200 (2026-11-30), so the bf16 tile is now staged once.
+the H200 (2026-11-30), so the bf16 tile is now staged once. Register use (``ptxas -v``, sm_90a, 16 heads): 255 with
+spills while the compiler hoisted the loop-invariant wgmma descriptors out of the loop, 168–186 once a
+not-provably-zero index keeps them inside it.
 
 Program grid, split-K and the LSE merge are those of the ``tl.dot`` kernel (``_combine_kernel`` merges splits).
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses it only when the config
-says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one).
+says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging).
 """
 
 from triton.experimental import gluon
@@ -61,6 +64,37 @@ def _load_scales(kvs_ptr, irow, n0, end, ROW: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(kv8_ptr, kvs_ptr, kvr_ptr, irow, n0, end,
+               LD_NOPE: gl.constexpr, LD_ROPE: gl.constexpr, ROW: gl.constexpr):
+    # One tile of 64 selected rows into registers: four [64, 128] e4m3 chunks, the [64, 64] bf16 rope lanes, the
+    # four per-chunk scales and the validity of each row (index ≥ 0 and inside [n0, end)).
+    offs = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_NOPE))
+    idx = gl.load(irow + offs, mask=offs < end, other=-1)
+    ok = gl.expand_dims(idx >= 0, 1)
+    base = gl.expand_dims(gl.where(idx >= 0, idx, 0).to(gl.int64) * 656, 1)
+    cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LD_NOPE)), 0)
+    m = ok & (cols < 128)
+    k0 = gl.load(kv8_ptr + base + cols, mask=m, other=0.0)
+    k1 = gl.load(kv8_ptr + base + 128 + cols, mask=m, other=0.0)
+    k2 = gl.load(kv8_ptr + base + 256 + cols, mask=m, other=0.0)
+    k3 = gl.load(kv8_ptr + base + 384 + cols, mask=m, other=0.0)
+    offs_r = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD_ROPE))
+    idx_r = gl.load(irow + offs_r, mask=offs_r < end, other=-1)
+    base_r = gl.expand_dims(gl.where(idx_r >= 0, idx_r, 0).to(gl.int64) * 328 + 264, 1)
+    cols_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_ROPE)), 0)
+    kpe = gl.load(kvr_ptr + base_r + cols_r, mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64), other=0.0)
+    offs_s = n0 + gl.arange(0, 64, layout=ROW)
+    idx_s = gl.load(irow + offs_s, mask=offs_s < end, other=-1)
+    valid = idx_s >= 0
+    srow = gl.where(valid, idx_s, 0).to(gl.int64) * 164 + 128
+    c0 = gl.load(kvs_ptr + srow, mask=valid, other=0.0)
+    c1 = gl.load(kvs_ptr + srow + 1, mask=valid, other=0.0)
+    c2 = gl.load(kvs_ptr + srow + 2, mask=valid, other=0.0)
+    c3 = gl.load(kvs_ptr + srow + 3, mask=valid, other=0.0)
+    return k0, k1, k2, k3, kpe, c0, c1, c2, c3, valid
+
+
+@gluon.jit
 def _decode_fp8_tm_kernel(
     q_ptr, stride_qt, stride_qh,
     kv8_ptr, kvs_ptr, kvr_ptr,
@@ -95,14 +129,12 @@ def _decode_fp8_tm_kernel(
     for g in gl.static_range(4):
         q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
     qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], QPE_SL,
-                                      gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
+    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], QPE_SL)
+    qpe_s.index(0).store(gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
                                               mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
     kc_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], KC_SL)
-    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KPE_SL)
+    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], KPE_SL)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_H], P_SL)
-    nope_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 512], ST_SL)
-    rope_st = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 64], ST_SL)
 
     n_valid = K
     if HAS_LEN:
@@ -121,62 +153,82 @@ def _decode_fp8_tm_kernel(
     acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
     zs = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
 
-    for j in gl.static_range(STAGES - 1):
-        _issue_tile(kv8_ptr, kvr_ptr, irow, start + j * 64, end, nope_st.index(j), rope_st.index(j), CP_NOPE, LD_ROPE)
-        cp.commit_group()
-    d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, start, end, ROW)
+    if STAGES > 0:
+        nope_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 512], ST_SL)
+        rope_st = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 64], ST_SL)
+        for j in gl.static_range(STAGES - 1):
+            _issue_tile(kv8_ptr, kvr_ptr, irow, start + j * 64, end, nope_st.index(j), rope_st.index(j), CP_NOPE,
+                        LD_ROPE)
+            cp.commit_group()
+        d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, start, end, ROW)
     for it in range(n_tiles):
         n0 = start + it * 64
-        stg = it % STAGES
-        if STAGES > 1:
-            # the stage read in the previous iteration is free (barrier at its end): refill it
-            _issue_tile(kv8_ptr, kvr_ptr, irow, n0 + (STAGES - 1) * 64, end, nope_st.index((it + STAGES - 1) % STAGES),
-                        rope_st.index((it + STAGES - 1) % STAGES), CP_NOPE, LD_ROPE)
-            cp.commit_group()
-            cp.wait_group(STAGES - 1)
+        # z is 0 but not provably so: it keeps the wgmma shared-memory descriptors inside the loop. Hoisted, the
+        # 68 descriptors of one iteration pin ~2 registers each (255 registers and spills with ptxas -v; 173 without).
+        z = it >> 30
+        if STAGES == 0:
+            # No staging: this tile's rows straight into registers, then converted into the bf16 chunks (half the
+            # shared memory, so two programs share an SM and overlap each other's loads).
+            k0, k1, k2, k3, kpe, c0, c1, c2, c3, valid = _load_tile(kv8_ptr, kvs_ptr, kvr_ptr, irow, n0, end,
+                                                                    LD_NOPE, LD_ROPE, ROW)
+            kc_s.index(z + 0).store(k0.to(gl.bfloat16))
+            kc_s.index(z + 1).store(k1.to(gl.bfloat16))
+            kc_s.index(z + 2).store(k2.to(gl.bfloat16))
+            kc_s.index(z + 3).store(k3.to(gl.bfloat16))
+            kpe_s.index(z).store(kpe)
         else:
-            _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_st.index(0), rope_st.index(0), CP_NOPE, LD_ROPE)
-            cp.commit_group()
-            cp.wait_group(0)
-        gl.thread_barrier()
-        nst = nope_st.index(stg)
-        kc_s.index(0).store(nst.slice(0, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
-        kc_s.index(1).store(nst.slice(128, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
-        kc_s.index(2).store(nst.slice(256, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
-        kc_s.index(3).store(nst.slice(384, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
-        kpe_s.store(rope_st.index(stg).load(LD_ROPE))
-        c0 = d0
-        c1 = d1
-        c2 = d2
-        c3 = d3
-        valid = rv
-        d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, n0 + 64, end, ROW)
+            stg = it % STAGES
+            if STAGES > 1:
+                # the stage read in the previous iteration is free (barrier at its end): refill it
+                nxt = (it + STAGES - 1) % STAGES
+                _issue_tile(kv8_ptr, kvr_ptr, irow, n0 + (STAGES - 1) * 64, end, nope_st.index(nxt),
+                            rope_st.index(nxt), CP_NOPE, LD_ROPE)
+                cp.commit_group()
+                cp.wait_group(STAGES - 1)
+            else:
+                _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_st.index(0), rope_st.index(0), CP_NOPE, LD_ROPE)
+                cp.commit_group()
+                cp.wait_group(0)
+            gl.thread_barrier()
+            nst = nope_st.index(stg)
+            kc_s.index(z + 0).store(nst.slice(0, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+            kc_s.index(z + 1).store(nst.slice(128, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+            kc_s.index(z + 2).store(nst.slice(256, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+            kc_s.index(z + 3).store(nst.slice(384, 128, dim=1).load(LD_NOPE).to(gl.bfloat16))
+            kpe_s.index(z).store(rope_st.index(stg).load(LD_ROPE))
+            c0 = d0
+            c1 = d1
+            c2 = d2
+            c3 = d3
+            valid = rv
+            d0, d1, d2, d3, rv = _load_scales(kvs_ptr, irow, n0 + 64, end, ROW)
         fence_async_shared()
         gl.thread_barrier()
-        s = warpgroup_mma(kpe_s, qpe_s.permute([1, 0]), zs)
-        s += warpgroup_mma(kc_s.index(0), q_s.index(0).permute([1, 0]), zs) * gl.expand_dims(c0, 1)
-        s += warpgroup_mma(kc_s.index(1), q_s.index(1).permute([1, 0]), zs) * gl.expand_dims(c1, 1)
-        s += warpgroup_mma(kc_s.index(2), q_s.index(2).permute([1, 0]), zs) * gl.expand_dims(c2, 1)
-        s += warpgroup_mma(kc_s.index(3), q_s.index(3).permute([1, 0]), zs) * gl.expand_dims(c3, 1)
+        s = warpgroup_mma(kpe_s.index(z), qpe_s.index(z).permute([1, 0]), zs)
+        s += warpgroup_mma(kc_s.index(z + 0), q_s.index(z + 0).permute([1, 0]), zs) * gl.expand_dims(c0, 1)
+        s += warpgroup_mma(kc_s.index(z + 1), q_s.index(z + 1).permute([1, 0]), zs) * gl.expand_dims(c1, 1)
+        s += warpgroup_mma(kc_s.index(z + 2), q_s.index(z + 2).permute([1, 0]), zs) * gl.expand_dims(c2, 1)
+        s += warpgroup_mma(kc_s.index(z + 3), q_s.index(z + 3).permute([1, 0]), zs) * gl.expand_dims(c3, 1)
         s = gl.where(gl.expand_dims(valid, 1), s * qk_scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - gl.expand_dims(m_new, 0))
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        p_s.index(0).store((p * gl.expand_dims(c0, 1)).to(gl.bfloat16))
-        p_s.index(1).store((p * gl.expand_dims(c1, 1)).to(gl.bfloat16))
-        p_s.index(2).store((p * gl.expand_dims(c2, 1)).to(gl.bfloat16))
-        p_s.index(3).store((p * gl.expand_dims(c3, 1)).to(gl.bfloat16))
+        p_s.index(z + 0).store((p * gl.expand_dims(c0, 1)).to(gl.bfloat16))
+        p_s.index(z + 1).store((p * gl.expand_dims(c1, 1)).to(gl.bfloat16))
+        p_s.index(z + 2).store((p * gl.expand_dims(c2, 1)).to(gl.bfloat16))
+        p_s.index(z + 3).store((p * gl.expand_dims(c3, 1)).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         al = gl.expand_dims(alpha, 0)
-        acc0 = warpgroup_mma(kc_s.index(0).permute([1, 0]), p_s.index(0), acc0 * al)
-        acc1 = warpgroup_mma(kc_s.index(1).permute([1, 0]), p_s.index(1), acc1 * al)
-        acc2 = warpgroup_mma(kc_s.index(2).permute([1, 0]), p_s.index(2), acc2 * al)
-        acc3 = warpgroup_mma(kc_s.index(3).permute([1, 0]), p_s.index(3), acc3 * al)
+        acc0 = warpgroup_mma(kc_s.index(z + 0).permute([1, 0]), p_s.index(z + 0), acc0 * al)
+        acc1 = warpgroup_mma(kc_s.index(z + 1).permute([1, 0]), p_s.index(z + 1), acc1 * al)
+        acc2 = warpgroup_mma(kc_s.index(z + 2).permute([1, 0]), p_s.index(z + 2), acc2 * al)
+        acc3 = warpgroup_mma(kc_s.index(z + 3).permute([1, 0]), p_s.index(z + 3), acc3 * al)
         gl.thread_barrier()
-    cp.wait_group(0)
+    if STAGES > 0:
+        cp.wait_group(0)
 
     live = l_i > 0.0
     inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_i, 1.0), 0.0), 0)

@@ -47,7 +47,7 @@ def test_sparse_mla_decode_matches_the_reference_at_real_shapes(kv_format, heads
 
 
 @pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 32), (128, 16)])
-@pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (64, 1, 1), (64, 2, 2)])
+@pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (8, 8, 3), (64, 1, 1), (64, 2, 3)])
 def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits, variant):
     from pdctl.kernels._sparse_mla import DecodeConfig, gluon_available
 
