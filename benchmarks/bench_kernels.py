@@ -448,8 +448,8 @@ def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072,
     from pdctl.kernels._build import make_indexer_case
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer
 
-    logit_cfgs = [IndexerConfig(chunk_pages=c, logits_warps=w, logits_stages=st, programs_per_sm=pp)
-                  for c, w, st in ((1, 4, 3), (1, 4, 5), (2, 8, 3)) for pp in (4, 8, 16)]
+    logit_cfgs = [IndexerConfig(chunk_pages=1, logits_warps=4, logits_stages=st, programs_per_sm=pp)
+                  for st in (5, 6) for pp in (4, 8)]
     rows = []
     for L, B in cases:
         q8, w, cache, bt, sl = make_indexer_case([L] * B, max_context=163840)
@@ -472,9 +472,9 @@ def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072,
         from dataclasses import replace
 
         full = []
-        for tp, tb, tw, ts in ((264, 1024, 4, 3), (528, 1024, 4, 3), (1056, 1024, 4, 3), (2112, 1024, 4, 3),
-                               (1056, 2048, 4, 3), (528, 2048, 8, 3)):
-            cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, topk_stages=ts)
+        for tp, tb, tw, fh in ((528, 1024, 4, 0), (1056, 1024, 4, 0), (264, 1024, 4, 0), (528, 1024, 4, 1),
+                               (528, 2048, 8, 0), (1056, 512, 2, 0)):
+            cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, fuse_hist0=fh)
             try:
                 us = graph_us_multi([lambda cfg=cfg: lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)])
                 same = bool(torch.equal(lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)

@@ -372,8 +372,8 @@ def build_and_verify(
     # the chosen config against the reference on one batch mixing short (<= topk) and long rows.
     tq8, tw, tcache, tbt, tsl = make_indexer_case([8192] * 64, max_context=max_context, device="cuda")
     tref = reference_indexer_logits(tq8, tw, tcache, tbt, tsl, compute_dtype=torch.float32)
-    icands = [IndexerConfig()] + ([IndexerConfig(chunk_pages=c, logits_warps=wp, programs_per_sm=pp)
-                                   for c, wp in ((1, 4), (2, 8), (4, 8)) for pp in (2, 4)] if tune else [])
+    icands = [IndexerConfig()] + ([IndexerConfig(programs_per_sm=pp, logits_stages=st, topk_programs=tp)
+                                   for pp, st in ((4, 5), (8, 3), (16, 5)) for tp in (528, 1056)] if tune else [])
     itimes = []
     for icfg in icands:
         try:

@@ -14,8 +14,9 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
    stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
-   logits, high bits first: a 256-bin histogram of the top byte (counted by the logits kernel as it writes the
-   logits), then four 6-bit digits (``_topk_hist_kernel`` passes 1–4, 64-bin histograms of the keys that match
+   logits, high bits first: a 256-bin histogram of the top byte (``_topk_hist_kernel`` pass 0, or counted by the
+   logits kernel as it writes the logits with ``fuse_hist0``), then four 6-bit digits (passes 1–4, 64-bin
+   histograms of the keys that match
    the digits picked so far), then ``_topk_select_kernel`` writes every key above the k-th largest plus enough
    keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass runs on a
    ``(B, R)`` grid, R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads
@@ -51,13 +52,17 @@ class IndexerConfig:
     topk_programs // B); programs whose share of a short row is empty exit at once)."""
 
     chunk_pages: int = 1
-    programs_per_sm: int = 4
+    programs_per_sm: int = 8
     logits_warps: int = 4
-    logits_stages: int = 3
+    logits_stages: int = 5
     topk_block: int = 1024
     topk_warps: int = 4
-    topk_programs: int = 1056
+    topk_programs: int = 528
     topk_stages: int = 3
+    fuse_hist0: int = 0
+    """1: the logits kernel also counts the top-k's first (top-byte) histogram, saving a pass over the logits;
+    0: a separate pass does (measured on the H200 at 2M keys: fused, the 256-bin ``tl.histogram`` made the
+    logits kernel issue-bound, +60 µs, against ~10 µs for the separate pass)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -189,13 +194,14 @@ def lightning_indexer(
     hb = b * 256  # elements between one pass's histograms and the next
     ws = torch.zeros(5 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 5 histograms + 2 counters per row
     hist, cnt = ws[: 5 * hb], ws[5 * hb:]
-    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg, hist=hist)
+    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg,
+                            hist=hist if cfg.fuse_hist0 else None)
     if b == 0:
         return out
     kern = _kernels()
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
-    for p in range(1, 5):  # pass 0 was counted by the logits kernel
+    for p in range(1 if cfg.fuse_hist0 else 0, 5):
         kern._topk_hist_kernel[(b, segs)](
             logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
             num_stages=cfg.topk_stages,

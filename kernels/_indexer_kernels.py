@@ -2,8 +2,8 @@
 
 Keys for the top-k: an fp32 logit's bits ``i`` map to the order-preserving signed key ``i ^ ((i >> 31) & 0x7fffffff)``
 (negative floats get their magnitude bits flipped). The radix select runs on the key high bits first: the top
-byte (offset by 128 to be non-negative, a 256-bin histogram counted by the logits kernel as it writes the logits),
-then four 6-bit digits (64-bin histograms, ``_topk_hist_kernel`` passes 1–4) over the keys that match the digits
+byte (offset by 128 to be non-negative, a 256-bin histogram: ``_topk_hist_kernel`` pass 0, or the logits kernel
+as it writes the logits), then four 6-bit digits (64-bin histograms, ``_topk_hist_kernel`` passes 1–4) over the keys that match the digits
 chosen so far, accumulated by many programs per row with global atomics. Digit widths follow the cost of
 ``tl.histogram`` on sm_90 (Triton 3.6 lowers it to one warp vote per bit plus a population count per bin a lane
 owns; counted in the PTX: 256 bins ≈ 2.5 warp instructions per key, 64 bins ≈ 0.6, so the 6-bit passes stay
@@ -121,13 +121,15 @@ def _topk_hist_kernel(
     logits_ptr, stride_lg, seqlen_ptr, hist_ptr, HB,
     PASS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Pass PASS (1..4) of the radix select: 64-bin histogram of the 6-bit digit at bits [24 − 6·PASS, 30 − 6·PASS)
-    # over this program's segment of row b, counting only keys whose higher bits equal the prefix picked so far.
+    # Pass PASS of the radix select over this program's segment of row b: pass 0 a 256-bin histogram of the
+    # key's top byte, pass p ≥ 1 a 64-bin histogram of the 6-bit digit at bits [24 − 6p, 30 − 6p), counting only
+    # keys whose higher bits equal the prefix picked by the earlier passes.
     b = tl.program_id(0)
     r = tl.program_id(1)
     nr = tl.num_programs(1)
     seq = tl.load(seqlen_ptr + b)
-    SH: tl.constexpr = 24 - 6 * PASS  # the digit's lowest bit; bits ≥ SH + 6 are the prefix
+    NB: tl.constexpr = 256 if PASS == 0 else 64
+    SH: tl.constexpr = 24 if PASS == 0 else 24 - 6 * PASS  # the digit's lowest bit; bits above it are the prefix
     if seq > TOPK:
         b64 = b.to(tl.int64)
         hrow = hist_ptr + b64 * 256
@@ -136,16 +138,21 @@ def _topk_hist_kernel(
         lo = r * seg
         hi = tl.minimum(lo + seg, seq)
         offs = tl.arange(0, BLOCK)
-        hist = tl.zeros([64], dtype=tl.int32)
+        hist = tl.zeros([NB], dtype=tl.int32)
         nomatch = tl.zeros([], dtype=tl.int32)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + offs
             inb = n < hi
             ks = _key(tl.load(logits_ptr + b64 * stride_lg + n, mask=inb, other=0.0))
-            match = inb & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
-            hist += tl.histogram(tl.where(match, (ks >> SH) & 63, 0), 64)
+            if PASS == 0:
+                dig = (ks >> 24) + 128
+                match = inb
+            else:
+                dig = (ks >> SH) & 63
+                match = inb & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
+            hist += tl.histogram(tl.where(match, dig, 0), NB)
             nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
-        bins = tl.arange(0, 64)
+        bins = tl.arange(0, NB)
         hist -= tl.where(bins == 0, nomatch, 0)
         tl.atomic_add(hrow + PASS * HB + bins, hist, mask=hist > 0, sem="relaxed")
 
@@ -199,4 +206,4 @@ def _topk_select_kernel(
             if PHYSICAL:
                 page = tl.load(bt_ptr + b64 * stride_bt + n // 64, mask=sel, other=0)
                 val = page * 64 + n % 64
-            tl.store(orow + dst, val, mask=sel)
+            tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))  # in bounds even if fed stale counts

@@ -55,12 +55,15 @@ def test_relu_is_applied_per_head_before_the_weighted_sum():
     assert (lg - folded).abs().max() > 1e-3 * lg.abs().max()
 
 
-@pytest.mark.parametrize("physical", [True, False])
-def test_topk_is_a_valid_topk_over_exactly_each_row(physical):
+@pytest.mark.parametrize("physical,fuse_hist0", [(True, 0), (False, 0), (True, 1)])
+def test_topk_is_a_valid_topk_over_exactly_each_row(physical, fuse_hist0):
+    from dataclasses import replace
+
     lens = [0, 1, 65, TOPK, TOPK + 1, 333, 1000]
     q8, w, cache, bt, sl = _case(lens)
     out = torch.full((len(lens), TOPK), -7, dtype=torch.int32)
-    lightning_indexer(q8, w, cache, bt, sl, TOPK, out=out, physical=physical, config=CFG)
+    lightning_indexer(q8, w, cache, bt, sl, TOPK, out=out, physical=physical,
+                      config=replace(CFG, fuse_hist0=fuse_hist0))
     assert not (out == -7).any(), "every output entry must be written"
     ref = reference_indexer_logits(q8, w, cache, bt, sl)
     if physical:
