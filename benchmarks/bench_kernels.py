@@ -528,10 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     dec = bench_decode(ceil, args.heads, args.batches, args.fmts, log, "flashmla" in sec, "ref" in sec) \
         if "decode" in sec else []
     log(f"decode done ({time.time() - t0:.0f}s)")
-    isw = bench_indexer_sweep(ceil, log) if "isweep" in sec else []
-    log(f"indexer sweep done ({time.time() - t0:.0f}s)")
     idx = bench_indexer(ceil, args.lens, args.batches, log) if "indexer" in sec else []
     log(f"indexer done ({time.time() - t0:.0f}s)")
+    if out_dir:  # the tables so far, in case a time limit cuts the sweep below
+        (Path(out_dir) / "RESULTS.partial.md").write_text(render(meta, ceil, dec, idx))
+    isw = bench_indexer_sweep(ceil, log) if "isweep" in sec else []
+    log(f"indexer sweep done ({time.time() - t0:.0f}s)")
     f16 = bench_f16_experiment(args.heads, args.batches, log) if "f16" in sec else []
     if f16:
         log("| h | B | bf16-MMA µs | fp16-MMA µs | FlashMLA µs (64 heads) |")
