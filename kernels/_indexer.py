@@ -6,7 +6,8 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
 
 1. ``_indexer_logits_kernel``: a persistent grid of P programs (P = programs_per_sm x SMs). Each program derives
    the work list from ``seq_lens`` on the device — pages ``p_b = ceil(L_b / 64)``, a run length
-   ``seg = ceil(Σ p_b / P)`` pages, ``n_b = ceil(p_b / seg)`` runs per request and their prefix sum — so it needs
+   ``seg = ceil(Σ p_b / (P − B))`` pages (so that the Σ n_b ≤ P runs fit one wave), ``n_b = ceil(p_b / seg)``
+   runs per request and their prefix sum — so it needs
    no host sync and no extra launch (CUDA-graph safe), and is balanced whatever the mix of lengths; program p
    walks runs p, p+P, … Run (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for each ``chunk_pages``
    64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page (8448 B, one
@@ -52,7 +53,7 @@ class IndexerConfig:
     topk_programs // B); programs whose share of a short row is empty exit at once)."""
 
     chunk_pages: int = 1
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
     logits_warps: int = 4
     logits_stages: int = 5
     topk_block: int = 1024

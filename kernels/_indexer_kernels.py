@@ -24,7 +24,7 @@ def _indexer_logits_kernel(
     HIST: tl.constexpr,
 ):
     # Persistent: every program derives the same work list from seq_lens (no host sync, no extra launch):
-    # p_b = ceil(L_b / 64) pages, runs of seg = ceil(Σ p_b / NUM_PROGS) pages (a multiple of PAGES), n_b runs per
+    # p_b = ceil(L_b / 64) pages, runs of seg ≈ Σ p_b / (NUM_PROGS − B) pages (a multiple of PAGES), n_b runs per
     # request; program p walks runs p, p + NUM_PROGS, ... Tokens are the MMA's M dimension:
     # s[tok, head] = k8[tok] · q8[head] with q8ᵀ as the (shared-memory) B operand, so the ReLU·w head-sum is a
     # reduction inside each warp's rows, and each page's 8 KB of keys is one contiguous pipelined copy. With
@@ -33,7 +33,10 @@ def _indexer_logits_kernel(
     jb = tl.arange(0, BLOCK_B)
     lens = tl.maximum(tl.load(seqlen_ptr + jb, mask=jb < B, other=0), 0)
     pages = tl.cdiv(lens, 64)
-    seg = tl.cdiv(tl.cdiv(tl.sum(pages, 0), NUM_PROGS), PAGES) * PAGES
+    # Σ ceil(p_b / seg) ≤ Σ p_b / seg + B: sizing runs for NUM_PROGS − B programs keeps every run in the first
+    # wave (a few runs over NUM_PROGS would each cost a second full run's time).
+    denom = tl.maximum(NUM_PROGS - B, NUM_PROGS // 2)
+    seg = tl.cdiv(tl.cdiv(tl.sum(pages, 0), denom), PAGES) * PAGES
     seg = tl.maximum(seg, PAGES)
     runs = tl.cdiv(pages, seg)
     cu_incl = tl.cumsum(runs, 0)
