@@ -389,6 +389,13 @@ def _f(x, fmt="{:.1f}"):
     return fmt.format(x) if isinstance(x, (int, float)) else "—"
 
 
+def _kernel_label(c: dict) -> str:
+    """``gluon-N: BH,splits`` for the Gluon kernel, ``tl.dot: BH,BN,warps,splits,prefetch`` otherwise."""
+    if c.get("gluon"):
+        return f"gluon-{c['gluon']}: {c['block_h']},{c['splits']}"
+    return f"tl.dot: {c['block_h']},{c['block_n']},{c['num_warps']},{c['splits']},{c.get('prefetch', 0)}"
+
+
 def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
     lines = [
         "# pdctl.kernels — measured results",
@@ -402,7 +409,7 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
         "",
         "## Sparse-MLA decode (top-k 2048, sm_scale 0.135234)",
         "",
-        "| KV | h | B | ours µs | GB/s | TFLOP/s | roofline µs | % roofline | FlashMLA µs (heads) | ours/FlashMLA | torch ref µs | config (BH,BN,warps,splits) |",
+        "| KV | h | B | ours µs | GB/s | TFLOP/s | roofline µs | % roofline | FlashMLA µs (heads) | ours/FlashMLA | torch ref µs | kernel: config |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in dec:
@@ -416,23 +423,24 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
             f"| {r['fmt']} | {r['h']} | {r['B']} | {r['ours_us']:.1f} | {r['GBps']:.0f} | {r['TFLOPs']:.0f} | "
             f"{r['roofline_us']:.1f} ({r['bound']}) | {100 * r['frac_roofline']:.0f}% | "
             f"{_f(fl)}{' (' + str(r['flashmla_heads']) + ')' if fl else ''} | {ratio} | {_f(r.get('ref_us'))} | "
-            f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['splits']} |"
+            f"{_kernel_label(c)} |"
         )
     lines += [
         "",
         "## Lightning indexer (64 heads × 128, FP8 132 B/token, logits + exact top-2048, physical slots)",
         "",
-        "| L | B | ΣL | ours µs (max ctx 32K) | ours µs (160K) | logits-only µs (160K) | GB/s (132 B/token) | % copy BW | same output 32K/160K | naive full-scan µs (32K / 160K) | top-k check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| L | B | ΣL | ours µs (max ctx 32K) | ours µs (160K) | GB/s (132 B/token) | % copy BW | logits-only µs (160K) | logits % copy BW | same output 32K/160K | naive full-scan µs (32K / 160K) | top-k check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in idx:
         if "us_160K" not in r:
-            lines.append(f"| {r['L']} | {r['B']} | | error | | | | | | | {str(r.get('error', ''))[-80:]!r} |")
+            lines.append(f"| {r['L']} | {r['B']} | | error | | | | | | | | {str(r.get('error', ''))[-80:]!r} |")
             continue
         tk = r.get("topk_check")
         lines.append(
             f"| {r['L']} | {r['B']} | {r['L'] * r['B']} | {_f(r.get('us_32K'))} | {r['us_160K']:.1f} | "
-            f"{r['logits_us_160K']:.1f} | {r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | "
+            f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['logits_us_160K']:.1f} | "
+            f"{100 * r['frac_copy'] * r['us_160K'] / r['logits_us_160K']:.0f}% | "
             f"{r.get('same_output_32K_160K', '—')} | {_f(r.get('naive_us_32K'), '{:.0f}')} / "
             f"{_f(r.get('naive_us_160K'), '{:.0f}')} | {('ok' if tk['ok'] else 'FAIL') if tk else '—'} |"
         )
