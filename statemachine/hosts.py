@@ -4,7 +4,7 @@ A :class:`Host` is a small fixed surface — run a command, read / write (atomic
 file, look at a directory, find an executable, spawn a detached process, signal a process — so
 that the service managers (``pdctl.units``, which sees hosts only through its ``HostLike``
 protocol), probes and steps never care whether the machine is this one (:class:`LocalHost`) or
-one reached over SSH (next: ``SshHost``, same methods, no caller changes). Reading ``/proc`` and
+one reached over SSH (``pdctl.statemachine.ssh.SshHost``, same methods). Reading ``/proc`` and
 sysfs is ``read_file``/``read_text`` on those paths.
 
 Errors: a command that cannot be started raises :class:`~pdctl.statemachine.errors.HostError`; a
@@ -117,6 +117,36 @@ class Host(ABC):
         """Target of a symbolic link (``/proc/<pid>/fd/<n>`` → ``socket:[inode]``). OSError if none."""
 
     # -- derived ---------------------------------------------------------------------------
+
+    def socket_links(self) -> list[tuple[int, str]]:
+        """``(pid, socket inode)`` of every socket descriptor under ``/proc`` this host lets us read
+        (``pdctl.statemachine.ports``). Hosts where a round trip is costly answer in one command."""
+        found: list[tuple[int, str]] = []
+        try:
+            pids = [p for p in self.list_dir("/proc") if p.isdigit()]
+        except OSError:
+            return found
+        for pid in pids:
+            try:
+                fds = self.list_dir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = self.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    found.append((int(pid), link[8:-1]))
+        return found
+
+    def http_transport(self):  # noqa: ANN201
+        """An ``httpx`` transport that reaches this host's services as pdctl on the host would (None: dial
+        directly)."""
+        return None
+
+    def close(self) -> None:
+        """Release connections (no-op for this machine)."""
 
     def read_text(self, path: str) -> str:
         """``read_file`` decoded as UTF-8 (``/proc``, sysfs, unit files)."""
@@ -269,9 +299,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def host_for(address: str = "localhost", **_: object) -> Host:
-    """The host object for a spec host address: ``LocalHost`` for localhost now; an SSH host
-    comes next (raises ``NotImplementedError`` until then)."""
-    if address in ("localhost", "127.0.0.1", "::1"):
+def host_for(spec=None, *, name: str | None = None) -> Host:  # noqa: ANN001
+    """The host object for a spec ``[hosts.NAME]`` table (``pdctl.statemachine.spec.Host``; None: this
+    machine): :class:`LocalHost` when it is driven directly, else an ``SshHost`` with its SSH settings."""
+    if spec is None or spec.is_local:
         return LocalHost()
-    raise NotImplementedError(f"host {address!r}: SSH hosts are not implemented yet")
+    from pdctl.statemachine.ssh import SshHost
+
+    return SshHost(spec.address, name=name or spec.address, port=spec.ssh_port, user=spec.ssh_user,
+                   identity_file=spec.ssh_identity, known_hosts=spec.ssh_known_hosts)

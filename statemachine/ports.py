@@ -56,24 +56,11 @@ def listeners(host, ports: set[int]) -> list[Listener]:  # noqa: ANN001
     if not inodes:
         return []
     found: dict[tuple[int, int], Listener] = {}
-    try:
-        pids = [p for p in host.list_dir("/proc") if p.isdigit()]
-    except OSError:
-        pids = []
-    for pid in pids:
-        try:
-            fds = host.list_dir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = host.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                port = inodes[link[8:-1]]
-                cmd = _read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()
-                found[(port, int(pid))] = Listener(port, int(pid), cmd[:160])
+    for pid, inode in host.socket_links():
+        if inode in inodes:
+            port = inodes[inode]
+            cmd = _read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+            found[(port, pid)] = Listener(port, pid, cmd[:160])
     seen_ports = {p for p, _ in found}
     out = list(found.values())
     out += [Listener(p, None) for p in set(inodes.values()) - seen_ports]

@@ -168,13 +168,14 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 tuple(host.gpu_numa) if host.gpu_numa is not None else None, host.numa_cpus
             )
 
-    for key, host in dep.hosts.items():
-        if not host.is_local and any(r.host == key for _n, _k, r in roles):
-            warn(
-                f"hosts.{key}.address",
-                f"{host.address} is a remote host: pdctl applies only on the host it runs on for now (no SSH yet)",
-                "run pdctl on that host",
-            )
+    used_hosts = sorted({r.host for _n, _k, r in roles} | ({dep.router.on} if dep.router and dep.router.on else set()))
+    if len(used_hosts) > 1:
+        warn(
+            "hosts",
+            f"roles run on {len(used_hosts)} hosts ({', '.join(used_hosts)}): `pdctl apply` drives one host per "
+            "deployment for now and will refuse this spec before changing anything",
+            "put prefill, decode and the router on one [hosts.*] entry",
+        )
 
     for name, _kind, role in roles:
         f = _role_field(dep, role)

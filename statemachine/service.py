@@ -113,34 +113,45 @@ def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     return cmd, os.path.join(cache, "pdctl-kernels-manifest.json")
 
 
-def _local_host(dep: Deployment):  # noqa: ANN202
-    """The one host every role of *dep* runs on. Raises HostError for a remote host: SSH hosts
-    are not implemented yet, and a remote role must never be started here by mistake."""
+def deployment_host(dep: Deployment):  # noqa: ANN201
+    """The one host every role of *dep* runs on: :class:`~pdctl.statemachine.hosts.LocalHost` or, for a remote
+    ``[hosts.NAME]``, an :class:`~pdctl.statemachine.ssh.SshHost` (connected on first use).
+
+    Raises HostError before anything changes when the roles span several hosts: one run of pdctl drives one
+    host (the KV link and the router then cross machines, which the steps' proofs do not cover yet).
+    """
     from pdctl.statemachine.errors import HostError
     from pdctl.statemachine.hosts import host_for
 
-    used = {r.host for _n, _k, r in dep.roles()} | ({dep.router.on} if dep.router and dep.router.on else set())
-    for key in sorted(used):
-        h = dep.hosts.get(key)
-        if h is not None and not h.is_local:
-            raise HostError(
-                f"host {key!r} ({h.address}) is remote: pdctl drives only the host it runs on for now",
-                host=key,
-                hint="run pdctl on that host, or wait for SSH hosts",
-            )
-    return host_for("localhost")
+    used = sorted({r.host for _n, _k, r in dep.roles()} | ({dep.router.on} if dep.router and dep.router.on else set()))
+    if len(used) > 1:
+        raise HostError(
+            f"roles run on {len(used)} hosts ({', '.join(used)}): pdctl drives one host per deployment for now",
+            host=used[0],
+            hint="put prefill, decode and the router on one [hosts.*] entry",
+        )
+    key = used[0] if used else None
+    return host_for(dep.hosts.get(key) if key else None, name=key)
 
 
-def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, restart: set[str] | None = None):  # noqa: ANN001, ANN201
-    """Everything the steps need for *loaded* on this host (local)."""
+def _client_for(host, client):  # noqa: ANN001, ANN202
+    """The injected client, else one that reaches *host*'s services (through SSH forwards for a remote host)."""
     import httpx
 
+    if client is not None:
+        return client
+    return httpx.Client(trust_env=False, transport=host.http_transport())
+
+
+def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, restart: set[str] | None = None,  # noqa: ANN001, ANN201
+                  host=None):  # noqa: ANN001
+    """Everything the steps need for *loaded* on its host (this machine, or one reached over SSH)."""
     from pdctl.statemachine import launch
     from pdctl.statemachine.steps import Context, Timeouts
 
     dep = loaded.deployment
     topo = topology_of(dep)
-    host = _local_host(dep)
+    host = host or deployment_host(dep)
     units = launch.unit_set_for(dep, state_dir=str(loaded.journal.dir))
     manager = launch.manager_for(dep, host, state_dir=str(loaded.journal.dir))
     unit_of = unit_names(topo)
@@ -152,7 +163,7 @@ def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, rest
         manager=manager,
         units=units,
         unit_of=unit_of,
-        client=client or httpx.Client(trust_env=False),
+        client=_client_for(host, client),
         journal=loaded.journal,
         journal_state=loaded.journal.read(),
         restart=set(restart or ()),
@@ -213,7 +224,9 @@ def apply(
         except Exception as exc:
             j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
             raise
-        _local_host(loaded.deployment)  # refuse remote hosts before anything changes
+        # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
+        host = deployment_host(loaded.deployment)
+        host.run(["true"], timeout=30)
         j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
@@ -224,7 +237,8 @@ def apply(
         state.steps = {}  # this run re-proves every step of the new topology
         j.write(state)
 
-        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()))
+        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
+                            host=host)
         ctx.journal_state = state
         _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
         try:
@@ -277,16 +291,15 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     """
     import time as _time
 
-    import httpx
-
     from pdctl.statemachine import launch, probes
     from pdctl.statemachine.errors import ProbeError
 
     state = loaded.journal.read()
     topo = state.target or state.deployed or topology_of(loaded.deployment)
-    manager = launch.manager_for(loaded.deployment, _local_host(loaded.deployment), state_dir=str(loaded.journal.dir))
+    host = deployment_host(loaded.deployment)
+    manager = launch.manager_for(loaded.deployment, host, state_dir=str(loaded.journal.dir))
     names = unit_names(topo)
-    client = client or httpx.Client(trust_env=False)
+    client = _client_for(host, client)
     now = _time.time()
     roles = []
     for r in topo.roles:
@@ -371,7 +384,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     with j.lock("down"):
         state = j.read()
         j.audit("down-started", serial=state.serial)
-        manager = launch.manager_for(loaded.deployment, _local_host(loaded.deployment), state_dir=str(j.dir))
+        manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
         names: list[str] = []
         for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
             if topo is None:

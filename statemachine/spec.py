@@ -53,11 +53,19 @@ class _Model(BaseModel):
 
 
 class Host(_Model):
-    """A machine that runs roles. ``address`` "localhost" means this machine (no SSH)."""
+    """A machine that runs roles. ``address`` "localhost" (or 127.0.0.1, ::1) means this machine, driven
+    directly; any other address is reached over SSH (``pdctl.statemachine.ssh``), public-key login only."""
 
     address: str = "localhost"
     ssh_user: str | None = None
     ssh_port: Port = 22
+    ssh_identity: str | None = None
+    """Private key file on the machine running pdctl; None: the SSH agent and ``~/.ssh/id_*``."""
+    ssh_known_hosts: str | None = None
+    """known_hosts file that must hold the host's key; None: ``~/.ssh/known_hosts``. Never trust-on-first-use."""
+    connect: Literal["auto", "local", "ssh"] = "auto"
+    """``auto``: directly for a loopback address, over SSH otherwise; ``ssh``: over SSH even to a loopback
+    address (another account on this machine, or an sshd on loopback); ``local``: directly."""
     inventory: Literal["declared", "discover"] = "declared"
     """``declared``: trust ``gpu_numa``/``numa_cpus`` below (may be empty = unknown);
     ``discover``: read NVML and sysfs on the host when planning (validation never contacts hosts)."""
@@ -69,6 +77,9 @@ class Host(_Model):
 
     @property
     def is_local(self) -> bool:
+        """Driven directly (no SSH)."""
+        if self.connect != "auto":
+            return self.connect == "local"
         return self.address in ("localhost", "127.0.0.1", "::1")
 
 

@@ -302,7 +302,7 @@ def test_apply_killed_at_any_point_then_rerun_converges_without_orphans(demo, ki
     assert demo.pids() == []
 
 
-def test_a_remote_host_is_refused_before_anything_changes(make_demo):
+def test_roles_spread_over_two_hosts_are_refused_before_anything_changes(make_demo):
     def remote(d):
         d["hosts"]["gpu2"] = {"address": "10.0.0.2"}
         d["decode"][0]["host"] = "gpu2"
@@ -311,7 +311,7 @@ def test_a_remote_host_is_refused_before_anything_changes(make_demo):
     demo = make_demo(remote)
     from pdctl.statemachine.errors import HostError
 
-    with pytest.raises(HostError, match="is remote"):
+    with pytest.raises(HostError, match="roles run on 2 hosts"):
         demo.apply()
     assert demo.pids() == []
     assert Journal(demo.state, demo.name).read().target is None

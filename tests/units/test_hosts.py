@@ -24,9 +24,13 @@ def host():
 
 def test_localhost_is_a_host_and_satisfies_the_units_protocol(host):
     assert isinstance(host, Host) and isinstance(host, HostLike)
-    assert isinstance(host_for("localhost"), LocalHost)
-    with pytest.raises(NotImplementedError):
-        host_for("gpu-7.example")
+    from pdctl.statemachine.spec import Host as HostSpec
+    from pdctl.statemachine.ssh import SshHost
+
+    assert isinstance(host_for(None), LocalHost) and isinstance(host_for(HostSpec(address="::1")), LocalHost)
+    remote = host_for(HostSpec(address="gpu-7.example", ssh_user="ops", ssh_port=2200), name="gpu7")
+    assert isinstance(remote, SshHost) and (remote.address, remote.user, remote.port, remote.name) == (
+        "gpu-7.example", "ops", 2200, "gpu7")
 
 
 def test_run_returns_output_and_status(host):

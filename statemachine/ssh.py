@@ -1,0 +1,314 @@
+"""``SshHost``: the :class:`~pdctl.statemachine.hosts.Host` surface on a machine reached over SSH (asyncssh).
+
+Every method is one remote command on one kept-open connection (asyncssh 2.x, ``SSHClientConnection.run``),
+run from a private event loop in a daemon thread so that callers stay synchronous like with ``LocalHost``.
+What each method runs (POSIX sh and coreutils on the host):
+
+* ``run``: the argv, shell-quoted, under ``timeout --kill-after=2 T`` so that a command that outlives its
+  timeout is killed on the host, not only abandoned by the client (exit 124/137 → ``CommandTimeout``); ``env``
+  replaces the environment through ``env -i``, ``cwd`` is a ``cd`` first.
+* ``read_file``: ``cat``; ``write_file``: ``mktemp`` beside the target (mode 0600), the bytes on stdin,
+  ``chmod``, ``sync``, ``mv -f`` — the file never exists with other permissions or half written.
+* ``spawn_detached``: ``setsid`` in the background with stdin from /dev/null and output appended to the log,
+  printing ``$!`` (``setsid`` execs the program, so that is the program's PID).
+* ``socket_links``: one ``find /proc/[0-9]*/fd -lname 'socket:*'`` instead of a ``readlink`` round trip per
+  descriptor (``pdctl.statemachine.ports`` asks for every socket on the host).
+* HTTP probes reach the host's services through SSH local port forwards (:meth:`SshHost.http_transport`), so
+  services bound to the host's loopback are probed exactly as pdctl on that host would.
+
+Authentication is public-key only (``identity_file``, else asyncssh's defaults: the agent and ``~/.ssh/id_*``);
+the host key is checked against ``known_hosts`` (asyncssh's default ``~/.ssh/known_hosts`` when None) — an
+unknown or changed host key is a :class:`~pdctl.statemachine.errors.HostError` naming the fix, never a prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
+from pdctl.statemachine.hosts import CommandResult, Host
+
+__all__ = ["SshHost"]
+
+_CONNECT_TIMEOUT_S = 15.0
+
+
+class SshHost(Host):
+    """A machine reached over SSH. *address* is its name or IP as this machine resolves it."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str | None = None,
+        port: int = 22,
+        user: str | None = None,
+        identity_file: str | None = None,
+        known_hosts: str | None = None,
+        connect_timeout: float = _CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.address = address
+        self.name = name or address
+        self.port = port
+        self.user = user
+        self.identity_file = identity_file
+        self.known_hosts = known_hosts
+        self.connect_timeout = connect_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._conn: Any = None
+        self._forwards: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _submit(self, coro, timeout: float):  # noqa: ANN001, ANN202
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name=f"ssh-{self.name}", daemon=True)
+                self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    async def _connection(self):  # noqa: ANN202
+        import asyncssh
+
+        if self._conn is not None and not self._conn.is_closed():
+            return self._conn
+        opts: dict[str, Any] = {"port": self.port, "connect_timeout": self.connect_timeout,
+                                "keepalive_interval": 15, "agent_forwarding": False}
+        if self.user:
+            opts["username"] = self.user
+        if self.identity_file:
+            opts["client_keys"] = [self.identity_file]
+        if self.known_hosts is not None:
+            opts["known_hosts"] = self.known_hosts
+        where = f"{self.user + '@' if self.user else ''}{self.address}:{self.port}"
+        try:
+            self._conn = await asyncssh.connect(self.address, **opts)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise HostError(f"ssh {where}: host key not verifiable ({exc.reason})", host=self.name,
+                            hint=f"add the host's key to {self.known_hosts or '~/.ssh/known_hosts'} "
+                                 f"(ssh-keyscan -p {self.port} {self.address})") from None
+        except asyncssh.PermissionDenied as exc:
+            raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
+                            hint="check hosts.<name>.ssh_user and ssh_identity (public-key login only)") from None
+        except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+            raise HostError(f"ssh {where}: cannot connect: {exc}", host=self.name,
+                            hint="is sshd running there and the address/port right?") from None
+        return self._conn
+
+    async def _exec(self, command: str, *, input: bytes | None, timeout: float):  # noqa: ANN202
+        import asyncssh
+
+        conn = await self._connection()
+        if input:
+            return await conn.run(command, input=input, check=False, encoding=None, timeout=timeout)
+        # no bytes to send: stdin at EOF at once (asyncssh leaves it open otherwise, and `cat` would wait)
+        return await conn.run(command, stdin=asyncssh.DEVNULL, check=False, encoding=None, timeout=timeout)
+
+    def _sh(self, command: str, *, input: bytes | None = None, timeout: float = 60.0):  # noqa: ANN202
+        """Run a shell command line on the host; returns (exit status, stdout bytes, stderr text)."""
+        import asyncssh
+
+        try:
+            res = self._submit(self._exec(command, input=input, timeout=timeout), timeout + self.connect_timeout + 5)
+        except HostError:
+            raise
+        except (asyncssh.TimeoutError, TimeoutError, asyncio.TimeoutError):
+            raise CommandTimeout(f"ssh {self.name}: no answer after {timeout:g} s: {command[:200]}",
+                                 host=self.name) from None
+        except (OSError, asyncssh.Error) as exc:
+            self._conn = None
+            raise HostError(f"ssh {self.name}: {exc}", host=self.name) from None
+        status = res.exit_status if res.exit_status is not None else 255
+        return status, res.stdout or b"", (res.stderr or b"").decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Close the connection and stop the loop thread (idempotent)."""
+        loop, conn = self._loop, self._conn
+        if loop is None:
+            return
+        if conn is not None:
+            async def _close() -> None:
+                conn.close()
+                await conn.wait_closed()
+
+            try:
+                asyncio.run_coroutine_threadsafe(_close(), loop).result(5)
+            except Exception:  # noqa: BLE001 - closing a dead connection
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        self._loop = self._thread = self._conn = None
+        self._forwards.clear()
+
+    # -- Host surface -----------------------------------------------------------------------
+
+    def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: Mapping[str, str] | None = None,
+            check: bool = True, input: str | None = None, cwd: str | None = None) -> CommandResult:
+        argv = [str(a) for a in argv]
+        if not argv:
+            raise HostError("empty command", host=self.name)
+        line = shlex.join(argv)
+        if env is not None:
+            line = "env -i " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " " + line
+        line = f"timeout --kill-after=2 {timeout:g} {line}"
+        if cwd:
+            line = f"cd {shlex.quote(cwd)} && {line}"
+        t0 = time.monotonic()
+        status, out, err = self._sh(line, input=input.encode() if input is not None else None, timeout=timeout + 5)
+        if status in (124, 137):
+            raise CommandTimeout(f"{' '.join(argv)} on {self.name}: no answer after {timeout:g} s", host=self.name)
+        if status == 127 and "No such file" in err or status == 126:
+            raise HostError(f"cannot run {argv[0]} on {self.name}: {err.strip()[-300:]}", host=self.name,
+                            hint=f"is {argv[0]} installed there?")
+        res = CommandResult(tuple(argv), status, out.decode("utf-8", "replace"), err, time.monotonic() - t0)
+        if check and status != 0:
+            raise CommandFailed(f"{' '.join(argv)} on {self.name} exited {status}: {err.strip()[-500:]}",
+                                host=self.name, argv=argv, returncode=status, stderr=err)
+        return res
+
+    def _file_error(self, op: str, path: str, status: int, err: str) -> Exception:
+        if "No such file" in err or "cannot access" in err and "No such" in err:
+            return FileNotFoundError(2, f"{path} on {self.name}", path)
+        return HostError(f"cannot {op} {path} on {self.name}: {err.strip()[-300:] or f'exit {status}'}",
+                         host=self.name)
+
+    def read_file(self, path: str) -> bytes:
+        status, out, err = self._sh(f"cat -- {shlex.quote(path)}")
+        if status != 0:
+            raise self._file_error("read", path, status, err)
+        return out
+
+    def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        script = ('set -e; d=$(dirname -- "$1"); mkdir -p -- "$d"; t=$(mktemp "$d/.pdctl.XXXXXX"); '
+                  'trap \'rm -f -- "$t"\' EXIT; cat > "$t"; chmod "$2" "$t"; sync "$t"; mv -f -- "$t" "$1"; trap - EXIT')
+        status, _out, err = self._sh(f"sh -c {shlex.quote(script)} sh {shlex.quote(path)} {mode:o}", input=bytes(data))
+        if status != 0:
+            raise HostError(f"cannot write {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
+
+    def remove_file(self, path: str) -> None:
+        status, _out, err = self._sh(f"rm -f -- {shlex.quote(path)}")
+        if status != 0:
+            raise HostError(f"cannot remove {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
+
+    def exists(self, path: str) -> bool:
+        q = shlex.quote(path)
+        return self._sh(f"test -e {q} || test -L {q}")[0] == 0
+
+    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
+        status, _out, err = self._sh(f"mkdir -p -m {mode:o} -- {shlex.quote(path)}")
+        if status != 0:
+            raise HostError(f"cannot create {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
+
+    def list_dir(self, path: str) -> list[str]:
+        status, out, err = self._sh(f"ls -A1 -- {shlex.quote(path)}")
+        if status != 0:
+            raise self._file_error("list", path, status, err)
+        return [n for n in out.decode("utf-8", "replace").split("\n") if n]
+
+    def which(self, name: str) -> str | None:
+        status, out, _err = self._sh(f"command -v -- {shlex.quote(name)}")
+        found = out.decode().strip()
+        return found if status == 0 and found.startswith("/") else None
+
+    def spawn_detached(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                       log_path: str | None = None) -> int:
+        argv = [str(a) for a in argv]
+        line = "setsid " + shlex.join(argv)
+        if env is not None:
+            line = "env -i " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " " + line
+        out = shlex.quote(log_path) if log_path else "/dev/null"
+        line = f"{line} < /dev/null >> {out} 2>&1 & echo $!"
+        if cwd:  # not `cd X && prog &`: that backgrounds a subshell which holds the session's output open
+            line = f"cd {shlex.quote(cwd)} || exit 97; {line}"
+        status, stdout, err = self._sh(line)
+        try:
+            pid = int(stdout.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise HostError(f"cannot start {argv[0]} on {self.name}: {err.strip()[-300:] or f'exit {status}'}",
+                            host=self.name) from None
+        return pid
+
+    def signal(self, pid: int, sig: int, *, group: bool = False) -> bool:
+        if pid <= 1:
+            raise ValueError(f"refusing to signal pid {pid}")
+        target = f"-{pid}" if group else str(pid)
+        status, _out, err = self._sh(f"kill -s {int(sig)} -- {target}")
+        if status == 0:
+            return True
+        if "No such process" in err:
+            return False
+        raise HostError(f"cannot signal {pid} on {self.name}: {err.strip()[-200:]}", host=self.name)
+
+    def readlink(self, path: str) -> str:
+        status, out, err = self._sh(f"readlink -- {shlex.quote(path)}")
+        if status != 0:
+            raise OSError(f"readlink {path} on {self.name}: {err.strip() or 'not a link'}")
+        return out.decode("utf-8", "replace").rstrip("\n")
+
+    def socket_links(self) -> list[tuple[int, str]]:
+        status, out, _err = self._sh("find /proc/[0-9]*/fd -lname 'socket:*' -printf '%h %l\\n' 2>/dev/null; true")
+        found = []
+        for row in out.decode("utf-8", "replace").splitlines():
+            where, _, link = row.partition(" ")
+            pid = where.split("/")[2] if where.count("/") >= 3 else ""
+            if pid.isdigit() and link.startswith("socket:["):
+                found.append((int(pid), link[8:-1]))
+        return found
+
+    # -- HTTP through the connection --------------------------------------------------------
+
+    def forward(self, dest_host: str, dest_port: int) -> int:
+        """Local port on this machine's loopback that the connection forwards to *dest_host:dest_port* as seen
+        from the host (opened once per destination)."""
+        key = (dest_host, int(dest_port))
+        if key not in self._forwards:
+            async def _open() -> int:
+                conn = await self._connection()
+                listener = await conn.forward_local_port("127.0.0.1", 0, dest_host, int(dest_port))
+                return listener.get_port()
+
+            self._forwards[key] = self._submit(_open(), self.connect_timeout + 10)
+        return self._forwards[key]
+
+    def http_transport(self) -> httpx.BaseTransport:
+        return _ForwardingTransport(self)
+
+
+class _ForwardingTransport(httpx.BaseTransport):
+    """Sends each request to the local end of an SSH forward to the URL's host:port on the remote machine.
+    ``0.0.0.0`` (a bind address) is reached as the host's loopback."""
+
+    def __init__(self, host: SshHost) -> None:
+        self._host = host
+        self._inner = httpx.HTTPTransport(trust_env=False)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        dest = request.url.host or "127.0.0.1"
+        if dest in ("0.0.0.0", "::", "localhost"):
+            dest = "127.0.0.1"
+        port = request.url.port or (443 if request.url.scheme == "https" else 80)
+        try:
+            local = self._host.forward(dest, port)
+        except HostError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from None
+        request.url = request.url.copy_with(host="127.0.0.1", port=local)
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()

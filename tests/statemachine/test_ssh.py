@@ -1,0 +1,214 @@
+"""``SshHost`` against a real OpenSSH server on loopback (harness.sshd), and the demo deployment driven over it.
+
+The server runs on this machine, so what a remote command did is checked locally (files, PIDs, listeners).
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from harness import skip_or_fail
+from harness.sshd import Sshd
+from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
+from pdctl.statemachine.hosts import host_for
+from pdctl.statemachine.spec import Host as HostSpec
+from pdctl.statemachine.ssh import SshHost
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    reason = Sshd.skip_reason()
+    if reason:
+        skip_or_fail(reason)
+    server = Sshd.start(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def host(sshd):
+    h = host_for(HostSpec(**sshd.host_spec()), name="gpu")
+    yield h
+    h.close()
+
+
+def test_a_loopback_address_with_connect_ssh_goes_over_ssh(sshd, host):
+    assert isinstance(host, SshHost) and host.name == "gpu"
+    assert not HostSpec(**sshd.host_spec()).is_local
+    assert HostSpec(address="127.0.0.1").is_local and not HostSpec(address="10.0.0.2").is_local
+
+
+def test_run_returns_output_status_and_honours_env_cwd_input(host, tmp_path):
+    r = host.run(["sh", "-c", "echo out; echo err >&2; exit 3"], check=False)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+    with pytest.raises(CommandFailed) as e:
+        host.run(["false"])
+    assert e.value.returncode == 1
+    r = host.run(["sh", "-c", 'echo "$PDCTL_X|${HOME:-unset}"; pwd'], env={"PDCTL_X": "a b'c"}, cwd=str(tmp_path))
+    assert r.stdout.splitlines() == ["a b'c|unset", str(tmp_path)]
+    assert host.run(["cat"], input="piped\n").stdout == "piped\n"
+    with pytest.raises(HostError, match="cannot run"):
+        host.run(["/nonexistent/tool"])
+
+
+def test_a_command_past_its_timeout_is_killed_on_the_host(host, tmp_path):
+    mark = tmp_path / "alive"
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeout):
+        host.run(["sh", "-c", f"sleep 30; touch {mark}"], timeout=1)
+    assert time.monotonic() - t0 < 10
+    assert not any(b"sleep\x0030" in open(f"/proc/{p}/cmdline", "rb").read()
+                   for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline"))
+
+
+def test_files_are_written_atomically_with_their_mode(host, tmp_path):
+    target = tmp_path / "sub" / "unit.service"
+    host.write_file(str(target), b"[Unit]\nDescription=x\n\x00binary", mode=0o600)
+    assert target.read_bytes() == b"[Unit]\nDescription=x\n\x00binary"
+    assert (target.stat().st_mode & 0o777) == 0o600
+    assert host.read_file(str(target)).endswith(b"\x00binary")
+    assert [p.name for p in target.parent.iterdir()] == ["unit.service"], "no temp file left behind"
+    assert host.exists(str(target)) and sorted(host.list_dir(str(target.parent))) == ["unit.service"]
+    host.remove_file(str(target))
+    host.remove_file(str(target))  # missing is fine
+    assert not target.exists() and not host.exists(str(target))
+    with pytest.raises(FileNotFoundError):
+        host.read_file(str(target))
+    with pytest.raises(FileNotFoundError):
+        host.list_dir(str(tmp_path / "nope"))
+    host.write_file(str(tmp_path / "empty"), b"")  # stdin closed at once: no wait for bytes that never come
+    assert (tmp_path / "empty").read_bytes() == b""
+    assert host.run(["cat"], timeout=5).stdout == ""
+    host.make_dirs(str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir()
+    assert host.which("sh") and host.which("pdctl-no-such-tool") is None
+
+
+def test_spawned_processes_outlive_the_command_and_can_be_signalled(host, tmp_path):
+    log = tmp_path / "spawn.log"
+    t0 = time.monotonic()
+    pid = host.spawn_detached(["sh", "-c", "pwd; exec sleep 60"], env={"PATH": "/usr/bin:/bin"},
+                              log_path=str(log), cwd=str(tmp_path))
+    assert time.monotonic() - t0 < 5, "the session does not wait for the spawned process"
+    try:
+        # env, setsid and sh exec in turn under that PID; wait for the last one (their command lines all say "sleep").
+        deadline = time.monotonic() + 5
+        while not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"sleep\x00") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert open(f"/proc/{pid}/cmdline", "rb").read() == b"sleep\x0060\x00"
+        assert os.getsid(pid) == pid, "a new session"
+        assert log.read_text() == f"{tmp_path}\n"
+    finally:
+        assert host.signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while host.signal(pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host.signal(pid, 0) is False
+
+
+def test_socket_links_find_a_listener_with_one_command(host):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    try:
+        inode = str(os.fstat(srv.fileno()).st_ino)
+        assert (os.getpid(), inode) in host.socket_links()
+        from pdctl.statemachine.ports import listeners
+
+        port = srv.getsockname()[1]
+        assert [(lst.port, lst.pid) for lst in listeners(host, {port})] == [(port, os.getpid())]
+    finally:
+        srv.close()
+    assert host.readlink(f"/proc/{os.getpid()}/exe") == os.readlink(f"/proc/{os.getpid()}/exe")
+
+
+def test_http_reaches_the_hosts_loopback_through_the_connection(host):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = self.path.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):  # noqa: ANN002
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        with httpx.Client(transport=host.http_transport(), trust_env=False) as c:
+            r = c.get(f"http://0.0.0.0:{port}/health?x=1")
+            assert (r.status_code, r.text) == (200, "/health?x=1")
+            assert host.forward("127.0.0.1", port) != port, "the request went through a forward"
+    finally:
+        srv.shutdown()
+
+
+def test_wrong_key_and_unknown_host_key_are_clear_errors(sshd, tmp_path):
+    spec = sshd.host_spec()
+    bad = host_for(HostSpec(**{**spec, "ssh_identity": str(sshd.wrong_key)}))
+    with pytest.raises(HostError, match="permission denied") as e:
+        bad.run(["true"])
+    assert "ssh_identity" in (e.value.hint or "")
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    unknown = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(empty)}))
+    with pytest.raises(HostError, match="host key not verifiable") as e:
+        unknown.run(["true"])
+    assert "ssh-keyscan" in (e.value.hint or "")
+    closed = host_for(HostSpec(**{**spec, "ssh_port": _closed_port()}))
+    with pytest.raises(HostError, match="cannot connect"):
+        closed.run(["true"])
+    for h in (bad, unknown, closed):
+        h.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_demo_deploys_checks_and_stops_over_ssh(sshd, make_demo):
+    def over_ssh(d):
+        d["hosts"]["local"] = sshd.host_spec()
+
+    demo = make_demo(over_ssh)
+    from pdctl.statemachine import service
+
+    res = demo.apply()
+    assert res.state == "parsers_configured"
+    st = service.status(demo.load())
+    assert st["healthy"], st
+    assert len(demo.pids()) == 3, "prefill, decode and the router run (started through sshd)"
+    # They were started by a command that came in over SSH: sshd's session, not this process, spawned them.
+    assert all(os.getsid(p) != os.getsid(0) for p in demo.pids())
+    stopped = service.down(demo.load())
+    assert len(stopped) == 3
+    deadline = time.monotonic() + 20
+    while demo.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert demo.pids() == []
+
+
+def test_an_unreachable_host_stops_the_apply_before_anything_changes(sshd, make_demo):
+    def unreachable(d):
+        d["hosts"]["local"] = {**sshd.host_spec(), "ssh_port": _closed_port()}
+
+    demo = make_demo(unreachable)
+    from pdctl.statemachine.journal import Journal
+
+    with pytest.raises(HostError, match="cannot connect"):
+        demo.apply()
+    assert demo.pids() == []
+    assert Journal(demo.state, demo.name).read().target is None
