@@ -1,14 +1,15 @@
 """``SshHost``: the :class:`~pdctl.statemachine.hosts.Host` surface on a machine reached over SSH (asyncssh).
 
-Every method is one remote command on one kept-open connection (asyncssh 2.x, ``SSHClientConnection.run``),
+Every method is one remote command (or SFTP request) on one kept-open connection (asyncssh 2.x, ``SSHClientConnection.run``),
 run from a private event loop in a daemon thread so that callers stay synchronous like with ``LocalHost``.
 What each method runs (POSIX sh and coreutils on the host):
 
 * ``run``: the argv, shell-quoted, under ``timeout --kill-after=2 T`` so that a command that outlives its
   timeout is killed on the host, not only abandoned by the client (exit 124/137 → ``CommandTimeout``); ``env``
   replaces the environment through ``env -i``, ``cwd`` is a ``cd`` first.
-* ``read_file``: ``cat``; ``write_file``: ``mktemp`` beside the target (mode 0600), the bytes on stdin,
-  ``chmod``, ``sync``, ``mv -f`` — the file never exists with other permissions or half written.
+* ``read_file``, ``exists``, ``list_dir``, ``readlink``: the connection's SFTP session (no shell per call; a
+  shell command when the host offers no SFTP); ``write_file``: ``mktemp`` beside the target (mode 0600), the
+  bytes on stdin, ``chmod``, ``sync``, ``mv -f`` — the file never exists with other permissions or half written.
 * ``spawn_detached``: ``setsid`` in the background with stdin from /dev/null and output appended to the log,
   printing ``$!`` (``setsid`` execs the program, so that is the program's PID).
 * ``socket_links``: one ``find /proc/[0-9]*/fd -lname 'socket:*'`` instead of a ``readlink`` round trip per
@@ -66,6 +67,8 @@ class SshHost(Host):
         self._conn: Any = None
         self._forwards: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
+        self._sftp: Any = None
+        self._sftp_conn: Any = None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -136,6 +139,41 @@ class SshHost(Host):
         status = res.exit_status if res.exit_status is not None else 255
         return status, res.stdout or b"", (res.stderr or b"").decode("utf-8", "replace")
 
+    async def _sftp_client(self):  # noqa: ANN202
+        """The connection's SFTP session (opened once), or None when the host offers no SFTP subsystem."""
+        import asyncssh
+
+        conn = await self._connection()
+        if getattr(self, "_sftp_conn", None) is not conn:
+            self._sftp_conn = conn
+            try:
+                self._sftp = await conn.start_sftp_client()
+            except (asyncssh.Error, OSError):
+                self._sftp = None
+        return self._sftp
+
+    def _sftp_call(self, op: str, path: str, fn):  # noqa: ANN001, ANN202
+        """Run ``fn(sftp)`` (a coroutine function) on the SFTP session. Returns (True, result), or (False, None)
+        when there is no SFTP session (the caller then uses a shell command). Maps a missing path to
+        ``FileNotFoundError`` and other failures to ``HostError``."""
+        import asyncssh
+
+        async def _go():  # noqa: ANN202
+            sftp = await self._sftp_client()
+            if sftp is None:
+                return False, None
+            return True, await fn(sftp)
+
+        try:
+            return self._submit(_go(), 60 + self.connect_timeout)
+        except asyncssh.SFTPNoSuchFile:
+            raise FileNotFoundError(2, f"{path} on {self.name}", path) from None
+        except asyncssh.SFTPError as exc:
+            raise HostError(f"cannot {op} {path} on {self.name}: {exc.reason}", host=self.name) from None
+        except (OSError, asyncssh.Error) as exc:
+            self._conn = None
+            raise HostError(f"ssh {self.name}: {exc}", host=self.name) from None
+
     def close(self) -> None:
         """Close the connection and stop the loop thread (idempotent)."""
         loop, conn = self._loop, self._conn
@@ -153,7 +191,7 @@ class SshHost(Host):
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(5)
-        self._loop = self._thread = self._conn = None
+        self._loop = self._thread = self._conn = self._sftp = self._sftp_conn = None
         self._forwards.clear()
 
     # -- Host surface -----------------------------------------------------------------------
@@ -189,6 +227,18 @@ class SshHost(Host):
                          host=self.name)
 
     def read_file(self, path: str) -> bytes:
+        async def _read(sftp):  # noqa: ANN001, ANN202
+            async with sftp.open(path, "rb") as f:
+                chunks = []
+                while True:  # /proc and sysfs files report size 0: read to EOF, bounded by what the file holds
+                    chunk = await f.read(65536)
+                    if not chunk:
+                        return b"".join(chunks)
+                    chunks.append(chunk)
+
+        done, data = self._sftp_call("read", path, _read)
+        if done:
+            return data
         status, out, err = self._sh(f"cat -- {shlex.quote(path)}")
         if status != 0:
             raise self._file_error("read", path, status, err)
@@ -207,6 +257,16 @@ class SshHost(Host):
             raise HostError(f"cannot remove {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
 
     def exists(self, path: str) -> bool:
+        async def _exists(sftp):  # noqa: ANN001, ANN202
+            try:
+                await sftp.lstat(path)
+                return True
+            except Exception:  # noqa: BLE001 - SFTPNoSuchFile and friends: absent
+                return False
+
+        done, found = self._sftp_call("stat", path, _exists)
+        if done:
+            return found
         q = shlex.quote(path)
         return self._sh(f"test -e {q} || test -L {q}")[0] == 0
 
@@ -216,6 +276,12 @@ class SshHost(Host):
             raise HostError(f"cannot create {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
 
     def list_dir(self, path: str) -> list[str]:
+        async def _list(sftp):  # noqa: ANN001, ANN202
+            return [n for n in await sftp.listdir(path) if n not in (".", "..")]
+
+        done, names = self._sftp_call("list", path, _list)
+        if done:
+            return names
         status, out, err = self._sh(f"ls -A1 -- {shlex.quote(path)}")
         if status != 0:
             raise self._file_error("list", path, status, err)
@@ -256,6 +322,15 @@ class SshHost(Host):
         raise HostError(f"cannot signal {pid} on {self.name}: {err.strip()[-200:]}", host=self.name)
 
     def readlink(self, path: str) -> str:
+        async def _readlink(sftp):  # noqa: ANN001, ANN202
+            return await sftp.readlink(path)
+
+        try:
+            done, target = self._sftp_call("readlink", path, _readlink)
+        except (FileNotFoundError, HostError) as exc:
+            raise OSError(f"readlink {path} on {self.name}: {exc}") from None
+        if done:
+            return target
         status, out, err = self._sh(f"readlink -- {shlex.quote(path)}")
         if status != 0:
             raise OSError(f"readlink {path} on {self.name}: {err.strip() or 'not a link'}")
