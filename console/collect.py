@@ -130,26 +130,46 @@ class Collector:
 
     # -- lazily built engine handles --------------------------------------------------------------
     @property
+    def host(self) -> Any:
+        """The deployment's host (this machine, or an SSH host: scrapes and unit status go through it)."""
+        if getattr(self, "_host", None) is None:
+            from pdctl.statemachine.errors import PdctlError
+            from pdctl.statemachine.hosts import LocalHost
+            from pdctl.statemachine.service import deployment_host
+
+            try:
+                self._host = deployment_host(self.loaded.deployment)
+            except PdctlError:  # roles over several hosts (apply refuses it): show what this machine sees
+                self._host = LocalHost()
+        return self._host
+
+    @property
     def client(self) -> Any:
         if self._client is None:
             import httpx
 
-            self._client = httpx.Client(trust_env=False)
+            self._client = httpx.Client(trust_env=False, transport=self.host.http_transport())
+            self._own_client = True
         return self._client
 
     @property
     def manager(self) -> Any:
         if self._manager is None:
             from pdctl.statemachine import launch
-            from pdctl.statemachine.hosts import LocalHost
 
-            self._manager = launch.manager_for(self.loaded.deployment, LocalHost(), state_dir=str(self.loaded.journal.dir))
+            self._manager = launch.manager_for(self.loaded.deployment, self.host, state_dir=str(self.loaded.journal.dir))
         return self._manager
 
     def set_loaded(self, loaded: Any) -> None:
         """Follow a reloaded spec (the journal directory may differ)."""
-        if loaded.journal.dir != self.loaded.journal.dir:
+        if loaded.journal.dir != self.loaded.journal.dir or loaded.deployment.hosts != self.loaded.deployment.hosts:
             self._manager = None
+            if loaded.deployment.hosts != self.loaded.deployment.hosts and getattr(self, "_host", None) is not None:
+                if getattr(self, "_own_client", False) and self._client is not None:
+                    self._client.close()  # it dialled through the old host
+                    self._client = None
+                self._host.close()
+                self._host = None
         self.loaded = loaded
 
     def close(self) -> None:
