@@ -249,11 +249,22 @@ def chat_cmd(
     model = loaded.deployment.model.served_name or loaded.deployment.model.path
     body = {"model": model, "messages": [{"role": "user", "content": message}], "tools": [PROBE_TOOL],
             "chat_template_kwargs": {"thinking": True}, "max_tokens": 256}
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.service import deployment_host
+
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    except httpx.HTTPError as exc:
+        dhost = deployment_host(loaded.deployment)
+    except PdctlError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(ExitCode.ERROR) from None
+    try:  # through the deployment's host: an SSH forward when the router listens on a remote machine
+        with httpx.Client(trust_env=False, transport=dhost.http_transport()) as client:
+            r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    except (httpx.HTTPError, PdctlError) as exc:
         _err(f"error: POST {url}/v1/chat/completions: {exc}")
         raise typer.Exit(ExitCode.ERROR) from None
+    finally:
+        dhost.close()
     sys.stdout.write(json.dumps(r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text, indent=1) + "\n")
     raise typer.Exit(ExitCode.OK if r.status_code == 200 else ExitCode.ERROR)
 

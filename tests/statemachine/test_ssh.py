@@ -6,6 +6,7 @@ The server runs on this machine, so what a remote command did is checked locally
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import socket
@@ -193,6 +194,12 @@ def test_the_demo_deploys_checks_and_stops_over_ssh(sshd, make_demo):
     assert len(demo.pids()) == 3, "prefill, decode and the router run (started through sshd)"
     # They were started by a command that came in over SSH: sshd's session, not this process, spawned them.
     assert all(os.getsid(p) != os.getsid(0) for p in demo.pids())
+    # The CLI reaches the router through the connection too (one chat with the tool, answered by the stand-in).
+    r = demo.cli("chat", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "tool_calls" in r.stdout
+    r = demo.cli("status", str(demo.spec), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["healthy"], r.stdout + r.stderr
     stopped = service.down(demo.load())
     assert len(stopped) == 3
     deadline = time.monotonic() + 20
