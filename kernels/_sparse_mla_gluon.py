@@ -83,14 +83,7 @@ def _load_tile(kv8_ptr, kvs_ptr, kvr_ptr, irow, n0, end,
     base_r = gl.expand_dims(gl.where(idx_r >= 0, idx_r, 0).to(gl.int64) * 328 + 264, 1)
     cols_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_ROPE)), 0)
     kpe = gl.load(kvr_ptr + base_r + cols_r, mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64), other=0.0)
-    offs_s = n0 + gl.arange(0, 64, layout=ROW)
-    idx_s = gl.load(irow + offs_s, mask=offs_s < end, other=-1)
-    valid = idx_s >= 0
-    srow = gl.where(valid, idx_s, 0).to(gl.int64) * 164 + 128
-    c0 = gl.load(kvs_ptr + srow, mask=valid, other=0.0)
-    c1 = gl.load(kvs_ptr + srow + 1, mask=valid, other=0.0)
-    c2 = gl.load(kvs_ptr + srow + 2, mask=valid, other=0.0)
-    c3 = gl.load(kvs_ptr + srow + 3, mask=valid, other=0.0)
+    c0, c1, c2, c3, valid = _load_scales(kvs_ptr, irow, n0, end, ROW)
     return k0, k1, k2, k3, kpe, c0, c1, c2, c3, valid
 
 
