@@ -279,7 +279,7 @@ class ConsoleApp(App[int]):
         loaded = self.loaded
         try:
             if reread:
-                loaded = load(self.loaded.path, state_dir=self.state_dir)
+                loaded = load(self.loaded.path, state_dir=self.state_dir, discover=True)
             plan = plan_spec(loaded)
         except Exception as exc:  # noqa: BLE001 - a broken spec is shown, never fatal
             self.post_message(self.Planned(loaded, None, f"{type(exc).__name__}: {exc}"))

@@ -69,7 +69,7 @@ def plan(
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
 
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, discover=True)
     _warnings(loaded)
     p = plan_spec(loaded)
     pending = loaded.journal.read().target
@@ -131,7 +131,7 @@ def apply_cmd(
         if not saved.spec_path:
             raise typer.BadParameter("the saved plan names no spec file")
         spec = Path(saved.spec_path)
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, discover=True)
     _warnings(loaded)
     rep = _Reporter(as_json)
     try:
@@ -284,7 +284,7 @@ def console_cmd(
     Textual is imported here only: the headless commands never load it."""
     from pdctl.statemachine.service import load
 
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, discover=True)
     from pdctl.console.app import run_console
 
     raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))

@@ -34,10 +34,27 @@ def journal_for(dep: Deployment, state_dir: str | os.PathLike[str] | None = None
     return Journal(default_state_dir(dep.name, dep.service_manager, override=state_dir), dep.name)
 
 
-def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str] | None = None) -> Loaded:
-    """Read, validate and rule-check a spec. Raises SpecError; contacts no host."""
+def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str] | None = None,
+         discover: bool = False) -> Loaded:
+    """Read, validate and rule-check a spec. Raises SpecError. Contacts no host, unless *discover*: then the
+    hosts with ``inventory = "discover"`` that run roles are read (``pdctl.statemachine.inventory``; HostError
+    when one cannot be) and the placement rules use what they report."""
     dep = load_spec(spec_path)
-    warnings = check(dep)
+    inventories = None
+    if discover:
+        from pdctl.statemachine.hosts import host_for
+        from pdctl.statemachine.inventory import discover as _discover
+
+        used = {r.host for _n, _k, r in dep.roles()}
+        inventories = {}
+        for key, h in sorted(dep.hosts.items()):
+            if h.inventory == "discover" and key in used:
+                host = host_for(h, name=key)
+                try:
+                    inventories[key] = _discover(host)
+                finally:
+                    host.close()
+    warnings = check(dep, inventories=inventories)
     return Loaded(Path(spec_path), dep, warnings, journal_for(dep, state_dir))
 
 

@@ -1,0 +1,93 @@
+"""``inventory = "discover"``: read a host's GPUs and NUMA layout through its :class:`~pdctl.statemachine.hosts.Host`
+(this machine or one reached over SSH), for the placement rules (``rules.validate(inventories=...)``).
+
+Facts and where they come from:
+
+* the GPUs, in ``nvidia-smi`` index order (the ids a spec's ``gpus`` lists use), with their PCI bus ids:
+  ``nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader`` (fields as ``nvidia-smi --help-query-gpu``
+  documents them; bus ids spelled ``00000000:3B:00.0``). nvidia-smi, not NVML bindings, so that the same
+  command answers over SSH, where pdctl has no Python of its own;
+* each GPU's NUMA node: sysfs ``/sys/bus/pci/devices/<0000:3b:00.0>/numa_node`` (``-1`` when the platform
+  reports none, e.g. a single-node VM — then no placement rule can be checked for it);
+* each NUMA node's CPUs: ``/sys/devices/system/node/node<N>/cpulist`` (``cpulist`` syntax, ``0-31,64-95``).
+
+``pdctl plan`` and ``pdctl apply`` discover; ``pdctl validate`` never contacts a host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdctl.statemachine.errors import HostError
+from pdctl.statemachine.rules import Inventory
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdctl.statemachine.hosts import Host
+
+__all__ = ["discover", "parse_gpu_query", "sysfs_bus_id"]
+
+GPU_QUERY = ("nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader")
+
+
+def sysfs_bus_id(nvml_bus_id: str) -> str:
+    """``00000000:3B:00.0`` (nvidia-smi / NVML) → ``0000:3b:00.0`` (sysfs)."""
+    s = nvml_bus_id.strip().lower()
+    if s.count(":") == 2:
+        dom, rest = s.split(":", 1)
+        try:
+            return f"{int(dom, 16):04x}:{rest}"
+        except ValueError:
+            return s
+    return s
+
+
+def parse_gpu_query(text: str) -> list[str]:
+    """Bus ids in index order from ``GPU_QUERY``'s output. Raises ValueError on a line it cannot read or a
+    gap in the indices."""
+    rows: dict[int, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        idx, sep, bus = (p.strip() for p in line.partition(","))
+        if not sep or not idx.isdigit() or not bus:
+            raise ValueError(f"unexpected nvidia-smi line {line!r}")
+        rows[int(idx)] = bus
+    if sorted(rows) != list(range(len(rows))):
+        raise ValueError(f"nvidia-smi listed GPU indices {sorted(rows)}, not 0..{len(rows) - 1}")
+    return [rows[i] for i in range(len(rows))]
+
+
+def discover(host: Host, *, pci_root: str = "/sys/bus/pci/devices",
+             node_root: str = "/sys/devices/system/node") -> Inventory:
+    """The :class:`~pdctl.statemachine.rules.Inventory` of *host*. Raises HostError (naming the host and the fix)
+    when nvidia-smi is missing or fails; a GPU whose NUMA node sysfs does not report gets ``-1``."""
+    hint = 'install the NVIDIA driver there, or declare gpu_numa / numa_cpus and set inventory = "declared"'
+    try:
+        res = host.run(list(GPU_QUERY), timeout=60, check=False)
+    except HostError as exc:
+        raise HostError(f"cannot discover the GPUs of host {host.name}: {exc.message}", host=host.name,
+                        hint=hint) from None
+    if res.returncode != 0:
+        raise HostError(f"cannot discover the GPUs of host {host.name}: nvidia-smi exited {res.returncode}: "
+                        f"{(res.stderr or res.stdout).strip()[-300:]}", host=host.name, hint=hint)
+    try:
+        buses = parse_gpu_query(res.stdout)
+    except ValueError as exc:
+        raise HostError(f"cannot discover the GPUs of host {host.name}: {exc}", host=host.name, hint=hint) from None
+    gpu_numa = []
+    for bus in buses:
+        try:
+            gpu_numa.append(int(host.read_text(f"{pci_root}/{sysfs_bus_id(bus)}/numa_node").strip()))
+        except (OSError, ValueError):
+            gpu_numa.append(-1)
+    numa_cpus: dict[int, str] = {}
+    try:
+        nodes = [n for n in host.list_dir(node_root) if n.startswith("node") and n[4:].isdigit()]
+    except OSError:
+        nodes = []
+    for n in sorted(nodes, key=lambda n: int(n[4:])):
+        try:
+            numa_cpus[int(n[4:])] = host.read_text(f"{node_root}/{n}/cpulist").strip()
+        except OSError:
+            continue
+    return Inventory(tuple(gpu_numa), numa_cpus or None)

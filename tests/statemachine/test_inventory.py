@@ -1,0 +1,119 @@
+"""``inventory = "discover"``: a host's GPUs (nvidia-smi) and NUMA layout (sysfs) read through its Host.
+
+nvidia-smi is a script on PATH that prints what the real one prints for ``--query-gpu=index,pci.bus_id
+--format=csv,noheader`` (and fails for anything else); sysfs is a temporary tree with the real layout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.deploy import dump_toml, seed_dict
+from pdctl.statemachine.errors import HostError, SpecError
+from pdctl.statemachine.hosts import LocalHost
+from pdctl.statemachine.inventory import discover, parse_gpu_query, sysfs_bus_id
+from pdctl.statemachine.service import load
+
+BUSES = ["00000000:17:00.0", "00000000:3D:00.0", "00000000:99:00.0", "00000000:B1:00.0"]
+
+
+def _fake_smi(tmp_path, buses, *, fail: bool = False):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    lines = "\n".join(f"{i}, {b}" for i, b in enumerate(buses))
+    body = 'echo "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver." >&2; exit 9' if fail \
+        else f'[ "$*" = "--query-gpu=index,pci.bus_id --format=csv,noheader" ] || exit 2\ncat <<"X"\n{lines}\nX'
+    (bindir / "nvidia-smi").write_text(f"#!/bin/sh\n{body}\n")
+    (bindir / "nvidia-smi").chmod(0o755)
+    return str(bindir)
+
+
+def _sysfs(tmp_path, numa_of_bus: dict[str, int], nodes: dict[int, str]):
+    pci = tmp_path / "pci"
+    for bus, node in numa_of_bus.items():
+        (pci / bus).mkdir(parents=True)
+        (pci / bus / "numa_node").write_text(f"{node}\n")
+    nroot = tmp_path / "node"
+    for n, cpus in nodes.items():
+        (nroot / f"node{n}").mkdir(parents=True)
+        (nroot / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    (nroot / "possible").write_text("0-1\n")  # not a node directory
+    return str(pci), str(nroot)
+
+
+def test_bus_ids_and_query_output_parse():
+    assert sysfs_bus_id("00000000:3D:00.0") == "0000:3d:00.0"
+    assert parse_gpu_query("1, 00000000:3D:00.0\n0, 00000000:17:00.0\n") == ["00000000:17:00.0", "00000000:3D:00.0"]
+    with pytest.raises(ValueError, match="indices"):
+        parse_gpu_query("0, a\n2, b\n")
+    with pytest.raises(ValueError, match="unexpected"):
+        parse_gpu_query("No devices were found\n")
+
+
+def test_discover_reads_gpus_in_index_order_with_their_numa_nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, BUSES) + os.pathsep + os.environ["PATH"])
+    pci, nodes = _sysfs(tmp_path, {"0000:17:00.0": 0, "0000:3d:00.0": 0, "0000:99:00.0": 1, "0000:b1:00.0": -1},
+                        {0: "0-31,64-95", 1: "32-63,96-127"})
+    inv = discover(LocalHost(), pci_root=pci, node_root=nodes)
+    assert inv.gpu_numa == (0, 0, 1, -1)
+    assert inv.numa_cpus == {0: "0-31,64-95", 1: "32-63,96-127"}
+
+
+def test_a_host_without_a_working_nvidia_smi_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, [], fail=True) + os.pathsep + os.environ["PATH"])
+    with pytest.raises(HostError, match="nvidia-smi exited 9: NVIDIA-SMI has failed") as e:
+        discover(LocalHost())
+    assert 'inventory = "declared"' in e.value.hint
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(HostError, match="cannot discover the GPUs") as e:
+        discover(LocalHost())
+    assert "install the NVIDIA driver" in e.value.hint
+
+
+def _discover_spec(tmp_path):
+    d = seed_dict()
+    host = next(iter(d["hosts"]))
+    for k in ("gpu_numa", "numa_cpus"):
+        d["hosts"][host].pop(k, None)
+    d["hosts"][host]["inventory"] = "discover"
+    spec = tmp_path / "discover.toml"
+    spec.write_text(dump_toml(d))
+    return spec
+
+
+def test_plan_checks_placement_against_what_the_host_reports(tmp_path, monkeypatch):
+    spec = _discover_spec(tmp_path)
+    # Validation contacts no host: no nvidia-smi needed.
+    monkeypatch.setenv("PATH", str(tmp_path / "empty") + os.pathsep + "/usr/bin:/bin")
+    load(spec, state_dir=tmp_path / "state")
+    # The seed runs prefill on GPUs 0-3 and decode on 4-7; a host with 6 GPUs cannot hold it.
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, [f"00000000:{i:02X}:00.0" for i in range(6)]) + os.pathsep
+                       + os.environ["PATH"])
+    with pytest.raises(SpecError, match=r"GPU \[6, 7\] not on host"):
+        load(spec, state_dir=tmp_path / "state", discover=True)
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, [f"00000000:{i:02X}:00.0" for i in range(8)]) + os.pathsep
+                       + os.environ["PATH"])
+    # With 8 GPUs the GPU count holds; the NUMA nodes are this machine's real sysfs (decode asks for node 1).
+    if os.path.isdir("/sys/devices/system/node/node1"):
+        load(spec, state_dir=tmp_path / "state", discover=True)
+    else:
+        with pytest.raises(SpecError, match="NUMA node 1 does not exist on host") as e:
+            load(spec, state_dir=tmp_path / "state", discover=True)
+        assert "GPU [" not in str(e.value)
+
+
+def test_the_cli_plan_names_the_host_and_the_fix_when_it_cannot_discover(tmp_path):
+    spec = _discover_spec(tmp_path)
+    env = {**os.environ, "PATH": _fake_smi(tmp_path, [], fail=True) + os.pathsep + os.environ["PATH"],
+           "PDCTL_STATE_DIR": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(spec)], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "cannot discover the GPUs of host" in r.stderr and 'inventory = "declared"' in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pdctl", "validate", str(spec)], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
