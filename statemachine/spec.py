@@ -68,7 +68,8 @@ class Host(_Model):
     address (another account on this machine, or an sshd on loopback); ``local``: directly."""
     inventory: Literal["declared", "discover"] = "declared"
     """``declared``: trust ``gpu_numa``/``numa_cpus`` below (may be empty = unknown);
-    ``discover``: read NVML and sysfs on the host when planning (validation never contacts hosts)."""
+    ``discover``: read the host's GPUs (nvidia-smi) and NUMA layout (sysfs) when planning or applying
+    (``pdctl.statemachine.inventory``; ``pdctl validate`` never contacts hosts)."""
     gpu_name: str | None = None
     gpu_numa: list[int] | None = None
     """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order). None: unknown."""
