@@ -69,6 +69,7 @@ class SshHost(Host):
         self._lock = threading.Lock()
         self._sftp: Any = None
         self._sftp_conn: Any = None
+        self._connecting: asyncio.Lock | None = None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -86,10 +87,19 @@ class SshHost(Host):
             raise
 
     async def _connection(self):  # noqa: ANN202
-        import asyncssh
-
         if self._conn is not None and not self._conn.is_closed():
             return self._conn
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # callers from several threads: one connection
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn
+            self._forwards.clear()  # listeners of a dropped connection are gone with it
+            return await self._connect()
+
+    async def _connect(self):  # noqa: ANN202
+        import asyncssh
+
         opts: dict[str, Any] = {"port": self.port, "connect_timeout": self.connect_timeout,
                                 "keepalive_interval": 15, "agent_forwarding": False}
         if self.user:
@@ -191,7 +201,7 @@ class SshHost(Host):
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(5)
-        self._loop = self._thread = self._conn = self._sftp = self._sftp_conn = None
+        self._loop = self._thread = self._conn = self._sftp = self._sftp_conn = self._connecting = None
         self._forwards.clear()
 
     # -- Host surface -----------------------------------------------------------------------
