@@ -159,7 +159,13 @@ def status_cmd(
     from pdctl.statemachine.service import load, status
 
     loaded = load(spec, state_dir=state_dir)
-    st = status(loaded)
+    try:
+        st = status(loaded)
+    except PdctlError as exc:
+        if as_json:  # scripts still get an object: what failed and the fix
+            sys.stdout.write(json.dumps({"deployment": loaded.deployment.name, "healthy": False,
+                                         "error": exc.message, "hint": exc.hint}, indent=1) + "\n")
+        raise
     if as_json:
         sys.stdout.write(json.dumps(st, indent=1, default=str) + "\n")
     else:

@@ -144,12 +144,18 @@ def run_steps(ctx: Context, steps: list[Step], sink: EventSink) -> StateMachine:
                 kind = "step_verified"
                 msg = f"{step.name}: verified — {proof.summary}"
         except (PdctlError, UnitsError) as exc:
-            if isinstance(exc, StepError):
+            lost = getattr(ctx.host, "connection_error", None)
+            if lost is not None:
+                # the host stopped answering: say so, whatever operation tripped over it
+                err = ApplyFailed(f"lost the connection to host {ctx.host.name}: {lost.message}", step=step.name,
+                                  hint=lost.hint)
+            elif isinstance(exc, StepError):
                 err = exc
             elif isinstance(exc, UnitsError):
-                err = ApplyFailed(str(exc), step=step.name, hint=getattr(exc, "hint", None) or step.hint)
+                err = ApplyFailed(exc.message, step=step.name, hint=getattr(exc, "hint", None) or step.hint)
             else:
-                err = VerifyFailed(str(exc), step=step.name, hint=step.hint)
+                err = VerifyFailed(getattr(exc, "message", None) or str(exc), step=step.name,
+                                   hint=getattr(exc, "hint", None) or step.hint)
             if err.step is None:
                 err.step = step.name
             if err.hint is None:

@@ -147,6 +147,16 @@ def _diff(prefix: str, before: Any, after: Any, cls: ChangeClass) -> list[AttrCh
     return []
 
 
+def _reach_free(deployment: dict) -> dict:
+    """*deployment* without how pdctl reaches each host (journals before 2026-11-30 recorded ssh_user and
+    ssh_port there): changing them restarts nothing."""
+    hosts = deployment.get("hosts")
+    if not isinstance(hosts, dict):
+        return deployment
+    return {**deployment, "hosts": {k: {a: v for a, v in h.items() if a not in ("ssh_user", "ssh_port")}
+                                    if isinstance(h, dict) else h for k, h in hosts.items()}}
+
+
 def _role_changes(old: RoleTopology, new: RoleTopology) -> list[AttrChange]:
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
     out: list[AttrChange] = []
@@ -183,7 +193,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     # Deployment-wide settings restart every serving role.
     wide: list[AttrChange] = []
     if deployed is not None:
-        wide = _diff("deployment", deployed.deployment, desired.deployment, "disruptive")
+        wide = _diff("deployment", _reach_free(deployed.deployment), _reach_free(desired.deployment), "disruptive")
     wide_restarts = tuple(sorted(set(old_roles) & set(new_roles)))
 
     for name in ordered(old_roles.keys() - new_roles.keys()):

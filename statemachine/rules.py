@@ -14,6 +14,7 @@ groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -170,12 +171,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
 
     used_hosts = sorted({r.host for _n, _k, r in roles} | ({dep.router.on} if dep.router and dep.router.on else set()))
     if len(used_hosts) > 1:
-        warn(
+        err(
             "hosts",
-            f"roles run on {len(used_hosts)} hosts ({', '.join(used_hosts)}): `pdctl apply` drives one host per "
-            "deployment for now and will refuse this spec before changing anything",
+            f"roles run on {len(used_hosts)} hosts ({', '.join(used_hosts)}): pdctl drives one host per deployment",
             "put prefill, decode and the router on one [hosts.*] entry",
         )
+    for key, host in sorted(dep.hosts.items()):
+        for attr in ("ssh_identity", "ssh_known_hosts"):
+            path = getattr(host, attr)
+            if path and not host.is_local and not os.path.isfile(path):
+                err(f"hosts.{key}.{attr}", f"{path} is not a file on this machine",
+                    "give the path of an existing file (relative paths are relative to the spec's folder)")
 
     for name, _kind, role in roles:
         f = _role_field(dep, role)

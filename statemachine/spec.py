@@ -335,4 +335,20 @@ def load_spec(path: str | Path) -> Deployment:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{p}: TOML syntax error: {exc}", path=str(p)) from None
-    return parse_spec(data, path=str(p))
+    return _resolve_host_paths(parse_spec(data, path=str(p)), p.parent)
+
+
+def _resolve_host_paths(dep: Deployment, base: Path) -> Deployment:
+    """``ssh_identity`` / ``ssh_known_hosts`` with ``~`` expanded and relative to the spec's folder (not to
+    wherever pdctl runs)."""
+    import os
+
+    def fix(v: str | None) -> str | None:
+        if not v:
+            return v
+        v = os.path.expanduser(v)
+        return v if os.path.isabs(v) else os.path.normpath(os.path.join(os.path.abspath(base), v))
+
+    hosts = {k: h.model_copy(update={"ssh_identity": fix(h.ssh_identity), "ssh_known_hosts": fix(h.ssh_known_hosts)})
+             for k, h in dep.hosts.items()}
+    return dep.model_copy(update={"hosts": hosts})

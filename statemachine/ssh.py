@@ -25,6 +25,7 @@ unknown or changed host key is a :class:`~pdctl.statemachine.errors.HostError` n
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import threading
 import time
@@ -70,6 +71,8 @@ class SshHost(Host):
         self._sftp: Any = None
         self._sftp_conn: Any = None
         self._connecting: asyncio.Lock | None = None
+        self.connection_error: HostError | None = None
+        """The last failure to reach the host (None once a command went through): steps report it as such."""
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -95,7 +98,13 @@ class SshHost(Host):
             if self._conn is not None and not self._conn.is_closed():
                 return self._conn
             self._forwards.clear()  # listeners of a dropped connection are gone with it
-            return await self._connect()
+            try:
+                conn = await self._connect()
+            except HostError as exc:
+                self.connection_error = exc
+                raise
+            self.connection_error = None
+            return conn
 
     async def _connect(self):  # noqa: ANN202
         import asyncssh
@@ -109,18 +118,27 @@ class SshHost(Host):
         if self.known_hosts is not None:
             opts["known_hosts"] = self.known_hosts
         where = f"{self.user + '@' if self.user else ''}{self.address}:{self.port}"
+        for attr, path in (("ssh_identity", self.identity_file), ("ssh_known_hosts", self.known_hosts)):
+            if path and not os.path.isfile(path):
+                raise HostError(f"ssh {where}: hosts.{self.name}.{attr} {path} is not a file on this machine",
+                                host=self.name, hint=f"fix hosts.{self.name}.{attr} in the spec")
         try:
             self._conn = await asyncssh.connect(self.address, **opts)
+        except asyncssh.KeyImportError as exc:
+            raise HostError(f"ssh {where}: cannot use the key {self.identity_file or '(default keys)'}: {exc}",
+                            host=self.name,
+                            hint=f"hosts.{self.name}.ssh_identity must be an unencrypted private key (not the .pub); "
+                                 "for a key with a passphrase, leave ssh_identity unset and load it into ssh-agent") from None
         except asyncssh.HostKeyNotVerifiable as exc:
             raise HostError(f"ssh {where}: host key not verifiable ({exc.reason})", host=self.name,
                             hint=f"add the host's key to {self.known_hosts or '~/.ssh/known_hosts'} "
                                  f"(ssh-keyscan -p {self.port} {self.address})") from None
         except asyncssh.PermissionDenied as exc:
             raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
-                            hint="check hosts.<name>.ssh_user and ssh_identity (public-key login only)") from None
-        except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+                            hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only)") from None
+        except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
             raise HostError(f"ssh {where}: cannot connect: {exc}", host=self.name,
-                            hint="is sshd running there and the address/port right?") from None
+                            hint=f"is sshd running there, and hosts.{self.name}.address / ssh_port right?") from None
         return self._conn
 
     async def _exec(self, command: str, *, input: bytes | None, timeout: float):  # noqa: ANN202
@@ -145,7 +163,9 @@ class SshHost(Host):
                                  host=self.name) from None
         except (OSError, asyncssh.Error) as exc:
             self._conn = None
-            raise HostError(f"ssh {self.name}: {exc}", host=self.name) from None
+            self.connection_error = HostError(f"ssh {self.name}: {exc}", host=self.name,
+                                              hint=f"is host {self.name} up and its sshd answering?")
+            raise self.connection_error from None
         status = res.exit_status if res.exit_status is not None else 255
         return status, res.stdout or b"", (res.stderr or b"").decode("utf-8", "replace")
 
@@ -182,7 +202,9 @@ class SshHost(Host):
             raise HostError(f"cannot {op} {path} on {self.name}: {exc.reason}", host=self.name) from None
         except (OSError, asyncssh.Error) as exc:
             self._conn = None
-            raise HostError(f"ssh {self.name}: {exc}", host=self.name) from None
+            self.connection_error = HostError(f"ssh {self.name}: {exc}", host=self.name,
+                                              hint=f"is host {self.name} up and its sshd answering?")
+            raise self.connection_error from None
 
     def close(self) -> None:
         """Close the connection and stop the loop thread (idempotent)."""

@@ -195,7 +195,8 @@ def topology_of(dep: Deployment) -> Topology:
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
         "secrets": {k: _fingerprint(v) for k, v in sorted(dep.secrets.items())},
-        "hosts": {k: {"address": h.address, "ssh_user": h.ssh_user, "ssh_port": h.ssh_port} for k, h in sorted(dep.hosts.items())},
+        # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
+        "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},
     }
     return Topology(
         name=dep.name,

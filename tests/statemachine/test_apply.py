@@ -309,9 +309,9 @@ def test_roles_spread_over_two_hosts_are_refused_before_anything_changes(make_de
         d["prefill"][0]["http_host"] = "0.0.0.0"
 
     demo = make_demo(remote)
-    from pdctl.statemachine.errors import HostError
+    from pdctl.statemachine.errors import SpecError
 
-    with pytest.raises(HostError, match="roles run on 2 hosts"):
+    with pytest.raises(SpecError, match="roles run on 2 hosts"):
         demo.apply()
     assert demo.pids() == []
     assert Journal(demo.state, demo.name).read().target is None

@@ -219,3 +219,86 @@ def test_an_unreachable_host_stops_the_apply_before_anything_changes(sshd, make_
         demo.apply()
     assert demo.pids() == []
     assert Journal(demo.state, demo.name).read().target is None
+
+
+def test_bad_or_missing_key_files_name_the_field(sshd, tmp_path):
+    spec = sshd.host_spec()
+    pub = host_for(HostSpec(**{**spec, "ssh_identity": str(sshd.client_key) + ".pub"}), name="gpu")
+    with pytest.raises(HostError, match="cannot use the key") as e:
+        pub.run(["true"])
+    assert "hosts.gpu.ssh_identity" in e.value.hint and "ssh-agent" in e.value.hint
+    gone = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(tmp_path / "nope")}), name="gpu")
+    with pytest.raises(HostError, match="hosts.gpu.ssh_known_hosts .* is not a file"):
+        gone.run(["true"])
+    for h in (pub, gone):
+        h.close()
+
+
+def test_key_paths_are_relative_to_the_spec_and_checked_by_validate(sshd, tmp_path, monkeypatch):
+    from harness.deploy import demo_dict, dump_toml
+    from pdctl.statemachine.errors import SpecError
+    from pdctl.statemachine.service import load
+
+    (tmp_path / "specs" / "keys").mkdir(parents=True)
+    (tmp_path / "specs" / "keys" / "id").write_bytes(sshd.client_key.read_bytes())
+    d = demo_dict()
+    d["hosts"]["local"] = {**sshd.host_spec(), "ssh_identity": "keys/id"}
+    (tmp_path / "specs" / "s.toml").write_text(dump_toml(d))
+    monkeypatch.chdir(tmp_path)  # not the spec's folder
+    dep = load(tmp_path / "specs" / "s.toml", state_dir=tmp_path / "st").deployment
+    assert dep.hosts["local"].ssh_identity == str(tmp_path / "specs" / "keys" / "id")
+    h = host_for(dep.hosts["local"], name="local")
+    assert h.run(["echo", "ok"]).stdout == "ok\n"
+    h.close()
+    d["hosts"]["local"]["ssh_identity"] = "keys/missing"
+    (tmp_path / "specs" / "s.toml").write_text(dump_toml(d))
+    with pytest.raises(SpecError, match="hosts.local.ssh_identity"):
+        load(tmp_path / "specs" / "s.toml", state_dir=tmp_path / "st")
+
+
+def test_how_pdctl_reaches_a_host_changes_nothing_that_runs(sshd):
+    from harness.deploy import demo_dict
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.spec import parse_spec
+    from pdctl.statemachine.topology import topology_of
+
+    d = demo_dict()
+    d["hosts"]["local"] = sshd.host_spec()
+    before = topology_of(parse_spec(d))
+    d["hosts"]["local"] = {**sshd.host_spec(), "ssh_port": 2201, "ssh_user": "ops", "connect": "auto"}
+    after = topology_of(parse_spec(d))
+    assert not make_plan(before, after).has_changes
+    # A journal written before ssh_user/ssh_port left the topology still plans no restart.
+    old = before.model_copy(update={"deployment": {**before.deployment, "hosts": {
+        "local": {"address": "127.0.0.1", "ssh_user": "root", "ssh_port": 22}}}})
+    assert not make_plan(old, after).has_changes
+    d["hosts"]["local"] = {**sshd.host_spec(), "address": "10.0.0.9"}
+    assert make_plan(before, topology_of(parse_spec(d))).has_changes
+
+
+def test_a_connection_lost_mid_apply_is_reported_as_such(sshd, make_demo, monkeypatch):
+    import asyncssh
+
+    from pdctl.statemachine.events import Event
+    from pdctl.statemachine.errors import StepError
+
+    demo = make_demo(lambda d: d["hosts"].__setitem__("local", sshd.host_spec()))
+
+    class CutAtPrefill:
+        def emit(self, event: Event) -> None:
+            if event.kind == "step_started" and event.step == "prefill_up":
+                async def lost(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+                    raise asyncssh.ConnectionLost("Connection lost")
+
+                async def refused(self):  # noqa: ANN001
+                    raise HostError(f"ssh {self.address}:{self.port}: cannot connect: [Errno 111] Connection refused",
+                                    host=self.name, hint="is sshd running there?")
+
+                monkeypatch.setattr(SshHost, "_exec", lost)
+                monkeypatch.setattr(SshHost, "_connect", refused)
+
+    with pytest.raises(StepError) as e:
+        demo.apply(sink=CutAtPrefill())
+    assert e.value.step == "prefill_up"
+    assert "lost the connection to host local" in e.value.message
+    assert e.value.message.count("hint") == 0 and "writable state directory" not in (e.value.hint or "")
