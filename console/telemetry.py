@@ -15,6 +15,7 @@ check a number by hand.
 
 from __future__ import annotations
 
+
 import math
 import os
 import threading
@@ -22,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdctl.statemachine.inventory import sysfs_bus_id  # noqa: F401  (one spelling for NVML and sysfs bus ids)
 
 __all__ = [
     "NA",
@@ -294,16 +297,6 @@ def _read(path: str) -> str | None:
         return None
 
 
-def sysfs_bus_id(nvml_bus_id: str) -> str:
-    """NVML's ``00000000:3B:00.0`` → sysfs's ``0000:3b:00.0``."""
-    s = nvml_bus_id.strip().lower()
-    if s.count(":") == 2:
-        dom, rest = s.split(":", 1)
-        try:
-            return f"{int(dom, 16):04x}:{rest}"
-        except ValueError:
-            return s
-    return s
 
 
 def _sysfs_numa(bus_id: str, pci_root: str) -> int | NaType:
