@@ -174,8 +174,11 @@ def status_cmd(
 
 
 def _status_text(st: dict) -> str:
-    lines = [f"deployment {st['deployment']} ({st['mode']}): " + ("healthy" if st["healthy"] else "NOT healthy")
-             + ("" if st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
+    nothing = not st.get("deployed", True) and not st.get("applying")
+    lines = [f"deployment {st['deployment']} ({st['mode']}): "
+             + ("not deployed (`pdctl plan` shows what apply would start)" if nothing
+                else "healthy" if st["healthy"] else "NOT healthy")
+             + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
              + (f", reached {st['reached']}" if st["reached"] else "") + (" [apply in progress or interrupted]" if st["applying"] else "")]
     for r in st["roles"]:
         lines.append(

@@ -407,3 +407,9 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
     assert "stopped and removed" in r.stderr and "-server.service" in r.stderr
     assert demo.status()["healthy"]
     assert len(demo.pids()) == 3
+
+
+def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
+    r = demo.cli("status", str(demo.spec))
+    assert r.returncode == 1
+    assert "not deployed" in r.stdout and "differs" not in r.stdout and "NOT healthy" not in r.stdout
