@@ -174,7 +174,7 @@ class SshHost(Host):
         import asyncssh
 
         conn = await self._connection()
-        if getattr(self, "_sftp_conn", None) is not conn:
+        if self._sftp_conn is not conn:
             self._sftp_conn = conn
             try:
                 self._sftp = await conn.start_sftp_client()
@@ -196,6 +196,8 @@ class SshHost(Host):
 
         try:
             return self._submit(_go(), 60 + self.connect_timeout)
+        except HostError:  # could not connect: keep its own message and hint
+            raise
         except asyncssh.SFTPNoSuchFile:
             raise FileNotFoundError(2, f"{path} on {self.name}", path) from None
         except asyncssh.SFTPError as exc:

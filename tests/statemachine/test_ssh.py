@@ -161,6 +161,8 @@ def test_wrong_key_and_unknown_host_key_are_clear_errors(sshd, tmp_path):
     with pytest.raises(HostError, match="permission denied") as e:
         bad.run(["true"])
     assert "ssh_identity" in (e.value.hint or "")
+    with pytest.raises(HostError, match="permission denied"):  # the SFTP path says the same
+        bad.read_file("/etc/hostname")
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     unknown = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(empty)}))
