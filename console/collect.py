@@ -175,6 +175,8 @@ class Collector:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if getattr(self, "_host", None) is not None:
+            self._host.close()  # an SSH host's connection and its loop thread
 
     # -- parts --------------------------------------------------------------------------------------
     def read_journal(self) -> tuple[JournalState | None, str | None]:

@@ -245,7 +245,7 @@ class SshHost(Host):
         status, out, err = self._sh(line, input=input.encode() if input is not None else None, timeout=timeout + 5)
         if status in (124, 137):
             raise CommandTimeout(f"{' '.join(argv)} on {self.name}: no answer after {timeout:g} s", host=self.name)
-        if status == 127 and "No such file" in err or status == 126:
+        if status == 126 or (status == 127 and "No such file" in err):  # `timeout` could not exec it
             raise HostError(f"cannot run {argv[0]} on {self.name}: {err.strip()[-300:]}", host=self.name,
                             hint=f"is {argv[0]} installed there?")
         res = CommandResult(tuple(argv), status, out.decode("utf-8", "replace"), err, time.monotonic() - t0)
@@ -255,7 +255,7 @@ class SshHost(Host):
         return res
 
     def _file_error(self, op: str, path: str, status: int, err: str) -> Exception:
-        if "No such file" in err or "cannot access" in err and "No such" in err:
+        if "No such file" in err:
             return FileNotFoundError(2, f"{path} on {self.name}", path)
         return HostError(f"cannot {op} {path} on {self.name}: {err.strip()[-300:] or f'exit {status}'}",
                          host=self.name)
