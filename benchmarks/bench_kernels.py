@@ -447,7 +447,8 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072, 8), (32768, 64))) -> list[dict]:
+def bench_indexer_sweep(ceil: dict, log, cases=((8192, 1), (32768, 8), (131072, 1), (131072, 8), (32768, 64))
+                        ) -> list[dict]:
     """Indexer launch configs side by side (section ``isweep``): logits-only µs for each logits config, then the
     whole indexer (logits + top-k) for top-k variants on the fastest logits config. Every config's top-k is
     compared, as a set, with the default config's output."""
@@ -480,9 +481,13 @@ def bench_indexer_sweep(ceil: dict, log, cases=((32768, 8), (8192, 64), (131072,
         from dataclasses import replace
 
         full = []
-        for tp, tb, tw, fh in ((528, 1024, 4, 0), (1056, 1024, 4, 0), (264, 1024, 4, 0), (528, 1024, 4, 1),
-                               (528, 2048, 8, 0), (1056, 512, 2, 0)):
-            cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, fuse_hist0=fh)
+        for tp, tb, tw, fh, rw, rb in ((528, 1024, 4, 0, 4, 512), (1056, 1024, 4, 0, 4, 512),
+                                       (264, 1024, 4, 0, 4, 512), (528, 1024, 4, 1, 4, 512),
+                                       (528, 2048, 8, 0, 4, 512), (528, 1024, 4, 0, 4, 256),
+                                       (528, 1024, 4, 0, 4, 1024), (528, 1024, 4, 0, 8, 1024),
+                                       (528, 1024, 4, 0, 8, 2048)):
+            cfg = replace(best, topk_programs=tp, topk_block=tb, topk_warps=tw, fuse_hist0=fh, refine_warps=rw,
+                          refine_block=rb)
             try:
                 us = graph_us_multi([lambda cfg=cfg: lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)])
                 same = bool(torch.equal(lightning_indexer(q8, w, cache, bt, sl, 2048, logits=lg, config=cfg)

@@ -1,6 +1,7 @@
 """Time each launch of the lightning indexer on its own (CUDA-graph replay of that launch alone), to see where
-an indexer call's time goes: workspace memset, logits (+ first radix histogram), the four 6-bit histogram passes,
-and the select pass. Prints one line per (L, B, launch). Run on the GPU machine:
+an indexer call's time goes: logits (which also zeroes the top-k workspace), the first radix histogram, the
+partition and the per-row refinement. Prints one line per (L, B, launch), then
+the whole call. Run on the GPU machine:
 
     python benchmarks/indexer_stages.py
 """
@@ -22,31 +23,57 @@ def main() -> int:
     from pdctl.kernels._build import make_indexer_case
 
     kern = ix._kernels()
-    cfg = ix.IndexerConfig(programs_per_sm=8, logits_stages=5)
-    for L, B in ((8192, 1), (32768, 8), (32768, 64)):
+    cfg = ix.IndexerConfig()
+    for L, B in ((8192, 1), (32768, 8), (32768, 64), (131072, 64)):
         q8, w, cache, bt, sl = make_indexer_case([L] * B, max_context=163840)
         lg = torch.empty(B, bt.shape[1] * 64, device="cuda")
         out = torch.empty(B, 2048, dtype=torch.int32, device="cuda")
-        hb = B * 256
-        ws = torch.zeros(5 * hb + 2 * B, dtype=torch.int32, device="cuda")
-        hist, cnt = ws[: 5 * hb], ws[5 * hb:]
+        ws = torch.zeros(B, ix.WS_STRIDE, dtype=torch.int32, device="cuda")
+        cw = lg.shape[1]
+        cand = ix.candidate_buffer(B, cw, cfg, "cuda")
         ix.lightning_indexer(q8, w, cache, bt, sl, 2048, out=out, logits=lg, config=cfg)
-        ix.indexer_logits(q8, w, cache, bt, sl, logits=lg, config=cfg, hist=hist)
-        for tb, tw, tp in ((1024, 4, 1056), (1024, 4, 264), (4096, 4, 264), (1024, 1, 1056), (256, 1, 4224)):
-            segs = max(1, tp // B)
-            launches = {"memset": lambda: ws.zero_(),
-                        "logits+hist0": lambda: ix.indexer_logits(q8, w, cache, bt, sl, logits=lg, config=cfg, hist=hist)}
-            for p in range(1, 5):
-                launches[f"hist{p}"] = lambda p=p: kern._topk_hist_kernel[(B, segs)](
-                    lg, lg.stride(0), sl, hist, hb, PASS=p, TOPK=2048, BLOCK=tb, num_warps=tw)
-            launches["select"] = lambda: kern._topk_select_kernel[(B, segs)](
-                lg, lg.stride(0), sl, hist, hb, cnt, bt, bt.stride(0), out, out.stride(0), TOPK=2048, BLOCK=tb,
-                PHYSICAL=True, num_warps=tw)
-            for name, fn in launches.items():
-                if name in ("memset", "logits+hist0") and (tb, tw, tp) != (1024, 4, 1056):
-                    continue
-                us = graph_us_multi([fn])
-                print(f"L={L} B={B} block={tb} warps={tw} programs={tp} {name}: {us:.1f} us", flush=True)
+        segs = max(1, cfg.topk_programs // B)
+
+        def hist():
+            kern._topk_hist_kernel[(B, segs)](lg, lg.stride(0), sl, ws, ix.WS_STRIDE, TOPK=2048, BLOCK=cfg.topk_block,
+                                             num_warps=cfg.topk_warps, num_stages=cfg.topk_stages)
+
+        def partition():
+            # the counters must start at zero for every replay: the zeroing rides in the same graph, timed apart
+            ws[:, 256:].zero_()
+            kern._topk_partition_kernel[(B, segs)](
+                lg, lg.stride(0), sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, bt, bt.stride(0), out, out.stride(0),
+                TOPK=2048, BLOCK=cfg.topk_block, PHYSICAL=True, num_warps=cfg.topk_warps, num_stages=cfg.topk_stages)
+
+        def refine():
+            ws[:, 258].zero_()  # its arrival and slot counters, zeroed in the same graph for every replay
+            ws[:, 262:264].zero_()
+            kern._topk_refine_kernel[(B, segs)](
+                sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, bt, bt.stride(0), out, out.stride(0), TOPK=2048,
+                BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=True, num_warps=cfg.refine_warps)
+
+        ws.zero_()
+        hist()
+        partition()
+        refine()
+        n_cand = ws[:, 257].float().mean().item()
+        n_short = ws[:, 261].float()
+        print(f"L={L} B={B} candidates per row {n_cand:.0f}, short list per row mean {n_short.mean():.0f} max "
+              f"{n_short.max():.0f} (cap {cfg.topk_refine_cap})", flush=True)
+        ws_scratch = torch.empty_like(ws)
+        # order matters: the hist0 replays keep adding into ws, so partition (which reads it) is timed first
+        launches = {
+            "logits (zeroes the workspace)": lambda: ix.indexer_logits(q8, w, cache, bt, sl, logits=lg, config=cfg,
+                                                                      workspace=ws_scratch),
+            "counter zeroing alone": lambda: ws[:, 256:].zero_(),
+            "partition (incl. counter zeroing)": partition,
+            "refine (incl. counter zeroing, 2 launches)": refine,
+            "hist0 (256 bins)": hist,
+            "whole call": lambda: ix.lightning_indexer(q8, w, cache, bt, sl, 2048, out=out, logits=lg, config=cfg),
+        }
+        for name, fn in launches.items():
+            us = graph_us_multi([fn])
+            print(f"L={L} B={B} {name}: {us:.1f} us", flush=True)
     return 0
 
 

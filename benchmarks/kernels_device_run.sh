@@ -20,6 +20,12 @@ import sys; sys.argv=['pdctl.kernels','build','--cache-dir','$OUT/kcache','--hea
 sys.path.insert(0,'tests/kernels'); import conftest  # maps kernels/ -> pdctl.kernels on a bare checkout
 from pdctl.kernels.__main__ import main; rc=main(); print('build rc', rc); sys.exit(rc)" 2>&1 | tee "$OUT/build.log" | tail -5
        cp "$OUT/kcache/pdctl-kernels-manifest.json" "$OUT/manifest.json" 2>/dev/null; rm -rf "$OUT/kcache" ;;
+    ncu) timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --section SpeedOfLight --section Occupancy \
+           --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+           -k regex:'decode|topk|indexer|combine' python3 benchmarks/ncu_targets.py > "$OUT/ncu.txt" 2>&1
+         echo "ncu rc $?"; grep -E "^  [a-z_]+.*\(|Duration|Stall|Registers Per|Achieved Occupancy|Issue Slots Busy|Memory Throughput" \
+           "$OUT/ncu.txt" | head -80 ;;
+    stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;
     bench) timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
   esac
 done

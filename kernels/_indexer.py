@@ -15,21 +15,28 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
    stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
-   logits, high bits first: a 256-bin histogram of the top byte (``_topk_hist_kernel`` pass 0, or counted by the
-   logits kernel as it writes the logits with ``fuse_hist0``), then four 6-bit digits (passes 1–4, 64-bin
-   histograms of the keys that match
-   the digits picked so far), then ``_topk_select_kernel`` writes every key above the k-th largest plus enough
-   keys equal to it — exactly k entries, unsorted (SGLang's contract is unsorted). Each pass runs on a
-   ``(B, R)`` grid, R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads
-   over the GPU; a program whose share of a short row is empty exits at once), accumulating with global
-   atomics. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``. Positions
-   are mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` in the select pass (SGLang's
-   ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied at the
-   k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
+   logits (``_indexer_kernels``), in three launches:
 
-The logits workspace is ``[B, width·64]`` fp32 allocated with ``torch.empty``: only its first L_b columns of row b
-are ever written or read, so the width costs address space, not time (the tests check output and time are
-the same at widths for 32K and 160K max context). Layout and math: ``_reference.py``.
+   * ``_topk_hist_kernel``: a 256-bin histogram of the keys' top byte (or counted by the logits kernel as it
+     writes the logits, with ``fuse_hist0``); it fixes d0, the top byte of the k-th largest key;
+   * ``_topk_partition_kernel``: keys whose top byte is above d0 go straight to the output; keys that share d0
+     are candidates, their positions and keys appended to a per-row list while a 4096-bin histogram of their
+     next 12 bits is counted (one global atomic per candidate);
+   * ``_topk_refine_kernel``, on the same grid: with those 12 bits fixed, the candidates above them
+     go to the output and the few that share them to a short list; the row's last program resolves the last
+     12 bits over the short list in registers and writes the rest of the row.
+
+   Exactly k entries come out, unsorted (SGLang's contract is unsorted). The first two run on a ``(B, R)`` grid,
+   R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads over the GPU; a
+   program whose share of a short row is empty exits at once). The workspace (histograms and counters) is
+   zeroed by the logits kernel: a call is four launches. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``.
+   Positions are mapped to physical slots ``block_table[b, pos // 64] · 64 + pos % 64`` as they are written
+   (SGLang's ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied
+   at the k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
+
+The logits workspace ``[B, width·64]`` fp32 and the candidate list ``[B, 2, width·64]`` int32 are allocated with
+``torch.empty``: only the first L_b columns of row b are ever written or read, so the width costs address space,
+not time (the tests check output and time are the same at widths for 32K and 160K max context). Layout and math: ``_reference.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["IndexerConfig", "lightning_indexer", "indexer_logits"]
+__all__ = ["IndexerConfig", "lightning_indexer", "indexer_logits", "topk_over_logits"]
 
 from dataclasses import asdict, dataclass
 
@@ -60,6 +67,14 @@ class IndexerConfig:
     topk_warps: int = 4
     topk_programs: int = 528
     topk_stages: int = 3
+    topk_refine_cap: int = 2048
+    """Most keys sharing the k-th key's top 20 bits that a row's refining program holds in registers; with more
+    (heavily tied logits) it loops over the whole candidate list (a power of two ≥ 1024)."""
+    refine_warps: int = 8
+    """Warps of each refining program (``topk_programs // B`` programs per row, as the other top-k launches)."""
+    refine_block: int = 1024
+    """Candidates per step of a refining program (8 warps, 1024: the best all-round of the sweep in
+    ``bench_kernels.py --sections isweep`` on the H200, 2026-11-30)."""
     fuse_hist0: int = 0
     """1: the logits kernel also counts the top-k's first (top-byte) histogram, saving a pass over the logits;
     0: a separate pass does (measured on the H200 at 2M keys: fused, the 256-bin ``tl.histogram`` made the
@@ -70,6 +85,12 @@ class IndexerConfig:
 
 
 _TUNED: dict[str, IndexerConfig] = {}
+
+WS_STRIDE = 512 + 4096
+"""int32 per row of the top-k workspace: the 256-bin first histogram (0–255); the partition's output and
+candidate counters (256, 257); the refinement's arrival counter (258); the k-th key's top byte and the count still
+needed at it (259, 260); the refinement's short-list length (261), output and short-list counters (262, 263);
+the candidates' 4096-bin second histogram (512–4607) (``_indexer_kernels``)."""
 
 
 def set_indexer_config(cfg: IndexerConfig) -> None:
@@ -121,11 +142,13 @@ def indexer_logits(
     *,
     logits: torch.Tensor | None = None,
     config: IndexerConfig | None = None,
-    hist: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    count_hist0: bool = False,
 ) -> torch.Tensor:
     """Indexer logits into ``logits [B, ≥ width·64] fp32``: row b is defined on columns [0, L_b) only (the rest
-    is left untouched). Arguments as :func:`lightning_indexer`; ``hist`` (int32, ≥ 256·B, zeroed by the caller)
-    receives the top-k's first radix histogram (row b at ``hist[256·b:]``)."""
+    is left untouched). Arguments as :func:`lightning_indexer`. ``workspace``: the top-k's ``int32 [B, WS_STRIDE]``
+    workspace, which this launch zeroes; or, with ``count_hist0``, which the caller has zeroed and into which it
+    counts the top-k's first radix histogram (row b at ``workspace[b, :256]``)."""
     import torch
 
     _check(q8, weights, index_k_cache, block_table, seq_lens)
@@ -142,8 +165,9 @@ def indexer_logits(
     ks = index_k_cache.view(torch.float32)
     kern._indexer_logits_kernel[(programs,)](
         q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, logits, logits.stride(0),
-        hist if hist is not None else seq_lens,
-        b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=hist is not None,
+        workspace if workspace is not None else seq_lens, WS_STRIDE,
+        0 if workspace is None or count_hist0 else workspace.numel(),
+        b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=workspace is not None and count_hist0,
         num_warps=cfg.logits_warps,
         num_stages=cfg.logits_stages,
     )
@@ -192,24 +216,77 @@ def lightning_indexer(
         out = torch.empty(b, topk, dtype=torch.int32, device=q8.device)
     if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
-    hb = b * 256  # elements between one pass's histograms and the next
-    ws = torch.zeros(5 * hb + 2 * b, dtype=torch.int32, device=q8.device)  # 5 histograms + 2 counters per row
-    hist, cnt = ws[: 5 * hb], ws[5 * hb:]
+    ws = (torch.zeros if cfg.fuse_hist0 else torch.empty)(b, WS_STRIDE, dtype=torch.int32, device=q8.device)
     logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg,
-                            hist=hist if cfg.fuse_hist0 else None)
+                            workspace=ws, count_hist0=bool(cfg.fuse_hist0))
+    _topk(logits, seq_lens, block_table, out, ws, topk, physical, cfg, hist0_done=bool(cfg.fuse_hist0))
+    return out
+
+
+def topk_over_logits(
+    logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    topk: int = 2048,
+    *,
+    physical: bool = True,
+    out: torch.Tensor | None = None,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """The indexer's exact top-k on its own: ``logits`` fp32 ``[B, ≥ L_b]`` (row b read on [0, L_b) only),
+    ``seq_lens`` int32 ``[B]``, ``block_table`` int32 ``[B, W]`` (read only with ``physical``). Returns int32
+    ``[B, topk]`` as :func:`lightning_indexer` does; one extra launch zeroes the workspace that
+    :func:`lightning_indexer` has the logits kernel zero. Raises ValueError on shape/dtype mismatches."""
+    import torch
+
+    cfg = config or _TUNED.get("default") or IndexerConfig()
+    b = seq_lens.shape[0]
+    if logits.dim() != 2 or logits.shape[0] != b or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be float32 [{b}, ≥ max L] (unit column stride), got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    if seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or block_table.shape[0] != b:
+        raise ValueError(f"seq_lens must be int32 [{b}] and block_table int32 [{b}, W], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)} and {block_table.dtype} {tuple(block_table.shape)}")
+    if out is None:
+        out = torch.empty(b, topk, dtype=torch.int32, device=logits.device)
+    ws = torch.zeros(b, WS_STRIDE, dtype=torch.int32, device=logits.device)
+    _topk(logits, seq_lens, block_table, out, ws, topk, physical, cfg, hist0_done=False)
+    return out
+
+
+def candidate_buffer(b: int, cw: int, cfg: IndexerConfig, device) -> torch.Tensor:
+    """The top-k's per-row candidate lists, ``int32 [B, 2·cw + 2·cap]``: positions and keys of the keys sharing
+    the k-th key's top byte (cw = the logits row length, each), then the refinement's short list (positions and
+    keys, ``cfg.topk_refine_cap`` each)."""
+    import torch
+
+    return torch.empty(b, 2 * cw + 2 * cfg.topk_refine_cap, dtype=torch.int32, device=device)
+
+
+def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg: IndexerConfig, hist0_done: bool):
+    # The two top-k launches (first histogram unless already counted, then partition + refinement) on a zeroed
+    # workspace ``ws`` int32 [B, WS_STRIDE] (or one holding the first histogram, with hist0_done).
+    import torch
+
+    b = seq_lens.shape[0]
     if b == 0:
-        return out
+        return
     kern = _kernels()
+    cw = max(logits.shape[1], 1)
+    cand = candidate_buffer(b, cw, cfg, logits.device)
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
-    for p in range(1 if cfg.fuse_hist0 else 0, 5):
+    if not hist0_done:
         kern._topk_hist_kernel[(b, segs)](
-            logits, logits.stride(0), seq_lens, hist, hb, PASS=p, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
+            logits, logits.stride(0), seq_lens, ws, WS_STRIDE, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
             num_stages=cfg.topk_stages,
         )
-    kern._topk_select_kernel[(b, segs)](
-        logits, logits.stride(0), seq_lens, hist, hb, cnt, block_table, block_table.stride(0), out, out.stride(0),
-        TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
+    kern._topk_partition_kernel[(b, segs)](
+        logits, logits.stride(0), seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, block_table, block_table.stride(0),
+        out, out.stride(0), TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
         num_stages=cfg.topk_stages,
     )
-    return out
+    kern._topk_refine_kernel[(b, segs)](
+        seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, block_table, block_table.stride(0), out, out.stride(0),
+        TOPK=topk, BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=physical, num_warps=cfg.refine_warps,
+    )

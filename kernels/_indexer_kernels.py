@@ -1,14 +1,16 @@
 """Triton kernels of the lightning indexer (imported lazily by ``_indexer``; see its docstring for the design).
 
 Keys for the top-k: an fp32 logit's bits ``i`` map to the order-preserving signed key ``i ^ ((i >> 31) & 0x7fffffff)``
-(negative floats get their magnitude bits flipped). The radix select runs on the key high bits first: the top
-byte (offset by 128 to be non-negative, a 256-bin histogram: ``_topk_hist_kernel`` pass 0, or the logits kernel
-as it writes the logits), then four 6-bit digits (64-bin histograms, ``_topk_hist_kernel`` passes 1–4) over the keys that match the digits
-chosen so far, accumulated by many programs per row with global atomics. Digit widths follow the cost of
-``tl.histogram`` on sm_90 (Triton 3.6 lowers it to one warp vote per bit plus a population count per bin a lane
-owns; counted in the PTX: 256 bins ≈ 2.5 warp instructions per key, 64 bins ≈ 0.6, so the 6-bit passes stay
-memory-bound while the earlier 8-bit passes were issue-bound at ~25 µs per 8 MB of logits on an H200). Grids:
-``(B, R)`` with R fixed by the SM count and B, never by the context length.
+(negative floats get their magnitude bits flipped). The exact top-k is a radix select, high bits first, in three
+launches after the logits (``_indexer`` describes them): the top byte's histogram over the whole row, a partition
+that writes the keys above the k-th key's top byte and lists those sharing it (counting their next 6-bit digit),
+and a per-row refinement over that list alone. For continuous logits the list is the few % of keys that share
+the k-th key's exponent pair; if every logit is equal (e.g. all weights zero) it is the whole row, refined in a loop
+by one program: still exact, just not spread over the GPU.
+
+Digit widths follow the cost of ``tl.histogram`` on sm_90 (Triton 3.6 lowers it to one warp vote per bit plus a
+population count per bin a lane owns; counted in the PTX: 256 bins ≈ 2.5 warp instructions per key, 64 bins ≈ 0.6).
+Grids: ``(B, R)`` with R fixed by the SM count and B, and ``(B,)``; never by the context length.
 """
 
 import triton
@@ -17,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, logits_ptr, stride_lg, hist_ptr,
+    q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, logits_ptr, stride_lg, ws_ptr, WS, WS_ZERO,
     B, NUM_PROGS,
     BLOCK_B: tl.constexpr,
     PAGES: tl.constexpr,
@@ -30,6 +32,10 @@ def _indexer_logits_kernel(
     # reduction inside each warp's rows, and each page's 8 KB of keys is one contiguous pipelined copy. With
     # HIST, the top-k's first radix pass (256-bin histogram of the keys' high byte) is counted here too.
     pid = tl.program_id(0)
+    # The top-k's workspace (WS_ZERO int32, a later launch's input) is zeroed here, not by a memset launch.
+    for z0 in range(pid * 256, WS_ZERO, NUM_PROGS * 256):
+        zo = z0 + tl.arange(0, 256)
+        tl.store(ws_ptr + zo, tl.zeros([256], dtype=tl.int32), mask=zo < WS_ZERO)
     jb = tl.arange(0, BLOCK_B)
     lens = tl.maximum(tl.load(seqlen_ptr + jb, mask=jb < B, other=0), 0)
     pages = tl.cdiv(lens, 64)
@@ -73,7 +79,7 @@ def _indexer_logits_kernel(
                 bins = tl.arange(0, 256)
                 hist = tl.histogram(tl.where(inb, (_key(lg) >> 24) + 128, 0), 256)
                 hist -= tl.where(bins == 0, 64 * PAGES - tl.sum(inb.to(tl.int32), 0), 0)
-                tl.atomic_add(hist_ptr + b64 * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+                tl.atomic_add(ws_ptr + b64 * WS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -83,10 +89,10 @@ def _key(x):
 
 
 @triton.jit
-def _pick_digit(hist_ptr, need, NB: tl.constexpr):
-    # Largest digit d with #(keys with digit >= d) >= need; returns (d, need minus the keys strictly above d).
+def _pick(h, need, NB: tl.constexpr):
+    # Largest digit d with #(keys with digit >= d) >= need, from the histogram h [NB]; returns (d, need minus the
+    # keys strictly above d).
     bins = tl.arange(0, NB)
-    h = tl.load(hist_ptr + bins)
     suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
     at = tl.sum(tl.where(bins == d, suffix, 0), 0)
@@ -95,78 +101,51 @@ def _pick_digit(hist_ptr, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _threshold(hist_ptr, HB, PASSES: tl.constexpr, TOPK: tl.constexpr):
-    # Key prefix (and the count still needed among keys equal to it) from the histograms of passes < PASSES:
-    # pass 0 is the 8-bit top byte, pass p ≥ 1 the 6-bit digit at bits [24 − 6p, 30 − 6p).
-    # hist_ptr points at this row's pass-0 histogram; pass p's is p·HB elements further.
-    need = tl.full([], TOPK, dtype=tl.int32)
-    thr = tl.zeros([], dtype=tl.int32)
-    if PASSES >= 1:
-        d, need = _pick_digit(hist_ptr, need, 256)
-        thr = (d - 128) << 24
-    if PASSES >= 2:
-        d, need = _pick_digit(hist_ptr + HB, need, 64)
-        thr = thr | (d << 18)
-    if PASSES >= 3:
-        d, need = _pick_digit(hist_ptr + 2 * HB, need, 64)
-        thr = thr | (d << 12)
-    if PASSES >= 4:
-        d, need = _pick_digit(hist_ptr + 3 * HB, need, 64)
-        thr = thr | (d << 6)
-    if PASSES >= 5:
-        d, need = _pick_digit(hist_ptr + 4 * HB, need, 64)
-        thr = thr | d
-    return thr, need
-
-
-@triton.jit
-def _topk_hist_kernel(
-    logits_ptr, stride_lg, seqlen_ptr, hist_ptr, HB,
-    PASS: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # Pass PASS of the radix select over this program's segment of row b: pass 0 a 256-bin histogram of the
-    # key's top byte, pass p ≥ 1 a 64-bin histogram of the 6-bit digit at bits [24 − 6p, 30 − 6p), counting only
-    # keys whose higher bits equal the prefix picked by the earlier passes.
+def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    # First radix pass over this program's segment of row b: a 256-bin histogram of the keys' top byte, added
+    # into the row's workspace with global atomics.
     b = tl.program_id(0)
     r = tl.program_id(1)
     nr = tl.num_programs(1)
     seq = tl.load(seqlen_ptr + b)
-    NB: tl.constexpr = 256 if PASS == 0 else 64
-    SH: tl.constexpr = 24 if PASS == 0 else 24 - 6 * PASS  # the digit's lowest bit; bits above it are the prefix
     if seq > TOPK:
         b64 = b.to(tl.int64)
-        hrow = hist_ptr + b64 * 256
-        thr, need = _threshold(hrow, HB, PASS, TOPK)
         seg = tl.cdiv(tl.cdiv(seq, nr), BLOCK) * BLOCK
         lo = r * seg
         hi = tl.minimum(lo + seg, seq)
         offs = tl.arange(0, BLOCK)
-        hist = tl.zeros([NB], dtype=tl.int32)
-        nomatch = tl.zeros([], dtype=tl.int32)
+        hist = tl.zeros([256], dtype=tl.int32)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + offs
             inb = n < hi
             ks = _key(tl.load(logits_ptr + b64 * stride_lg + n, mask=inb, other=0.0))
-            if PASS == 0:
-                dig = (ks >> 24) + 128
-                match = inb
-            else:
-                dig = (ks >> SH) & 63
-                match = inb & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
-            hist += tl.histogram(tl.where(match, dig, 0), NB)
-            nomatch += BLOCK - tl.sum(match.to(tl.int32), 0)
-        bins = tl.arange(0, NB)
-        hist -= tl.where(bins == 0, nomatch, 0)
-        tl.atomic_add(hrow + PASS * HB + bins, hist, mask=hist > 0, sem="relaxed")
+            hist += tl.histogram(tl.where(inb, (ks >> 24) + 128, 0), 256)
+            if hi - n0 < BLOCK:
+                hist -= tl.where(tl.arange(0, 256) == 0, BLOCK - (hi - n0), 0)
+        tl.atomic_add(ws_ptr + b64 * WS + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _topk_select_kernel(
-    logits_ptr, stride_lg, seqlen_ptr, hist_ptr, HB, cnt_ptr, bt_ptr, stride_bt, out_ptr, stride_o,
+def _slot(bt_ptr, stride_bt, b64, n, mask, PHYSICAL: tl.constexpr):
+    # Logical position n of row b -> what the output holds: the physical slot (block_table[b, n // 64]·64 + n % 64)
+    # or n itself.
+    if PHYSICAL:
+        page = tl.load(bt_ptr + b64 * stride_bt + n // 64, mask=mask, other=0)
+        return page * 64 + n % 64
+    else:
+        return n
+
+
+@triton.jit
+def _topk_partition_kernel(
+    logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, bt_ptr, stride_bt, out_ptr, stride_o,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, PHYSICAL: tl.constexpr,
 ):
-    # Write every key above the threshold plus the first `need` keys equal to it (slots claimed with atomics, so
-    # the order inside the row, and which of several tied keys are taken, depend on scheduling).
+    # Second launch of the top-k. With d0 the top byte of the k-th largest key (from the first pass's histogram):
+    # every key whose top byte is above d0 is in the top-k and goes straight to the output (slots claimed with a
+    # row counter); keys whose top byte equals d0 are candidates: position and key appended to the row's list
+    # (cand[b, 0, :] / cand[b, 1, :], CW apart), and a 4096-bin histogram of their next 12 bits is counted on the
+    # way (``_topk_refine_kernel`` finishes the row).
     b = tl.program_id(0)
     r = tl.program_id(1)
     nr = tl.num_programs(1)
@@ -179,34 +158,187 @@ def _topk_select_kernel(
             for j0 in tl.static_range(0, TOPK, BLOCK):
                 j = j0 + offs
                 inb = j < seq
-                val = j
-                if PHYSICAL:
-                    page = tl.load(bt_ptr + b64 * stride_bt + j // 64, mask=inb, other=0)
-                    val = page * 64 + j % 64
+                val = _slot(bt_ptr, stride_bt, b64, j, inb, PHYSICAL)
                 tl.store(orow + j, tl.where(inb, val, -1), mask=j < TOPK)
     else:
-        thr, need = _threshold(hist_ptr + b64 * 256, HB, 5, TOPK)
-        n_gt = TOPK - need
+        wrow = ws_ptr + b64 * WS
+        lrow = logits_ptr + b64 * stride_lg
+        crow = cand_ptr + b64 * stride_c
+        d0, need0 = _pick(tl.load(wrow + tl.arange(0, 256)), TOPK, 256)
+        n_gt0 = TOPK - need0  # keys with a top byte above d0: all of them are in the top-k
+        if r == 0:  # for the refinement
+            tl.store(wrow + 259, d0)
+            tl.store(wrow + 260, need0)
         seg = tl.cdiv(tl.cdiv(seq, nr), BLOCK) * BLOCK
         lo = r * seg
         hi = tl.minimum(lo + seg, seq)
+        # Two passes over the program's segment (the second mostly from L2): count, reserve output and list
+        # ranges with one atomic each, then write. Atomics inside the loop would put an L2 round trip between
+        # every block's load and its stores (measured on the H200: 135 µs for 8M keys with them). The candidates'
+        # next 12 bits are counted into a 4096-bin histogram with one global atomic per candidate (a few % of the
+        # keys, spread over many bins).
+        ng = 0
+        ne = 0
         for n0 in range(lo, hi, BLOCK):
             n = n0 + offs
             inb = n < hi
-            ks = _key(tl.load(logits_ptr + b64 * stride_lg + n, mask=inb, other=0.0))
-            gti = (inb & (ks > thr)).to(tl.int32)
-            eqi = (inb & (ks == thr)).to(tl.int32)
-            ng = tl.sum(gti, 0)
-            ne = tl.sum(eqi, 0)
-            bg = tl.atomic_add(cnt_ptr + b64 * 2, ng, sem="relaxed")
-            be = tl.atomic_add(cnt_ptr + b64 * 2 + 1, ne, sem="relaxed")
-            rg = bg + tl.cumsum(gti, 0) - 1
-            re = be + tl.cumsum(eqi, 0) - 1
-            take_eq = (eqi > 0) & (re < need)
-            sel = (gti > 0) | take_eq
-            dst = tl.where(gti > 0, rg, n_gt + re)
-            val = n
-            if PHYSICAL:
-                page = tl.load(bt_ptr + b64 * stride_bt + n // 64, mask=sel, other=0)
-                val = page * 64 + n % 64
-            tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))  # in bounds even if fed stale counts
+            ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+            top = (ks >> 24) + 128
+            eq = inb & (top == d0)
+            ng += tl.sum((inb & (top > d0)).to(tl.int32), 0)
+            ne += tl.sum(eq.to(tl.int32), 0)
+            tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
+        bg = tl.atomic_add(wrow + 256, ng, sem="relaxed")
+        be = tl.atomic_add(wrow + 257, ne, sem="relaxed")
+        for n0 in range(lo, hi, BLOCK):
+            n = n0 + offs
+            inb = n < hi
+            ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+            top = (ks >> 24) + 128
+            gt = inb & (top > d0)
+            eq = inb & (top == d0)
+            both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)  # one scan for both ranks (BLOCK < 65536)
+            rank = tl.cumsum(both, 0) - both
+            rg = bg + (rank & 65535)
+            re = be + (rank >> 16)
+            val = _slot(bt_ptr, stride_bt, b64, n, gt, PHYSICAL)
+            tl.store(orow + rg, val, mask=gt & (rg < n_gt0))  # bounds hold even on stale counts
+            ce = eq & (re < CW)
+            tl.store(crow + re, n, mask=ce)
+            tl.store(crow + CW + re, ks, mask=ce)
+            tot = tl.sum(both, 0)
+            bg += tot & 65535
+            be += tot >> 16
+
+
+@triton.jit
+def _topk_refine_kernel(
+    seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, bt_ptr, stride_bt, out_ptr, stride_o,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, PHYSICAL: tl.constexpr,
+):
+    # Third launch, (B, R) programs. The candidates' 12-bit second digit d1 comes from the partition's histogram;
+    # each program takes a slice of the row's candidate list, writes those whose second digit is above d1 (all in
+    # the top-k) and appends those equal to it to a short list (cand[b, 2·CW:], at most CAP), claiming slots
+    # with row counters; a program whose slice is empty only arrives. The row's last program to finish (an acq_rel arrival counter) resolves the remaining 12
+    # bits over the short list held in registers; if more than CAP candidates share d1 (heavily tied logits), by
+    # looping over the full list instead.
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    nr = tl.num_programs(1)
+    b64 = b.to(tl.int64)
+    seq = tl.load(seqlen_ptr + b)
+    if seq > TOPK:
+        wrow = ws_ptr + b64 * WS
+        crow = cand_ptr + b64 * stride_c
+        orow = out_ptr + b64 * stride_o
+        d0 = tl.load(wrow + 259)
+        need0 = tl.load(wrow + 260)
+        n_c = tl.minimum(tl.load(wrow + 257), CW)
+        spos = crow + 2 * CW
+        skey = spos + CAP
+        seg = tl.cdiv(tl.cdiv(n_c, nr), BLOCK) * BLOCK
+        lo = r * seg
+        hi = tl.minimum(lo + seg, n_c)
+        if lo < hi:
+            d1, need = _pick(tl.load(wrow + 512 + tl.arange(0, 4096)), need0, 4096)
+            n_gt = TOPK - need  # slots [0, n_gt) take every key above the 20-bit prefix of the k-th key
+            offs = tl.arange(0, BLOCK)
+            for c0 in range(lo, hi, BLOCK):
+                c = c0 + offs
+                m = c < hi
+                ks = tl.load(crow + CW + c, mask=m, other=0)
+                d = (ks >> 12) & 4095
+                gt = m & (d > d1)
+                eq = m & (d == d1)
+                both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)  # one scan for both ranks (BLOCK < 65536)
+                rank = tl.cumsum(both, 0) - both
+                tot = tl.sum(both, 0)
+                bg = tl.atomic_add(wrow + 262, tot & 65535, sem="relaxed")
+                bs = tl.atomic_add(wrow + 263, tot >> 16, sem="relaxed")
+                rg = TOPK - need0 + bg + (rank & 65535)  # after the keys above d0, written by the partition
+                rs = bs + (rank >> 16)
+                pos = tl.load(crow + c, mask=gt | eq, other=0)
+                val = _slot(bt_ptr, stride_bt, b64, pos, gt, PHYSICAL)
+                tl.store(orow + rg, val, mask=gt & (rg < n_gt))
+                keep = eq & (rs < CAP)
+                tl.store(spos + rs, pos, mask=keep)
+                tl.store(skey + rs, ks, mask=keep)
+        # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
+        # arriver's acquire makes the row's short list visible to it.
+        tl.debug_barrier()
+        if tl.atomic_add(wrow + 258, 1, sem="acq_rel") == nr - 1:
+            d1, need = _pick(tl.load(wrow + 512 + tl.arange(0, 4096)), need0, 4096)
+            n_gt = TOPK - need
+            thr = ((d0 - 128) << 24) | (d1 << 12)
+            n_s = tl.atomic_add(wrow + 263, 0, sem="relaxed")
+            tl.store(wrow + 261, n_s)  # for benchmarks/indexer_stages.py: how long the short list was
+            if n_s <= 1024:
+                _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, 1024, PHYSICAL)
+            elif n_s <= CAP:
+                _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, CAP, PHYSICAL)
+            else:
+                _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, BLOCK,
+                             PHYSICAL)
+
+
+@triton.jit
+def _refine_regs(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, orow,
+                 TOPK: tl.constexpr, N: tl.constexpr, PHYSICAL: tl.constexpr):
+    # Exact selection of `need` keys among n ≤ N keys whose top 20 bits all equal thr's, held in registers: two
+    # 6-bit digits high to low, then one write of the keys above the threshold key (slots n_gt onwards) and of the
+    # first ties at it.
+    c = tl.arange(0, N)
+    m = c < n
+    bins = tl.arange(0, 64)
+    ks = tl.load(key_ptr + c, mask=m, other=0)
+    for p in tl.static_range(0, 2):
+        SH = 6 - 6 * p
+        match = m & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
+        d, need = _pick(tl.histogram((ks >> SH) & 63, 64, mask=match), need, 64)
+        thr = thr | (d << SH)
+    gti = (m & (ks > thr)).to(tl.int32)
+    eqi = (m & (ks == thr)).to(tl.int32)
+    rg = tl.cumsum(gti, 0) - 1
+    re = tl.cumsum(eqi, 0) - 1
+    sel = (gti > 0) | ((eqi > 0) & (re < need))
+    dst = tl.where(gti > 0, n_gt + rg, TOPK - need + re)
+    pos = tl.load(pos_ptr + c, mask=sel, other=0)
+    val = _slot(bt_ptr, stride_bt, b64, pos, sel, PHYSICAL)
+    tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))
+
+
+@triton.jit
+def _refine_loop(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, orow,
+                 TOPK: tl.constexpr, BLOCK: tl.constexpr, PHYSICAL: tl.constexpr):
+    # ``_refine_regs`` over a list too long for registers (and whose keys need not share thr's 20-bit prefix:
+    # only those that do take part): each digit and the final write loop over the list in BLOCK-sized pieces.
+    offs = tl.arange(0, BLOCK)
+    for p in tl.static_range(0, 2):
+        SH = 6 - 6 * p
+        h = tl.zeros([64], dtype=tl.int32)
+        for c0 in range(0, n, BLOCK):
+            c = c0 + offs
+            m = c < n
+            ks = tl.load(key_ptr + c, mask=m, other=0)
+            match = m & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
+            h += tl.histogram((ks >> SH) & 63, 64, mask=match)
+        d, need = _pick(h, need, 64)
+        thr = thr | (d << SH)
+    n_above = 0
+    n_tied = 0
+    for c0 in range(0, n, BLOCK):
+        c = c0 + offs
+        m = c < n
+        ks = tl.load(key_ptr + c, mask=m, other=0)
+        m = m & ((ks >> 12) == (thr >> 12))
+        gti = (m & (ks > thr)).to(tl.int32)
+        eqi = (m & (ks == thr)).to(tl.int32)
+        rg = n_above + tl.cumsum(gti, 0) - 1
+        re = n_tied + tl.cumsum(eqi, 0) - 1
+        sel = (gti > 0) | ((eqi > 0) & (re < need))
+        dst = tl.where(gti > 0, n_gt + rg, TOPK - need + re)
+        pos = tl.load(pos_ptr + c, mask=sel, other=0)
+        val = _slot(bt_ptr, stride_bt, b64, pos, sel, PHYSICAL)
+        tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))
+        n_above += tl.sum(gti, 0)
+        n_tied += tl.sum(eqi, 0)

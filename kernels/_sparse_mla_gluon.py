@@ -23,6 +23,11 @@ spills while the compiler hoisted the loop-invariant wgmma descriptors out of th
 not-provably-zero index keeps them inside it.
 
 Program grid, split-K and the LSE merge are those of the ``tl.dot`` kernel (``_combine_kernel`` merges splits).
+Asynchronous wgmma (the five QKᵀ products issued together and waited for once, a tile's PV products left in flight
+while the next tile's rows load) was built and measured on the H200 (2026-11-30, every variant verified): 10–15 %
+slower at every FP8 shape with h ≤ 32 (h = 16, B = 64: 85.2 against 74.7 µs; h = 32, B = 64: 122.2 against 96.2 µs),
+so MMA latency is not what bounds this kernel; it was removed.
+
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses it only when the config
 says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging).
 """

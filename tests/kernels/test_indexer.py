@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy (add it to scripts/setup's kernels line)")
 
 from pdctl.kernels._build import check_topk, make_indexer_case
-from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer
+from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, topk_over_logits
 from pdctl.kernels._reference import (
     logical_to_physical,
     pack_index_k_cache,
@@ -110,6 +110,81 @@ def test_output_does_not_depend_on_the_block_table_width():
     a = lightning_indexer(q8, w, cache, bt, sl, TOPK, config=CFG)
     b = lightning_indexer(q8, w, cache, narrow, sl, TOPK, config=CFG)
     assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+
+
+def _topk_sets(logits, lens, topk=TOPK, cap=8192):
+    from dataclasses import replace
+
+    sl = torch.tensor(lens, dtype=torch.int32)
+    bt = torch.zeros(len(lens), 1, dtype=torch.int32)
+    out = torch.full((len(lens), topk), -7, dtype=torch.int32)
+    topk_over_logits(logits, sl, bt, topk, physical=False, out=out, config=replace(CFG, topk_refine_cap=cap))
+    return out
+
+
+# The refining program holds up to 1024 keys sharing the k-th key's top 20 bits in registers, then up to
+# topk_refine_cap, and loops over the whole candidate list beyond that: cap = 1024 sends every row with more than
+# 1024 such keys down the loop.
+CAPS = pytest.mark.parametrize("cap", [1024, 8192])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_topk_when_the_kth_keys_exponent_bin_holds_exactly_the_keys_still_needed(sign):
+    # 100 keys in the top exponent bin, 28 in the next, 500 further down: the k-th key's top byte is that of the
+    # second bin, and the 28 keys sharing it are exactly the 28 still needed (nothing to resolve below the top
+    # byte). Mirrored into negative values with sign = -1.
+    g = torch.Generator().manual_seed(3)
+    if sign > 0:
+        bins = [4 + 4 * torch.rand(100, generator=g), 2 + 2 * torch.rand(28, generator=g), torch.rand(500, generator=g)]
+    else:
+        bins = [-0.5 - 0.5 * torch.rand(100, generator=g), -1 - torch.rand(28, generator=g),
+                -4 - 4 * torch.rand(500, generator=g)]
+    vals = torch.cat(bins)
+    perm = torch.randperm(vals.numel(), generator=g)
+    logits = vals[perm][None, :].contiguous()
+    out = _topk_sets(logits, [vals.numel()])
+    assert sorted(out[0].tolist()) == sorted(perm.argsort()[:TOPK].tolist())
+
+
+@CAPS
+@pytest.mark.parametrize("seed", [0, 1])
+def test_topk_over_logits_is_exact_on_long_rows_and_negative_values(seed, cap):
+    g = torch.Generator().manual_seed(seed)
+    lens = [5000, 129, 3000]
+    # row 0: ~N(0, 1); row 1: a tiny spread around -5; row 2: every value in one exponent bin (> 1024 candidates)
+    logits = torch.stack([torch.randn(5000, generator=g), torch.randn(5000, generator=g) * 1e-3 - 5,
+                          16 + 15.99 * torch.rand(5000, generator=g)])
+    out = _topk_sets(logits, lens, cap=cap)
+    for b, n in enumerate(lens):
+        assert sorted(out[b].tolist()) == sorted(logits[b, :n].topk(TOPK).indices.tolist())
+
+
+@CAPS
+@pytest.mark.parametrize("n_tied", [50, 3000])
+def test_topk_rations_ties_at_the_kth_value_among_candidates(n_tied, cap):
+    # 100 keys above, then n_tied copies of the k-th value sharing its top byte with smaller ones: 28 ties kept.
+    logits = torch.cat([torch.full((100,), 9.0), torch.full((n_tied,), 3.5), torch.full((400,), 3.0),
+                        torch.linspace(-1, 1, 300)])[None, :].contiguous()
+    out = _topk_sets(logits, [logits.shape[1]], cap=cap)[0]
+    assert out.unique().numel() == TOPK
+    vals = logits[0, out.long()]
+    assert (vals == 9.0).sum() == 100 and (vals == 3.5).sum() == 28
+
+
+@CAPS
+@pytest.mark.parametrize("n_close", [300, 3000])
+def test_topk_resolves_keys_that_differ_only_in_their_lowest_bits(n_close, cap):
+    # n_close consecutive floats from 3.0 up (one ulp apart, so every digit down to the lowest 6 bits decides),
+    # shuffled with 100 larger keys, 20 keys in [3.8, 3.9) and 200 in [2, 2.5) (same top byte as the run, other
+    # next digits): the top-k is the 100, the 20, and the 8 largest of the run, exactly.
+    g = torch.Generator().manual_seed(11)
+    run = (torch.tensor(3.0).view(torch.int32) + torch.arange(n_close, dtype=torch.int32)).view(torch.float32)
+    vals = torch.cat([torch.full((100,), 9.0), 3.8 + 0.1 * torch.rand(20, generator=g), run,
+                      2 + 0.5 * torch.rand(200, generator=g), -torch.rand(500, generator=g)])
+    perm = torch.randperm(vals.numel(), generator=g)
+    out = _topk_sets(vals[perm][None, :].contiguous(), [vals.numel()], cap=cap)[0]
+    expect = perm.argsort()[torch.cat([torch.arange(120), 120 + torch.arange(n_close - 8, n_close)])]
+    assert sorted(out.tolist()) == sorted(expect.tolist())
 
 
 def test_index_cache_pack_round_trip():

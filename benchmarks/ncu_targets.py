@@ -1,0 +1,43 @@
+"""Launch each kernel of interest once, for Nsight Compute to profile (hardware counters: stall reasons, issue
+slots, memory throughput). Run on the GPU machine under ncu, e.g. (``kernels_device_run.sh ncu`` does this):
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:'decode|topk|indexer' \\
+        python3 benchmarks/ncu_targets.py
+
+Shapes: FP8 decode at h = 16 / 32 and B = 1 / 64 with the Gluon variants (cp.async staging and straight-to-register loads),
+and the indexer at L = 32K, B = 64 (logits, first histogram, partition + refinement).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import _bootstrap  # noqa: E402
+
+
+def main() -> int:
+    _bootstrap()
+    import torch
+
+    from pdctl.kernels._build import make_decode_case, make_indexer_case
+    from pdctl.kernels._indexer import lightning_indexer
+    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+
+    for h, rows, bh, splits, variants in ((32, 64, 32, 2, (1, 3)), (16, 64, 16, 4, (3, 1)),
+                                          (16, 1, 16, 32, (1, 3))):
+        q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
+        for v in variants:
+            print(f"decode fp8 h={h} B={rows} gluon-{v}: {bh},{splits}", flush=True)
+            sparse_mla_decode(q, kv, idx, 0.135234, None, config=DecodeConfig(block_h=bh, splits=splits, gluon=v))
+            torch.cuda.synchronize()
+    q8, w, cache, bt, sl = make_indexer_case([32768] * 64, max_context=163840)
+    print("indexer L=32K B=64", flush=True)
+    lightning_indexer(q8, w, cache, bt, sl, 2048)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
