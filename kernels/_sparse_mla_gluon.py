@@ -26,7 +26,12 @@ Program grid, split-K and the LSE merge are those of the ``tl.dot`` kernel (``_c
 Asynchronous wgmma (the five QKᵀ products issued together and waited for once, a tile's PV products left in flight
 while the next tile's rows load) was built and measured on the H200 (2026-11-30, every variant verified): 10–15 %
 slower at every FP8 shape with h ≤ 32 (h = 16, B = 64: 85.2 against 74.7 µs; h = 32, B = 64: 122.2 against 96.2 µs),
-so MMA latency is not what bounds this kernel; it was removed.
+so MMA latency is not what bounds this kernel; it was removed. So was a small-footprint variant (each 128-lane
+chunk loaded and converted just before its wgmma, for QKᵀ and again for PV: 51 KB of shared memory, 128–176
+registers): 129–143 µs against 68.6 at h = 16, B = 64 under Nsight Compute. There the grid, not the registers or
+shared memory, limits residency: 64 rows × 4 splits is two programs per SM (11.8 % achieved occupancy either way),
+and the profile of the kept kernel shows 1.9 active warps per scheduler, 0.2 instructions issued per cycle, and
+38 % of stalls waiting on global loads.
 
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses it only when the config
 says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging).
