@@ -93,6 +93,9 @@ class _Reporter:
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
+        self.failure_shown = False
+        """A failure's message is on the terminal already: the command's end need not repeat it."""
+        self.hint_shown = False
 
     def emit(self, event) -> None:  # noqa: ANN001
         if self.as_json:
@@ -101,11 +104,16 @@ class _Reporter:
             return
         if event.kind in ("step_started", "info") and event.kind != "info":
             return
+        if event.kind == "apply_failed" and self.failure_shown:
+            return  # the failed step's line said it
         el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None else ""
         mark = {"step_verified": "✓", "step_skipped": "=", "step_failed": "✗", "apply_done": "●", "apply_failed": "✗"}.get(event.kind, "·")
         _err(f"{mark} {event.message}{el}")
         if event.kind == "step_failed" and event.data.get("hint"):
             _err(f"  hint: {event.data['hint']}")
+            self.hint_shown = True
+        if event.kind in ("step_failed", "apply_failed"):
+            self.failure_shown = True
 
 
 @app.command("apply")
@@ -137,12 +145,19 @@ def apply_cmd(
     try:
         result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
     except PdctlError as e:
-        from pdctl.statemachine.errors import TopologyNotConfirmed
+        from pdctl.statemachine.errors import StepError, TopologyNotConfirmed
 
         if isinstance(e, TopologyNotConfirmed) and not as_json:
             from pdctl.statemachine.service import plan_spec
 
             sys.stdout.write(render_text(saved or plan_spec(loaded)) + "\n")
+        if isinstance(e, StepError) and rep.failure_shown:
+            # said once, on the failed step's line; end with where it stopped instead of repeating it
+            if e.hint and not rep.hint_shown:
+                _err(f"  hint: {e.hint}")
+            _err(f"apply stopped at {e.step or 'its start'}: what already runs stays as it is "
+                 "(`pdctl status` shows it; apply again after the fix)")
+            raise typer.Exit(exit_code_for(e)) from None
         raise
     if not as_json:
         _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")

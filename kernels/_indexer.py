@@ -212,10 +212,7 @@ def lightning_indexer(
 
     cfg = config or _TUNED.get("default") or IndexerConfig()
     b = q8.shape[0]
-    if out is None:
-        out = torch.empty(b, topk, dtype=torch.int32, device=q8.device)
-    if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
-        raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
+    out = _output(out, b, topk, q8.device)
     ws = (torch.zeros if cfg.fuse_hist0 else torch.empty)(b, WS_STRIDE, dtype=torch.int32, device=q8.device)
     logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg,
                             workspace=ws, count_hist0=bool(cfg.fuse_hist0))
@@ -247,10 +244,19 @@ def topk_over_logits(
     if seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or block_table.shape[0] != b:
         raise ValueError(f"seq_lens must be int32 [{b}] and block_table int32 [{b}, W], got {seq_lens.dtype} "
                          f"{tuple(seq_lens.shape)} and {block_table.dtype} {tuple(block_table.shape)}")
-    if out is None:
-        out = torch.empty(b, topk, dtype=torch.int32, device=logits.device)
+    out = _output(out, b, topk, logits.device)
     ws = torch.zeros(b, WS_STRIDE, dtype=torch.int32, device=logits.device)
     _topk(logits, seq_lens, block_table, out, ws, topk, physical, cfg, hist0_done=False)
+    return out
+
+
+def _output(out, b: int, topk: int, device):  # noqa: ANN001, ANN202
+    import torch
+
+    if out is None:
+        return torch.empty(b, topk, dtype=torch.int32, device=device)
+    if out.shape != (b, topk) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"out must be int32 [{b}, {topk}], got {out.dtype} {tuple(out.shape)}")
     return out
 
 

@@ -4,8 +4,9 @@ A ``/health`` that answers 200 proves nothing if the answer comes from another d
 already holds the port (the role's own process then dies with "Address already in use" while the
 probe talks to the stranger). pdctl therefore checks, on the role's host:
 
-* before starting a role, that none of its ports is held by a process outside the role's unit
-  (:func:`foreign_listeners`), and
+* before an apply starts anything, that no port of any role is held outside the deployment's units
+  (:func:`held_outside`); before starting a role, that none of its ports is held by a process outside the
+  role's unit (:func:`foreign_listeners`); and
 * in every proof, that the process listening on the role's HTTP port is the unit's main process
   or one of its descendants (:func:`listener_belongs`).
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Listener", "foreign_listeners", "listeners", "listener_belongs", "parse_proc_net_tcp"]
+__all__ = ["Listener", "foreign_listeners", "held_outside", "listeners", "listener_belongs", "parse_proc_net_tcp"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,14 @@ def listener_belongs(host, port: int, main_pid: int | None) -> tuple[bool, list[
 
 def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001
     """Listeners on *ports* that are not the unit's main process (or its descendants)."""
+    return held_outside(host, ports, [main_pid] if main_pid else [])
+
+
+def held_outside(host, ports: set[int], main_pids: list[int]) -> list[Listener]:  # noqa: ANN001
+    """Listeners on *ports* that are none of *main_pids* nor a descendant of one (all of them when the list is
+    empty; those whose owner is unknown always)."""
     return [
         lst
         for lst in listeners(host, ports)
-        if lst.pid is None or main_pid is None or not _is_descendant(host, lst.pid, main_pid)
+        if lst.pid is None or not any(_is_descendant(host, lst.pid, pid) for pid in main_pids)
     ]

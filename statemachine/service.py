@@ -211,7 +211,8 @@ def apply(
     from pdctl.statemachine.errors import StalePlanError
     from pdctl.statemachine.events import Event, NullSink
     from pdctl.statemachine.machine import run_steps
-    from pdctl.statemachine.steps import steps_for
+    from pdctl.statemachine.errors import StepError
+    from pdctl.statemachine.steps import ports_taken_elsewhere, steps_for
 
     sink = sink or NullSink()
     j = loaded.journal
@@ -244,18 +245,25 @@ def apply(
         # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
         host = deployment_host(loaded.deployment)
         host.run(["true"], timeout=30)
+        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
+                            host=host)
+        unfinished = state.target  # an interrupted apply's target: its roles may run too
+        # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
+        own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
+        try:
+            ports_taken_elsewhere(ctx, own)
+        except StepError as exc:
+            j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
+            sink.emit(Event("apply_failed", exc.message, step=exc.step))
+            raise
         j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
         # Journal the target before touching anything: a kill from here on re-runs to the same end.
-        unfinished = state.target  # an interrupted apply's target: its roles may run too
         state.target = desired
         state.plan_id = plan.plan_id
         state.steps = {}  # this run re-proves every step of the new topology
         j.write(state)
-
-        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
-                            host=host)
         ctx.journal_state = state
         _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
         try:

@@ -130,8 +130,16 @@ class SshHost(Host):
                             hint=f"hosts.{self.name}.ssh_identity must be an unencrypted private key (not the .pub); "
                                  "for a key with a passphrase, leave ssh_identity unset and load it into ssh-agent") from None
         except asyncssh.HostKeyNotVerifiable as exc:
+            known = self.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+            if self._known_keys(known):
+                # known_hosts vouches for other keys: never suggest trusting whatever answers now
+                raise HostError(f"ssh {where}: host key CHANGED: the key the host offered is not the one {known} "
+                                "records for it", host=self.name,
+                                hint="someone may be intercepting the connection, or the host was reinstalled: check "
+                                     "its key out of band (on the host: ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) "
+                                     f"before replacing its line in {known}") from None
             raise HostError(f"ssh {where}: host key not verifiable ({exc.reason})", host=self.name,
-                            hint=f"add the host's key to {self.known_hosts or '~/.ssh/known_hosts'} "
+                            hint=f"add the host's key to {known} "
                                  f"(ssh-keyscan -p {self.port} {self.address})") from None
         except asyncssh.PermissionDenied as exc:
             raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
@@ -140,6 +148,17 @@ class SshHost(Host):
             raise HostError(f"ssh {where}: cannot connect: {exc}", host=self.name,
                             hint=f"is sshd running there, and hosts.{self.name}.address / ssh_port right?") from None
         return self._conn
+
+    def _known_keys(self, path: str) -> list:
+        """The host keys *path* trusts for this host and port (OpenSSH's ``[address]:port`` form off port 22);
+        empty when the file is missing or unreadable."""
+        import asyncssh
+
+        try:
+            entries = asyncssh.read_known_hosts(path)
+        except (OSError, ValueError, asyncssh.Error):
+            return []
+        return list(entries.match(self.address, self.address, self.port)[0])
 
     async def _exec(self, command: str, *, input: bytes | None, timeout: float):  # noqa: ANN202
         import asyncssh

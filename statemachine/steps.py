@@ -136,6 +136,37 @@ def _preflight_ports(ctx: Context, name: str, wanted: set[int], main_pid: int | 
         )
 
 
+def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
+    """Before anything starts: refuse the apply if a process outside this deployment (outside every unit in
+    *own_units*, which holds the desired roles' units and those of roles being removed) listens on a port a
+    role or the router will need. The per-step checks (``_preflight_ports``) still run; this one finds a
+    taken router port before prefill and decode are started, not after. Raises :class:`ApplyFailed` naming
+    every holder and the step it would have failed at."""
+    topo = ctx.topology
+    wanted: dict[int, tuple[str, str]] = {}  # port -> (role, step)
+    for role in topo.roles:
+        for port in _role_ports(role):
+            wanted.setdefault(port, (role.name, f"{role.kind}_up"))
+    if topo.router is not None:
+        r = topo.router
+        for port in {r.port, int(r.settings.get("prometheus_port") or r.port)}:
+            wanted.setdefault(port, ("router", "router_exposed"))
+    if not wanted:
+        return
+    ours = [pid for pid in (ctx.manager.status(u).main_pid for u in sorted(own_units)) if pid]
+    held = ports.held_outside(ctx.host, set(wanted), ours)
+    if held:
+        order = [st.name for st in steps_for(topo)]
+        first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
+        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port}, held by PID {x.pid or '?'} ({x.command or 'unknown'})"
+                          for x in held)
+        raise ApplyFailed(
+            f"ports taken by processes outside this deployment, nothing was started or changed: {where}",
+            step=wanted[first.port][1],
+            hint="stop those processes (another deployment?) or give the roles other ports in the spec",
+        )
+
+
 def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str) -> None:
     """The process answering on *port* must be *unit*'s own (main PID or a descendant)."""
     ok, ls = ports.listener_belongs(ctx.host, port, main_pid)

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
 from pdctl.statemachine.errors import LockHeld, StepTimeout, VerifyFailed
 from pdctl.statemachine.events import ListSink
@@ -317,24 +318,47 @@ def test_roles_spread_over_two_hosts_are_refused_before_anything_changes(make_de
     assert Journal(demo.state, demo.name).read().target is None
 
 
-def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(demo):
+@pytest.mark.parametrize("role,step", [("decode", "decode_up"), ("router", "router_exposed")])
+def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(demo, role, step):
     import socket as _socket
 
     squatter = _socket.socket()
     squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-    squatter.bind(("127.0.0.1", demo.ports["decode"]))
+    squatter.bind(("127.0.0.1", demo.ports[role]))
     squatter.listen()
     try:
         with pytest.raises(Exception) as e:
             demo.apply()
-        assert getattr(e.value, "step", None) == "decode_up"
-        assert f"port {demo.ports['decode']} by PID {os.getpid()}" in str(e.value)
-        # prefill came up (it owns its ports); decode never started; nothing else did.
+        # named at the step that would have failed, with the holder, before any role started
+        assert getattr(e.value, "step", None) == step
+        assert f"port {demo.ports[role]}, held by PID {os.getpid()}" in str(e.value)
+        assert "nothing was started or changed" in str(e.value)
         st = demo.status()
-        assert [r["state"] for r in st["roles"]] == ["active", "inactive"]
+        assert [r["state"] for r in st["roles"]] == ["inactive", "inactive"]
         assert not st["healthy"]
+        assert Journal(demo.state, demo.name).read().target is None
     finally:
         squatter.close()
+    demo.apply()  # the port freed, the same apply goes through
+    assert demo.status()["healthy"]
+
+
+def test_headless_apply_says_a_failure_once_then_where_it_stopped(demo):
+    import socket as _socket
+
+    squatter = _socket.socket()
+    squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", demo.ports["router"]))
+    squatter.listen()
+    try:
+        r = demo.cli("apply", str(demo.spec))
+    finally:
+        squatter.close()
+    assert r.returncode == ExitCode.STEP_FAILED, r.stderr
+    said = f"port {demo.ports['router']}, held by PID {os.getpid()}"
+    assert r.stderr.count(said) == 1, r.stderr
+    assert r.stderr.count("hint: stop those processes") == 1, r.stderr
+    assert r.stderr.rstrip().splitlines()[-1].startswith("apply stopped at router_exposed"), r.stderr
 
 
 def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):

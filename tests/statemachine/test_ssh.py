@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -155,7 +156,7 @@ def test_http_reaches_the_hosts_loopback_through_the_connection(host):
         srv.shutdown()
 
 
-def test_wrong_key_and_unknown_host_key_are_clear_errors(sshd, tmp_path):
+def test_wrong_key_and_unknown_or_changed_host_key_are_clear_errors(sshd, tmp_path):
     spec = sshd.host_spec()
     bad = host_for(HostSpec(**{**spec, "ssh_identity": str(sshd.wrong_key)}))
     with pytest.raises(HostError, match="permission denied") as e:
@@ -169,10 +170,20 @@ def test_wrong_key_and_unknown_host_key_are_clear_errors(sshd, tmp_path):
     with pytest.raises(HostError, match="host key not verifiable") as e:
         unknown.run(["true"])
     assert "ssh-keyscan" in (e.value.hint or "")
+    # a known_hosts that records another key for this host: a changed key, said as such and never keyscan'd
+    other = tmp_path / "other_host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    changed_file = tmp_path / "known_hosts_changed"
+    changed_file.write_text(f"[127.0.0.1]:{spec['ssh_port']} {(tmp_path / 'other_host_key.pub').read_text().split(' ')[0]} "
+                            f"{(tmp_path / 'other_host_key.pub').read_text().split(' ')[1]}\n")
+    changed = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(changed_file)}))
+    with pytest.raises(HostError, match="host key CHANGED") as e:
+        changed.run(["true"])
+    assert "ssh-keyscan" not in (e.value.hint or "") and "out of band" in (e.value.hint or "")
     closed = host_for(HostSpec(**{**spec, "ssh_port": _closed_port()}))
     with pytest.raises(HostError, match="cannot connect"):
         closed.run(["true"])
-    for h in (bad, unknown, closed):
+    for h in (bad, unknown, changed, closed):
         h.close()
 
 
