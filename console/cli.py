@@ -96,13 +96,15 @@ class _Reporter:
         self.failure_shown = False
         """A failure's message is on the terminal already: the command's end need not repeat it."""
         self.hint_shown = False
+        self.step_started = False
 
     def emit(self, event) -> None:  # noqa: ANN001
         if self.as_json:
             sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
             sys.stdout.flush()
             return
-        if event.kind in ("step_started", "info") and event.kind != "info":
+        if event.kind == "step_started":
+            self.step_started = True
             return
         if event.kind == "apply_failed" and self.failure_shown:
             return  # the failed step's line said it
@@ -155,8 +157,11 @@ def apply_cmd(
             # said once, on the failed step's line; end with where it stopped instead of repeating it
             if e.hint and not rep.hint_shown:
                 _err(f"  hint: {e.hint}")
-            _err(f"apply stopped at {e.step or 'its start'}: what already runs stays as it is "
-                 "(`pdctl status` shows it; apply again after the fix)")
+            if rep.step_started:
+                _err(f"apply stopped at {e.step}: what already runs stays as it is "
+                     "(`pdctl status` shows it); apply again after the fix")
+            else:
+                _err("apply refused before its first step: nothing was started or changed; apply again after the fix")
             raise typer.Exit(exit_code_for(e)) from None
         raise
     if not as_json:

@@ -343,7 +343,7 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
     assert demo.status()["healthy"]
 
 
-def test_headless_apply_says_a_failure_once_then_where_it_stopped(demo):
+def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
     import socket as _socket
 
     squatter = _socket.socket()
@@ -358,7 +358,7 @@ def test_headless_apply_says_a_failure_once_then_where_it_stopped(demo):
     said = f"port {demo.ports['router']}, held by PID {os.getpid()}"
     assert r.stderr.count(said) == 1, r.stderr
     assert r.stderr.count("hint: stop those processes") == 1, r.stderr
-    assert r.stderr.rstrip().splitlines()[-1].startswith("apply stopped at router_exposed"), r.stderr
+    assert r.stderr.rstrip().splitlines()[-1].startswith("apply refused before its first step"), r.stderr
 
 
 def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):

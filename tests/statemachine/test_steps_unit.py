@@ -143,3 +143,32 @@ def test_health_of_a_closed_port_is_zero():
 
     c = httpx.Client(transport=httpx.MockTransport(refuse))
     assert probes.health(c, "http://127.0.0.1:1") == 0
+
+
+def test_headless_apply_says_a_failed_steps_message_once_then_where_it_stopped(monkeypatch, capsys):
+    # No processes: the service's apply is replaced by one that reports a failed decode_up as the real one does
+    # (step_failed with its hint, then apply_failed) and raises the step's error.
+    from types import SimpleNamespace
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.events import Event
+
+    def failing_apply(loaded, *, sink, **kw):  # noqa: ANN001, ANN003
+        sink.emit(Event("step_started", "decode_up: started", step="decode_up"))
+        sink.emit(Event("step_failed", "decode_up: FAILED — decode: unit x failed while starting", step="decode_up",
+                        data={"hint": "read the decode logs"}))
+        sink.emit(Event("apply_failed", "decode: unit x failed while starting", step="decode_up"))
+        raise ApplyFailed("decode: unit x failed while starting", step="decode_up", hint="read the decode logs")
+
+    monkeypatch.setattr(service, "load", lambda *a, **k: SimpleNamespace(warnings=[], deployment=SimpleNamespace(name="d")))
+    monkeypatch.setattr(service, "apply", failing_apply)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", "spec.toml"])
+    assert e.value.code == ExitCode.STEP_FAILED
+    err = capsys.readouterr().err
+    assert err.count("unit x failed while starting") == 1, err
+    assert err.count("hint: read the decode logs") == 1, err
+    assert err.rstrip().splitlines()[-1].startswith("apply stopped at decode_up"), err
