@@ -21,7 +21,7 @@ from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused "
-    "(apply); 3 a step failed; 4 deployment locked; 64 usage; 130 interrupted."
+    "(apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted."
 )
 
 app = typer.Typer(
@@ -161,7 +161,7 @@ def apply_cmd(
                 _err(f"apply stopped at {e.step}: what already runs stays as it is "
                      "(`pdctl status` shows it); apply again after the fix")
             else:
-                _err("apply refused before its first step: nothing was started or changed; apply again after the fix")
+                _err("apply refused before its first step; apply again after the fix")
             raise typer.Exit(exit_code_for(e)) from None
         raise
     if not as_json:
@@ -193,16 +193,28 @@ def status_cmd(
     raise typer.Exit(ExitCode.OK if st["healthy"] else ExitCode.ERROR)
 
 
+def _applying_text(st: dict) -> str:
+    if not st["applying"]:
+        return ""
+    failed = next((name for name, v in st.get("steps", {}).items() if v.get("status") == "failed"), None)
+    if failed:
+        return f" [the last apply failed at {failed}: apply again after the fix]"
+    return " [apply in progress or interrupted]"
+
+
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
     lines = [f"deployment {st['deployment']} ({st['mode']}): "
              + ("not deployed (`pdctl plan` shows what apply would start)" if nothing
                 else "healthy" if st["healthy"] else "NOT healthy")
              + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
-             + (f", reached {st['reached']}" if st["reached"] else "") + (" [apply in progress or interrupted]" if st["applying"] else "")]
+             + (f", reached {st['reached']}" if st["reached"] else "") + _applying_text(st)]
     for r in st["roles"]:
+        health = f"{r['health'] or 'down':<5}"
+        if r["health"] and r["state"] == "active" and not r.get("port_owned", True):
+            health += " (from another process on its port)"
         lines.append(
-            f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {r['health'] or 'down':<5} "
+            f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}"
         )
     rt = st.get("router")

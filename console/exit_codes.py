@@ -8,7 +8,8 @@ code  name            meaning
 2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``);
                       ``apply``: a topology change refused (no or wrong ``--confirm-topology``),
                       or a saved plan that no longer matches the deployment
-3     STEP_FAILED     ``apply``: a state-machine step failed (the step is named on stderr)
+3     STEP_FAILED     ``apply``: a state-machine step failed, or a port check refused the apply before its
+                      first step (the step is named on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
 130   INTERRUPTED     Ctrl-C

@@ -254,7 +254,7 @@ def apply(
             ports_taken_elsewhere(ctx, own)
         except StepError as exc:
             j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
-            sink.emit(Event("apply_failed", exc.message, step=exc.step))
+            sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint}))
             raise
         j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
@@ -270,7 +270,8 @@ def apply(
             machine = run_steps(ctx, steps_for(desired), sink)
         except Exception as exc:
             j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
-            sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None)))
+            sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),
+                            data={"hint": getattr(exc, "hint", None)}))
             raise
         state.deployed = desired
         state.target = None
@@ -316,7 +317,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     """
     import time as _time
 
-    from pdctl.statemachine import launch, probes
+    from pdctl.statemachine import launch, ports, probes
     from pdctl.statemachine.errors import ProbeError
 
     state = loaded.journal.read()
@@ -330,6 +331,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     for r in topo.roles:
         st = manager.status(names[r.name])
         code = probes.health(client, r.url, timeout=2.0)
+        # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's)
+        owned = bool(code) and st.is_active and ports.listener_belongs(host, r.port, st.main_pid)[0]
         roles.append(
             {
                 "name": r.name,
@@ -340,7 +343,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "restarts": st.restarts,
                 "url": r.url,
                 "health": code,
-                "healthy": code == 200 and st.is_active,
+                "port_owned": owned,
+                "healthy": code == 200 and st.is_active and owned,
             }
         )
     router = None

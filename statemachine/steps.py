@@ -158,13 +158,30 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     if held:
         order = [st.name for st in steps_for(topo)]
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
-        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port}, held by PID {x.pid or '?'} ({x.command or 'unknown'})"
-                          for x in held)
+        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
+                          f"({x.command or 'unknown'})" for x in held)
         raise ApplyFailed(
             f"ports taken by processes outside this deployment, nothing was started or changed: {where}",
             step=wanted[first.port][1],
             hint="stop those processes (another deployment?) or give the roles other ports in the spec",
         )
+
+
+def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
+    """Stop the deployment's other units that hold one of *wanted* and are themselves (re)started later in this
+    apply (their settings changed): two roles swapping ports would otherwise each find its new port taken by
+    the other. A holder whose role does not change is left alone (the preflight then names it)."""
+    mine = ctx.unit_of[role_name]
+    holders = [(name, unit, st.main_pid) for name, unit in ctx.unit_of.items() if unit != mine
+               for st in (ctx.manager.status(unit),) if st.main_pid]
+    if not holders:
+        return
+    for lst in ports.listeners(ctx.host, wanted):
+        for name, unit, pid in holders:
+            if lst.pid is not None and ports._is_descendant(ctx.host, lst.pid, pid) and (
+                    name in ctx.restart or ctx.definition_changed(unit)):
+                ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
+                ctx.manager.stop(unit)
 
 
 def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str) -> None:
@@ -282,7 +299,9 @@ class ServersUp(Step):
             unit = ctx.unit_of[r.name]
             st = ctx.manager.status(unit)
             running = st.state in ("active", "activating")
-            # Nothing starts while a process outside this unit holds one of its ports.
+            # Nothing starts while a process outside this unit holds one of its ports (after stopping any of this
+            # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
+            _vacate_for(ctx, r.name, _role_ports(r))
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
             stale = r.name in ctx.restart or ctx.definition_changed(unit) or not self._serves_as_specified(ctx, r)
             actions[unit] = ("restart" if stale else None) if running else "start"

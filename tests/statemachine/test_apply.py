@@ -331,7 +331,7 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
             demo.apply()
         # named at the step that would have failed, with the holder, before any role started
         assert getattr(e.value, "step", None) == step
-        assert f"port {demo.ports[role]}, held by PID {os.getpid()}" in str(e.value)
+        assert f"port {demo.ports[role]} at {step}, held by PID {os.getpid()}" in str(e.value)
         assert "nothing was started or changed" in str(e.value)
         st = demo.status()
         assert [r["state"] for r in st["roles"]] == ["inactive", "inactive"]
@@ -343,6 +343,19 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
     assert demo.status()["healthy"]
 
 
+def test_two_roles_swapping_ports_apply_in_one_go(demo):
+    demo.apply()
+    swapped = copy.deepcopy(demo.dict)
+    swapped["prefill"][0]["port"], swapped["decode"][0]["port"] = demo.ports["decode"], demo.ports["prefill"]
+    spec = demo.write(swapped, "swapped.toml")
+    res = demo.apply(spec)  # prefill's new port is decode's old one: decode is stopped first, then restarted
+    assert res.state == "parsers_configured"
+    st = service.status(demo.load(spec))
+    assert st["healthy"], st
+    info = httpx.get(f"http://127.0.0.1:{demo.ports['decode']}/server_info", timeout=5, trust_env=False).json()
+    assert info["disaggregation_mode"] == "prefill"
+
+
 def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
     import socket as _socket
 
@@ -352,10 +365,13 @@ def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
     squatter.listen()
     try:
         r = demo.cli("apply", str(demo.spec))
+        rj = demo.cli("apply", str(demo.spec), "--json")
     finally:
         squatter.close()
+    failed = [e for e in map(json.loads, rj.stdout.splitlines()) if e["kind"] == "apply_failed"]
+    assert [(e["step"], e["data"]["hint"][:20]) for e in failed] == [("router_exposed", "stop those processes")]
     assert r.returncode == ExitCode.STEP_FAILED, r.stderr
-    said = f"port {demo.ports['router']}, held by PID {os.getpid()}"
+    said = f"port {demo.ports['router']} at router_exposed, held by PID {os.getpid()}"
     assert r.stderr.count(said) == 1, r.stderr
     assert r.stderr.count("hint: stop those processes") == 1, r.stderr
     assert r.stderr.rstrip().splitlines()[-1].startswith("apply refused before its first step"), r.stderr
@@ -378,6 +394,10 @@ def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
     with pytest.raises(Exception, match="ports are taken"):
         ServersUp("prefill", "prefill_up").apply(ctx)
     assert first.status()["healthy"]
+    # status reports the stranger's 200 as such, not as this deployment's health
+    pre = service.status(second.load())["roles"][0]
+    assert (pre["health"], pre["port_owned"], pre["healthy"]) == (200, False, False)
+    assert first.status()["roles"][0]["port_owned"] is True
 
 
 def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):

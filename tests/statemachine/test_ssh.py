@@ -63,12 +63,26 @@ def test_run_returns_output_status_and_honours_env_cwd_input(host, tmp_path):
 
 def test_a_command_past_its_timeout_is_killed_on_the_host(host, tmp_path):
     mark = tmp_path / "alive"
+    nap = f"{30 + os.getpid() % 1000 / 1000:.3f}"  # a sleep no other process on the machine is running
     t0 = time.monotonic()
     with pytest.raises(CommandTimeout):
-        host.run(["sh", "-c", f"sleep 30; touch {mark}"], timeout=1)
+        host.run(["sh", "-c", f"sleep {nap}; touch {mark}"], timeout=1)
     assert time.monotonic() - t0 < 10
-    assert not any(b"sleep\x0030" in open(f"/proc/{p}/cmdline", "rb").read()
-                   for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/cmdline"))
+
+    def sleeping() -> bool:
+        needle = b"sleep\x00" + nap.encode() + b"\x00"
+        found = False
+        for p in os.listdir("/proc"):
+            try:
+                found |= p.isdigit() and needle in open(f"/proc/{p}/cmdline", "rb").read()
+            except OSError:  # exited meanwhile
+                pass
+        return found
+
+    deadline = time.monotonic() + 5  # the kill may land a moment after the timeout's error
+    while sleeping() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sleeping()
 
 
 def test_files_are_written_atomically_with_their_mode(host, tmp_path):
