@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Listener", "foreign_listeners", "held_outside", "listeners", "listener_belongs", "parse_proc_net_tcp"]
+__all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
+           "parse_proc_net_tcp"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def _parent(host, pid: int) -> int | None:  # noqa: ANN001
         return None
 
 
-def _is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
+def is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
+    """Whether *pid* is *ancestor* or below it in the process tree of *host* (at most 64 parents up)."""
     seen = 0
     while pid and pid > 1 and seen < 64:
         if pid == ancestor:
@@ -95,7 +97,7 @@ def listener_belongs(host, port: int, main_pid: int | None) -> tuple[bool, list[
     ls = listeners(host, {port})
     if not ls or main_pid is None:
         return False, ls
-    return all(lst.pid is not None and _is_descendant(host, lst.pid, main_pid) for lst in ls), ls
+    return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls
 
 
 def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001
@@ -109,5 +111,5 @@ def held_outside(host, ports: set[int], main_pids: list[int]) -> list[Listener]:
     return [
         lst
         for lst in listeners(host, ports)
-        if lst.pid is None or not any(_is_descendant(host, lst.pid, pid) for pid in main_pids)
+        if lst.pid is None or not any(is_descendant(host, lst.pid, pid) for pid in main_pids)
     ]

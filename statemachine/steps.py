@@ -178,7 +178,7 @@ def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
         return
     for lst in ports.listeners(ctx.host, wanted):
         for name, unit, pid in holders:
-            if lst.pid is not None and ports._is_descendant(ctx.host, lst.pid, pid) and (
+            if lst.pid is not None and ports.is_descendant(ctx.host, lst.pid, pid) and (
                     name in ctx.restart or ctx.definition_changed(unit)):
                 ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
                 ctx.manager.stop(unit)
