@@ -158,8 +158,7 @@ def apply_cmd(
             if e.hint and not rep.hint_shown:
                 _err(f"  hint: {e.hint}")
             if rep.step_started:
-                _err(f"apply stopped at {e.step}: what already runs stays as it is "
-                     "(`pdctl status` shows it); apply again after the fix")
+                _err(f"apply stopped at {e.step}: `pdctl status` shows what runs now; apply again after the fix")
             else:
                 _err("apply refused before its first step; apply again after the fix")
             raise typer.Exit(exit_code_for(e)) from None
