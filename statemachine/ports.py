@@ -92,9 +92,11 @@ def is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
     return pid == ancestor
 
 
-def listener_belongs(host, port: int, main_pid: int | None) -> tuple[bool, list[Listener]]:  # noqa: ANN001
-    """Whether every listener on *port* is *main_pid* or a descendant of it."""
-    ls = listeners(host, {port})
+def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
+                     found: list[Listener] | None = None) -> tuple[bool, list[Listener]]:
+    """Whether every listener on *port* is *main_pid* or a descendant of it. *found*: listeners already read
+    with :func:`listeners` for a set of ports including *port* (one scan for several checks)."""
+    ls = listeners(host, {port}) if found is None else [x for x in found if x.port == port]
     if not ls or main_pid is None:
         return False, ls
     return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls

@@ -328,11 +328,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     client = _client_for(host, client)
     now = _time.time()
     roles = []
+    found = ports.listeners(host, {r.port for r in topo.roles})  # one scan of the host's sockets for every role
     for r in topo.roles:
         st = manager.status(names[r.name])
         code = probes.health(client, r.url, timeout=2.0)
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's)
-        owned = bool(code) and st.is_active and ports.listener_belongs(host, r.port, st.main_pid)[0]
+        owned = bool(code) and st.is_active and ports.listener_belongs(host, r.port, st.main_pid, found)[0]
         roles.append(
             {
                 "name": r.name,

@@ -172,14 +172,14 @@ def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
     apply (their settings changed): two roles swapping ports would otherwise each find its new port taken by
     the other. A holder whose role does not change is left alone (the preflight then names it)."""
     mine = ctx.unit_of[role_name]
-    holders = [(name, unit, st.main_pid) for name, unit in ctx.unit_of.items() if unit != mine
-               for st in (ctx.manager.status(unit),) if st.main_pid]
+    changing = [unit for name, unit in ctx.unit_of.items()
+                if unit != mine and (name in ctx.restart or ctx.definition_changed(unit))]
+    holders = [(unit, pid) for unit in changing if (pid := ctx.manager.status(unit).main_pid)]
     if not holders:
-        return
+        return  # the usual case: no socket scan
     for lst in ports.listeners(ctx.host, wanted):
-        for name, unit, pid in holders:
-            if lst.pid is not None and ports.is_descendant(ctx.host, lst.pid, pid) and (
-                    name in ctx.restart or ctx.definition_changed(unit)):
+        for unit, pid in holders:
+            if lst.pid is not None and ports.is_descendant(ctx.host, lst.pid, pid):
                 ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
                 ctx.manager.stop(unit)
 

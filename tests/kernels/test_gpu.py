@@ -127,3 +127,31 @@ def test_indexer_output_and_time_do_not_depend_on_max_context():
     assert torch.equal(outs["32K"].sort(dim=1).values, outs["160K"].sort(dim=1).values)
     # Spec goal: within 5 %; the test allows 10 % for run-to-run noise of a ~20 µs graph replay.
     assert times["160K"] <= 1.10 * times["32K"], times
+
+
+@pytest.mark.parametrize("cap", [1024, 2048])
+def test_topk_stays_exact_when_many_keys_tie_on_the_gpu(cap):
+    # Concurrency the CPU interpreter cannot show: many programs per row claiming slots with atomics, the row's
+    # last arriver finishing it, and (cap 1024) the loop over the whole candidate list when > cap keys share the
+    # k-th key's top 20 bits. Rows: all equal; 3000 keys one ulp apart among noise; 100 winners then 50 000 ties.
+    from dataclasses import replace
+
+    from pdctl.kernels._indexer import IndexerConfig, topk_over_logits
+
+    n = 131072
+    run = (torch.tensor(3.0).view(torch.int32) + torch.arange(3000, dtype=torch.int32)).view(torch.float32)
+    rows = [torch.full((n,), 1.5), torch.cat([run, -torch.rand(n - 3000)]),
+            torch.cat([torch.full((100,), 9.0), torch.full((50000,), 3.0), -torch.rand(n - 50100)])]
+    perms = [torch.randperm(n) for _ in rows]
+    logits = torch.stack([r[p] for r, p in zip(rows, perms)]).cuda()
+    sl = torch.full((3,), n, dtype=torch.int32, device="cuda")
+    bt = torch.zeros(3, 1, dtype=torch.int32, device="cuda")
+    out = torch.full((3, 2048), -7, dtype=torch.int32, device="cuda")
+    topk_over_logits(logits, sl, bt, 2048, physical=False, out=out, config=replace(IndexerConfig(), topk_refine_cap=cap))
+    got = out.cpu()
+    for b in range(3):
+        assert got[b].unique().numel() == 2048 and (got[b] >= 0).all() and (got[b] < n).all()
+    expect1 = perms[1].argsort()[torch.arange(3000 - 2048, 3000)]  # the 2048 largest of the run
+    assert sorted(got[1].tolist()) == sorted(expect1.tolist())
+    vals2 = logits[2].cpu()[got[2].long()]
+    assert (vals2 == 9.0).sum() == 100 and (vals2 == 3.0).sum() == 1948
