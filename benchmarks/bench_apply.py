@@ -37,10 +37,16 @@ from pdctl.statemachine import service, steps  # noqa: E402
 from pdctl.statemachine.events import Event  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """*n* distinct free loopback ports (each socket stays bound until all are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Clock:
@@ -54,9 +60,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pdctl-bench-"))
     d = tomllib.loads((ROOT / "examples" / "demo.toml").read_text())
     d["name"] = "bench"
-    d["prefill"][0].update(port=free_port(), bootstrap_port=free_port(), nccl_port=free_port())
-    d["decode"][0].update(port=free_port(), nccl_port=free_port())
-    d["router"].update(port=free_port(), prometheus_port=free_port(), health_check_interval_s=1)
+    p = iter(free_ports(7))
+    d["prefill"][0].update(port=next(p), bootstrap_port=next(p), nccl_port=next(p))
+    d["decode"][0].update(port=next(p), nccl_port=next(p))
+    d["router"].update(port=next(p), prometheus_port=next(p), health_check_interval_s=1)
     spec = tmp / "bench.toml"
     spec.write_text(dump_toml(d))
     clock = Clock()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tomli_w
 
-from harness.sim import free_port
+from harness.sim import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.toml"
@@ -84,7 +84,8 @@ class Demo:
         d = demo_dict()
         self.name = self.prefix + uuid.uuid4().hex[:8]
         d["name"] = self.name
-        self.ports = {k: free_port() for k in ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")}
+        keys = ("prefill", "bootstrap", "pnccl", "decode", "dnccl", "router", "prom")
+        self.ports = dict(zip(keys, free_ports(len(keys))))
         d["prefill"][0].update(port=self.ports["prefill"], bootstrap_port=self.ports["bootstrap"], nccl_port=self.ports["pnccl"])
         d["decode"][0].update(port=self.ports["decode"], nccl_port=self.ports["dnccl"])
         d["router"].update(port=self.ports["router"], prometheus_port=self.ports["prom"], health_check_interval_s=1)

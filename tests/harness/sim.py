@@ -40,9 +40,23 @@ FAST_ENV = {"PDCTL_SIM_LOAD_SECONDS": "0.2", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """*n* distinct TCP ports on 127.0.0.1 that were free a moment ago.
+
+    Every socket stays bound until all *n* are chosen: separate ``free_port()`` calls may get the
+    same ephemeral port back once the first socket is closed (seen in CI: a router's HTTP and
+    Prometheus ports came out equal)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -176,16 +190,17 @@ def start_sim(args: list[str], env: dict[str, str] | None = None, *, wait: bool 
         args = ["--model-path", "deepseek-ai/DeepSeek-V3.2"] + args
     if _flag_value(args, "--host") is None:
         args += ["--host", "127.0.0.1"]
+    spare = iter(free_ports(2))
     port_s = _flag_value(args, "--port")
     if port_s is None:
-        port = free_port()
+        port = next(spare)
         args += ["--port", str(port)]
     else:
         port = int(port_s)
     mode = _flag_value(args, "--disaggregation-mode")
     bport_s = _flag_value(args, "--disaggregation-bootstrap-port")
     if mode == "prefill" and bport_s is None:
-        bport_s = str(free_port())
+        bport_s = str(next(spare))
         args += ["--disaggregation-bootstrap-port", bport_s]
     bport = int(bport_s) if (mode == "prefill" and bport_s) else None
     host = _flag_value(args, "--host") or "127.0.0.1"
@@ -250,12 +265,13 @@ def start_smg(args: list[str], env: dict[str, str] | None = None, *, timeout: fl
     args = list(args)
     if _flag_value(args, "--host") is None:
         args += ["--host", "127.0.0.1"]
+    spare = iter(free_ports(2))
     port_s = _flag_value(args, "--port")
-    port = int(port_s) if port_s else free_port()
+    port = int(port_s) if port_s else next(spare)
     if port_s is None:
         args += ["--port", str(port)]
     prom_s = _flag_value(args, "--prometheus-port")
-    prom = int(prom_s) if prom_s else free_port()
+    prom = int(prom_s) if prom_s else next(spare)
     if prom_s is None:
         args += ["--prometheus-port", str(prom), "--prometheus-host", "127.0.0.1"]
     cmd = [smg_binary(), "launch", *args]

@@ -155,7 +155,7 @@ def user_systemd_session(root: Path) -> Iterator[UserSystemd]:
 # wrapper that, before exec'ing smg, records what both servers' ``/health`` answered at the
 # instant the router started: the ordering check reads that file.
 
-from harness.sim import free_port  # noqa: E402
+from harness.sim import free_ports  # noqa: E402
 from pdctl.statemachine.spec import Deployment, parse_spec  # noqa: E402
 
 SMG = Path(sys.executable).parent / "smg"
@@ -205,7 +205,8 @@ def pd_deployment(tmp_path: Path, service_manager: str, name: str = "t") -> PD:
 
     if not SMG.exists():
         skip_or_fail(f"smg not installed at {SMG}")
-    ports = {k: free_port() for k in ("prefill", "decode", "bootstrap", "router", "metrics")}
+    keys = ("prefill", "decode", "bootstrap", "router", "metrics", "pnccl", "dnccl")
+    ports = dict(zip(keys, free_ports(len(keys))))
     wrapper = tmp_path / "bin" / "router-probe"
     wrapper.parent.mkdir(parents=True, exist_ok=True)
     wrapper.write_text(ROUTER_WRAPPER.format(python=sys.executable, smg=str(SMG)))
@@ -218,8 +219,8 @@ def pd_deployment(tmp_path: Path, service_manager: str, name: str = "t") -> PD:
         "engine": {"launcher": "sim", "env": {"PDCTL_SIM_LOAD_SECONDS": "1.5", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}},
         "model": {"path": "deepseek-ai/DeepSeek-V4-Flash", "page_size": 64, "kv_cache_dtype": "fp8_e4m3"},
         "prefill": [{"gpus": [0], "port": ports["prefill"], "bootstrap_port": ports["bootstrap"],
-                     "nccl_port": free_port()}],
-        "decode": [{"gpus": [1], "port": ports["decode"], "nccl_port": free_port()}],
+                     "nccl_port": ports["pnccl"]}],
+        "decode": [{"gpus": [1], "port": ports["decode"], "nccl_port": ports["pnccl"]}],
         "kv_transfer": {"backend": "mooncake_tcp"},
         "router": {"port": ports["router"], "prometheus_port": ports["metrics"], "health_check_interval_s": 1,
                    "worker_startup_timeout_s": 60, "executable": str(wrapper),
