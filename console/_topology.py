@@ -32,6 +32,8 @@ def _svc(services: Mapping[str, Any], name: str) -> Text:
         t.append(f" {sv.main_pid}", style="dim")
     if sv.restarts:
         t.append(f" ↻{sv.restarts}", style="yellow")
+    if not getattr(sv, "supervised", True):
+        t.append(" UNSUPERVISED", style="bold red")
     return t
 
 

@@ -201,6 +201,9 @@ def _applying_text(st: dict) -> str:
     return " [apply in progress or interrupted]"
 
 
+_UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
+
+
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
     lines = [f"deployment {st['deployment']} ({st['mode']}): "
@@ -214,7 +217,7 @@ def _status_text(st: dict) -> str:
             health += " (from another process on its port)"
         lines.append(
             f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {health} "
-            f"restarts {r['restarts']}  {r['url']}"
+            f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
         )
     rt = st.get("router")
     if rt:
@@ -222,6 +225,7 @@ def _status_text(st: dict) -> str:
         lines.append(
             f"  {'router':<10} {rt['state']:<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
             f"{rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
+            + _UNSUPERVISED * (not rt.get("supervised", True))
         )
     if st["steps"]:
         lines.append("  steps:")

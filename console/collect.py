@@ -35,6 +35,7 @@ class ServiceView:
     state: str
     main_pid: int | None = None
     restarts: int = 0
+    supervised: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class Collector:
         for role, unit in unit_names(topo).items():
             try:
                 st = self.manager.status(unit)
-                out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts)
+                out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts, st.supervised)
             except Exception as exc:  # noqa: BLE001
                 out[role] = ServiceView(role, unit, f"unknown ({type(exc).__name__})")
         return out

@@ -345,7 +345,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "url": r.url,
                 "health": code,
                 "port_owned": owned,
-                "healthy": code == 200 and st.is_active and owned,
+                "supervised": st.supervised,
+                "healthy": code == 200 and st.is_active and owned and st.supervised,
             }
         )
     router = None
@@ -353,7 +354,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         st = manager.status(names["router"])
         host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
         url = f"http://{host}:{topo.router.port}"
-        router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure}
+        router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
+                  "supervised": st.supervised}
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code
@@ -383,7 +385,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             break
     all_healthy = (
         all(r["healthy"] for r in roles)
-        and (router is None or (router.get("readiness") == 200 and router["state"] == "active"))
+        and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
     )
     spec_topo = topology_of(loaded.deployment)

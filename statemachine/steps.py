@@ -256,6 +256,8 @@ class ServersUp(Step):
         st = ctx.manager.status(unit)
         if not st.is_active:
             raise VerifyFailed(f"{role.name}: unit {unit} is {st.state}", step=self.name)
+        if not st.supervised:  # serving, but a crash would not be restarted: apply restarts it under supervision
+            raise VerifyFailed(f"{role.name}: unit {unit} runs unsupervised (its supervisor is gone)", step=self.name)
         code = probes.health(ctx.client, role.url)
         if code != 200:
             raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)
@@ -552,7 +554,7 @@ class RouterExposed(Step):
             return None
         try:
             st = ctx.manager.status(ctx.unit_of["router"])
-            if not st.is_active:
+            if not st.is_active or not st.supervised:
                 return None
             return self._check(ctx)
         except (VerifyFailed, ProbeError):

@@ -386,7 +386,8 @@ class ProcessSupervisor(ServiceManager):
             else:
                 state, sub = "failed", "watchdog-gone"
         main = mpid if self._alive(mpid) else None
-        return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub)
+        return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
+                             supervised=sub != "unsupervised")
 
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
         path = posixpath.join(self._dir(name), "output.log")

@@ -254,6 +254,9 @@ class ServiceStatus:
     ``state`` uses systemd's ActiveState words: ``active`` (started *and* past its readiness gate),
     ``activating`` (starting, or waiting for readiness, or waiting to restart), ``deactivating``,
     ``inactive``, ``failed``. ``restarts`` counts automatic restarts since the last manual start.
+    ``supervised`` is False while the service's process runs but nothing watches it any more (the process
+    backend's watchdog was killed): it is still ``active``, yet a crash would not restart it. systemd
+    services are always supervised.
     """
 
     name: str
@@ -261,6 +264,7 @@ class ServiceStatus:
     main_pid: int | None = None
     restarts: int = 0
     sub_state: str = ""
+    supervised: bool = True
 
     @property
     def is_active(self) -> bool:

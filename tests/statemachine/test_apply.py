@@ -457,3 +457,30 @@ def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     r = demo.cli("status", str(demo.spec))
     assert r.returncode == 1
     assert "not deployed" in r.stdout and "differs" not in r.stdout and "NOT healthy" not in r.stdout
+
+
+def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(demo):
+    """kill -9 of a role's watchdog leaves its server serving but unwatched: status must say so (not
+    "healthy"), and apply must restart it under a new supervisor instead of calling it already satisfied."""
+    demo.apply()
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    wd_file = demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid"
+    wd = int(wd_file.read_text())
+    os.kill(wd, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{wd}") and b") Z" not in open(f"/proc/{wd}/stat", "rb").read():
+        time.sleep(0.05)
+    st = demo.status()
+    d = next(r for r in st["roles"] if r["name"] == "decode")
+    assert d["supervised"] is False and d["health"] == 200 and d["main_pid"] == dec["main_pid"]
+    assert not d["healthy"] and not st["healthy"]
+    text = demo.cli("status", str(demo.spec))
+    assert text.returncode == 1 and "UNSUPERVISED" in text.stdout and "NOT healthy" in text.stdout
+    sink = ListSink()
+    demo.apply(sink=sink)
+    assert ("step_verified", "decode_up") in sink.kinds()  # applied again, not skipped as satisfied
+    assert not os.path.exists(f"/proc/{dec['main_pid']}") or b") Z" in open(f"/proc/{dec['main_pid']}/stat", "rb").read()
+    st = demo.status()
+    d = next(r for r in st["roles"] if r["name"] == "decode")
+    assert st["healthy"] and d["supervised"] and d["main_pid"] != dec["main_pid"]
+    assert int(wd_file.read_text()) != wd

@@ -110,7 +110,8 @@ def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, clea
     wd = int((Path(m.state_dir) / "services" / s.name / "watchdog.pid").read_text())
     os.kill(wd, signal.SIGKILL)
     wait_for(lambda: not pid_alive(wd), what="watchdog to die")
-    assert m.status(s.name).sub_state == "unsupervised" and pid_alive(main)
+    st_ = m.status(s.name)
+    assert (st_.state, st_.sub_state, st_.supervised) == ("active", "unsupervised", False) and pid_alive(main)
     m.stop(s.name)
     wait_for(lambda: not pid_alive(main), 10, "role to die")
 
