@@ -379,5 +379,7 @@ def render_text(plan: Plan) -> str:
         lines.append("")
     add, change, destroy = plan.counts()
     lines.append(f"Plan: {add} to add, {change} to change, {destroy} to destroy.")
-    lines.append(f"plan id: {plan.plan_id}   class: {plan.cls}")
+    first = plan.cls == "topology" and not plan.requires_confirmation
+    lines.append(f"plan id: {plan.plan_id}   class: {plan.cls}"
+                 + ("   (a first deployment: nothing deployed to alter, no --confirm-topology needed)" if first else ""))
     return "\n".join(lines)

@@ -36,6 +36,15 @@ def test_collapse_into_one_server_is_a_topology_change_said_in_words():
     text = render_text(p)
     assert "PD disaggregation → single server" in text
     assert "Plan: 1 to add, 0 to change, 4 to destroy." in text  # prefill, decode, kv link, router
+    assert f"--confirm-topology {p.plan_id}" in text and "no --confirm-topology needed" not in text
+
+
+def test_a_first_deployment_is_a_topology_plan_that_says_it_needs_no_confirmation():
+    p = make_plan(None, topo(seed_dict()))
+    assert p.cls == "topology" and not p.requires_confirmation
+    text = render_text(p)
+    assert "a first deployment" in text and "no --confirm-topology needed" in text
+    assert "Topology changes (confirm" not in text
 
 
 def test_router_host_only_change_is_topology_exposure():
