@@ -49,7 +49,7 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
         l1.append(f"{s.state:<6}", style=st_style)
         if s.kind == "router":
             l1.append(f"{_f(s.req_s):>7} req/s ")
-            l1.append(f"err {_f(s.err_s, '{:.1f}')}/s ", style="red" if (s.err_s or 0) > 0 else "")
+            l1.append(f"5xx {_f(s.err_s, '{:.1f}')}/s ", style="red" if (s.err_s or 0) > 0 else "")
             if s.workers_total is not None:
                 ok = s.workers_healthy == s.workers_total
                 l1.append(f"wk {_f(s.workers_healthy, '{:.0f}')}/{_f(s.workers_total, '{:.0f}')} ", style="" if ok else "bold red")
@@ -75,7 +75,7 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
             age = "" if s.age_s is None else f", last good {s.age_s:.0f}s ago"
             l2.append(f"{s.error or 'no recent scrape'}{age}", style="red")
         elif s.kind == "router":
-            l2.append(f"errors {_f(s.errors, '{:.0f}')} (HTTP ≥ 400)  {s.url}", style="dim")
+            l2.append(f"5xx {_f(s.errors, '{:.0f}')}  4xx {_f(s.client_errors, '{:.0f}')} (since start)  {s.url}", style="dim")
         else:
             star = "*" if s.pct_all_time else ""
             l2.append(f"TTFT {_pct(s.ttft_s)}ms ")

@@ -305,8 +305,12 @@ class ThroughputSample:
     req_s: float | None = None
     """Router: routed requests per second (``smg_router_requests_total``)."""
     err_s: float | None = None
-    """Router: responses with status ≥ 400 per second (``smg_http_responses_total``)."""
+    """Router: server-error responses (status ≥ 500) per second (``smg_http_responses_total``)."""
     errors: float | None = None
+    """Router: server-error responses (status ≥ 500), lifetime."""
+    client_errors: float | None = None
+    """Router: client-error responses (400–499, including smg's 499 for a client that closed first), lifetime:
+    counted apart, since a bad request or an impatient client is not the deployment failing."""
     workers_healthy: float | None = None
     workers_total: float | None = None
     pct_all_time: bool = False
@@ -417,13 +421,14 @@ class ThroughputTracker:
         if kind == "router":
             req = rate("smg_router_requests_total")
             err = None
-            errors = new.total_if("smg_http_responses_total", "status_code", _is_error)
+            errors = new.total_if("smg_http_responses_total", "status_code", _is_server_error)
             if smooth is not None and errors is not None:
-                err = counter_rate(errors, smooth.total_if("smg_http_responses_total", "status_code", _is_error), dt)
+                err = counter_rate(errors, smooth.total_if("smg_http_responses_total", "status_code", _is_server_error), dt)
             health = new.samples.get("smg_worker_health", ())
             return ThroughputSample(
                 source=source, kind=kind, url=url, state="ok", age_s=0.0,
                 req_s=req, err_s=err, errors=errors,
+                client_errors=new.total_if("smg_http_responses_total", "status_code", _is_client_error),
                 running=new.total("smg_worker_requests_active"),
                 workers_healthy=sum(1 for _l, v in health if v >= 1) if health else None,
                 workers_total=len(health) if health else None,
@@ -450,11 +455,19 @@ class ThroughputTracker:
         )
 
 
-def _is_error(code: str) -> bool:
+def _status_class(code: str) -> int:
     try:
-        return int(code) >= 400
+        return int(code) // 100
     except ValueError:
-        return False
+        return 0
+
+
+def _is_server_error(code: str) -> bool:
+    return _status_class(code) == 5
+
+
+def _is_client_error(code: str) -> bool:
+    return _status_class(code) == 4
 
 
 def _mean(s: Scrape, name: str) -> float | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdctl.console._throughput import render_throughput
 from pdctl.console.metrics import (
     Histogram,
     ThroughputTracker,
@@ -111,15 +112,24 @@ def test_parse_the_servers_real_metric_names():
     assert all(dict(labels)["engine_type"] == "decode" for labels, _v in sc.samples["sglang:num_running_reqs"])
 
 
-def test_router_errors_count_status_codes_of_400_and_above():
-    text = (
+def _smg_responses(ok: int, s503: int, s429: int, s499: int) -> str:
+    return (
         "# TYPE smg_http_responses_total counter\n"
-        'smg_http_responses_total{path="/v1/chat/completions",status_code="200",error_code=""} 7\n'
-        'smg_http_responses_total{path="/v1/chat/completions",status_code="503",error_code="x"} 2\n'
-        'smg_http_responses_total{path="/v1/chat/completions",status_code="429",error_code="y"} 1\n'
+        f'smg_http_responses_total{{path="/v1/chat/completions",status_code="200",error_code=""}} {ok}\n'
+        f'smg_http_responses_total{{path="/v1/chat/completions",status_code="503",error_code="x"}} {s503}\n'
+        f'smg_http_responses_total{{path="/v1/chat/completions",status_code="429",error_code="y"}} {s429}\n'
+        f'smg_http_responses_total{{path="/v1/chat/completions",status_code="499",error_code="client_closed_request"}} {s499}\n'
     )
-    sc = parse_scrape(text, 0.0)
-    assert sc.total_if("smg_http_responses_total", "status_code", lambda c: int(c) >= 400) == 3
+
+
+def test_router_server_errors_are_counted_apart_from_client_errors():
+    tr = ThroughputTracker(smooth_s=2.0, window_s=10.0)
+    tr.observe("router", "router", "u", 100.0, parse_scrape(_smg_responses(7, 2, 1, 4), 100.0))
+    s = tr.observe("router", "router", "u", 102.0, parse_scrape(_smg_responses(9, 6, 9, 40), 102.0))
+    assert (s.errors, s.client_errors) == (6, 49)
+    assert s.err_s == pytest.approx(2.0)  # (6 - 2) 5xx over 2 s; the 4xx (client closed, rate-limited) are not failures
+    text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
+    assert "5xx 2.0/s" in text and "5xx 6  4xx 49" in text
 
 
 def _server_text(prompt: float, gen: float, ttft_counts: dict[float, int], failed: float = 0.0) -> str:
