@@ -55,6 +55,8 @@ def render_gpu_panel(sample: GpuNumaSample | None, topology: Topology | None = N
         parts.append(t)
     else:
         head = Text(f"{len(sample.gpus)} GPU(s), driver {sample.driver_version}", style="bold")
+        if sample.source != "NVML":
+            head.append(f"  ({sample.source})", style="dim")
         parts.append(head)
         t = Table(box=None, padding=(0, 1), show_edge=False, header_style="dim")
         for col, just in (("#", "right"), ("name", "left"), ("role", "left"), ("util%", "right"), ("mem GiB", "right"), ("°C", "right"), ("W", "right"), ("PCIe bus", "left"), ("NUMA", "right")):

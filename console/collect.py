@@ -223,7 +223,10 @@ class Collector:
             sv = services.get(r.name)
             pid = sv.main_pid if sv is not None and sv.state in ("active", "activating", "reloading") else None
             roles.append(RoleNuma(r.name, pid, node, cpus))
-        return read_gpu_numa(roles, gpu_owners(dep, topo), nvml=self.nvml, clock=self.clock)
+        from pdctl.statemachine.hosts import LocalHost
+
+        remote = None if isinstance(self.host, LocalHost) else self.host  # another machine: read it there
+        return read_gpu_numa(roles, gpu_owners(dep, topo), nvml=self.nvml, clock=self.clock, host=remote)
 
     def logs(self, topo: Topology, role: str | None) -> tuple[str, ...]:
         if role is None:

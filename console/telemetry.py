@@ -9,6 +9,10 @@ is falsy and gives ``nan`` in arithmetic, so a panel renders a sample without a 
 Nothing here knows Textual: panels render samples and never call NVML or read sysfs themselves.
 The readers take their filesystem roots as arguments so tests feed fixture directories.
 
+A deployment on another machine (an SSH host) is read *there*: NVML's bindings only reach local GPUs,
+so its GPUs come from one ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits`` run through the
+Host (:func:`read_gpus_smi`), and sysfs and ``/proc`` are read through the Host's file access.
+
 Command line equivalents are given per field (``nvidia-smi --query-gpu=...``) so an operator can
 check a number by hand.
 """
@@ -41,6 +45,8 @@ __all__ = [
     "read_affinity",
     "read_gpu_numa",
     "read_gpus",
+    "parse_smi_gpus",
+    "read_gpus_smi",
     "read_numa_nodes",
     "sysfs_bus_id",
 ]
@@ -223,6 +229,8 @@ class GpuNumaSample:
     affinity: tuple[AffinitySample, ...] = ()
     owners: Mapping[int, str] = field(default_factory=dict)
     """GPU index → owning role (from the topology, for GPUs of this host)."""
+    source: str = "NVML"
+    """Where the GPU rows came from: ``NVML`` (this machine) or ``nvidia-smi on <host>``."""
 
 
 # --- CPU lists ------------------------------------------------------------------------------------
@@ -289,7 +297,16 @@ def compare_affinity(expected: str | None, actual: str | None) -> tuple[str, str
 # --- readers (I/O) -------------------------------------------------------------------------------
 
 
-def _read(path: str) -> str | None:
+def _read(path: str, host: Any = None) -> str | None:
+    """*path*'s text on this machine, or through *host* (a :class:`~pdctl.statemachine.hosts.Host`); None when
+    it cannot be read."""
+    if host is not None:
+        from pdctl.statemachine.errors import PdctlError
+
+        try:
+            return host.read_file(path).decode("utf-8", "replace")
+        except (OSError, PdctlError):
+            return None
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -299,8 +316,8 @@ def _read(path: str) -> str | None:
 
 
 
-def _sysfs_numa(bus_id: str, pci_root: str) -> int | NaType:
-    raw = _read(os.path.join(pci_root, sysfs_bus_id(bus_id), "numa_node"))
+def _sysfs_numa(bus_id: str, pci_root: str, host: Any = None) -> int | NaType:
+    raw = _read(os.path.join(pci_root, sysfs_bus_id(bus_id), "numa_node"), host)
     try:
         n = int(raw.strip()) if raw is not None else -1
     except ValueError:
@@ -354,18 +371,94 @@ def read_gpus(*, pci_root: str = "/sys/bus/pci/devices") -> tuple[bool, str | No
     return True, None, driver, tuple(gpus)
 
 
-def read_numa_nodes(root: str = "/sys/devices/system/node") -> tuple[NumaNodeSample, ...]:
-    """Every ``node<N>`` under *root*: CPU list and memory (``meminfo`` MemTotal/MemFree, kB)."""
+#: ``nvidia-smi --query-gpu`` fields (as ``nvidia-smi --help-query-gpu`` names them) for :func:`read_gpus_smi`,
+#: in the order :class:`GpuSample` is filled; with ``nounits`` memory is in MiB and power in W.
+SMI_FIELDS = ("index", "name", "uuid", "utilization.gpu", "memory.used", "memory.total", "temperature.gpu",
+              "power.draw", "power.limit", "pci.bus_id", "driver_version")
+
+
+def _smi_value(text: str, kind: type) -> Any:
+    """One CSV cell of nvidia-smi: ``[N/A]``, ``[Not Supported]``, ``N/A`` or an unparsable cell → :data:`NA`."""
+    v = text.strip()
+    if not v or v.startswith("[") or v == "N/A":
+        return NA
+    if kind is str:
+        return v
     try:
-        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()), key=lambda n: int(n[4:]))
+        return kind(float(v)) if kind is int else kind(v)
+    except ValueError:
+        return NA
+
+
+def parse_smi_gpus(text: str) -> tuple[str | NaType, list[dict[str, Any]]]:
+    """``(driver_version, rows)`` from ``nvidia-smi --query-gpu=<SMI_FIELDS> --format=csv,noheader,nounits``.
+
+    Raises ValueError on a line that does not have one cell per field."""
+    import csv
+
+    driver: str | NaType = NA
+    rows = []
+    for cells in csv.reader(line for line in text.splitlines() if line.strip()):
+        if len(cells) != len(SMI_FIELDS):
+            raise ValueError(f"nvidia-smi printed {len(cells)} fields where {len(SMI_FIELDS)} were asked: {cells!r}")
+        c = dict(zip(SMI_FIELDS, cells))
+        driver = _smi_value(c["driver_version"], str)
+        mib = 1024 * 1024
+        used, total = _smi_value(c["memory.used"], float), _smi_value(c["memory.total"], float)
+        rows.append({
+            "index": int(c["index"]),
+            "name": _smi_value(c["name"], str),
+            "uuid": _smi_value(c["uuid"], str),
+            "util_pct": _smi_value(c["utilization.gpu"], int),
+            "mem_used_bytes": int(used * mib) if used is not NA else NA,
+            "mem_total_bytes": int(total * mib) if total is not NA else NA,
+            "temperature_c": _smi_value(c["temperature.gpu"], int),
+            "power_w": _smi_value(c["power.draw"], float),
+            "power_limit_w": _smi_value(c["power.limit"], float),
+            "pcie_bus_id": _smi_value(c["pci.bus_id"], str),
+        })
+    return driver, rows
+
+
+def read_gpus_smi(host: Any, *, pci_root: str = "/sys/bus/pci/devices", timeout_s: float = 5.0,
+                  smi: str = "nvidia-smi") -> tuple[bool, str | None, str | NaType, tuple[GpuSample, ...]]:
+    """:func:`read_gpus` for the GPUs of *host* (a Host, e.g. over SSH): one *smi* (``nvidia-smi``) run there,
+    each GPU's NUMA node from the host's sysfs. ``(False, why, NA, ())`` when nvidia-smi is missing or fails."""
+    from pdctl.statemachine.errors import PdctlError
+
+    argv = [smi, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
+    try:
+        res = host.run(argv, timeout=timeout_s, check=False)
+    except PdctlError as exc:
+        return False, f"nvidia-smi on {host.name}: {exc}", NA, ()
+    if res.returncode != 0:
+        detail = (res.stderr or res.stdout).strip()[-200:]
+        return False, f"nvidia-smi on {host.name} exited {res.returncode}: {detail}", NA, ()
+    try:
+        driver, rows = parse_smi_gpus(res.stdout)
+    except ValueError as exc:
+        return False, f"nvidia-smi on {host.name}: {exc}", NA, ()
+    gpus = []
+    for r in rows:
+        numa = _sysfs_numa(r["pcie_bus_id"], pci_root, host) if r["pcie_bus_id"] is not NA else NA
+        gpus.append(GpuSample(**r, numa_node=numa, numa_source="sysfs" if numa is not NA else NA))
+    return True, None, driver, tuple(sorted(gpus, key=lambda g: g.index))
+
+
+def read_numa_nodes(root: str = "/sys/devices/system/node", *, host: Any = None) -> tuple[NumaNodeSample, ...]:
+    """Every ``node<N>`` under *root* (on *host* when given): CPU list and memory (``meminfo`` MemTotal/MemFree,
+    kB)."""
+    try:
+        entries = os.listdir(root) if host is None else host.list_dir(root)
     except OSError:
         return ()
+    names = sorted((n for n in entries if n.startswith("node") and n[4:].isdigit()), key=lambda n: int(n[4:]))
     out = []
     for n in names:
-        cpus = (_read(os.path.join(root, n, "cpulist")) or "").strip()
+        cpus = (_read(os.path.join(root, n, "cpulist"), host) or "").strip()
         total: int | NaType = NA
         free: int | NaType = NA
-        for line in (_read(os.path.join(root, n, "meminfo")) or "").splitlines():
+        for line in (_read(os.path.join(root, n, "meminfo"), host) or "").splitlines():
             parts = line.split()
             # "Node 0 MemTotal:   6514908 kB"
             if len(parts) >= 4 and parts[2] in ("MemTotal:", "MemFree:"):
@@ -381,9 +474,10 @@ def read_numa_nodes(root: str = "/sys/devices/system/node") -> tuple[NumaNodeSam
     return tuple(out)
 
 
-def read_affinity(pid: int, *, proc_root: str = "/proc") -> str | None:
-    """``Cpus_allowed_list`` of ``/proc/<pid>/status`` (what ``taskset -cp PID`` prints), or None."""
-    text = _read(os.path.join(proc_root, str(pid), "status"))
+def read_affinity(pid: int, *, proc_root: str = "/proc", host: Any = None) -> str | None:
+    """``Cpus_allowed_list`` of ``/proc/<pid>/status`` (what ``taskset -cp PID`` prints; on *host* when given),
+    or None."""
+    text = _read(os.path.join(proc_root, str(pid), "status"), host)
     if text is None:
         return None
     for line in text.splitlines():
@@ -412,13 +506,21 @@ def read_gpu_numa(
     pci_root: str = "/sys/bus/pci/devices",
     proc_root: str = "/proc",
     clock: Callable[[], float] = time.time,
+    host: Any = None,
+    smi: str = "nvidia-smi",
 ) -> GpuNumaSample:
-    """One :class:`GpuNumaSample`: GPUs (NVML), NUMA nodes (sysfs), each role's affinity (/proc)."""
-    if nvml:
+    """One :class:`GpuNumaSample`: GPUs (NVML), NUMA nodes (sysfs), each role's affinity (/proc).
+
+    With *host* (another machine's Host, e.g. SSH) everything is read there instead: the GPUs through
+    :func:`read_gpus_smi`, sysfs and ``/proc`` through the Host; *nvml* False skips the GPUs either way."""
+    source = "NVML" if host is None else f"nvidia-smi on {host.name}"
+    if not nvml:
+        ok, why, driver, gpus = False, "NVML disabled" if host is None else "GPU telemetry disabled", NA, ()
+    elif host is None:
         ok, why, driver, gpus = read_gpus(pci_root=pci_root)
     else:
-        ok, why, driver, gpus = False, "NVML disabled", NA, ()
-    nodes = read_numa_nodes(node_root)
+        ok, why, driver, gpus = read_gpus_smi(host, pci_root=pci_root, smi=smi)
+    nodes = read_numa_nodes(node_root, host=host)
     by_node = {n.node: n.cpus for n in nodes}
     aff = []
     for r in roles:
@@ -428,9 +530,10 @@ def read_gpu_numa(
         if r.pid is None:
             aff.append(AffinitySample(r.role, None, r.expected_node, expected, None, "no-process", "not running"))
             continue
-        actual = read_affinity(r.pid, proc_root=proc_root)
+        actual = read_affinity(r.pid, proc_root=proc_root, host=host)
         status, detail = compare_affinity(expected if r.expected_node is not None else None, actual)
         aff.append(AffinitySample(r.role, r.pid, r.expected_node, expected, actual, status, detail))
     return GpuNumaSample(
-        at=clock(), nvml_ok=ok, nvml_error=why, driver_version=driver, gpus=gpus, nodes=nodes, affinity=tuple(aff), owners=dict(owners)
+        at=clock(), nvml_ok=ok, nvml_error=why, driver_version=driver, gpus=gpus, nodes=nodes, affinity=tuple(aff), owners=dict(owners),
+        source=source,
     )

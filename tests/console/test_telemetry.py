@@ -190,3 +190,93 @@ def test_nvml_availability_matches_the_machine():
     assert tm.query("nvmlDeviceGetCount", default=0) == 0
     s = read_gpu_numa([], {}, nvml=True)
     assert not s.nvml_ok and s.gpus == ()
+
+
+# --- a deployment on another machine: nvidia-smi, sysfs and /proc read through its Host ------------
+
+# What nvidia-smi 570 prints for --query-gpu=<SMI_FIELDS> --format=csv,noheader,nounits (cells it cannot
+# give read "[N/A]"; GPU 1 is idle with power readings unsupported).
+SMI_OUT = (
+    "0, NVIDIA H200, GPU-5c1f7a0e-2b1d-4f7e-9a51-3c2d8e1f0a11, 37, 81920, 143771, 41, 118.52, 700.00, 00000000:18:00.0, 570.124.06\n"
+    "1, NVIDIA H200, GPU-9d0e4b3a-7c2f-4a1e-8b62-1f0e9d8c7b22, 0, 0, 143771, 35, [N/A], [N/A], 00000000:2A:00.0, 570.124.06\n"
+)
+
+
+def _fake_smi(root: Path, out: str = SMI_OUT, rc: int = 0) -> Path:
+    """An nvidia-smi that prints *out* only when asked exactly pdctl's query (else fails like the real one)."""
+    want = f"--query-gpu={','.join(tm.SMI_FIELDS)} --format=csv,noheader,nounits"
+    (root / "smi.out").write_text(out)
+    smi = root / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\n[ "$*" = "{want}" ] || {{ echo "bad args: $*" >&2; exit 2; }}\n'
+                   f'cat {root / "smi.out"}\nexit {rc}\n')
+    smi.chmod(0o755)
+    return smi
+
+
+def _pci_tree(root: Path) -> Path:
+    for bus, node in (("0000:18:00.0", "0"), ("0000:2a:00.0", "1")):
+        (root / "pci" / bus).mkdir(parents=True)
+        (root / "pci" / bus / "numa_node").write_text(node + "\n")
+    return root / "pci"
+
+
+def test_nvidia_smi_rows_parse_with_units_and_na_cells():
+    driver, rows = tm.parse_smi_gpus(SMI_OUT)
+    assert driver == "570.124.06" and [r["index"] for r in rows] == [0, 1]
+    g0, g1 = rows
+    assert (g0["name"], g0["util_pct"], g0["temperature_c"], g0["power_w"], g0["power_limit_w"]) == ("NVIDIA H200", 37, 41, 118.52, 700.0)
+    assert (g0["mem_used_bytes"], g0["mem_total_bytes"]) == (81920 * 2**20, 143771 * 2**20)  # MiB with nounits
+    assert g1["power_w"] is NA and g1["power_limit_w"] is NA and g1["pcie_bus_id"] == "00000000:2A:00.0"
+    with pytest.raises(ValueError, match="11 were asked"):
+        tm.parse_smi_gpus("0, NVIDIA H200, 37\n")
+
+
+def test_a_remote_hosts_gpus_numa_and_affinity_are_read_over_ssh(tmp_path):
+    """The real loopback sshd: nvidia-smi runs there, sysfs and /proc are read over SFTP."""
+    from harness import skip_or_fail
+    from harness.sshd import Sshd
+    from pdctl.statemachine.hosts import host_for
+    from pdctl.statemachine.spec import Host as HostSpec
+
+    if reason := Sshd.skip_reason():
+        skip_or_fail(reason)
+    server = Sshd.start(tmp_path / "sshd")
+    host = host_for(HostSpec(**server.host_spec()), name="gpu-b")
+    try:
+        nodes, pci = _node_tree(tmp_path), _pci_tree(tmp_path)
+        proc = _proc(tmp_path, 300, "32-63,96-127")
+        roles = [RoleNuma("decode", 300, 1, None)]
+        s = read_gpu_numa(roles, {1: "decode"}, host=host, smi=str(_fake_smi(tmp_path)), node_root=str(nodes),
+                          pci_root=str(pci), proc_root=str(proc), clock=lambda: 7.0)
+        assert s.nvml_ok and s.source == "nvidia-smi on gpu-b" and s.driver_version == "570.124.06"
+        assert [(g.index, g.numa_node, g.numa_source) for g in s.gpus] == [(0, 0, "sysfs"), (1, 1, "sysfs")]
+        assert [(n.node, n.cpus) for n in s.nodes] == [(0, "0-31,64-95"), (1, "32-63,96-127")]
+        assert [(a.role, a.actual_cpus, a.status) for a in s.affinity] == [("decode", "32-63,96-127", "ok")]
+        # nvidia-smi failing there is said, naming the host; NUMA and affinity are still read.
+        s = read_gpu_numa(roles, {}, host=host, smi=str(_fake_smi(tmp_path, "NVIDIA-SMI has failed\n", rc=9)),
+                          node_root=str(nodes), pci_root=str(pci), proc_root=str(proc))
+        assert not s.nvml_ok and s.nvml_error.startswith("nvidia-smi on gpu-b exited 9") and len(s.nodes) == 2
+        s = read_gpu_numa(roles, {}, host=host, smi=str(tmp_path / "absent" / "nvidia-smi"), node_root=str(nodes),
+                          pci_root=str(pci), proc_root=str(proc))
+        assert not s.nvml_ok and "gpu-b" in s.nvml_error and s.affinity[0].status == "ok"
+    finally:
+        host.close()
+        server.stop()
+
+
+def test_the_console_reads_an_ssh_deployments_gpus_there_not_here(tmp_path, monkeypatch):
+    """Collector.gpu passes the deployment's Host when it is another machine (and none for this one)."""
+    from pdctl.console import collect
+    from pdctl.statemachine.hosts import LocalHost
+
+    seen = []
+    monkeypatch.setattr(collect, "read_gpu_numa", lambda roles, owners, **kw: seen.append(kw.get("host")))
+    c = collect.Collector(types.SimpleNamespace(deployment=None))
+    monkeypatch.setattr(collect, "gpu_owners", lambda dep, topo: {})
+    topo = types.SimpleNamespace(roles=[])
+    c._host = LocalHost()
+    c.gpu(topo, {})
+    remote = types.SimpleNamespace(name="gpu-b")
+    c._host = remote
+    c.gpu(topo, {})
+    assert seen == [None, remote]
