@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call for the GPU acceptance runs that are not the kernels' own benchmark:
 # the kernels_built step of examples/seed.toml, then text captures of the console's GPU/NUMA panel.
-# Usage (device tool, repo root, .whl carried): bash benchmarks/device_acceptance.sh
+# Usage (device tool, repo root, .whl carried): bash benchmarks/device_acceptance.sh [kernels|smi]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,6 +12,9 @@ for f in pdctl/*.py; do ln -sf "$PWD/$f" $tree/; done
 for s in console statemachine kernels units sim; do ln -sfn "$PWD/$s" $tree/$s; done
 export PYTHONPATH=/tmp/tree:/tmp/site
 nvidia-smi -L; nvidia-smi topo -m 2>&1 | head -5
+if [ "${1:-}" = smi ]; then  # the GPU panel read both ways: NVML here, and nvidia-smi through a Host (the SSH path)
+  timeout 60 python3 benchmarks/gpu_panel_capture.py --smi 2>&1 | tee "$OUT/gpu_panel_smi.txt"; exit "${PIPESTATUS[0]}"
+fi
 timeout 300 python3 benchmarks/device_kernels_step.py 2>&1 | tee "$OUT/kernels_step.log" | tail -40
 [ "${1:-}" = kernels ] && exit 0
 timeout 60 python3 benchmarks/gpu_panel_capture.py 2>&1 | tee "$OUT/gpu_panel_plain.txt"

@@ -16,6 +16,11 @@ Affinity: no role runs here, so each role shows "not running" unless you hand it
 
     python benchmarks/gpu_panel_capture.py                       # plain render, 140 columns
     python benchmarks/gpu_panel_capture.py --self-as decode --app --size 120x40
+    python benchmarks/gpu_panel_capture.py --smi     # also read the GPUs as for an SSH host and compare
+
+``--smi`` reads the GPUs a second time the way the console reads an SSH host's (``nvidia-smi --query-gpu``
+through a Host, NUMA nodes from sysfs), prints that panel too, and exits 1 if the two readings disagree on a
+GPU's identity (index, name, UUID, PCIe bus, total memory, NUMA node).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ def main() -> int:
     ap.add_argument("--self-as", metavar="ROLE", help="use this process's PID for ROLE")
     ap.add_argument("--app", action="store_true", help="run the whole console headless (Textual run_test) on the GPU tab")
     ap.add_argument("--size", default="140x40", help="columns x rows (default 140x40)")
+    ap.add_argument("--smi", action="store_true", help="also read the GPUs through nvidia-smi as for an SSH host; compare")
     args = ap.parse_args()
     _bootstrap()
 
@@ -89,7 +95,7 @@ def main() -> int:
         con = Console(file=io.StringIO(), width=cols, record=True, color_system=None, force_terminal=False)
         con.print(render_gpu_panel(sample, topo))
         print(con.export_text().rstrip())
-        return 0
+        return _compare_with_smi(sample, roles, topo, loaded, cols) if args.smi else 0
 
     from pdctl.console.app import ConsoleApp
     from pdctl.console.views import expected_states, step_views
@@ -108,6 +114,43 @@ def main() -> int:
 
     print(asyncio.run(run()).rstrip())
     return 0
+
+
+def _compare_with_smi(sample, roles, topo, loaded, cols: int) -> int:  # noqa: ANN001
+    """Read the GPUs again through nvidia-smi on a Host (the SSH path), print that panel, compare identities."""
+    from rich.console import Console
+
+    from pdctl.console._gpu import render_gpu_panel
+    from pdctl.console.collect import gpu_owners
+    from pdctl.console.telemetry import read_gpu_numa
+    from pdctl.statemachine.hosts import LocalHost
+
+    host = LocalHost()
+    remote = read_gpu_numa(roles, gpu_owners(loaded.deployment, topo), host=host)
+    con = Console(file=io.StringIO(), width=cols, record=True, color_system=None, force_terminal=False)
+    con.print(render_gpu_panel(remote, topo))
+    print(f"# the same GPUs read as for an SSH host ({remote.source}):")
+    print(con.export_text().rstrip())
+    if not remote.nvml_ok:
+        print(f"# nvidia-smi path failed: {remote.nvml_error}")
+        return 1
+    keys = ("index", "name", "uuid", "pcie_bus_id", "mem_total_bytes", "numa_node")
+    bad = 0
+    for a, b in zip(sample.gpus, remote.gpus, strict=False):
+        for k in keys:
+            va, vb = getattr(a, k), getattr(b, k)
+            if k == "numa_node" and a.numa_source == "nvml":
+                continue  # sysfs may say -1 (N/A) where NVML knows; only sysfs-vs-sysfs is comparable
+            if str(va) != str(vb):
+                print(f"# MISMATCH GPU {a.index} {k}: NVML {va!r} vs nvidia-smi {vb!r}")
+                bad += 1
+        print(f"# GPU {a.index}: util {a.util_pct}/{b.util_pct} %, mem used {a.mem_used_bytes}/{b.mem_used_bytes} B, "
+              f"{a.temperature_c}/{b.temperature_c} °C, {a.power_w}/{b.power_w} W (NVML/nvidia-smi)")
+    if len(sample.gpus) != len(remote.gpus):
+        print(f"# MISMATCH: NVML {len(sample.gpus)} GPU(s), nvidia-smi {len(remote.gpus)}")
+        bad += 1
+    print(f"# identity fields {'agree' if not bad else f'DISAGREE ({bad})'} between NVML and nvidia-smi")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pdctl.kernels.__main__ import main; rc=main(); print('build rc', rc); sys.e
        cp "$OUT/kcache/pdctl-kernels-manifest.json" "$OUT/manifest.json" 2>/dev/null; rm -rf "$OUT/kcache" ;;
     ncu) timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --section SpeedOfLight --section Occupancy \
            --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-           -k regex:'decode|topk|indexer|combine' python3 benchmarks/ncu_targets.py > "$OUT/ncu.txt" 2>&1
+           -k regex:'decode|topk|indexer|combine' python3 benchmarks/ncu_targets.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
          echo "ncu rc $?"; grep -E "^  [a-z_]+.*\(|Duration|Stall|Registers Per|Achieved Occupancy|Issue Slots Busy|Memory Throughput" \
            "$OUT/ncu.txt" | head -80 ;;
     stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;

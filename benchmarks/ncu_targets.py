@@ -25,13 +25,18 @@ def main() -> int:
     from pdctl.kernels._indexer import lightning_indexer
     from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
 
-    for h, rows, bh, splits, variants in ((32, 64, 32, 2, (1, 3)), (16, 64, 16, 4, (3, 1)),
-                                          (16, 1, 16, 32, (1, 3))):
+    only_b1 = "--b1" in sys.argv  # decode at B = 1 only: the split kernel and the combine, per launch
+    cases = ((32, 64, 32, 2, (1, 3)), (16, 64, 16, 4, (3, 1)), (16, 1, 16, 32, (1, 3)))
+    if only_b1:
+        cases = ((16, 1, 16, 32, (3,)), (16, 1, 16, 16, (3,)), (16, 1, 16, 64, (3,)), (128, 1, 32, 32, (3,)))
+    for h, rows, bh, splits, variants in cases:
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         for v in variants:
             print(f"decode fp8 h={h} B={rows} gluon-{v}: {bh},{splits}", flush=True)
             sparse_mla_decode(q, kv, idx, 0.135234, None, config=DecodeConfig(block_h=bh, splits=splits, gluon=v))
             torch.cuda.synchronize()
+    if only_b1:
+        return 0
     q8, w, cache, bt, sl = make_indexer_case([32768] * 64, max_context=163840)
     print("indexer L=32K B=64", flush=True)
     lightning_indexer(q8, w, cache, bt, sl, 2048)

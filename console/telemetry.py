@@ -429,8 +429,8 @@ def read_gpus_smi(host: Any, *, pci_root: str = "/sys/bus/pci/devices", timeout_
     argv = [smi, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
     try:
         res = host.run(argv, timeout=timeout_s, check=False)
-    except PdctlError as exc:
-        return False, f"nvidia-smi on {host.name}: {exc}", NA, ()
+    except PdctlError as exc:  # e.g. "cannot run nvidia-smi on <host>: No such file or directory"
+        return False, getattr(exc, "message", None) or str(exc), NA, ()
     if res.returncode != 0:
         detail = (res.stderr or res.stdout).strip()[-200:]
         return False, f"nvidia-smi on {host.name} exited {res.returncode}: {detail}", NA, ()
