@@ -120,6 +120,15 @@ def gluon_available(device: torch.device | None = None) -> bool:
     return True
 
 
+def _combine_block_d(row_heads: int, num_sms: int) -> int:
+    """Lanes of the 512-wide output one combine program merges: all 512 once (rows × heads) fills two
+    waves of SMs, else fewer (down to 64) so that small batches still spread over the GPU."""
+    block_d = D_V
+    while block_d > 64 and row_heads * (D_V // block_d) < 2 * num_sms:
+        block_d //= 2
+    return block_d
+
+
 def _num_sms(device: torch.device) -> int:
     import torch
 
@@ -239,8 +248,9 @@ def sparse_mla_decode(
         )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1:
-        comb_k[(t_rows, heads)](
+        block_d = _combine_block_d(t_rows * heads, _num_sms(q.device))
+        comb_k[(t_rows, heads, D_V // block_d)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
-            BLOCK_S=max(2, _next_pow2(cfg.splits)), num_warps=4,
+            BLOCK_S=max(2, _next_pow2(cfg.splits)), BLOCK_D=block_d, num_warps=4,
         )
     return out, lse

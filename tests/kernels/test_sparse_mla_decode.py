@@ -59,6 +59,22 @@ def test_decode_matches_reference_with_padding_lengths_and_empty_rows(kv_format,
     _check(out, lse, ro, rl, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_format", ["float", "fp8"])
+def test_split_merge_spread_over_lane_blocks_for_small_batches(monkeypatch, kv_format):
+    """As on a 132-SM GPU: 2 rows × 8 heads merge in 64-lane blocks (8 programs per (row, head))."""
+    from pdctl.kernels import _sparse_mla
+
+    monkeypatch.setattr(_sparse_mla, "_num_sms", lambda device: 132)
+    assert _sparse_mla._combine_block_d(2 * 8, 132) == 64 and _sparse_mla._combine_block_d(64 * 16, 132) == 512
+    q, kv, idx, length = _case(8, rows=2)
+    cache = quantize_kv656(kv) if kv_format == "fp8" else kv
+    out = torch.full((2, 8, 512), float("nan"))
+    lse = torch.full((2, 8), float("nan"))
+    sparse_mla_decode(q, cache, idx, SM, length, out=out, lse=lse, config=DecodeConfig(16, 16, 4, 1, splits=3))
+    ro, rl = reference_sparse_mla_decode(q, cache, idx, SM, length)
+    _check(out, lse, ro, rl, atol=2e-5)
+
+
 def test_decode_fp16_operands_with_a_32_head_block():
     q, kv, idx, length = _case(40, rows=3, topk=64, dtype=torch.float16)
     o, lse = sparse_mla_decode(q, kv.half(), idx, SM, length, config=DecodeConfig(32, 32, 4, 1, splits=2))
