@@ -12,6 +12,7 @@ counters flat); the router by ``/readiness`` plus ``/workers`` counts, roles and
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,23 @@ from pdctl.statemachine.topology import RoleTopology, Topology
 __all__ = ["Context", "Timeouts", "steps_for"]
 
 T = TypeVar("T")
+
+_CAUSE = re.compile(r"\berror\b|\bexception\b|\bfailed\b|^[\w.]*(Error|Exception)\b", re.IGNORECASE)
+_LIFECYCLE = re.compile(r"Failed with result|Main process exited|Failed to start|start request repeated|"
+                        r"Scheduled restart job|^main process \d+ ")
+"""systemd's and pdctl's supervisor's own lines about the unit: they say that it failed, never why."""
+
+
+def startup_failure(what: str, lines: list[str]) -> str:
+    """The message for a unit that failed while starting: the log line most likely to be the cause first
+    (the last one naming an error that is not the service manager's own line: argparse's
+    ``...: error: argument --x: invalid choice``, a traceback's ``ValueError: ...``), then the last log
+    lines for context."""
+    cause = next((ln.strip() for ln in reversed(lines)
+                  if _CAUSE.search(ln.strip()) and not _LIFECYCLE.search(ln.strip())), None)
+    tail = "\n    ".join(lines)
+    head = f"{what} failed while starting" + (f": {cause}" if cause else "")
+    return f"{head}\n  last log lines:\n    {tail}"
 
 
 @dataclass(frozen=True)
@@ -336,8 +354,7 @@ class ServersUp(Step):
         def ready() -> bool | None:
             st = ctx.manager.status(unit)
             if st.state == "failed":
-                logs = "\n    ".join(ctx.manager.logs(unit, lines=15))
-                raise ApplyFailed(f"{role.name}: unit {unit} failed while starting; last log lines:\n    {logs}", step=self.name)
+                raise ApplyFailed(startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15)), step=self.name)
             if not st.is_active:  # the manager's readiness gate has not passed yet
                 return None
             return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None
@@ -608,8 +625,7 @@ class RouterExposed(Step):
         def attempt() -> Proof | None:
             st = ctx.manager.status(ctx.unit_of["router"])
             if st.state == "failed":
-                logs = "\n    ".join(ctx.manager.logs(ctx.unit_of["router"], lines=15))
-                raise ApplyFailed(f"router unit failed; last log lines:\n    {logs}", step=self.name)
+                raise ApplyFailed(startup_failure("router unit", ctx.manager.logs(ctx.unit_of["router"], lines=15)), step=self.name)
             if not st.is_active:  # its readiness gate has not passed yet
                 last[:] = [f"router unit {st.state}"]
                 return None

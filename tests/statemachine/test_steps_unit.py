@@ -172,3 +172,24 @@ def test_headless_apply_says_a_failed_steps_message_once_then_where_it_stopped(m
     assert err.count("unit x failed while starting") == 1, err
     assert err.count("hint: read the decode logs") == 1, err
     assert err.rstrip().splitlines()[-1].startswith("apply stopped at decode_up"), err
+
+
+def test_a_start_failure_names_the_log_line_that_says_why_first():
+    from pdctl.statemachine.steps import startup_failure
+
+    argparse_log = [
+        "usage: launch_server.py [-h] --model-path MODEL_PATH [--tokenizer-path TOKENIZER_PATH]",
+        "                        [--host HOST] [--port PORT] [--tool-call-parser {deepseekv3,deepseekv31,deepseekv32}]",
+        "launch_server.py: error: argument --tool-call-parser: invalid choice: 'deepseekv4' (choose from deepseekv3, deepseekv31)",
+        "pdctl-demo-decode.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",
+        "pdctl-demo-decode.service: Failed with result 'exit-code'.",
+    ]
+    msg = startup_failure("decode: unit pdctl-demo-decode.service", argparse_log)
+    first = msg.splitlines()[0]
+    assert first == ("decode: unit pdctl-demo-decode.service failed while starting: launch_server.py: error: argument "
+                     "--tool-call-parser: invalid choice: 'deepseekv4' (choose from deepseekv3, deepseekv31)")
+    assert all(line in msg for line in argparse_log)  # the context is kept in full
+    traceback_log = ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>',
+                     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "main process 41 exited, code=1"]
+    assert startup_failure("prefill", traceback_log).splitlines()[0].endswith(": torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert startup_failure("router unit", ["listening", "bye"]).splitlines()[0] == "router unit failed while starting"
