@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,21 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.deploy import dump_toml  # noqa: E402  (tests/harness/deploy.py)
+from harness.sim import free_ports  # noqa: E402
 
 from pdctl.statemachine import service, steps  # noqa: E402
 from pdctl.statemachine.events import Event  # noqa: E402
-
-
-def free_ports(n: int) -> list[int]:
-    """*n* distinct free loopback ports (each socket stays bound until all are chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Clock:
