@@ -24,10 +24,13 @@ session) that owns that role until told to stop:
 
 :meth:`stop` sends SIGTERM to the watchdog (after checking ``/proc/PID/cmdline`` really is that
 watchdog — PIDs are reused) and waits, bounded; if the watchdog itself was killed, it stops the
-role's process group directly, signalling only processes whose environment carries
-``PDCTL_UNIT=<unit name>`` (set for every role), never a group whose id was reused. State lives in ``STATE_DIR/services/<unit name>/``: ``unit.json``
-(marked ``"managed_by": "pdctl"``), ``status.json`` (written atomically by the watchdog),
-``watchdog.pid``, ``main.pid``, ``output.log``, ``supervise.log``.
+role's process group directly: the group's members while its leader is still the process the watchdog
+started (its start time, ``/proc/PID/stat`` field 22, is recorded in ``main.start``), else only processes
+whose environment carries ``PDCTL_UNIT=<unit name>`` (set for every role; a process that rewrites its
+title, as smg does, may leave its environ unreadable) — never a group whose id was reused. State lives in
+``STATE_DIR/services/<unit name>/``: ``unit.json`` (marked ``"managed_by": "pdctl"``), ``status.json``
+(written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log``,
+``supervise.log``.
 
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
@@ -117,6 +120,13 @@ def _proc_pgrp(stat: bytes) -> int:
     return int(fields[2]) if len(fields) > 2 else -1
 
 
+def _proc_starttime(stat: bytes) -> int:
+    """Start time of a ``/proc/PID/stat`` line in clock ticks since boot (field 22, proc(5)); −1 if absent.
+    With the PID it names one process for good: a reused PID gets a later start time."""
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else -1
+
+
 class ProcessSupervisor(ServiceManager):
     """Roles as supervised process groups under *state_dir* on *host*. See the module docstring.
 
@@ -189,9 +199,17 @@ class ProcessSupervisor(ServiceManager):
         return WATCHDOG_MODULE.encode() in cmd and self._dir(name).encode() in cmd
 
     def _group_members(self, pgid: int, name: str) -> list[int]:
-        """Live members of process group *pgid* that carry ``PDCTL_UNIT=<name>`` in their
-        environment — so a PID (and group id) reused by someone else is never signalled."""
+        """Live members of process group *pgid*, the role's: all of them while the group's leader is the
+        process the watchdog started (same start time as recorded in ``main.start``), else those that
+        carry ``PDCTL_UNIT=<name>`` in their environment — so a PID (and group id) reused by someone else
+        is never signalled."""
         tag = f"{UNIT_ENV}={name}".encode()
+        leader_ours = False
+        try:
+            recorded = int(self.host.read_file(posixpath.join(self._dir(name), "main.start")).decode().strip())
+            leader_ours = recorded >= 0 and _proc_starttime(self.host.read_file(f"/proc/{pgid}/stat")) == recorded
+        except (OSError, ValueError):
+            pass
         out = []
         try:
             entries = self.host.list_dir("/proc")
@@ -205,6 +223,9 @@ class ProcessSupervisor(ServiceManager):
             except OSError:
                 continue
             if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"):
+                if leader_ours:
+                    out.append(int(e))
+                    continue
                 try:
                     if tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
                         out.append(int(e))
@@ -351,7 +372,7 @@ class ProcessSupervisor(ServiceManager):
                 if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), 5):
                     raise ServiceTimeout(f"{name}: process group {mpid} survived SIGKILL", unit=name)
         d = self._dir(name)
-        for f in ("watchdog.pid", "main.pid"):
+        for f in ("watchdog.pid", "main.pid", "main.start"):
             p = posixpath.join(d, f)
             if self.host.exists(p):
                 self.host.remove_file(p)

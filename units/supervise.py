@@ -22,7 +22,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from ._process import UNIT_ENV, _proc_pgrp, _proc_state, parse_env_file
+from ._process import UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
 from ._types import ServiceSpec
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
@@ -116,9 +116,15 @@ class Watchdog:
             list(self.spec.argv), env=self.env(), cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=self.preexec, close_fds=True,
         )
-        tmp = self.dir / ".main.pid.tmp"
-        tmp.write_text(f"{self.proc.pid}\n")
-        os.replace(tmp, self.dir / "main.pid")
+        # The start time first: whoever reads main.pid can then tell this process from a later one with its PID.
+        try:
+            start = _proc_starttime(Path(f"/proc/{self.proc.pid}/stat").read_bytes())
+        except OSError:  # already gone: the loop sees the exit
+            start = -1
+        for f, text in (("main.start", f"{start}\n"), ("main.pid", f"{self.proc.pid}\n")):
+            tmp = self.dir / f".{f}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.dir / f)
         self.say(f"started main process {self.proc.pid}: {' '.join(self.spec.argv)}")
 
     def ready(self) -> bool:
@@ -292,7 +298,7 @@ class Watchdog:
             self.status("deactivating", "stop-sigterm")
             self.say("stopping")
         self.kill_group(s.timeout_stop_s)
-        for f in ("main.pid", "watchdog.pid"):
+        for f in ("main.pid", "main.start", "watchdog.pid"):
             try:
                 (self.dir / f).unlink()
             except FileNotFoundError:

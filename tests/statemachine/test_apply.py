@@ -459,17 +459,29 @@ def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     assert "not deployed" in r.stdout and "differs" not in r.stdout and "NOT healthy" not in r.stdout
 
 
-def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(demo):
-    """kill -9 of a role's watchdog leaves its server serving but unwatched: status must say so (not
-    "healthy"), and apply must restart it under a new supervisor instead of calling it already satisfied."""
-    demo.apply()
-    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
-    wd_file = demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid"
-    wd = int(wd_file.read_text())
+def _gone(pid: int) -> bool:
+    try:
+        return b") Z" in open(f"/proc/{pid}/stat", "rb").read()
+    except FileNotFoundError:
+        return True
+
+
+def _kill_watchdog(demo, unit: str) -> int:
+    wd = int((demo.state / "supervisor" / "services" / unit / "watchdog.pid").read_text())
     os.kill(wd, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{wd}") and b") Z" not in open(f"/proc/{wd}/stat", "rb").read():
+    while time.monotonic() < deadline and not _gone(wd):
         time.sleep(0.05)
+    return wd
+
+
+def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(demo):
+    """kill -9 of a role's watchdog leaves its server serving but unwatched: status must say so (not
+    "healthy"), and apply must restart it under a new supervisor instead of calling it already satisfied.
+    The router too: smg rewrites its process title, which leaves /proc/PID/environ empty."""
+    demo.apply()
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    wd = _kill_watchdog(demo, dec["unit"])
     st = demo.status()
     d = next(r for r in st["roles"] if r["name"] == "decode")
     assert d["supervised"] is False and d["health"] == 200 and d["main_pid"] == dec["main_pid"]
@@ -479,8 +491,22 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     sink = ListSink()
     demo.apply(sink=sink)
     assert ("step_verified", "decode_up") in sink.kinds()  # applied again, not skipped as satisfied
-    assert not os.path.exists(f"/proc/{dec['main_pid']}") or b") Z" in open(f"/proc/{dec['main_pid']}/stat", "rb").read()
+    assert _gone(dec["main_pid"])
     st = demo.status()
     d = next(r for r in st["roles"] if r["name"] == "decode")
     assert st["healthy"] and d["supervised"] and d["main_pid"] != dec["main_pid"]
-    assert int(wd_file.read_text()) != wd
+    assert int((demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid").read_text()) != wd
+    # The router's supervisor: apply stops the unsupervised smg before starting a supervised one.
+    router = st["router"]
+    _kill_watchdog(demo, router["unit"])
+    assert demo.status()["router"]["supervised"] is False
+    sink = ListSink()
+    demo.apply(sink=sink)
+    assert ("step_verified", "router_exposed") in sink.kinds()
+    st = demo.status()
+    assert _gone(router["main_pid"]) and st["healthy"] and st["router"]["main_pid"] != router["main_pid"]
+    # And down ends an unsupervised role's server too (smg's included), leaving nothing on the demo's ports.
+    router = st["router"]
+    _kill_watchdog(demo, router["unit"])
+    assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
+    assert _gone(router["main_pid"]) and demo.pids() == []
