@@ -32,18 +32,26 @@ __all__ = ["Context", "Timeouts", "steps_for"]
 T = TypeVar("T")
 
 _CAUSE = re.compile(r"\berror\b|\bexception\b|\bfailed\b|^[\w.]*(Error|Exception)\b", re.IGNORECASE)
-_LIFECYCLE = re.compile(r"Failed with result|Main process exited|Failed to start|start request repeated|"
-                        r"Scheduled restart job|^main process \d+ ")
-"""systemd's and pdctl's supervisor's own lines about the unit: they say that it failed, never why."""
+_SUPERVISOR = re.compile(r"^pdctl-supervise\[\d+\]: ")
+_SYSTEMD = re.compile(r"Failed with result|Main process exited|Failed to start|start request repeated|Scheduled restart job")
+"""The service manager's own lines about the unit (pdctl's supervisor, systemd): they say that it failed,
+rarely why."""
+_MANAGER_CAUSE = re.compile(r"cannot start|dependency failed|timed out|exited, code=|killed, signal=")
+"""The manager lines that do say why (the executable could not be started, a dependency failed, the
+readiness gate timed out): the cause when the role itself printed none."""
 
 
 def startup_failure(what: str, lines: list[str]) -> str:
-    """The message for a unit that failed while starting: the log line most likely to be the cause first
-    (the last one naming an error that is not the service manager's own line: argparse's
-    ``...: error: argument --x: invalid choice``, a traceback's ``ValueError: ...``), then the last log
-    lines for context."""
-    cause = next((ln.strip() for ln in reversed(lines)
-                  if _CAUSE.search(ln.strip()) and not _LIFECYCLE.search(ln.strip())), None)
+    """The message for a unit that failed while starting: the log line most likely to be the cause first,
+    then the last log lines for context. The cause is the last line the role printed that names an error
+    (argparse's ``...: error: argument --x: invalid int value``, a traceback's ``ValueError: ...``), else the
+    service manager's reason (exec failure, readiness timeout, dependency), never its "failed" verdict."""
+    stripped = [ln.strip() for ln in lines]
+    cause = next((ln for ln in reversed(stripped)
+                  if _CAUSE.search(ln) and not _SUPERVISOR.search(ln) and not _SYSTEMD.search(ln)), None)
+    if cause is None:
+        cause = next((_SUPERVISOR.sub("", ln) for ln in reversed(stripped)
+                      if _SUPERVISOR.search(ln) and _MANAGER_CAUSE.search(ln)), None)
     tail = "\n    ".join(lines)
     head = f"{what} failed while starting" + (f": {cause}" if cause else "")
     return f"{head}\n  last log lines:\n    {tail}"

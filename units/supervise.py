@@ -256,7 +256,8 @@ class Watchdog:
             while starts and now - starts[0] > s.start_limit_interval_s:
                 starts.popleft()
             if len(starts) >= s.start_limit_burst:
-                self.say(f"start limit hit: {len(starts)} starts within {s.start_limit_interval_s} s")
+                self.say(f"start limit hit: {len(starts)} starts in {now - starts[0]:.0f} s "
+                         f"(limit {s.start_limit_burst} per {s.start_limit_interval_s:g} s)")
                 final = ("failed", "start-limit-hit")
                 break
             starts.append(now)

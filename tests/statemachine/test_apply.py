@@ -17,7 +17,7 @@ import pytest
 
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
-from pdctl.statemachine.errors import LockHeld, StepTimeout, VerifyFailed
+from pdctl.statemachine.errors import ApplyFailed, LockHeld, StepTimeout, VerifyFailed
 from pdctl.statemachine.events import ListSink
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES, run_steps
@@ -170,6 +170,18 @@ def test_prefill_never_healthy_times_out_bounded(make_demo):
     assert role["state"] in ("activating", "active") and role["main_pid"]
     assert role["health"] in (0, 503)
     os.kill(role["main_pid"], 0)  # alive
+
+
+def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
+    def bad(d):
+        d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects
+
+    demo = make_demo(bad)
+    with pytest.raises(ApplyFailed) as e:
+        demo.apply()
+    first = str(e.value).splitlines()[0]
+    assert "decode" in first and "failed while starting" in first
+    assert first.endswith("error: argument --max-running-requests: invalid int value: 'abc'"), first
 
 
 def test_parsers_missing_on_decode_fails_parsers_configured(demo):

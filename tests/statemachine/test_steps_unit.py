@@ -177,19 +177,33 @@ def test_headless_apply_says_a_failed_steps_message_once_then_where_it_stopped(m
 def test_a_start_failure_names_the_log_line_that_says_why_first():
     from pdctl.statemachine.steps import startup_failure
 
+    # What the process supervisor's output.log holds after three failed starts (its own lines prefixed).
     argparse_log = [
+        "pdctl-supervise[5305]: started main process 5311: python -m sglang.launch_server --max-running-requests abc",
         "usage: launch_server.py [-h] --model-path MODEL_PATH [--tokenizer-path TOKENIZER_PATH]",
-        "                        [--host HOST] [--port PORT] [--tool-call-parser {deepseekv3,deepseekv31,deepseekv32}]",
-        "launch_server.py: error: argument --tool-call-parser: invalid choice: 'deepseekv4' (choose from deepseekv3, deepseekv31)",
-        "pdctl-demo-decode.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",
-        "pdctl-demo-decode.service: Failed with result 'exit-code'.",
+        "                        [--host HOST] [--port PORT] [--max-running-requests MAX_RUNNING_REQUESTS]",
+        "python -m sglang.launch_server: error: argument --max-running-requests: invalid int value: 'abc'",
+        "pdctl-supervise[5305]: main process 5311 exited, code=2",
+        "pdctl-supervise[5305]: start limit hit: 3 starts in 2 s (limit 3 per 10830 s)",
+        "pdctl-supervise[5305]: failed (start-limit-hit)",
     ]
     msg = startup_failure("decode: unit pdctl-demo-decode.service", argparse_log)
-    first = msg.splitlines()[0]
-    assert first == ("decode: unit pdctl-demo-decode.service failed while starting: launch_server.py: error: argument "
-                     "--tool-call-parser: invalid choice: 'deepseekv4' (choose from deepseekv3, deepseekv31)")
+    assert msg.splitlines()[0] == ("decode: unit pdctl-demo-decode.service failed while starting: python -m "
+                                   "sglang.launch_server: error: argument --max-running-requests: invalid int value: 'abc'")
     assert all(line in msg for line in argparse_log)  # the context is kept in full
+    # systemd's own verdict lines are never the cause either.
+    journal = ["launch_server.py: error: argument --tool-call-parser: invalid choice: 'x'",
+               "pdctl-demo-decode.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",
+               "pdctl-demo-decode.service: Failed with result 'exit-code'."]
+    assert startup_failure("decode", journal).splitlines()[0].endswith(": launch_server.py: error: argument --tool-call-parser: invalid choice: 'x'")
     traceback_log = ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>',
-                     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "main process 41 exited, code=1"]
+                     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                     "pdctl-supervise[40]: main process 41 exited, code=1"]
     assert startup_failure("prefill", traceback_log).splitlines()[0].endswith(": torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert startup_failure("router unit", ["listening", "bye"]).splitlines()[0] == "router unit failed while starting"
+    # Nothing from the role: the supervisor's reason, without its prefix; with no reason at all, no cause.
+    exec_log = ["pdctl-supervise[7]: cannot start /opt/smg: [Errno 2] No such file or directory: '/opt/smg'",
+                "pdctl-supervise[7]: failed (exec)"]
+    assert startup_failure("router unit", exec_log).splitlines()[0] == (
+        "router unit failed while starting: cannot start /opt/smg: [Errno 2] No such file or directory: '/opt/smg'")
+    assert startup_failure("router unit", ["listening", "pdctl-supervise[7]: failed (start-limit-hit)"]).splitlines()[0] == (
+        "router unit failed while starting")
