@@ -118,12 +118,12 @@ class Scrape:
             return sum(v for _l, v in rows)
         return sum(v for labels, v in rows if all(dict(labels).get(k) == want for k, want in where.items()))
 
-    def total_if(self, name: str, label: str, pred) -> float | None:  # noqa: ANN001
-        """Sum of *name* over label sets whose *label* value satisfies *pred*."""
+    def total_where(self, name: str, pred) -> float | None:  # noqa: ANN001
+        """Sum of *name* over label sets (as a dict) that satisfy *pred*."""
         rows = self.samples.get(name)
         if rows is None:
             return None
-        return sum(v for labels, v in rows if pred(dict(labels).get(label, "")))
+        return sum(v for labels, v in rows if pred(dict(labels)))
 
     def has(self, name: str) -> bool:
         return name in self.samples or name in self.histograms
@@ -305,7 +305,8 @@ class ThroughputSample:
     req_s: float | None = None
     """Router: routed requests per second (``smg_router_requests_total``)."""
     err_s: float | None = None
-    """Router: server-error responses (status ≥ 500) per second (``smg_http_responses_total``)."""
+    """Router: server-error responses (status ≥ 500) per second (``smg_http_responses_total``), its own
+    health and inventory endpoints (``/readiness``, ``/health``, ``/workers``…) left out."""
     errors: float | None = None
     """Router: server-error responses (status ≥ 500), lifetime."""
     client_errors: float | None = None
@@ -421,14 +422,14 @@ class ThroughputTracker:
         if kind == "router":
             req = rate("smg_router_requests_total")
             err = None
-            errors = new.total_if("smg_http_responses_total", "status_code", _is_server_error)
+            errors = new.total_where("smg_http_responses_total", _is_server_error)
             if smooth is not None and errors is not None:
-                err = counter_rate(errors, smooth.total_if("smg_http_responses_total", "status_code", _is_server_error), dt)
+                err = counter_rate(errors, smooth.total_where("smg_http_responses_total", _is_server_error), dt)
             health = new.samples.get("smg_worker_health", ())
             return ThroughputSample(
                 source=source, kind=kind, url=url, state="ok", age_s=0.0,
                 req_s=req, err_s=err, errors=errors,
-                client_errors=new.total_if("smg_http_responses_total", "status_code", _is_client_error),
+                client_errors=new.total_where("smg_http_responses_total", _is_client_error),
                 running=new.total("smg_worker_requests_active"),
                 workers_healthy=sum(1 for _l, v in health if v >= 1) if health else None,
                 workers_total=len(health) if health else None,
@@ -462,12 +463,17 @@ def _status_class(code: str) -> int:
         return 0
 
 
-def _is_server_error(code: str) -> bool:
-    return _status_class(code) == 5
+_PROBE_PATHS = frozenset({"/health", "/liveness", "/readiness", "/workers", "/metrics"})
+"""The router's own health and inventory endpoints (pdctl's probes and checks call them): a 503 from
+``/readiness`` while workers start is the router's state, already shown, not a failed request."""
 
 
-def _is_client_error(code: str) -> bool:
-    return _status_class(code) == 4
+def _is_server_error(labels: dict[str, str]) -> bool:
+    return _status_class(labels.get("status_code", "")) == 5 and labels.get("path") not in _PROBE_PATHS
+
+
+def _is_client_error(labels: dict[str, str]) -> bool:
+    return _status_class(labels.get("status_code", "")) == 4 and labels.get("path") not in _PROBE_PATHS
 
 
 def _mean(s: Scrape, name: str) -> float | None:

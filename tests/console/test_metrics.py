@@ -119,6 +119,8 @@ def _smg_responses(ok: int, s503: int, s429: int, s499: int) -> str:
         f'smg_http_responses_total{{path="/v1/chat/completions",status_code="503",error_code="x"}} {s503}\n'
         f'smg_http_responses_total{{path="/v1/chat/completions",status_code="429",error_code="y"}} {s429}\n'
         f'smg_http_responses_total{{path="/v1/chat/completions",status_code="499",error_code="client_closed_request"}} {s499}\n'
+        f'smg_http_responses_total{{path="/readiness",status_code="503",error_code="no_healthy_workers"}} {s503 * 10}\n'
+        f'smg_http_responses_total{{path="/workers",status_code="404",error_code="x"}} {s429 * 10}\n'
     )
 
 
@@ -128,6 +130,7 @@ def test_router_server_errors_are_counted_apart_from_client_errors():
     s = tr.observe("router", "router", "u", 102.0, parse_scrape(_smg_responses(9, 6, 9, 40), 102.0))
     assert (s.errors, s.client_errors) == (6, 49)
     assert s.err_s == pytest.approx(2.0)  # (6 - 2) 5xx over 2 s; the 4xx (client closed, rate-limited) are not failures
+    # the router's own /readiness 503s (while workers start) and probe paths count in neither
     text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
     assert "5xx 2.0/s" in text and "5xx 6  4xx 49" in text
 
