@@ -32,7 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SpecArg = Annotated[Path, typer.Argument(help="Deployment spec (TOML), e.g. examples/demo.toml")]
+SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Deployment spec (TOML), e.g. examples/demo.toml")]
 StateDirOpt = Annotated[
     Optional[Path],
     typer.Option("--state-dir", envvar="PDCTL_STATE_DIR", help="Journal directory (default per service scope)"),
@@ -120,7 +120,7 @@ class _Reporter:
 
 @app.command("apply")
 def apply_cmd(
-    spec: Annotated[Path, typer.Argument(help="Spec (TOML) or a plan saved with `pdctl plan -o`")],
+    spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Spec (TOML) or a plan saved with `pdctl plan -o`")],
     state_dir: StateDirOpt = None,
     confirm_topology: Annotated[
         Optional[str], typer.Option("--confirm-topology", metavar="PLAN_ID", help="Confirm a topology change: the exact plan id")
