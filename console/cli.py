@@ -75,6 +75,9 @@ def plan(
     pending = loaded.journal.read().target
     if pending is not None:
         _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
+    elif drift := _runtime_drift(loaded):
+        _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
+             f"{'; '.join(drift)}. `pdctl apply` re-proves every step and restarts what does not serve as specified")
     if out is not None:
         p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
@@ -86,6 +89,32 @@ def plan(
     else:
         sys.stdout.write(render_text(p) + "\n")
     raise typer.Exit(ExitCode.CHANGES if p.has_changes else ExitCode.OK)
+
+
+def _runtime_drift(loaded) -> list[str]:  # noqa: ANN001
+    """What of a deployed topology does not serve now (from ``status``), one phrase per role; [] when all do
+    or nothing is deployed."""
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.service import status
+
+    try:
+        st = status(loaded)
+    except PdctlError:
+        return []
+    if not st.get("deployed"):
+        return []
+    out = []
+    for r in st["roles"]:
+        if not r.get("supervised", True):
+            out.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
+        elif not r["healthy"]:
+            out.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}")
+    rt = st.get("router")
+    if rt and not rt.get("supervised", True):
+        out.append("router UNSUPERVISED (its supervisor is gone)")
+    elif rt and (rt.get("readiness") != 200 or rt["state"] != "active"):
+        out.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
+    return out
 
 
 class _Reporter:

@@ -500,6 +500,9 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     assert not d["healthy"] and not st["healthy"]
     text = demo.cli("status", str(demo.spec))
     assert text.returncode == 1 and "UNSUPERVISED" in text.stdout and "NOT healthy" in text.stdout
+    plan = demo.cli("plan", str(demo.spec))  # the spec did not change, but plan must not hide what apply will do
+    assert plan.returncode == 0 and "No changes" in plan.stdout
+    assert "decode UNSUPERVISED" in plan.stderr and "pdctl apply" in plan.stderr
     sink = ListSink()
     demo.apply(sink=sink)
     assert ("step_verified", "decode_up") in sink.kinds()  # applied again, not skipped as satisfied
@@ -508,6 +511,7 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     d = next(r for r in st["roles"] if r["name"] == "decode")
     assert st["healthy"] and d["supervised"] and d["main_pid"] != dec["main_pid"]
     assert int((demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid").read_text()) != wd
+    assert "note:" not in demo.cli("plan", str(demo.spec)).stderr  # all serves as proven again
     # The router's supervisor: apply stops the unsupervised smg before starting a supervised one.
     router = st["router"]
     _kill_watchdog(demo, router["unit"])
