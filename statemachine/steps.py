@@ -41,6 +41,18 @@ _MANAGER_CAUSE = re.compile(r"cannot start|dependency failed|timed out|exited, c
 readiness gate timed out): the cause when the role itself printed none."""
 
 
+_FLAG_REJECTED = re.compile(r": error: (argument |unrecognized arguments|the following arguments are required)")
+"""argparse's own error line (SGLang and smg parse their flags with it)."""
+
+
+def startup_hint(message: str) -> str | None:
+    """A hint fitted to *message*'s cause, or None (the step's general hint applies)."""
+    if _FLAG_REJECTED.search(message.splitlines()[0]):
+        return ("a launch flag was refused: fix its value in the spec (the role's settings or extra_args) and "
+                "apply again; `pdctl validate` checks flag names against SGLang's, not every value")
+    return None
+
+
 def startup_failure(what: str, lines: list[str]) -> str:
     """The message for a unit that failed while starting: the log line most likely to be the cause first,
     then the last log lines for context. The cause is the last line the role printed that names an error
@@ -362,7 +374,8 @@ class ServersUp(Step):
         def ready() -> bool | None:
             st = ctx.manager.status(unit)
             if st.state == "failed":
-                raise ApplyFailed(startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15)), step=self.name)
+                msg = startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15))
+                raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))
             if not st.is_active:  # the manager's readiness gate has not passed yet
                 return None
             return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None
@@ -633,7 +646,8 @@ class RouterExposed(Step):
         def attempt() -> Proof | None:
             st = ctx.manager.status(ctx.unit_of["router"])
             if st.state == "failed":
-                raise ApplyFailed(startup_failure("router unit", ctx.manager.logs(ctx.unit_of["router"], lines=15)), step=self.name)
+                msg = startup_failure("router unit", ctx.manager.logs(ctx.unit_of["router"], lines=15))
+                raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))
             if not st.is_active:  # its readiness gate has not passed yet
                 last[:] = [f"router unit {st.state}"]
                 return None

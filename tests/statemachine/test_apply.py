@@ -182,6 +182,7 @@ def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo
     first = str(e.value).splitlines()[0]
     assert "decode" in first and "failed while starting" in first
     assert first.endswith("error: argument --max-running-requests: invalid int value: 'abc'"), first
+    assert "a launch flag was refused" in e.value.hint and "extra_args" in e.value.hint
 
 
 def test_parsers_missing_on_decode_fails_parsers_configured(demo):

@@ -175,7 +175,7 @@ def test_headless_apply_says_a_failed_steps_message_once_then_where_it_stopped(m
 
 
 def test_a_start_failure_names_the_log_line_that_says_why_first():
-    from pdctl.statemachine.steps import startup_failure
+    from pdctl.statemachine.steps import startup_failure, startup_hint
 
     # What the process supervisor's output.log holds after three failed starts (its own lines prefixed).
     argparse_log = [
@@ -191,6 +191,7 @@ def test_a_start_failure_names_the_log_line_that_says_why_first():
     assert msg.splitlines()[0] == ("decode: unit pdctl-demo-decode.service failed while starting: python -m "
                                    "sglang.launch_server: error: argument --max-running-requests: invalid int value: 'abc'")
     assert all(line in msg for line in argparse_log)  # the context is kept in full
+    assert "launch flag was refused" in startup_hint(msg)
     # systemd's own verdict lines are never the cause either.
     journal = ["launch_server.py: error: argument --tool-call-parser: invalid choice: 'x'",
                "pdctl-demo-decode.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",
@@ -199,6 +200,7 @@ def test_a_start_failure_names_the_log_line_that_says_why_first():
     traceback_log = ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>',
                      "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
                      "pdctl-supervise[40]: main process 41 exited, code=1"]
+    assert startup_hint(startup_failure("prefill", traceback_log)) is None
     assert startup_failure("prefill", traceback_log).splitlines()[0].endswith(": torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     # Nothing from the role: the supervisor's reason, without its prefix; with no reason at all, no cause.
     exec_log = ["pdctl-supervise[7]: cannot start /opt/smg: [Errno 2] No such file or directory: '/opt/smg'",
