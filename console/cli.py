@@ -260,7 +260,8 @@ def _status_text(st: dict) -> str:
         lines.append("  steps:")
         for name, s in st["steps"].items():
             age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
-            lines.append(f"    {name:<20} {s['status']:<8} {s.get('summary') or ''}{age}")
+            summary = (s.get("summary") or "").split("\n", 1)[0]  # a failure's log excerpt stays in --json
+            lines.append(f"    {name:<20} {s['status']:<8} {summary}{age}")
     return "\n".join(lines)
 
 

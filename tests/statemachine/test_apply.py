@@ -183,6 +183,11 @@ def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo
     assert "decode" in first and "failed while starting" in first
     assert first.endswith("error: argument --max-running-requests: invalid int value: 'abc'"), first
     assert "a launch flag was refused" in e.value.hint and "extra_args" in e.value.hint
+    # status's steps table gives the failure's first line, not the log excerpt (that stays in --json).
+    text = demo.cli("status", str(demo.spec)).stdout
+    step_line = next(ln for ln in text.splitlines() if ln.strip().startswith("decode_up"))
+    assert "invalid int value: 'abc'" in step_line and "last log lines" not in text
+    assert "last log lines:" in json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["steps"]["decode_up"]["summary"]
 
 
 def test_parsers_missing_on_decode_fails_parsers_configured(demo):
