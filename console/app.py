@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -248,10 +248,15 @@ class ConsoleApp(App[int]):
         if action in MUTATING_ACTIONS and self.readonly:
             return False
         if action == "apply":
-            return None if self.applying else True
+            return None if self.applying or self._locked_by() else True
         if action == "cancel_apply":
             return True if self.applying else None
         return True
+
+    def _locked_by(self) -> Mapping[str, Any] | None:
+        """The lock's holder when another process holds it (from the last snapshot)."""
+        snap = self.snapshot
+        return None if snap is None or self.applying else getattr(snap, "locked_by", None)
 
     # -- workers ----------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="telemetry", exit_on_error=False, description="telemetry")
@@ -309,6 +314,10 @@ class ConsoleApp(App[int]):
         disruptive change) a y/N; in-place changes and a resume with no changes none. Spec
         warnings are shown before the question."""
         if self.readonly or self.applying:
+            return
+        if holder := self._locked_by():
+            self.notify(f"Locked by PID {holder.get('pid')} ({holder.get('purpose', '?')}, since {holder.get('since', '?')}): "
+                        "wait for it to finish", severity="warning")
             return
         plan = self.plan
         if plan is None:
@@ -425,6 +434,7 @@ class ConsoleApp(App[int]):
             logs.show(snap.log_role, snap.log_lines)
         self._refresh_proof(snap.steps)
         self.sub_title = self._status_line()
+        self.refresh_bindings()  # the apply key follows the lock (held by another apply, or free again)
         serial = snap.journal.serial if snap.journal is not None else 0
         if self.live and self._planned_serial is not None and serial != self._planned_serial and not self.applying:
             self._planned_serial = serial
@@ -520,6 +530,8 @@ class ConsoleApp(App[int]):
             bits.append("READ-ONLY")
         if self.applying:
             bits.append(f"applying… {event}" if event else "applying…")
+        elif holder := self._locked_by():
+            bits.append(f"LOCKED by PID {holder.get('pid')} ({holder.get('purpose', '?')})")
         else:
             snap = self.snapshot
             if snap is not None and snap.steps:

@@ -12,6 +12,7 @@ It holds no deployment logic: it calls the engine's journal, topology and servic
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class Snapshot:
     log_lines: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     """Problems gathering the snapshot itself (never a deployment being down)."""
+    locked_by: Mapping[str, Any] | None = None
+    """The deployment lock's holder when another process (a headless apply, a ``down``) holds it."""
 
 
 def current_topology(loaded: Any, journal: JournalState | None) -> Topology:
@@ -247,6 +250,12 @@ class Collector:
         if err:
             notes.append(err)
         topo = current_topology(self.loaded, journal)
+        locked_by = None
+        try:
+            holder = self.loaded.journal.held_by()
+            locked_by = holder if holder and holder.get("pid") != os.getpid() else None
+        except Exception as exc:  # noqa: BLE001 - the lock's state is a courtesy
+            notes.append(f"lock: {exc}")
         services = self.services(topo)
         tp = self.scrape(topo, at) if throughput else ()
         g = None
@@ -273,4 +282,5 @@ class Collector:
             log_role=log_role,
             log_lines=self.logs(topo, log_role),
             notes=tuple(notes),
+            locked_by=locked_by,
         )

@@ -221,6 +221,8 @@ class Journal:
             os.close(fd)
 
     def lock_holder(self) -> dict[str, Any] | None:
+        """What the lock file says of its last holder (``pid``, ``user``, ``host``, ``purpose``, ``since``,
+        ``argv``), or None. A holder killed with SIGKILL leaves this behind: see :meth:`held_by`."""
         try:
             raw = self.lock_path.read_text()
         except FileNotFoundError:
@@ -229,6 +231,40 @@ class Journal:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:
             return None
+
+    def held_by(self, proc_locks: str = "/proc/locks") -> dict[str, Any] | None:
+        """The lock's holder while the lock is really held, else None; never takes the lock (a test lock
+        could refuse a concurrent apply). Held means: the kernel lists a ``FLOCK`` on the lock file's inode
+        in *proc_locks* (proc(5)) for the PID the file names. Without a readable *proc_locks*, the named PID
+        being alive is taken as held."""
+        holder = self.lock_holder()
+        if not holder or not isinstance(holder.get("pid"), int):
+            return None
+        try:
+            st = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return None
+        try:
+            text = Path(proc_locks).read_text()
+        except OSError:  # no /proc/locks (a restricted container)
+            return holder if _pid_alive(holder["pid"]) else None
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in text.splitlines():
+            f = line.split()
+            # "1: FLOCK  ADVISORY  WRITE 12345 fd:01:1234567 0 EOF"; waiters carry "->" after the number
+            if len(f) >= 6 and f[1] == "FLOCK" and f[4] == str(holder["pid"]) and f[5].lower() == dev:
+                return holder
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _user() -> str:

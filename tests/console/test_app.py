@@ -312,3 +312,39 @@ async def test_the_logs_panel_follows_the_selected_role(console_demo):
         await pilot.press("right_square_bracket")
         await wait_for(pilot, lambda: log.line_count >= 1 and "decode" in log.lines[-1])
         assert all("decode" in ln for ln in log.lines)
+
+
+async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(console_demo):
+    """A headless apply (here: a child process holding the real lock) greys the console's apply key and
+    names the holder in the header; after a kill -9 of that holder, apply is available again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    journal = Journal(console_demo.state, console_demo.name)
+    journal.dir.mkdir(parents=True, exist_ok=True)
+    code = (f"from pdctl.statemachine.journal import Journal\nimport time\n"
+            f"with Journal({str(console_demo.state)!r}, {console_demo.name!r}).lock('apply (headless)'):\n"
+            f"    print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        recorder = Recorder()
+        app = make_app(console_demo, apply_fn=recorder)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.plan is not None and app.snapshot is not None and app.snapshot.locked_by)
+            assert app.snapshot.locked_by["pid"] == holder.pid
+            assert app.check_action("apply", ()) is None  # greyed, not hidden
+            assert f"LOCKED by PID {holder.pid} (apply (headless))" in app.sub_title
+            await pilot.press("a")
+            await pilot.pause(0.2)
+            assert recorder.calls == [] and not isinstance(app.screen, YesNoScreen)
+            os.kill(holder.pid, signal.SIGKILL)  # the kernel drops the flock; the lock file still names it
+            holder.wait(5)
+            await wait_for(pilot, lambda: app.check_action("apply", ()) is True)
+            assert "LOCKED" not in app.sub_title and journal.lock_holder()["pid"] == holder.pid
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(5)
