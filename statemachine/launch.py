@@ -342,6 +342,7 @@ def services_for(
             cpu_affinity=s.numa_cpus,
             memlock_infinity=rdma and kind in ("prefill", "decode"),
             restart_sec=10,
+            restart_prevent_exit_status=(2,),  # argparse refused the flags: a restart cannot fix that
             start_limit_burst=3,
             start_limit_interval_s=3 * (start + 10),
             timeout_start_s=start,
@@ -367,6 +368,7 @@ def services_for(
             secrets=secret,
             secrets_file=_secrets_file(dep, "router", scope, sd) if secret else None,
             restart_sec=5,
+            restart_prevent_exit_status=(2,),  # clap (smg's parser) refused the flags
             start_limit_burst=5,
             start_limit_interval_s=5 * (300 + 5),
             timeout_start_s=300,

@@ -199,6 +199,8 @@ def render_service(spec: ServiceSpec, *, scope: str = "system") -> str:
     s += [
         "Restart=on-failure",
         f"RestartSec={_secs(spec.restart_sec)}",
+        *([f"RestartPreventExitStatus={' '.join(str(c) for c in spec.restart_prevent_exit_status)}"]
+          if spec.restart_prevent_exit_status else []),
         f"TimeoutStartSec={spec.timeout_start_s}",
         f"TimeoutStopSec={spec.timeout_stop_s}",
         "KillMode=control-group",

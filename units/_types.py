@@ -165,6 +165,9 @@ class ServiceSpec:
     """CPU list (``"0-31,64-95"``) for ``CPUAffinity=`` / ``sched_setaffinity``."""
     memlock_infinity: bool = False
     restart_sec: float = 10.0
+    restart_prevent_exit_status: tuple[int, ...] = ()
+    """Exit codes never restarted (systemd ``RestartPreventExitStatus=``): 2 is argparse's (Python) and clap's
+    (Rust) for a refused command line, which no restart can fix."""
     start_limit_burst: int = 3
     start_limit_interval_s: int = 600
     timeout_start_s: int = 3600
@@ -201,7 +204,7 @@ class ServiceSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServiceSpec:
         kw = dict(data)
-        for k in ("argv", "requires"):
+        for k in ("argv", "requires", "restart_prevent_exit_status"):
             kw[k] = tuple(kw.get(k, ()))
         for k in ("env", "secrets"):
             kw[k] = tuple((a, b) for a, b in kw.get(k, ()))

@@ -292,6 +292,10 @@ class Watchdog:
             if rc == 0:
                 final = ("inactive", "dead")
                 break
+            if rc in s.restart_prevent_exit_status:  # systemd's RestartPreventExitStatus=
+                self.say(f"exit code {rc} is not restarted (a refused command line)")
+                final = ("failed", "exit-code")
+                break
             self.restarts += 1
             self.status("activating", "auto-restart")
             self.sleep(s.restart_sec)

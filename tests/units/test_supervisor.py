@@ -75,6 +75,20 @@ def test_a_crashing_role_stops_at_the_start_limit_like_systemd(tmp_path, cleanup
     assert sum(line == "boom" for line in m.logs(s.name, lines=100)) == 3
 
 
+def test_a_refused_command_line_is_not_restarted_like_systemds_restart_prevent_exit_status(tmp_path, cleanup):
+    s = svc("usage", ("/bin/sh", "-c", "echo 'prog: error: argument --x: invalid int value' >&2; exit 2"),
+            restart_prevent_exit_status=(2,), start_limit_burst=3, start_limit_interval_s=60,
+            readiness_url=f"http://127.0.0.1:{free_port()}/health", readiness_python=sys.executable)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    with pytest.raises(ServiceFailed):
+        m.wait_active(s.name, timeout=20)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
+    assert (st_.sub_state, st_.restarts) == ("exit-code", 0)  # one start, as systemd with RestartPreventExitStatus=2
+    assert m.logs(s.name, lines=100).count("prog: error: argument --x: invalid int value") == 1
+
+
 def test_a_clean_exit_is_not_restarted(tmp_path, cleanup):
     s = svc("once", ("/bin/true",))
     m = install(tmp_path, s)
