@@ -368,7 +368,7 @@ def services_for(
             secrets=secret,
             secrets_file=_secrets_file(dep, "router", scope, sd) if secret else None,
             restart_sec=5,
-            restart_prevent_exit_status=(2,),  # clap (smg's parser) refused the flags
+            restart_prevent_exit_status=(2,),  # smg's argparse refused the flags
             start_limit_burst=5,
             start_limit_interval_s=5 * (300 + 5),
             timeout_start_s=300,

@@ -166,8 +166,8 @@ class ServiceSpec:
     memlock_infinity: bool = False
     restart_sec: float = 10.0
     restart_prevent_exit_status: tuple[int, ...] = ()
-    """Exit codes never restarted (systemd ``RestartPreventExitStatus=``): 2 is argparse's (Python) and clap's
-    (Rust) for a refused command line, which no restart can fix."""
+    """Exit codes never restarted (systemd ``RestartPreventExitStatus=``): 2 is argparse's for a refused command line
+    (SGLang's launch_server and smg's launcher parse with it), which no restart can fix."""
     start_limit_burst: int = 3
     start_limit_interval_s: int = 600
     timeout_start_s: int = 3600

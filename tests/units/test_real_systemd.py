@@ -101,11 +101,7 @@ def test_a_foreign_unit_loaded_from_elsewhere_is_refused_and_nothing_changes(cle
         sd.systemctl("daemon-reload")
 
 
-def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path):
-    m = clean_user_systemd.manager()
-    svc = ServiceSpec(name="pdctl-lim-crash.service", description="crashes", deployment="lim", role="crash",
-                      argv=("/bin/sh", "-c", "exit 3"), restart_sec=0.2, start_limit_burst=3,
-                      start_limit_interval_s=60, timeout_start_s=10)
+def _start_until_failed(m: SystemdManager, svc: ServiceSpec) -> None:
     m.install(UnitSet(target=TargetSpec(name="pdctl-lim.target", description="l", deployment="lim",
                                         wants=(svc.name,)), services=(svc,)))
     m.start(svc.name)
@@ -113,6 +109,14 @@ def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path
     while m.status(svc.name).state != "failed":
         assert time.monotonic() < deadline, m.status(svc.name)
         time.sleep(0.1)
+
+
+def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path):
+    m = clean_user_systemd.manager()
+    svc = ServiceSpec(name="pdctl-lim-crash.service", description="crashes", deployment="lim", role="crash",
+                      argv=("/bin/sh", "-c", "exit 3"), restart_sec=0.2, start_limit_burst=3,
+                      start_limit_interval_s=60, timeout_start_s=10)
+    _start_until_failed(m, svc)
     # three starts (burst 3); systemd counts the third, refused, restart too
     assert m.status(svc.name).restarts == 3
     time.sleep(1.0)  # five restart delays: it stays down
@@ -120,18 +124,12 @@ def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path
 
 
 def test_a_refused_command_line_is_not_restarted(clean_user_systemd, tmp_path):
-    """RestartPreventExitStatus=2 (argparse's and clap's exit code): one start, failed, no restart; the
+    """RestartPreventExitStatus=2 (argparse's exit code for a refused command line): one start, failed, no restart; the
     process supervisor does the same (test_supervisor)."""
     m = clean_user_systemd.manager()
     svc = ServiceSpec(name="pdctl-lim-usage.service", description="bad flag", deployment="lim", role="usage",
                       argv=("/bin/sh", "-c", "exit 2"), restart_sec=0.2, restart_prevent_exit_status=(2,),
                       start_limit_burst=3, start_limit_interval_s=60, timeout_start_s=10)
-    m.install(UnitSet(target=TargetSpec(name="pdctl-lim.target", description="l", deployment="lim",
-                                        wants=(svc.name,)), services=(svc,)))
-    m.start(svc.name)
-    deadline = time.monotonic() + 30
-    while m.status(svc.name).state != "failed":
-        assert time.monotonic() < deadline, m.status(svc.name)
-        time.sleep(0.1)
+    _start_until_failed(m, svc)
     time.sleep(1.0)  # five restart delays: none happens
     assert (m.status(svc.name).state, m.status(svc.name).restarts) == ("failed", 0)
