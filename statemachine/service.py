@@ -427,8 +427,10 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
         names = [n for n in names if manager.installed_text(n) is not None]
         for n in names:
+            was = manager.status(n).state
             manager.stop(n)
-            sink.emit(Event("info", f"stopped {n}", data={"unit": n}))
+            ran = was in ("active", "activating", "deactivating")
+            sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
         manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
         state.deployed = None
         state.target = None

@@ -188,6 +188,10 @@ def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo
     step_line = next(ln for ln in text.splitlines() if ln.strip().startswith("decode_up"))
     assert "invalid int value: 'abc'" in step_line and "last log lines" not in text
     assert "last log lines:" in json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["steps"]["decode_up"]["summary"]
+    down = demo.cli("down", str(demo.spec), "--yes")  # says what it stopped, and what had never run
+    assert down.returncode == 0
+    assert f"stopped pdctl-{demo.name}-prefill.service" in down.stderr
+    assert f"pdctl-{demo.name}-decode.service was not running (failed)" in down.stderr
 
 
 def test_parsers_missing_on_decode_fails_parsers_configured(demo):
