@@ -208,10 +208,9 @@ def apply(
     stopped and removed (router first). Raises :class:`StepError` naming the failed step; the
     journal then records the failure and what already runs stays as it was.
     """
-    from pdctl.statemachine.errors import StalePlanError
+    from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
     from pdctl.statemachine.machine import run_steps
-    from pdctl.statemachine.errors import StepError
     from pdctl.statemachine.steps import ports_taken_elsewhere, steps_for
 
     sink = sink or NullSink()

@@ -25,14 +25,14 @@ from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, Veri
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
 from pdctl.statemachine.spec import Deployment
-from pdctl.statemachine.topology import RoleTopology, Topology
+from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology
+from pdctl.units import SUPERVISOR_LINE
 
 __all__ = ["Context", "Timeouts", "steps_for"]
 
 T = TypeVar("T")
 
 _CAUSE = re.compile(r"\berror\b|\bexception\b|\bfailed\b|^[\w.]*(Error|Exception)\b", re.IGNORECASE)
-_SUPERVISOR = re.compile(r"^pdctl-supervise\[\d+\]: ")
 _SYSTEMD = re.compile(r"Failed with result|Main process exited|Failed to start|start request repeated|Scheduled restart job")
 """The service manager's own lines about the unit (pdctl's supervisor, systemd): they say that it failed,
 rarely why."""
@@ -60,10 +60,10 @@ def startup_failure(what: str, lines: list[str]) -> str:
     service manager's reason (exec failure, readiness timeout, dependency), never its "failed" verdict."""
     stripped = [ln.strip() for ln in lines]
     cause = next((ln for ln in reversed(stripped)
-                  if _CAUSE.search(ln) and not _SUPERVISOR.search(ln) and not _SYSTEMD.search(ln)), None)
+                  if _CAUSE.search(ln) and not SUPERVISOR_LINE.search(ln) and not _SYSTEMD.search(ln)), None)
     if cause is None:
-        cause = next((_SUPERVISOR.sub("", ln) for ln in reversed(stripped)
-                      if _SUPERVISOR.search(ln) and _MANAGER_CAUSE.search(ln)), None)
+        cause = next((SUPERVISOR_LINE.sub("", ln) for ln in reversed(stripped)
+                      if SUPERVISOR_LINE.search(ln) and _MANAGER_CAUSE.search(ln)), None)
     tail = "\n    ".join(lines)
     head = f"{what} failed while starting" + (f": {cause}" if cause else "")
     return f"{head}\n  last log lines:\n    {tail}"
@@ -146,6 +146,11 @@ def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: flo
 # --- server roles --------------------------------------------------------------------------------
 
 
+def _router_ports(router: RouterTopology) -> set[int]:
+    """The router's HTTP port and its Prometheus port."""
+    return {router.port, int(router.settings.get("prometheus_port") or router.port)}
+
+
 def _role_ports(role: RoleTopology) -> set[int]:
     from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS
 
@@ -187,7 +192,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
             wanted.setdefault(port, (role.name, f"{role.kind}_up"))
     if topo.router is not None:
         r = topo.router
-        for port in {r.port, int(r.settings.get("prometheus_port") or r.port)}:
+        for port in _router_ports(r):
             wanted.setdefault(port, ("router", "router_exposed"))
     if not wanted:
         return
@@ -603,7 +608,7 @@ class RouterExposed(Step):
         r = ctx.topology.router
         assert r is not None
         st = ctx.manager.status(unit)
-        wanted = {r.port, int(r.settings.get("prometheus_port") or r.port)}
+        wanted = _router_ports(r)
         _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)
         ctx.forget(unit)
         ctx.manager.install(ctx.units)

@@ -15,7 +15,7 @@ the concrete hosts).
 from ._argv import router_argv, router_env, server_argv, server_env
 from ._host import CommandResultLike, HostLike
 from ._manager import ServiceManager
-from ._process import ProcessSupervisor, parse_env_file
+from ._process import SUPERVISOR_LINE, ProcessSupervisor, parse_env_file
 from ._systemd import (
     MARKER,
     READINESS_GATE,
@@ -42,6 +42,7 @@ from .errors import (
 __all__ = [
     "MARKER",
     "READINESS_GATE",
+    "SUPERVISOR_LINE",
     "CommandResultLike",
     "ForeignUnit",
     "HostLike",

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import signal
 import sys
 import time
@@ -56,11 +57,15 @@ from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
 
-__all__ = ["ProcessSupervisor", "parse_env_file"]
+__all__ = ["SUPERVISOR_LINE", "ProcessSupervisor", "parse_env_file"]
 
 WATCHDOG_MODULE = "pdctl.units.supervise"
 UNIT_ENV = "PDCTL_UNIT"
 """Set to the unit name in every role's environment: how a stop recognises the role's processes."""
+SUPERVISOR_TAG = "pdctl-supervise"
+"""How the watchdog signs its own lines in a role's ``output.log``: ``pdctl-supervise[PID]: message``."""
+SUPERVISOR_LINE = re.compile(rf"^{SUPERVISOR_TAG}\[\d+\]: ")
+"""Matches the watchdog's own lines (what it did to the role, never the role's output)."""
 
 
 def parse_env_file(text: str) -> dict[str, str]:

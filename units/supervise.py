@@ -22,7 +22,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from ._process import UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
+from ._process import SUPERVISOR_TAG, UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
 from ._types import ServiceSpec
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
@@ -50,7 +50,7 @@ class Watchdog:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def say(self, msg: str) -> None:
-        self.log.write(f"pdctl-supervise[{os.getpid()}]: {msg}\n".encode())
+        self.log.write(f"{SUPERVISOR_TAG}[{os.getpid()}]: {msg}\n".encode())
 
     def status(self, state: str, sub: str) -> None:
         body = {"state": state, "sub": sub, "restarts": self.restarts, "updated": time.time(),
