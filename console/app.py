@@ -256,7 +256,7 @@ class ConsoleApp(App[int]):
     def _locked_by(self) -> Mapping[str, Any] | None:
         """The lock's holder when another process holds it (from the last snapshot)."""
         snap = self.snapshot
-        return None if snap is None or self.applying else getattr(snap, "locked_by", None)
+        return None if snap is None or self.applying else snap.locked_by
 
     # -- workers ----------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="telemetry", exit_on_error=False, description="telemetry")
