@@ -259,15 +259,15 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
         from pdctl.kernels._sparse_mla import gluon_available
 
         if gluon_available():
-            for bh in (16, 32):
-                if bh > max(16, heads):
+            for bh in (16, 32, 64):
+                if bh > max(16, heads) or (bh == 64 and heads < 64):
                     continue
                 progs = rows * -(-heads // bh)
                 s0 = 1
                 while s0 * progs < num_sms and s0 < 32:
                     s0 *= 2
-                for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(32, s0 * 2)}):
-                    for gl_variant in (1, 2, 3):
+                for splits in sorted({max(1, s0 // 2), s0, min(32, s0 * 2)}):
+                    for gl_variant in ((5,) if bh == 64 else (1, 2, 3, 4, 5)):
                         cands.add(DecodeConfig(block_h=bh, block_n=64, num_warps=4, num_stages=2, splits=splits,
                                                gluon=gl_variant))
     return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))

@@ -51,9 +51,12 @@ class DecodeConfig:
     """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
     not chosen by ``build_and_verify``)."""
     gluon: int = 0
-    """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernel (``_sparse_mla_gluon``; block_h 16 or 32, 64-token
-    tiles, 4 warps; block_n, num_warps, num_stages and prefetch are ignored) with 1: two cp.async stages,
-    2: one stage, 3: rows loaded straight into registers (no staging, two programs per SM)."""
+    """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernels (``_sparse_mla_gluon``; 64-token tiles;
+    block_n, num_warps, num_stages and prefetch are ignored). 1–3 (block_h 16 or 32, 4 warps): 1: two cp.async
+    stages, 2: one stage, 3: rows loaded straight into registers (no staging, two programs per SM). 4–5: the
+    warp-specialised kernel (loader warps gather and dequantise into two bf16 stages while an MMA warpgroup
+    computes; one program per SM): 4: two loader partitions, block_h 16 or 32; 5: one loader partition,
+    block_h 16, 32 or 64 (64: two MMA warpgroups, each half of the heads)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -103,6 +106,24 @@ def _gluon_kernel() -> Any:
     from pdctl.kernels import _sparse_mla_gluon as g
 
     return g._decode_fp8_tm_kernel
+
+
+@functools.cache
+def _gluon_ws_kernel() -> Any:
+    from pdctl.kernels import _sparse_mla_gluon as g
+
+    return g._decode_fp8_ws_kernel
+
+
+def _ws_launch(variant: int, block_h: int) -> dict[str, int]:
+    """Warps and register split of the warp-specialised kernel: the MMA partition's warps (``num_warps``), the
+    loaders' register budget, and ``maxnreg`` so that one program's warps fit the SM's 64K registers (all checked
+    spill-free or nearly with ``ptxas -v`` for sm_90a, Triton 3.6)."""
+    if variant == 4:
+        return {"LOADERS": 2, "LOADER_WARPS": 4, "LOADER_REGS": 128, "num_warps": 4, "maxnreg": 168}
+    if block_h == 64:
+        return {"LOADERS": 1, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 8, "maxnreg": 168}
+    return {"LOADERS": 1, "LOADER_WARPS": 4, "LOADER_REGS": 168, "num_warps": 4, "maxnreg": 248}
 
 
 def gluon_available(device: torch.device | None = None) -> bool:
@@ -222,9 +243,21 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
-    if cfg.gluon:
+    if cfg.gluon in (4, 5):
+        if not fp8 or q.dtype != torch.bfloat16 or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
+            raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
+                             f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
+        compiled = _gluon_ws_kernel()[grid](
+            q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
+            topk_length if topk_length is not None else indices,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
+            heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
+            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h,
+            **_ws_launch(cfg.gluon, cfg.block_h),
+        )
+    elif cfg.gluon:
         if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
-            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-3, got {cfg}")
+            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, got {cfg}")
         compiled = _gluon_kernel()[grid](
             q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
             topk_length if topk_length is not None else indices,

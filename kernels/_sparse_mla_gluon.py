@@ -39,7 +39,12 @@ says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 
@@ -256,3 +261,211 @@ def _decode_fp8_tm_kernel(
         gl.store(ob + 256, (acc2 * inv).to(gl.bfloat16), mask=hmask)
         gl.store(ob + 384, (acc3 * inv).to(gl.bfloat16), mask=hmask)
         gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+
+
+@gluon.jit
+def _ws_indices(irow, n0, end, RW: gl.constexpr, RR: gl.constexpr, B1: gl.constexpr):
+    # A tile's 64 selected slots in the three row layouts the loader uses (−1 past `end`).
+    offs = n0 + gl.arange(0, 64, layout=RW)
+    offs_r = n0 + gl.arange(0, 64, layout=RR)
+    offs_b = n0 + gl.arange(0, 64, layout=B1)
+    return (gl.load(irow + offs, mask=offs < end, other=-1), gl.load(irow + offs_r, mask=offs_r < end, other=-1),
+            gl.load(irow + offs_b, mask=offs_b < end, other=-1))
+
+
+@gluon.jit
+def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
+             W: gl.constexpr, P: gl.constexpr, PW: gl.constexpr):
+    # Loader partition W of P (PW warps): tiles W, W + P, … of this split. Each tile's rows are loaded into registers
+    # before waiting for its stage (tile j uses stage j % 2), so the gather is in flight while the MMA partition
+    # works on the other stage, and the next tile's slots are read meanwhile; then the rows are dequantised with the
+    # per-token scale folded in (bf16(e4m3 · scale)), stored as four wgmma-swizzled [64, 128] chunks plus the rope
+    # lanes and a 0 / −inf row bias, and signalled on `full`.
+    LD_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])
+    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])
+    RW: gl.constexpr = gl.SliceLayout(1, LD_NOPE)
+    RR: gl.constexpr = gl.SliceLayout(1, LD_ROPE)
+    B1: gl.constexpr = gl.BlockedLayout([1], [32], [PW], [0])
+    cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LD_NOPE)), 0)
+    cols_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_ROPE)), 0)
+    idx, idx_r, idx_b = _ws_indices(irow, start + W * 64, end, RW, RR, B1)
+    for j in range(W, n_tiles, P):
+        st = j % 2
+        ok = idx >= 0
+        row = gl.where(ok, idx, 0).to(gl.int64)
+        base = gl.expand_dims(row * 656, 1)
+        m = gl.expand_dims(ok, 1) & (cols < 128)
+        k0 = gl.load(kv8_ptr + base + cols, mask=m, other=0.0)
+        k1 = gl.load(kv8_ptr + base + 128 + cols, mask=m, other=0.0)
+        k2 = gl.load(kv8_ptr + base + 256 + cols, mask=m, other=0.0)
+        k3 = gl.load(kv8_ptr + base + 384 + cols, mask=m, other=0.0)
+        srow = row * 164 + 128
+        c0 = gl.expand_dims(gl.load(kvs_ptr + srow, mask=ok, other=0.0), 1)
+        c1 = gl.expand_dims(gl.load(kvs_ptr + srow + 1, mask=ok, other=0.0), 1)
+        c2 = gl.expand_dims(gl.load(kvs_ptr + srow + 2, mask=ok, other=0.0), 1)
+        c3 = gl.expand_dims(gl.load(kvs_ptr + srow + 3, mask=ok, other=0.0), 1)
+        base_r = gl.expand_dims(gl.where(idx_r >= 0, idx_r, 0).to(gl.int64) * 328 + 264, 1)
+        kpe = gl.load(kvr_ptr + base_r + cols_r, mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64), other=0.0)
+        bias = gl.where(idx_b >= 0, 0.0, float("-inf"))
+        idx, idx_r, idx_b = _ws_indices(irow, start + (j + P) * 64, end, RW, RR, B1)
+        mbarrier.wait(empty.index(st), ((j // 2) & 1) ^ 1)
+        kb = st * 4
+        kc_s.index(kb + 0).store((k0.to(gl.float32) * c0).to(gl.bfloat16))
+        kc_s.index(kb + 1).store((k1.to(gl.float32) * c1).to(gl.bfloat16))
+        kc_s.index(kb + 2).store((k2.to(gl.float32) * c2).to(gl.bfloat16))
+        kc_s.index(kb + 3).store((k3.to(gl.float32) * c3).to(gl.bfloat16))
+        kpe_s.index(st).store(kpe)
+        bias_s.index(st).store(bias)
+        fence_async_shared()
+        mbarrier.arrive(full.index(st), count=1)
+
+
+@gluon.jit
+def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
+            o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
+            SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr):
+    # MMA partition (the default one; 4 warps, or 8 splitting the heads): per staged tile, Sᵀ = K·Qᵀ as five chained
+    # asynchronous wgmmas (the scales are already in K), online softmax over tokens, Pᵀ to shared memory, Oᵀ_g += K_gᵀ·Pᵀ,
+    # then the stage goes back to the loaders on `empty`. The query is read here, so the loaders' first gathers
+    # overlap it; the softmax denominator is summed per element and reduced over tokens once, at the end.
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    qrow = q_ptr + t.to(gl.int64) * stride_qt + gl.expand_dims(qh, 1) * stride_qh
+    qm = gl.expand_dims(qh < H, 1) & gl.expand_dims(qd < 128, 0)
+    for g in gl.static_range(4):
+        q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
+    qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qpe_s.index(0).store(gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
+                                 mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+    WG: gl.constexpr = gl.num_warps() // 4
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, BLOCK_H // WG, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=COL)
+    l_acc = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=MMA)
+    zs = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+    for it in range(n_tiles):
+        st = it % 2
+        kb = st * 4
+        mbarrier.wait(full.index(st), (it // 2) & 1)
+        s = warpgroup_mma(kpe_s.index(st), qpe_s.index(0).permute([1, 0]), zs, is_async=True)
+        s = warpgroup_mma(kc_s.index(kb + 0), q_s.index(0).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(kc_s.index(kb + 1), q_s.index(1).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(kc_s.index(kb + 2), q_s.index(2).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(kc_s.index(kb + 3), q_s.index(3).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        bias = bias_s.index(st).load(ROW)
+        s = s * qk_scale_log2 + gl.expand_dims(bias, 1)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        al = gl.expand_dims(alpha, 0)
+        l_acc = l_acc * al + p
+        m_i = m_new
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc0 = warpgroup_mma(kc_s.index(kb + 0).permute([1, 0]), p_s, acc0 * al, is_async=True)
+        acc1 = warpgroup_mma(kc_s.index(kb + 1).permute([1, 0]), p_s, acc1 * al, is_async=True)
+        acc2 = warpgroup_mma(kc_s.index(kb + 2).permute([1, 0]), p_s, acc2 * al, is_async=True)
+        acc3 = warpgroup_mma(kc_s.index(kb + 3).permute([1, 0]), p_s, acc3 * al, is_async=True)
+        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st), count=1)
+
+    l_i = gl.sum(l_acc, axis=0)
+    live = l_i > 0.0
+    inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_i, 1.0), 0.0), 0)
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
+    hmask = gl.expand_dims(heads < H, 0)
+    d = gl.expand_dims(gl.arange(0, 128, layout=ROW), 1)
+    LN2: gl.constexpr = 0.6931471805599453
+    if SPLIT_OUT:
+        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("-inf"))
+        base = (t.to(gl.int64) * H + heads) * SPLITS + sp
+        mb = mo_ptr + gl.expand_dims(base, 0) * 512 + d
+        gl.store(mb, acc0 * inv, mask=hmask)
+        gl.store(mb + 128, acc1 * inv, mask=hmask)
+        gl.store(mb + 256, acc2 * inv, mask=hmask)
+        gl.store(mb + 384, acc3 * inv, mask=hmask)
+        gl.store(ml_ptr + base, lse, mask=heads < H)
+    else:
+        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("inf"))
+        ob = o_ptr + t.to(gl.int64) * stride_ot + gl.expand_dims(heads, 0) * stride_oh + d
+        gl.store(ob, (acc0 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 128, (acc1 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 256, (acc2 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 384, (acc3 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+
+
+@gluon.jit
+def _decode_fp8_ws_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv8_ptr, kvs_ptr, kvr_ptr,
+    idx_ptr, stride_it, len_ptr,
+    o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr,
+    H, K, qk_scale_log2, SPLITS,
+    HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS: gl.constexpr,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], gl.bfloat16)
+    QPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], gl.bfloat16)
+    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_H], gl.bfloat16)
+    B_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    t = gl.program_id(0)
+    hb = gl.program_id(1)
+    sp = gl.program_id(2)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
+    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], QPE_SL)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [8, 64, 128], KC_SL)
+    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KPE_SL)
+    bias_s = gl.allocate_shared_memory(gl.float32, [2, 64], B_SL)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_H], P_SL)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    n_valid = K
+    if HAS_LEN:
+        n_valid = gl.minimum(gl.maximum(gl.load(len_ptr + t), 0), K)
+    chunk = gl.cdiv(gl.cdiv(n_valid, SPLITS), 64) * 64
+    start = sp * chunk
+    end = gl.minimum(start + chunk, n_valid)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+    irow = idx_ptr + t.to(gl.int64) * stride_it
+
+    if LOADERS == 1:
+        gl.warp_specialize([
+            (_ws_mma, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
+                       o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
+                       SPLIT_OUT, BLOCK_H)),
+            (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
+                        0, 1, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_mma, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
+                       o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
+                       SPLIT_OUT, BLOCK_H)),
+            (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
+                        0, 2, LOADER_WARPS)),
+            (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
+                        1, 2, LOADER_WARPS)),
+        ], [LOADER_WARPS, LOADER_WARPS], [LOADER_REGS, LOADER_REGS])

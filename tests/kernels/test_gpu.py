@@ -60,7 +60,8 @@ def test_sparse_mla_decode_matches_the_reference_at_real_shapes(kv_format, heads
 
 
 @pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 32), (128, 16)])
-@pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (8, 8, 3), (64, 1, 1), (64, 2, 3)])
+@pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (8, 8, 3), (64, 1, 1), (64, 2, 3),
+                                                 (1, 32, 4), (8, 4, 4), (64, 2, 4), (1, 16, 5), (8, 8, 5), (64, 1, 5)])
 def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits, variant):
     from pdctl.kernels._sparse_mla import DecodeConfig, gluon_available
 
@@ -73,6 +74,23 @@ def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits, va
     lse = torch.full((rows, heads), float("nan"), device="cuda")
     cfg = DecodeConfig(block_h=block_h, splits=splits, gluon=variant)
     sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse, config=cfg)
+    err = _decode_tolerance_check(o, lse, ro, rl)
+    assert err["ok"], err
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("rows,splits", [(1, 32), (8, 4), (64, 1), (64, 2)])
+def test_gluon_ws_fp8_decode_with_64_head_blocks_matches_the_reference(heads, rows, splits):
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
+    q, kv, idx, length = make_decode_case(heads, rows, "fp8", slots=65536)
+    ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
+    o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((rows, heads), float("nan"), device="cuda")
+    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse,
+                      config=DecodeConfig(block_h=64, splits=splits, gluon=5))
     err = _decode_tolerance_check(o, lse, ro, rl)
     assert err["ok"], err
 
