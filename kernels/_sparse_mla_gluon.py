@@ -33,8 +33,26 @@ shared memory, limits residency: 64 rows × 4 splits is two programs per SM (11.
 and the profile of the kept kernel shows 1.9 active warps per scheduler, 0.2 instructions issued per cycle, and
 38 % of stalls waiting on global loads.
 
-Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses it only when the config
-says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging).
+The warp-specialised kernel (``_decode_fp8_ws_kernel``, ``gluon`` 4 and 5) answers that profile. One program per SM
+runs ``gl.warp_specialize`` partitions that meet on mbarriers over two bf16 stages:
+
+* one or two loader partitions (4 warps each) gather a tile's rows into registers before waiting for a free stage,
+  prefetch the next tile's slots, and dequantise with the per-token scale folded in (bf16(e4m3 · scale), one
+  rounding as before; the H200 errors against the fp32 reference did not move: rel. Frobenius 1.78e-3);
+* the MMA partition (one warpgroup, or two splitting 64 heads) runs five chained asynchronous QKᵀ wgmmas, the online
+  softmax with a 0 / −inf row bias from the loader, and four PV wgmmas, then frees the stage. It also reads the
+  query, so the first gathers overlap that read.
+
+Per-tile ``clock64`` stamps (``benchmarks/decode_ws_profile.py``, H200, h = 16, B = 64) put the MMA partition at
+2.1 µs a tile, starved for only 0.3 µs of it: QKᵀ 0.45, softmax 0.85 (0.28 at B = 1, where no loader runs beside
+it), PV 0.40. Those phases share the SM's shared-memory bandwidth with the loaders: a tile is written once as bf16
+(72 KB) and read twice as wgmma's A operand (136 KB). A variant with two MMA warpgroups taking alternate tiles was
+built and measured (verified against the reference): 61.2 against 51.0 µs, each warpgroup's QKᵀ phase growing from
+0.45 to 1.28 µs, so it was removed.
+
+Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
+config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
+5: with one loader).
 """
 
 from triton.experimental import gluon

@@ -123,3 +123,18 @@ def test_decode_rejects_bad_shapes_with_the_values(bad, match):
     q, kv, idx, _ = _case(8, rows=3, topk=16)
     with pytest.raises(ValueError, match=match):
         sparse_mla_decode(*bad(q, kv, idx), SM)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (DecodeConfig(block_h=64, splits=2, gluon=4), "block_h 16 or 32 \\(gluon 4\\)"),
+        (DecodeConfig(block_h=128, splits=2, gluon=5), "16, 32 or 64 \\(gluon 5\\)"),
+        (DecodeConfig(block_h=64, splits=2, gluon=3), "block_h 16 or 32 and gluon 1-5"),
+    ],
+)
+def test_gluon_configs_outside_their_head_blocks_are_refused_before_any_launch(config, match):
+    # The Gluon kernels need a Hopper GPU; the config check runs first, so a bad tuned entry is named even on a CPU.
+    q, kv, idx, _ = _case(64, rows=2, topk=64)
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_decode(q.bfloat16(), quantize_kv656(kv), idx, SM, config=config)
