@@ -243,28 +243,23 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
-    if cfg.gluon in (4, 5):
-        if not fp8 or q.dtype != torch.bfloat16 or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
-            raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
-                             f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
-        compiled = _gluon_ws_kernel()[grid](
+    if cfg.gluon:
+        if cfg.gluon in (4, 5):
+            if not fp8 or q.dtype != torch.bfloat16 or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
+                raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
+                                 f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
+            kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
+        else:
+            if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
+                raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, "
+                                 f"got {cfg}")
+            kernel, launch = _gluon_kernel(), {"STAGES": {1: 2, 2: 1, 3: 0}[cfg.gluon], "num_warps": 4}
+        compiled = kernel[grid](
             q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
             topk_length if topk_length is not None else indices,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
-            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h,
-            **_ws_launch(cfg.gluon, cfg.block_h),
-        )
-    elif cfg.gluon:
-        if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
-            raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, got {cfg}")
-        compiled = _gluon_kernel()[grid](
-            q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
-            topk_length if topk_length is not None else indices,
-            out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
-            heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
-            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h,
-            STAGES={1: 2, 2: 1, 3: 0}[cfg.gluon], num_warps=4,
+            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, **launch,
         )
     else:
         compiled = main_k[grid](

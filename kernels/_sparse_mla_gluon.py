@@ -67,6 +67,68 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 
 @gluon.jit
+def _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H: gl.constexpr):
+    # This program's BLOCK_H query heads into shared memory as wgmma B operands: four [BLOCK_H, 128] chunks of the
+    # 512 latent lanes and the 64 rope lanes (heads ≥ H zero-filled).
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    qrow = q_ptr + t.to(gl.int64) * stride_qt + gl.expand_dims(qh, 1) * stride_qh
+    qm = gl.expand_dims(qh < H, 1) & gl.expand_dims(qd < 128, 0)
+    for g in gl.static_range(4):
+        q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
+    qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qpe_s.index(0).store(gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
+                                 mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+
+
+@gluon.jit
+def _split_range(K, len_ptr, t, sp, SPLITS, HAS_LEN: gl.constexpr):
+    # Positions [start, end) of the top-k row that split `sp` covers (64-aligned chunks of the row's valid length,
+    # topk_length when given) and its number of 64-row tiles.
+    n_valid = K
+    if HAS_LEN:
+        n_valid = gl.minimum(gl.maximum(gl.load(len_ptr + t), 0), K)
+    chunk = gl.cdiv(gl.cdiv(n_valid, SPLITS), 64) * 64
+    start = sp * chunk
+    end = gl.minimum(start + chunk, n_valid)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), 64)
+
+
+@gluon.jit
+def _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
+                 stride_lt, mo_ptr, ml_ptr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr):
+    # Normalise Oᵀ by the softmax denominator and write either this split's fp32 partial and its LSE (merged by
+    # `_combine_kernel`) or, unsplit, the bf16 output and LSE. An empty split or row has l = 0: o = 0 and lse = −inf
+    # (partial) / +inf (FlashMLA's convention for the output).
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    live = l_i > 0.0
+    inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_i, 1.0), 0.0), 0)
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
+    hmask = gl.expand_dims(heads < H, 0)
+    d = gl.expand_dims(gl.arange(0, 128, layout=ROW), 1)
+    LN2: gl.constexpr = 0.6931471805599453
+    if SPLIT_OUT:
+        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("-inf"))
+        base = (t.to(gl.int64) * H + heads) * SPLITS + sp
+        mb = mo_ptr + gl.expand_dims(base, 0) * 512 + d
+        gl.store(mb, acc0 * inv, mask=hmask)
+        gl.store(mb + 128, acc1 * inv, mask=hmask)
+        gl.store(mb + 256, acc2 * inv, mask=hmask)
+        gl.store(mb + 384, acc3 * inv, mask=hmask)
+        gl.store(ml_ptr + base, lse, mask=heads < H)
+    else:
+        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("inf"))
+        ob = o_ptr + t.to(gl.int64) * stride_ot + gl.expand_dims(heads, 0) * stride_oh + d
+        gl.store(ob, (acc0 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 128, (acc1 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 256, (acc2 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 384, (acc3 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+
+
+@gluon.jit
 def _issue_tile(kv8_ptr, kvr_ptr, irow, n0, end, nope_buf, rope_buf, CP_NOPE: gl.constexpr, CP_ROPE: gl.constexpr):
     # Gather 64 selected rows into shared memory as 16-byte cp.async copies: 512 e4m3 lanes and 64 bf16 rope
     # lanes per row; invalid rows (index -1, or past `end`) are zero-filled.
@@ -134,7 +196,6 @@ def _decode_fp8_tm_kernel(
     CP_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
     ST_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
@@ -147,28 +208,14 @@ def _decode_fp8_tm_kernel(
     hb = gl.program_id(1)
     sp = gl.program_id(2)
 
-    qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    qrow = q_ptr + t.to(gl.int64) * stride_qt + gl.expand_dims(qh, 1) * stride_qh
-    qm = gl.expand_dims(qh < H, 1) & gl.expand_dims(qd < 128, 0)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
-    for g in gl.static_range(4):
-        q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
-    qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
     qpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], QPE_SL)
-    qpe_s.index(0).store(gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
-                                              mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+    _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H)
     kc_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], KC_SL)
     kpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], KPE_SL)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_H], P_SL)
 
-    n_valid = K
-    if HAS_LEN:
-        n_valid = gl.minimum(gl.maximum(gl.load(len_ptr + t), 0), K)
-    chunk = gl.cdiv(gl.cdiv(n_valid, SPLITS), 64) * 64
-    start = sp * chunk
-    end = gl.minimum(start + chunk, n_valid)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+    start, end, n_tiles = _split_range(K, len_ptr, t, sp, SPLITS, HAS_LEN)
     irow = idx_ptr + t.to(gl.int64) * stride_it
 
     m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=COL)
@@ -256,29 +303,8 @@ def _decode_fp8_tm_kernel(
     if STAGES > 0:
         cp.wait_group(0)
 
-    live = l_i > 0.0
-    inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_i, 1.0), 0.0), 0)
-    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
-    hmask = gl.expand_dims(heads < H, 0)
-    d = gl.expand_dims(gl.arange(0, 128, layout=ROW), 1)
-    LN2: gl.constexpr = 0.6931471805599453
-    if SPLIT_OUT:
-        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("-inf"))
-        base = (t.to(gl.int64) * H + heads) * SPLITS + sp
-        mb = mo_ptr + gl.expand_dims(base, 0) * 512 + d
-        gl.store(mb, acc0 * inv, mask=hmask)
-        gl.store(mb + 128, acc1 * inv, mask=hmask)
-        gl.store(mb + 256, acc2 * inv, mask=hmask)
-        gl.store(mb + 384, acc3 * inv, mask=hmask)
-        gl.store(ml_ptr + base, lse, mask=heads < H)
-    else:
-        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("inf"))
-        ob = o_ptr + t.to(gl.int64) * stride_ot + gl.expand_dims(heads, 0) * stride_oh + d
-        gl.store(ob, (acc0 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 128, (acc1 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 256, (acc2 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 384, (acc3 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+    _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
+                 stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, MMA)
 
 
 @gluon.jit
@@ -346,16 +372,7 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
     # asynchronous wgmmas (the scales are already in K), online softmax over tokens, Pᵀ to shared memory, Oᵀ_g += K_gᵀ·Pᵀ,
     # then the stage goes back to the loaders on `empty`. The query is read here, so the loaders' first gathers
     # overlap it; the softmax denominator is summed per element and reduced over tokens once, at the end.
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    qrow = q_ptr + t.to(gl.int64) * stride_qt + gl.expand_dims(qh, 1) * stride_qh
-    qm = gl.expand_dims(qh < H, 1) & gl.expand_dims(qd < 128, 0)
-    for g in gl.static_range(4):
-        q_s.index(g).store(gl.load(qrow + g * 128 + gl.expand_dims(qd, 0), mask=qm, other=0.0))
-    qd2 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qpe_s.index(0).store(gl.load(qrow + 512 + gl.expand_dims(qd2, 0),
-                                 mask=gl.expand_dims(qh < H, 1) & gl.expand_dims(qd2 < 64, 0), other=0.0))
+    _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H)
     fence_async_shared()
     gl.thread_barrier()
     WG: gl.constexpr = gl.num_warps() // 4
@@ -400,29 +417,8 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
         mbarrier.arrive(empty.index(st), count=1)
 
     l_i = gl.sum(l_acc, axis=0)
-    live = l_i > 0.0
-    inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_i, 1.0), 0.0), 0)
-    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
-    hmask = gl.expand_dims(heads < H, 0)
-    d = gl.expand_dims(gl.arange(0, 128, layout=ROW), 1)
-    LN2: gl.constexpr = 0.6931471805599453
-    if SPLIT_OUT:
-        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("-inf"))
-        base = (t.to(gl.int64) * H + heads) * SPLITS + sp
-        mb = mo_ptr + gl.expand_dims(base, 0) * 512 + d
-        gl.store(mb, acc0 * inv, mask=hmask)
-        gl.store(mb + 128, acc1 * inv, mask=hmask)
-        gl.store(mb + 256, acc2 * inv, mask=hmask)
-        gl.store(mb + 384, acc3 * inv, mask=hmask)
-        gl.store(ml_ptr + base, lse, mask=heads < H)
-    else:
-        lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("inf"))
-        ob = o_ptr + t.to(gl.int64) * stride_ot + gl.expand_dims(heads, 0) * stride_oh + d
-        gl.store(ob, (acc0 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 128, (acc1 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 256, (acc2 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(ob + 384, (acc3 * inv).to(gl.bfloat16), mask=hmask)
-        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+    _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
+                 stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, MMA)
 
 
 @gluon.jit
@@ -460,13 +456,7 @@ def _decode_fp8_ws_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    n_valid = K
-    if HAS_LEN:
-        n_valid = gl.minimum(gl.maximum(gl.load(len_ptr + t), 0), K)
-    chunk = gl.cdiv(gl.cdiv(n_valid, SPLITS), 64) * 64
-    start = sp * chunk
-    end = gl.minimum(start + chunk, n_valid)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
+    start, end, n_tiles = _split_range(K, len_ptr, t, sp, SPLITS, HAS_LEN)
     irow = idx_ptr + t.to(gl.int64) * stride_it
 
     if LOADERS == 1:
