@@ -16,6 +16,7 @@ Prints figures; asserts nothing. Run: ``.venv/bin/python benchmarks/bench_apply.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -143,6 +144,7 @@ def main() -> None:
         print(f"decode killed -9 → status reports it unhealthy after {seen * 1000:.1f} ms" if seen else "status never saw it")
     finally:
         service.down(service.load(spec, state_dir=tmp / "state"))
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

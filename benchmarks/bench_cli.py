@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(args: list[str], n: int = 20) -> list[float]:
-    env = {**os.environ, "PDCTL_STATE_DIR": tempfile.mkdtemp(prefix="pdctl-bench-")}
     out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pdctl", *args], cwd=ROOT, env=env, capture_output=True, check=False)
-        out.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory(prefix="pdctl-bench-") as state:
+        env = {**os.environ, "PDCTL_STATE_DIR": state}
+        for _ in range(n):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "pdctl", *args], cwd=ROOT, env=env, capture_output=True, check=False)
+            out.append(time.perf_counter() - t0)
     return out
 
 

@@ -91,9 +91,11 @@ def main() -> int:
     from pdctl.kernels._reference import reference_sparse_mla_decode
     from pdctl.kernels._sparse_mla import _combine_block_d, _kernels, _next_pow2, _ws_launch
 
-    tmp = Path(tempfile.mkdtemp(prefix="pdctl-ws-prof-"))
-    (tmp / "pdctl_ws_prof.py").write_text(instrumented_source())
-    spec = importlib.util.spec_from_file_location("pdctl_ws_prof", tmp / "pdctl_ws_prof.py")
+    # Triton reads a kernel's source from its file, so the instrumented copy lives in a directory kept for the run
+    tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-prof-")
+    path = Path(tmp.name) / "pdctl_ws_prof.py"
+    path.write_text(instrumented_source())
+    spec = importlib.util.spec_from_file_location("pdctl_ws_prof", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["pdctl_ws_prof"] = mod
     spec.loader.exec_module(mod)

@@ -306,8 +306,6 @@ def build_and_verify(
             torch/triton), or when any verification fails (the manifest is still written, with ``ok: false``).
     """
     cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the host
@@ -324,6 +322,9 @@ def build_and_verify(
         import triton
     except Exception as e:  # pragma: no cover - depends on the host  # noqa: BLE001
         raise KernelsBuildError(f"cannot build here: triton is not importable ({e!r}); install pdctl[kernels]") from e
+    # only now that this host can build: a refused build leaves no cache directory behind
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
 
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, set_indexer_config
     from pdctl.kernels._reference import reference_indexer_logits, reference_sparse_mla_decode

@@ -56,6 +56,8 @@ class Proof:
     evidence: dict[str, Any] = field(default_factory=dict)
     commands: tuple[str, ...] = ()
     at: float = field(default_factory=time.time)
+    not_needed: bool = False
+    """The spec leaves the step out (e.g. kernels disabled): it is skipped as not needed, not as already satisfied."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -135,7 +137,8 @@ def run_steps(ctx: Context, steps: list[Step], sink: EventSink) -> StateMachine:
             if proof is not None:
                 rec.status = "skipped"
                 kind = "step_skipped"
-                msg = f"{step.name}: already satisfied — {proof.summary}"
+                msg = (f"{step.name}: {proof.summary}" if proof.not_needed
+                       else f"{step.name}: already satisfied — {proof.summary}")
             else:
                 step.apply(ctx)
                 sink.emit(Event("step_applied", f"{step.name}: applied, verifying", step=step.name, elapsed_s=time.monotonic() - t0))

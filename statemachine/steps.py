@@ -418,7 +418,7 @@ class KernelsBuilt(Step):
 
     def observe(self, ctx: Context) -> Proof | None:
         if not ctx.dep.kernels.enabled:
-            return Proof("skipped: disabled in spec", ("kernels.enabled = false",))
+            return Proof("skipped: disabled in spec", ("kernels.enabled = false",), not_needed=True)
         return None
 
     def apply(self, ctx: Context) -> None:

@@ -19,6 +19,8 @@ Use them as context managers (``with start_sim(...) as p:``) or call ``stop()``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -145,8 +147,23 @@ class SimProcess(Proc):
         return None if self.bootstrap_port is None else f"http://127.0.0.1:{self.bootstrap_port}"
 
 
+_LOGS: list[Path] = []
+"""Log files of the processes started here; removed when the test process exits (PDCTL_KEEP_TEST_LOGS=1 keeps them).
+A failing test already shows the log it needs (``Proc.log_text``)."""
+
+
+@atexit.register
+def _remove_logs() -> None:
+    if os.environ.get("PDCTL_KEEP_TEST_LOGS") == "1":
+        return
+    for path in _LOGS:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def _spawn(cmd: list[str], env: dict[str, str] | None, tag: str) -> tuple[subprocess.Popen, Path]:
     fd, path = tempfile.mkstemp(prefix=f"pdctl-{tag}-", suffix=".log")
+    _LOGS.append(Path(path))
     full_env = dict(os.environ)
     if env:
         full_env.update(env)

@@ -29,11 +29,13 @@ def test_importing_the_package_imports_neither_torch_nor_triton():
 
 @no_gpu
 def test_build_cli_says_cannot_build_here_and_exits_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pdctl.kernels", "build", "--cache-dir", str(tmp_path)],
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "pdctl.kernels", "build", "--cache-dir", str(cache)],
                        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"})
     assert r.returncode == 2, r.stderr
     assert "cannot build here: no CUDA GPU" in r.stderr
     assert r.stdout == ""
+    assert not cache.exists(), "a refused build must not create the cache directory"
 
 
 @no_gpu

@@ -40,6 +40,7 @@ def test_demo_from_nothing_to_parsers_configured(demo):
     assert [s for k, s in sink.kinds() if k in ("step_verified", "step_skipped")] == list(PD_STATES)
     assert result.steps["kernels_built"]["status"] == "skipped"
     assert result.steps["kernels_built"]["proof"]["summary"] == "skipped: disabled in spec"
+    assert "kernels_built: skipped: disabled in spec" in [e.message for e in sink.events if e.step == "kernels_built"]
     # A chat through the router's port returns reasoning_content and tool_calls.
     msg = _chat(f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
     assert msg["reasoning_content"]
