@@ -24,6 +24,7 @@ Writes the Markdown table to ``--out`` (and to ``$OUT/RESULTS.md`` plus raw JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -178,11 +179,12 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
                     idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
                                     .to(torch.int32) for _ in range(nrot - 1)]
                     r["rotations"] = nrot
-                    best = None
                     cands = _decode_candidates(h, rows, nsm, fmt)
                     if os.environ.get("PDCTL_BENCH_GLUON_ONLY"):
                         cands = [c for c in cands if c.gluon]
-                    for cfg in cands:
+                    timed = []
+
+                    def attempt(cfg) -> None:
                         try:
                             o.fill_(float("nan"))
                             lse.fill_(float("nan"))
@@ -190,19 +192,28 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
                             torch.cuda.synchronize()
                         except Exception as e:
                             log(f"  cfg {cfg} failed to run: {str(e)[:160]}")
-                            continue
+                            return
                         err = _decode_tolerance_check(o, lse, ro, rl)
                         if not err["ok"]:
                             log(f"  cfg {cfg} WRONG: {err}")
                             r.setdefault("wrong_cfgs", []).append(cfg.as_dict())
-                            continue
+                            return
                         regs = dict(LAST_LAUNCH)
-                        us = graph_us_multi([lambda cfg=cfg, ix=ix: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
-                                                                                        config=cfg) for ix in idxs])
+                        us = graph_us_multi([lambda ix=ix: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
+                                                                             config=cfg) for ix in idxs])
                         r.setdefault("all", []).append((round(us, 2), cfg.as_dict(), regs))
-                        if best is None or us < best[0]:
-                            best = (us, cfg, err, regs)
-                    if best:
+                        timed.append((us, cfg, err, regs))
+
+                    for cfg in cands:
+                        attempt(cfg)
+                    if timed:
+                        r["plain_us"] = min(timed, key=lambda x: x[0])[0]
+                    # as build_and_verify: both PDL trigger points on the two fastest plain configs
+                    for _, cfg, _, _ in sorted(timed, key=lambda x: x[0])[:2]:
+                        for mode in (1, 2):
+                            attempt(dataclasses.replace(cfg, pdl=mode))
+                    if timed:
+                        best = min(timed, key=lambda x: x[0])
                         r.update(ours_us=best[0], cfg=best[1].as_dict(), err=best[2], regs=best[3])
                         r.update(decode_metrics(h, rows, fmt, best[0], ceil))
                     if with_ref:
@@ -328,9 +339,10 @@ def bench_indexer(ceil: dict, lens, batches, log, naive_for=(8192,)) -> list[dic
     import torch
 
     from pdctl.kernels._build import check_topk, make_indexer_case
-    from pdctl.kernels._indexer import indexer_logits, lightning_indexer
+    from pdctl.kernels._indexer import _TUNED, IndexerConfig, indexer_logits, lightning_indexer
     from pdctl.kernels._reference import reference_indexer_logits
 
+    icfg = _TUNED.get("default") or IndexerConfig()
     out_rows = []
     for L in lens:
         for B in batches:
@@ -358,6 +370,11 @@ def bench_indexer(ceil: dict, lens, batches, log, naive_for=(8192,)) -> list[dic
                         a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5]) for a in reps])
                     r[f"logits_us_{name}"] = graph_us_multi([lambda a=a: indexer_logits(
                         a[0], a[1], cache, a[2], a[3], logits=a[5]) for a in reps])
+                    if name == "160K":  # the same calls with programmatic dependent launches (both trigger points)
+                        for mode in (1, 2):
+                            pcfg = dataclasses.replace(icfg, pdl=mode)
+                            r[f"us_160K_pdl{mode}"] = graph_us_multi([lambda a=a, pcfg=pcfg: lightning_indexer(
+                                a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=pcfg) for a in reps])
                 if "32K" in outs:
                     r["same_output_32K_160K"] = bool(torch.equal(outs["32K"], outs["160K"]))
                 if B * L <= 8 * 32768:  # reference check where it is cheap enough
@@ -391,9 +408,10 @@ def _f(x, fmt="{:.1f}"):
 
 def _kernel_label(c: dict) -> str:
     """``gluon-N: BH,splits`` for the Gluon kernel, ``tl.dot: BH,BN,warps,splits,prefetch`` otherwise."""
+    pdl = f" pdl-{c['pdl']}" if c.get("pdl") else ""
     if c.get("gluon"):
-        return f"gluon-{c['gluon']}: {c['block_h']},{c['splits']}"
-    return f"tl.dot: {c['block_h']},{c['block_n']},{c['num_warps']},{c['splits']},{c.get('prefetch', 0)}"
+        return f"gluon-{c['gluon']}: {c['block_h']},{c['splits']}{pdl}"
+    return f"tl.dot: {c['block_h']},{c['block_n']},{c['num_warps']},{c['splits']},{c.get('prefetch', 0)}{pdl}"
 
 
 def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
@@ -409,12 +427,12 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
         "",
         "## Sparse-MLA decode (top-k 2048, sm_scale 0.135234)",
         "",
-        "| KV | h | B | ours µs | GB/s | TFLOP/s | roofline µs | % roofline | FlashMLA µs (heads) | ours/FlashMLA | torch ref µs | kernel: config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KV | h | B | ours µs | GB/s | TFLOP/s | roofline µs | % roofline | FlashMLA µs (heads) | ours/FlashMLA | torch ref µs | kernel: config | best plain-launch µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in dec:
         if "ours_us" not in r:
-            lines.append(f"| {r['fmt']} | {r['h']} | {r['B']} | error | | | | | | | | {str(r.get('error', ''))[-80:]!r} |")
+            lines.append(f"| {r['fmt']} | {r['h']} | {r['B']} | error | | | | | | | | {str(r.get('error', ''))[-80:]!r} | |")
             continue
         c = r["cfg"]
         fl = r.get("flashmla_us")
@@ -423,18 +441,18 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
             f"| {r['fmt']} | {r['h']} | {r['B']} | {r['ours_us']:.1f} | {r['GBps']:.0f} | {r['TFLOPs']:.0f} | "
             f"{r['roofline_us']:.1f} ({r['bound']}) | {100 * r['frac_roofline']:.0f}% | "
             f"{_f(fl)}{' (' + str(r['flashmla_heads']) + ')' if fl else ''} | {ratio} | {_f(r.get('ref_us'))} | "
-            f"{_kernel_label(c)} |"
+            f"{_kernel_label(c)} | {_f(r.get('plain_us'))} |"
         )
     lines += [
         "",
         "## Lightning indexer (64 heads × 128, FP8 132 B/token, logits + exact top-2048, physical slots)",
         "",
-        "| L | B | ΣL | ours µs (max ctx 32K) | ours µs (160K) | GB/s (132 B/token) | % copy BW | logits-only µs (160K) | logits % copy BW | same output 32K/160K | naive full-scan µs (32K / 160K) | top-k check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| L | B | ΣL | ours µs (max ctx 32K) | ours µs (160K) | GB/s (132 B/token) | % copy BW | logits-only µs (160K) | logits % copy BW | same output 32K/160K | naive full-scan µs (32K / 160K) | top-k check | µs (160K) with PDL trigger at start / after main loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in idx:
         if "us_160K" not in r:
-            lines.append(f"| {r['L']} | {r['B']} | | error | | | | | | | | {str(r.get('error', ''))[-80:]!r} |")
+            lines.append(f"| {r['L']} | {r['B']} | | error | | | | | | | | {str(r.get('error', ''))[-80:]!r} | |")
             continue
         tk = r.get("topk_check")
         lines.append(
@@ -442,7 +460,8 @@ def render(meta: dict, ceil: dict, dec: list[dict], idx: list[dict]) -> str:
             f"{r['GBps']:.0f} | {100 * r['frac_copy']:.0f}% | {r['logits_us_160K']:.1f} | "
             f"{100 * r['frac_copy'] * r['us_160K'] / r['logits_us_160K']:.0f}% | "
             f"{r.get('same_output_32K_160K', '—')} | {_f(r.get('naive_us_32K'), '{:.0f}')} / "
-            f"{_f(r.get('naive_us_160K'), '{:.0f}')} | {('ok' if tk['ok'] else 'FAIL') if tk else '—'} |"
+            f"{_f(r.get('naive_us_160K'), '{:.0f}')} | {('ok' if tk['ok'] else 'FAIL') if tk else '—'} | "
+            f"{_f(r.get('us_160K_pdl1'))} / {_f(r.get('us_160K_pdl2'))} |"
         )
     return "\n".join(lines) + "\n"
 

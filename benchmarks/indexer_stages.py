@@ -36,21 +36,23 @@ def main() -> int:
 
         def hist():
             kern._topk_hist_kernel[(B, segs)](lg, lg.stride(0), sl, ws, ix.WS_STRIDE, TOPK=2048, BLOCK=cfg.topk_block,
-                                             num_warps=cfg.topk_warps, num_stages=cfg.topk_stages)
+                                             num_warps=cfg.topk_warps, num_stages=cfg.topk_stages, GDC=False)
 
         def partition():
             # the counters must start at zero for every replay: the zeroing rides in the same graph, timed apart
             ws[:, 256:].zero_()
             kern._topk_partition_kernel[(B, segs)](
                 lg, lg.stride(0), sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, bt, bt.stride(0), out, out.stride(0),
-                TOPK=2048, BLOCK=cfg.topk_block, PHYSICAL=True, num_warps=cfg.topk_warps, num_stages=cfg.topk_stages)
+                TOPK=2048, BLOCK=cfg.topk_block, PHYSICAL=True, num_warps=cfg.topk_warps, num_stages=cfg.topk_stages,
+                GDC=False)
 
         def refine():
             ws[:, 258].zero_()  # its arrival and slot counters, zeroed in the same graph for every replay
             ws[:, 262:264].zero_()
             kern._topk_refine_kernel[(B, segs)](
                 sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, bt, bt.stride(0), out, out.stride(0), TOPK=2048,
-                BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=True, num_warps=cfg.refine_warps)
+                BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=True, num_warps=cfg.refine_warps,
+                GDC=False)
 
         ws.zero_()
         hist()

@@ -22,6 +22,7 @@ logits up to that tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -328,7 +329,7 @@ def build_and_verify(
 
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, set_indexer_config
     from pdctl.kernels._reference import reference_indexer_logits, reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import set_decode_configs, sparse_mla_decode
+    from pdctl.kernels._sparse_mla import _pdl_supported, set_decode_configs, sparse_mla_decode
 
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
@@ -356,7 +357,8 @@ def build_and_verify(
                 ro, rlse = reference_sparse_mla_decode(q, kv, idx, sm_scale, tl_, compute_dtype=torch.float32)
                 passing: list[tuple[float, Any, dict]] = []
                 failing: list[dict] = []
-                for cfg in (_decode_candidates(h, rows, num_sms, fmt) if tune else [None]):
+
+                def attempt(cfg: Any) -> None:
                     o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
                     lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
                     try:
@@ -365,14 +367,23 @@ def build_and_verify(
                     except Exception as e:  # a config that does not compile here (e.g. shared memory) is skipped
                         manifest.setdefault("skipped_configs", []).append(
                             {"heads": h, "kv": fmt, "rows": rows, "config": cfg and cfg.as_dict(), "error": str(e)[:200]})
-                        continue
+                        return
                     err = _decode_tolerance_check(o, lse, ro, rlse)
                     if not err["ok"]:
                         failing.append({"config": cfg and cfg.as_dict(), "errors": err})
-                        continue
-                    us = _bench_us(lambda cfg=cfg, o=o, lse=lse: sparse_mla_decode(
+                        return
+                    us = _bench_us(lambda: sparse_mla_decode(
                         q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
                     passing.append((us, cfg, err))
+
+                for cfg in (_decode_candidates(h, rows, num_sms, fmt) if tune else [None]):
+                    attempt(cfg)
+                if tune and _pdl_supported(dev):
+                    # Programmatic dependent launch is a launch setting of a given kernel: tried on the two
+                    # fastest plain configs, both trigger points (verified like every candidate).
+                    for _, cfg, _ in sorted(passing, key=lambda x: x[0])[:2]:
+                        for mode in (1, 2):
+                            attempt(dataclasses.replace(cfg, pdl=mode))
                 entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}
                 if failing:
                     entry["failed_configs"] = failing
@@ -394,7 +405,8 @@ def build_and_verify(
     tq8, tw, tcache, tbt, tsl = make_indexer_case([8192] * 64, max_context=max_context, device="cuda")
     tref = reference_indexer_logits(tq8, tw, tcache, tbt, tsl, compute_dtype=torch.float32)
     icands = [IndexerConfig()] + ([IndexerConfig(programs_per_sm=pp, logits_stages=st, topk_programs=tp)
-                                   for pp, st in ((4, 5), (8, 3), (16, 5)) for tp in (528, 1056)] if tune else [])
+                                   for pp, st in ((4, 5), (8, 3), (16, 5)) for tp in (528, 1056)]
+                                  + [IndexerConfig(pdl=0)] if tune else [])
     itimes = []
     for icfg in icands:
         try:

@@ -79,6 +79,13 @@ class IndexerConfig:
     """1: the logits kernel also counts the top-k's first (top-byte) histogram, saving a pass over the logits;
     0: a separate pass does (measured on the H200 at 2M keys: fused, the 256-bin ``tl.histogram`` made the
     logits kernel issue-bound, +60 µs, against ~10 µs for the separate pass)."""
+    pdl: int = 2
+    """Programmatic dependent launch of the four kernels (``pdctl.kernels._gdc``; sm_90+ and Triton 3.3+, plain
+    launches elsewhere): 0 plain launches; 1 and 2: each kernel waits for the previous one before touching memory
+    and lets the next launch at its start (1) or after its main loop (2). 2 by default: on the H200 it saved
+    0.4–2.9 µs a call at 7 of the 9 benchmark shapes and cost 0.7 µs (L = 8K, B = 64) and 2.3 µs (0.5 %, ΣL = 8M)
+    at the other two; the early trigger (1) cost up to 39 µs there, the next kernel's waiting programs sitting
+    on the SMs during the logits pass (``kernels/RESULTS.md``)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -103,6 +110,12 @@ def _kernels() -> Any:
     from pdctl.kernels import _indexer_kernels
 
     return _indexer_kernels
+
+
+def _pdl_launch(x: torch.Tensor, mode: int) -> dict[str, int | bool]:
+    from pdctl.kernels._sparse_mla import _pdl_launch as launch
+
+    return launch(x, mode)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -170,6 +183,7 @@ def indexer_logits(
         b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=workspace is not None and count_hist0,
         num_warps=cfg.logits_warps,
         num_stages=cfg.logits_stages,
+        **_pdl_launch(q8, cfg.pdl),
     )
     return logits
 
@@ -282,17 +296,19 @@ def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg
     cand = candidate_buffer(b, cw, cfg, logits.device)
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
+    gdc = _pdl_launch(logits, cfg.pdl)
     if not hist0_done:
         kern._topk_hist_kernel[(b, segs)](
             logits, logits.stride(0), seq_lens, ws, WS_STRIDE, TOPK=topk, BLOCK=block, num_warps=cfg.topk_warps,
-            num_stages=cfg.topk_stages,
+            num_stages=cfg.topk_stages, **gdc,
         )
     kern._topk_partition_kernel[(b, segs)](
         logits, logits.stride(0), seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, block_table, block_table.stride(0),
         out, out.stride(0), TOPK=topk, BLOCK=block, PHYSICAL=physical, num_warps=cfg.topk_warps,
-        num_stages=cfg.topk_stages,
+        num_stages=cfg.topk_stages, **gdc,
     )
     kern._topk_refine_kernel[(b, segs)](
         seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, block_table, block_table.stride(0), out, out.stride(0),
         TOPK=topk, BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=physical, num_warps=cfg.refine_warps,
+        **gdc,
     )

@@ -16,6 +16,8 @@ Grids: ``(B, R)`` with R fixed by the SM count and B, and ``(B,)``; never by the
 import triton
 import triton.language as tl
 
+from pdctl.kernels._gdc import _gdc_enter, _gdc_trigger
+
 
 @triton.jit
 def _indexer_logits_kernel(
@@ -24,6 +26,7 @@ def _indexer_logits_kernel(
     BLOCK_B: tl.constexpr,
     PAGES: tl.constexpr,
     HIST: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     # Persistent: every program derives the same work list from seq_lens (no host sync, no extra launch):
     # p_b = ceil(L_b / 64) pages, runs of seg ≈ Σ p_b / (NUM_PROGS − B) pages (a multiple of PAGES), n_b runs per
@@ -32,6 +35,7 @@ def _indexer_logits_kernel(
     # reduction inside each warp's rows, and each page's 8 KB of keys is one contiguous pipelined copy. With
     # HIST, the top-k's first radix pass (256-bin histogram of the keys' high byte) is counted here too.
     pid = tl.program_id(0)
+    _gdc_enter(GDC)
     # The top-k's workspace (WS_ZERO int32, a later launch's input) is zeroed here, not by a memset launch.
     for z0 in range(pid * 256, WS_ZERO, NUM_PROGS * 256):
         zo = z0 + tl.arange(0, 256)
@@ -80,6 +84,7 @@ def _indexer_logits_kernel(
                 hist = tl.histogram(tl.where(inb, (_key(lg) >> 24) + 128, 0), 256)
                 hist -= tl.where(bins == 0, 64 * PAGES - tl.sum(inb.to(tl.int32), 0), 0)
                 tl.atomic_add(ws_ptr + b64 * WS + bins, hist, mask=hist > 0, sem="relaxed")
+    _gdc_trigger(GDC)
 
 
 @triton.jit
@@ -101,11 +106,13 @@ def _pick(h, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                      GDC: tl.constexpr):
     # First radix pass over this program's segment of row b: a 256-bin histogram of the keys' top byte, added
     # into the row's workspace with global atomics.
     b = tl.program_id(0)
     r = tl.program_id(1)
+    _gdc_enter(GDC)
     nr = tl.num_programs(1)
     seq = tl.load(seqlen_ptr + b)
     if seq > TOPK:
@@ -122,6 +129,7 @@ def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.co
             hist += tl.histogram(tl.where(inb, (ks >> 24) + 128, 0), 256)
             if hi - n0 < BLOCK:
                 hist -= tl.where(tl.arange(0, 256) == 0, BLOCK - (hi - n0), 0)
+        _gdc_trigger(GDC)
         tl.atomic_add(ws_ptr + b64 * WS + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
 
 
@@ -139,7 +147,7 @@ def _slot(bt_ptr, stride_bt, b64, n, mask, PHYSICAL: tl.constexpr):
 @triton.jit
 def _topk_partition_kernel(
     logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, bt_ptr, stride_bt, out_ptr, stride_o,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, PHYSICAL: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, PHYSICAL: tl.constexpr, GDC: tl.constexpr,
 ):
     # Second launch of the top-k. With d0 the top byte of the k-th largest key (from the first pass's histogram):
     # every key whose top byte is above d0 is in the top-k and goes straight to the output (slots claimed with a
@@ -148,6 +156,7 @@ def _topk_partition_kernel(
     # way (``_topk_refine_kernel`` finishes the row).
     b = tl.program_id(0)
     r = tl.program_id(1)
+    _gdc_enter(GDC)
     nr = tl.num_programs(1)
     b64 = b.to(tl.int64)
     seq = tl.load(seqlen_ptr + b)
@@ -190,6 +199,7 @@ def _topk_partition_kernel(
             tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
         bg = tl.atomic_add(wrow + 256, ng, sem="relaxed")
         be = tl.atomic_add(wrow + 257, ne, sem="relaxed")
+        _gdc_trigger(GDC)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + offs
             inb = n < hi
@@ -214,16 +224,17 @@ def _topk_partition_kernel(
 @triton.jit
 def _topk_refine_kernel(
     seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, bt_ptr, stride_bt, out_ptr, stride_o,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, PHYSICAL: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, PHYSICAL: tl.constexpr, GDC: tl.constexpr,
 ):
     # Third launch, (B, R) programs. The candidates' 12-bit second digit d1 comes from the partition's histogram;
     # each program takes a slice of the row's candidate list, writes those whose second digit is above d1 (all in
     # the top-k) and appends those equal to it to a short list (cand[b, 2·CW:], at most CAP), claiming slots
-    # with row counters; a program whose slice is empty only arrives. The row's last program to finish (an acq_rel arrival counter) resolves the remaining 12
-    # bits over the short list held in registers; if more than CAP candidates share d1 (heavily tied logits), by
-    # looping over the full list instead.
+    # with row counters; a program whose slice is empty only arrives. The row's last program to finish (an acq_rel
+    # arrival counter) resolves the remaining 12 bits over the short list held in registers; if more than CAP
+    # candidates share d1 (heavily tied logits), by looping over the full list instead.
     b = tl.program_id(0)
     r = tl.program_id(1)
+    _gdc_enter(GDC)
     nr = tl.num_programs(1)
     b64 = b.to(tl.int64)
     seq = tl.load(seqlen_ptr + b)
@@ -263,6 +274,7 @@ def _topk_refine_kernel(
                 keep = eq & (rs < CAP)
                 tl.store(spos + rs, pos, mask=keep)
                 tl.store(skey + rs, ks, mask=keep)
+        _gdc_trigger(GDC)
         # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
         # arriver's acquire makes the row's short list visible to it.
         tl.debug_barrier()

@@ -57,6 +57,11 @@ class DecodeConfig:
     warp-specialised kernel (loader warps gather and dequantise into two bf16 stages while an MMA warpgroup
     computes; one program per SM): 4: two loader partitions, block_h 16 or 32; 5: one loader partition,
     block_h 16, 32 or 64 (64: two MMA warpgroups, each half of the heads)."""
+    pdl: int = 0
+    """Programmatic dependent launch (sm_90+, Triton 3.3+; ``pdctl.kernels._gdc``): 0: plain launches. 1 and 2:
+    both kernels launched with PDL, each waiting for the previous kernel in the stream before touching memory;
+    the split kernel lets the merge launch at its start (1) or after its main loop (2). Same results; which is
+    faster depends on the shape (``build_and_verify`` times them)."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -139,6 +144,32 @@ def gluon_available(device: torch.device | None = None) -> bool:
     except Exception:
         return False
     return True
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    """True when decode launches can use programmatic dependent launch: an sm_90+ GPU (PTX ``griddepcontrol``)
+    and a Triton whose launcher takes ``launch_pdl`` (3.3+; ``triton.backends.nvidia.compiler.CUDAOptions``)."""
+    import torch
+
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _pdl_launch(x: torch.Tensor, mode: int) -> dict[str, int | bool]:
+    """Launch keywords for a kernel taking the ``GDC`` constexpr (``pdctl.kernels._gdc``): mode 1 or 2 with the
+    PDL launch attribute when asked for and supported on ``x``'s device; plain launches (``GDC`` 0) otherwise,
+    including on the CPU interpreter. Raises ValueError for a mode outside 0–2."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"pdl must be 0 (plain launches), 1 or 2 (programmatic dependent launch), got {mode}")
+    if mode and x.is_cuda and _pdl_supported(x.device):
+        return {"GDC": mode, "launch_pdl": True}
+    return {"GDC": 0}
 
 
 def _combine_block_d(row_heads: int, num_sms: int) -> int:
@@ -230,6 +261,8 @@ def sparse_mla_decode(
     cfg = config or default_decode_config(heads, t_rows, "fp8" if fp8 else "bf16", _num_sms(q.device), k)
     if not 1 <= cfg.splits <= _MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    split_launch = _pdl_launch(q, cfg.pdl)
+    merge_launch = _pdl_launch(q, min(cfg.pdl, 1))  # the merge is short: it triggers at its start
     if out is None:
         out = torch.empty(t_rows, heads, D_V, dtype=q.dtype, device=q.device)
     if lse is None:
@@ -259,7 +292,7 @@ def sparse_mla_decode(
             topk_length if topk_length is not None else indices,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
-            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, **launch,
+            HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, **launch, **split_launch,
         )
     else:
         compiled = main_k[grid](
@@ -273,12 +306,13 @@ def sparse_mla_decode(
             ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
             PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2, MMA_F16=fp8 and bool(cfg.mma_f16),
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **split_launch,
         )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1:
         block_d = _combine_block_d(t_rows * heads, _num_sms(q.device))
         comb_k[(t_rows, heads, D_V // block_d)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
-            BLOCK_S=max(2, _next_pow2(cfg.splits)), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=max(2, _next_pow2(cfg.splits)), BLOCK_D=block_d, num_warps=4, **merge_launch,
         )
     return out, lse

@@ -67,6 +67,26 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 
 @gluon.jit
+def _gdc_enter(GDC: gl.constexpr):
+    # ``pdctl.kernels._gdc._gdc_enter`` in Gluon (programmatic dependent launch; 0: nothing emitted; 1, 2: wait for
+    # the previous grid; 1: let the next one launch now).
+    if GDC >= 1:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    if GDC == 1:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_trigger(GDC: gl.constexpr):
+    # ``pdctl.kernels._gdc._gdc_trigger``: GDC 2 lets the next grid launch here, after the main loop.
+    if GDC == 2:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H: gl.constexpr):
     # This program's BLOCK_H query heads into shared memory as wgmma B operands: four [BLOCK_H, 128] chunks of the
     # 512 latent lanes and the 64 rope lanes (heads ≥ H zero-filled).
@@ -190,6 +210,7 @@ def _decode_fp8_tm_kernel(
     o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr,
     H, K, qk_scale_log2, SPLITS,
     HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
+    GDC: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     LD_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -207,6 +228,7 @@ def _decode_fp8_tm_kernel(
     t = gl.program_id(0)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
+    _gdc_enter(GDC)
 
     q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
     qpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], QPE_SL)
@@ -302,6 +324,7 @@ def _decode_fp8_tm_kernel(
         gl.thread_barrier()
     if STAGES > 0:
         cp.wait_group(0)
+    _gdc_trigger(GDC)
 
     _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
                  stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, MMA)
@@ -367,7 +390,7 @@ def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, 
 @gluon.jit
 def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
             o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
-            SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr):
+            SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, GDC: gl.constexpr):
     # MMA partition (the default one; 4 warps, or 8 splitting the heads): per staged tile, Sᵀ = K·Qᵀ as five chained
     # asynchronous wgmmas (the scales are already in K), online softmax over tokens, Pᵀ to shared memory, Oᵀ_g += K_gᵀ·Pᵀ,
     # then the stage goes back to the loaders on `empty`. The query is read here, so the loaders' first gathers
@@ -416,6 +439,7 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
         gl.thread_barrier()
         mbarrier.arrive(empty.index(st), count=1)
 
+    _gdc_trigger(GDC)
     l_i = gl.sum(l_acc, axis=0)
     _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
                  stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, MMA)
@@ -429,7 +453,7 @@ def _decode_fp8_ws_kernel(
     o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr,
     H, K, qk_scale_log2, SPLITS,
     HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS: gl.constexpr,
-    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, GDC: gl.constexpr,
 ):
     KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -441,6 +465,7 @@ def _decode_fp8_ws_kernel(
     t = gl.program_id(0)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
+    _gdc_enter(GDC)
 
     q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], Q_SL)
     qpe_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], QPE_SL)
@@ -463,7 +488,7 @@ def _decode_fp8_ws_kernel(
         gl.warp_specialize([
             (_ws_mma, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
                        o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
-                       SPLIT_OUT, BLOCK_H)),
+                       SPLIT_OUT, BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
                         0, 1, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -471,7 +496,7 @@ def _decode_fp8_ws_kernel(
         gl.warp_specialize([
             (_ws_mma, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
                        o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
-                       SPLIT_OUT, BLOCK_H)),
+                       SPLIT_OUT, BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
                         0, 2, LOADER_WARPS)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,

@@ -6,6 +6,8 @@ Module-level so that the ``@triton.jit`` helper ``_load_tile`` resolves from the
 import triton
 import triton.language as tl
 
+from pdctl.kernels._gdc import _gdc_enter, _gdc_trigger
+
 
 @triton.jit
 def _load_tile(
@@ -63,10 +65,12 @@ def _sparse_mla_decode_kernel(
     MMA_F16: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
+    _gdc_enter(GDC)
     if MMA_F16:
         # FP8 KV with fp16 MMA operands: e4m3 -> fp16 is exact and one conversion per two values on sm_89+;
         # requires |q| and |k_pe| < 65504 (fp16 range), which the kernel does not check.
@@ -198,6 +202,7 @@ def _sparse_mla_decode_kernel(
                 acc3 = tl.dot(pc, k3, acc3 * alpha[:, None])
             m_i = m_new
 
+    _gdc_trigger(GDC)
     live = l_i > 0.0
     inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)
     LN2: tl.constexpr = 0.6931471805599453
@@ -225,15 +230,19 @@ def _combine_kernel(
     mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
     # Grid (T, H, 512 / BLOCK_D): with few rows (B = 1: T·H = 16 programs, each reading SPLITS × 2 KB) a
     # program per (row, head) leaves the GPU idle and serialises the loads, so the lanes are spread too.
-    # (A programmatic dependent launch of this kernel, griddepcontrol.wait first, measured no faster at B = 1:
-    # 9.5 vs 9.4 µs, H200, 2026-11-30; the split kernel does not trigger its dependents early.)
+    # With GDC (sm_90+) this grid is launched as a programmatic dependent of the split kernel, which lets it be
+    # scheduled as soon as every split program has started; griddepcontrol.wait then holds it until the partials
+    # are complete and visible. (Launched that way while the split kernel did not trigger early, it measured no
+    # faster: 9.5 vs 9.4 µs at B = 1, H200, 2026-11-30.)
     t = tl.program_id(0)
     h = tl.program_id(1)
     dblk = tl.program_id(2)
+    _gdc_enter(GDC)
     base = (t.to(tl.int64) * H + h) * SPLITS
     sj = tl.arange(0, BLOCK_S)
     lj = tl.load(ml_ptr + base + sj, mask=sj < SPLITS, other=float("-inf"))

@@ -96,6 +96,50 @@ def test_gluon_ws_fp8_decode_with_64_head_blocks_matches_the_reference(heads, ro
     assert err["ok"], err
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("kv_format,gluon,block_h,splits", [("fp8", 5, 16, 32), ("fp8", 4, 16, 8), ("fp8", 3, 16, 8),
+                                                            ("bf16", 0, 16, 16)])
+def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon, block_h, splits, mode):
+    # With pdl 1 or 2 each call is two programmatic dependent launches (split kernel, merge). Chain three calls in
+    # one CUDA graph: the second call's query is computed from the first call's output by a plain torch kernel
+    # (the split kernel must wait for it before reading q), and the graph's pool hands the calls overlapping
+    # scratch (a split kernel must not write partials while the previous merge still reads them). The outputs
+    # must equal, bit for bit, the same chain run eagerly with plain launches.
+    from dataclasses import replace
+
+    from pdctl.kernels._sparse_mla import DecodeConfig, _pdl_supported
+
+    if kv_format == "fp8" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
+    assert _pdl_supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    heads = 16
+    q, kv, idx, length = make_decode_case(heads, 1, kv_format, slots=65536)
+    idx2 = torch.randperm(kv.reshape(-1, kv.shape[-1]).shape[0], device="cuda")[: idx.shape[1]][None].to(torch.int32)
+    plain = DecodeConfig(block_h=block_h, splits=splits, gluon=gluon)
+
+    def chain(cfg: DecodeConfig) -> list[torch.Tensor]:
+        o1, l1 = sparse_mla_decode(q, kv, idx, SM_SCALE, length, config=cfg)
+        q2 = q.clone()
+        q2[..., :512] = (o1 * 8).to(q.dtype)
+        o2, l2 = sparse_mla_decode(q2, kv, idx2, SM_SCALE, None, config=cfg)
+        o3, l3 = sparse_mla_decode(q, kv, idx2, SM_SCALE, None, config=cfg)
+        return [o1, l1, o2, l2, o3, l3]
+
+    want = chain(plain)
+    chain(replace(plain, pdl=mode))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(replace(plain, pdl=mode))
+    for _ in range(3):
+        for x in got:
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("o1", "lse1", "o2", "lse2", "o3", "lse3"), got, want):
+            assert torch.equal(a, b), f"{name} differs under programmatic dependent launch (pdl {mode})"
+
+
 def test_sparse_mla_decode_without_topk_length_masks_only_minus_one():
     q, kv, idx, length = make_decode_case(16, 8, "fp8", slots=65536)
     ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, None, compute_dtype=torch.float32)
@@ -146,6 +190,37 @@ def test_indexer_output_and_time_do_not_depend_on_max_context():
     assert torch.equal(outs["32K"].sort(dim=1).values, outs["160K"].sort(dim=1).values)
     # Spec goal: within 5 %; the test allows 10 % for run-to-run noise of a ~20 µs graph replay.
     assert times["160K"] <= 1.10 * times["32K"], times
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_indexer_programmatic_dependent_launches_chain_in_a_cuda_graph(mode):
+    # Two indexer calls (four programmatic dependent launches each) back to back in one CUDA graph, the second on
+    # another batch: every kernel must wait for its predecessor (workspace zeroed by the logits kernel, histogram
+    # counts, candidate lists, the last-arriver counter), including across the two calls that share the graph's
+    # pool. The top-k sets must equal those of the same calls with plain launches, on every replay.
+    from pdctl.kernels._indexer import IndexerConfig
+    from pdctl.kernels._sparse_mla import _pdl_supported
+
+    assert _pdl_supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    q8, w, cache, bt, sl = make_indexer_case([9000, 30000, 70000, 2048] * 2, max_context=163840)
+    a, b = slice(0, 4), slice(4, 8)
+
+    def chain(cfg: IndexerConfig) -> list[torch.Tensor]:
+        return [lightning_indexer(q8[s], w[s], cache, bt[s], sl[s], 2048, config=cfg) for s in (a, b)]
+
+    want = [x.sort(dim=1).values for x in chain(IndexerConfig(pdl=0))]
+    chain(IndexerConfig(pdl=mode))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(IndexerConfig(pdl=mode))
+    for _ in range(3):
+        for x in got:
+            x.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert torch.equal(x.sort(dim=1).values, y), f"call {i} differs under programmatic dependent launch"
 
 
 @pytest.mark.parametrize("cap", [1024, 2048])

@@ -138,3 +138,21 @@ def test_gluon_configs_outside_their_head_blocks_are_refused_before_any_launch(c
     q, kv, idx, _ = _case(64, rows=2, topk=64)
     with pytest.raises(ValueError, match=match):
         sparse_mla_decode(q.bfloat16(), quantize_kv656(kv), idx, SM, config=config)
+
+
+def test_a_pdl_mode_outside_0_to_2_is_refused_before_any_launch():
+    q, kv, idx, _ = _case(16, rows=2, topk=64)
+    out = torch.full((2, 16, 512), -7.0)
+    with pytest.raises(ValueError, match="pdl must be 0 .*got 3"):
+        sparse_mla_decode(q, kv, idx, SM, out=out, config=DecodeConfig(splits=2, pdl=3))
+    assert (out == -7.0).all()
+
+
+def test_pdl_modes_fall_back_to_plain_launches_off_the_gpu():
+    # Programmatic dependent launch needs sm_90+; under the CPU interpreter a tuned pdl entry still computes the
+    # same function (the kernels are compiled with GDC 0, nothing emitted).
+    q, kv, idx, length = _case(16, rows=3, topk=96)
+    plain = sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(splits=3))
+    for mode in (1, 2):
+        o, lse = sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(splits=3, pdl=mode))
+        assert torch.equal(o, plain[0]) and torch.equal(lse, plain[1])

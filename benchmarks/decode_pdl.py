@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (PDL) of the decode's two kernels, measured three ways on the GPU machine.
+
+For each shape and config given, µs per call (CUDA-graph replay as in ``bench_kernels.graph_us_multi``, inputs
+rotated so that L2 does not serve repeated calls) with ``DecodeConfig.pdl`` 0 (plain launches), 1 (both kernels
+PDL-launched, the split kernel triggering the merge at its start) and 2 (triggering it after its main loop).
+Every output is checked against the fp32 reference first.
+
+Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
+--cases h,B,gluon,block_h,splits ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+
+DEFAULT_CASES = ["16,1,5,16,32", "16,8,5,16,16", "16,8,3,16,32", "32,8,5,32,16", "16,64,4,16,2", "128,1,5,32,16",
+                 "128,8,4,32,4"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    args = ap.parse_args(argv)
+    _bootstrap()
+    import torch
+
+    from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
+    from pdctl.kernels._reference import reference_sparse_mla_decode
+    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+
+    sm = 0.135234
+    print("| h | B | config | plain µs | PDL, trigger at start µs | PDL, trigger after main loop µs |")
+    print("|---|---|---|---|---|---|")
+    for case in args.cases:
+        h, rows, gluon, bh, splits = (int(x) for x in case.split(","))
+        q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
+        ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
+        nrot = rotations(rows * 2048 * 656)
+        idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
+                        .to(torch.int32) for _ in range(nrot - 1)]
+        o = torch.empty(rows, h, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(rows, h, device="cuda")
+        res = []
+        for pdl in (0, 1, 2):
+            cfg = DecodeConfig(block_h=bh, splits=splits, gluon=gluon, pdl=pdl)
+            o.fill_(float("nan"))
+            sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
+            torch.cuda.synchronize()
+            ok = _decode_tolerance_check(o, lse, ro, rl)["ok"]
+            us = graph_us_multi([lambda ix=ix, cfg=cfg: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
+                                                                           config=cfg) for ix in idxs])
+            res.append(f"{us:.2f}{'' if ok else ' WRONG'}")
+        print(f"| {h} | {rows} | gluon-{gluon}: {bh},{splits} | " + " | ".join(res) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
