@@ -235,10 +235,10 @@ def _combine_kernel(
     # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
     # Grid (T, H, 512 / BLOCK_D): with few rows (B = 1: T·H = 16 programs, each reading SPLITS × 2 KB) a
     # program per (row, head) leaves the GPU idle and serialises the loads, so the lanes are spread too.
-    # With GDC (sm_90+) this grid is launched as a programmatic dependent of the split kernel, which lets it be
-    # scheduled as soon as every split program has started; griddepcontrol.wait then holds it until the partials
-    # are complete and visible. (Launched that way while the split kernel did not trigger early, it measured no
-    # faster: 9.5 vs 9.4 µs at B = 1, H200, 2026-11-30.)
+    # With GDC (DecodeConfig.pdl ≥ 1, sm_90+) this grid is a programmatic dependent of the split kernel, scheduled
+    # once every split program has started (pdl 1) or left its main loop (pdl 2); griddepcontrol.wait then holds it
+    # until the partials are complete and visible. (Launched that way while the split kernel did not trigger
+    # early, it measured no faster: 9.5 vs 9.4 µs at B = 1, H200, 2026-11-30; triggering at the start, 7.4 vs 8.4.)
     t = tl.program_id(0)
     h = tl.program_id(1)
     dblk = tl.program_id(2)
