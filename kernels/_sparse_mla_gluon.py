@@ -48,7 +48,9 @@ Per-tile ``clock64`` stamps (``benchmarks/decode_ws_profile.py``, H200, h = 16, 
 it), PV 0.40. Those phases share the SM's shared-memory bandwidth with the loaders: a tile is written once as bf16
 (72 KB) and read twice as wgmma's A operand (136 KB). A variant with two MMA warpgroups taking alternate tiles was
 built and measured (verified against the reference): 61.2 against 51.0 µs, each warpgroup's QKᵀ phase growing from
-0.45 to 1.28 µs, so it was removed.
+0.45 to 1.28 µs, so it was removed. So was a software-pipelined MMA partition (the next tile's QKᵀ issued before
+this tile's softmax, FlashAttention-3's intra-warpgroup overlap): verified, and 1–25 % slower at every measured
+shape (h = 16, B = 64: 61.4 against 50.9 µs; h = 128, B = 64: 194.6 against 155.5; H200, 2026-11-30).
 
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
 config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
