@@ -467,8 +467,14 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         name = torch.cuda.get_device_properties(torch.cuda.current_device()).name
         if name != m["gpu"]["name"]:
             raise KernelsBuildError(f"kernels manifest {p} was built on {m['gpu']['name']!r}, this GPU is {name!r}")
-    set_decode_configs({(e["heads"], e["kv"], e["rows"]): DecodeConfig(**e["config"])
-                        for e in m.get("decode", []) if e.get("config")})
-    if m.get("indexer", {}).get("config"):
-        set_indexer_config(IndexerConfig(**m["indexer"]["config"]))
+    try:
+        decode = {(e["heads"], e["kv"], e["rows"]): DecodeConfig(**e["config"])
+                  for e in m.get("decode", []) if e.get("config")}
+        indexer = IndexerConfig(**m["indexer"]["config"]) if m.get("indexer", {}).get("config") else None
+    except (TypeError, KeyError) as e:  # a field this version does not know (or lacks): built by another pdctl
+        raise KernelsBuildError(f"kernels manifest {p} does not match this pdctl's launch configs ({e}); run the "
+                                "kernels_built step again (python -m pdctl.kernels build)") from e
+    set_decode_configs(decode)
+    if indexer is not None:
+        set_indexer_config(indexer)
     return m

@@ -119,3 +119,53 @@ def test_flashmla_sparse_hook_only_routes_decode_calls():
     finally:
         sglang_plugin._IN_DECODE.reset(token)
     assert calls == ["original", "original"]
+
+
+@pytest.fixture
+def clean_tuned_tables():
+    from pdctl.kernels import _indexer, _sparse_mla
+
+    saved = dict(_sparse_mla._TUNED), dict(_indexer._TUNED)
+    _sparse_mla._TUNED.clear()
+    _indexer._TUNED.clear()
+    yield
+    _sparse_mla._TUNED.clear()
+    _sparse_mla._TUNED.update(saved[0])
+    _indexer._TUNED.clear()
+    _indexer._TUNED.update(saved[1])
+
+
+@no_gpu
+def test_load_manifest_installs_the_h200_builds_configs_old_and_new(clean_tuned_tables):
+    # The manifests the H200 builds wrote: before programmatic dependent launch (no `pdl` field) and after.
+    from pathlib import Path
+
+    from pdctl.kernels._build import load_manifest
+    from pdctl.kernels._indexer import _TUNED as INDEXER_TUNED
+    from pdctl.kernels._sparse_mla import default_decode_config
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    load_manifest(results / "h200_kernels_manifest_2026-11-30_ws.json")
+    old = default_decode_config(16, 1, "fp8")
+    assert (old.gluon, old.splits, old.pdl) == (5, 32, 0)
+    load_manifest(results / "h200_kernels_manifest_2026-11-30_pdl.json")
+    new = default_decode_config(16, 1, "fp8")
+    assert (new.gluon, new.splits, new.pdl) == (5, 32, 1)
+    assert default_decode_config(16, 8, "fp8").pdl == 0 and default_decode_config(16, 64, "fp8").pdl == 2
+    assert INDEXER_TUNED["default"].programs_per_sm == 4
+
+
+def test_a_manifest_from_another_pdctl_is_refused_with_the_fix(tmp_path, clean_tuned_tables):
+    import json
+
+    from pdctl.kernels._build import KernelsBuildError, load_manifest
+    from pdctl.kernels._sparse_mla import _TUNED
+
+    m = {"ok": True, "gpu": {"name": "no such GPU"},
+         "decode": [{"heads": 16, "kv": "fp8", "rows": 1, "config": {"block_h": 16, "splits": 8, "warp_groups": 3}}]}
+    (tmp_path / "pdctl-kernels-manifest.json").write_text(json.dumps(m))
+    if torch.cuda.is_available():
+        pytest.skip("the GPU-name check answers first on a GPU host")
+    with pytest.raises(KernelsBuildError, match="warp_groups.*python -m pdctl.kernels build"):
+        load_manifest(tmp_path)
+    assert not _TUNED, "nothing is installed from a refused manifest"
