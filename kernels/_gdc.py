@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels: the device side, shared by both kernel modules.
+"""Programmatic dependent launch (PDL): the device side, shared by the Triton and Gluon kernels.
 
 A grid launched with the PDL attribute (Triton's ``launch_pdl=True``; CUDA's
 ``cudaLaunchAttributeProgrammaticStreamSerialization``) may be scheduled before the previous kernel in the stream

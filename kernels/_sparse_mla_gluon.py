@@ -67,25 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-
-@gluon.jit
-def _gdc_enter(GDC: gl.constexpr):
-    # ``pdctl.kernels._gdc._gdc_enter`` in Gluon (programmatic dependent launch; 0: nothing emitted; 1, 2: wait for
-    # the previous grid; 1: let the next one launch now).
-    if GDC >= 1:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    if GDC == 1:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_trigger(GDC: gl.constexpr):
-    # ``pdctl.kernels._gdc._gdc_trigger``: GDC 2 lets the next grid launch here, after the main loop.
-    if GDC == 2:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+from pdctl.kernels._gdc import _gdc_enter, _gdc_trigger
 
 
 @gluon.jit
