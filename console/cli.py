@@ -289,7 +289,8 @@ def down_cmd(
 @app.command("units")
 def units_cmd(
     spec: SpecArg,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write the unit files into")],
+    out: Annotated[Path, typer.Option("-o", "--out", file_okay=False,
+                                      help="Directory to write the unit files into (created if missing)")],
 ) -> None:
     """Write the deployment's systemd units (one per role and a target) into a directory."""
     from pdctl.statemachine.launch import write_units
@@ -335,7 +336,8 @@ def chat_cmd(
         with httpx.Client(trust_env=False, transport=dhost.http_transport()) as client:
             r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     except (httpx.HTTPError, PdctlError) as exc:
-        _err(f"error: POST {url}/v1/chat/completions: {exc}")
+        hint = f"; is the deployment up? `pdctl status {spec}` shows it" if isinstance(exc, httpx.ConnectError) else ""
+        _err(f"error: POST {url}/v1/chat/completions: {exc}{hint}")
         raise typer.Exit(ExitCode.ERROR) from None
     finally:
         dhost.close()

@@ -23,6 +23,7 @@ logits up to that tolerance.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -309,8 +310,8 @@ def build_and_verify(
     cache = Path(cache_dir)
     try:
         import torch
-    except ImportError as e:  # pragma: no cover - depends on the host
-        raise KernelsBuildError(f"cannot build here: torch is not installed ({e}); install pdctl[kernels]") from e
+    except (ImportError, OSError) as e:  # pragma: no cover - depends on the host (OSError: a broken install)
+        raise KernelsBuildError(f"cannot build here: torch is not importable ({e}); install pdctl[kernels]") from e
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise KernelsBuildError(
             "cannot build here: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; "
@@ -443,11 +444,38 @@ def build_and_verify(
     return manifest
 
 
+@functools.cache
+def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
+    """The part of a manifest that :func:`load_manifest` installs, as a pydantic model: launch configs are strict
+    ints with exactly the dataclasses' fields (``pdl`` in 0–2), the rest of the manifest is kept as written."""
+    import dataclasses as dc
+    from typing import Literal
+
+    import pydantic
+
+    strict = pydantic.ConfigDict(extra="forbid", strict=True)
+
+    def launch_model(cls: type) -> type:
+        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le=2 if f.name == "pdl" else None))
+                  for f in dc.fields(cls)}
+        return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
+
+    decode_cfg, indexer_cfg = launch_model(decode_cls), launch_model(indexer_cls)
+    entry = pydantic.create_model("DecodeEntry", heads=(int, ...), kv=(Literal["fp8", "bf16"], ...), rows=(int, ...),
+                                  config=(decode_cfg | None, None))
+    indexer = pydantic.create_model("IndexerEntry", config=(indexer_cfg | None, None))
+    gpu = pydantic.create_model("GpuEntry", name=(str, ...))
+    return pydantic.create_model("KernelsManifest", ok=(bool, ...), gpu=(gpu, ...), decode=(list[entry], []),
+                                 indexer=(indexer, indexer()))
+
+
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a manifest written by :func:`build_and_verify` and install its tuned configs in this process.
 
     Raises:
-        KernelsBuildError: missing/unreadable manifest, ``ok`` false, or a manifest built on another GPU model.
+        KernelsBuildError: missing/unreadable manifest, one whose structure or launch configs this pdctl does not
+            know (the first offending field is named), ``ok`` false, or a manifest built on another GPU model.
+            Nothing is installed then.
     """
     p = Path(path)
     if p.is_dir():
@@ -456,24 +484,28 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         m = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise KernelsBuildError(f"no usable kernels manifest at {p}: {e}") from e
-    if not m.get("ok"):
-        raise KernelsBuildError(f"kernels manifest {p} records a failed verification")
+    import pydantic
     import torch
 
     from pdctl.kernels._indexer import IndexerConfig, set_indexer_config
     from pdctl.kernels._sparse_mla import DecodeConfig, set_decode_configs
 
+    try:
+        parsed = _manifest_model(DecodeConfig, IndexerConfig).model_validate(m)
+    except pydantic.ValidationError as e:  # written by another pdctl version, or edited by hand
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise KernelsBuildError(f"kernels manifest {p}: {where}: {first['msg']} ({e.error_count()} problem(s)); run "
+                                "the kernels_built step again (python -m pdctl.kernels build)") from e
+    if not parsed.ok:
+        raise KernelsBuildError(f"kernels manifest {p} records a failed verification")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_properties(torch.cuda.current_device()).name
-        if name != m["gpu"]["name"]:
-            raise KernelsBuildError(f"kernels manifest {p} was built on {m['gpu']['name']!r}, this GPU is {name!r}")
-    try:
-        decode = {(e["heads"], e["kv"], e["rows"]): DecodeConfig(**e["config"])
-                  for e in m.get("decode", []) if e.get("config")}
-        indexer = IndexerConfig(**m["indexer"]["config"]) if m.get("indexer", {}).get("config") else None
-    except (TypeError, KeyError) as e:  # a field this version does not know (or lacks): built by another pdctl
-        raise KernelsBuildError(f"kernels manifest {p} does not match this pdctl's launch configs ({e}); run the "
-                                "kernels_built step again (python -m pdctl.kernels build)") from e
+        if name != parsed.gpu.name:
+            raise KernelsBuildError(f"kernels manifest {p} was built on {parsed.gpu.name!r}, this GPU is {name!r}")
+    decode = {(e.heads, e.kv, e.rows): DecodeConfig(**e.config.model_dump())
+              for e in parsed.decode if e.config is not None}
+    indexer = IndexerConfig(**parsed.indexer.config.model_dump()) if parsed.indexer.config is not None else None
     set_decode_configs(decode)
     if indexer is not None:
         set_indexer_config(indexer)

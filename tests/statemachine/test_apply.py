@@ -537,3 +537,12 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     _kill_watchdog(demo, router["unit"])
     assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
     assert _gone(router["main_pid"]) and demo.pids() == []
+
+
+def test_chat_on_a_deployment_that_is_not_up_says_how_to_check(demo):
+    # Nothing applied: the router's port has no listener. The error names the URL and points at `pdctl status`.
+    r = demo.cli("chat", str(demo.spec), timeout=60)
+    assert r.returncode == ExitCode.ERROR, r.stderr
+    assert f"127.0.0.1:{demo.ports['router']}/v1/chat/completions" in r.stderr
+    assert "is the deployment up? `pdctl status" in r.stderr
+    assert r.stdout == ""

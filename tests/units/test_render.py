@@ -384,3 +384,16 @@ def test_pdctl_units_command_writes_the_golden_files(tmp_path):
     assert r.returncode == 0, r.stderr
     assert [Path(line).name for line in r.stdout.split()] == list(GOLDEN)
     assert {p.name: p.read_text() for p in out.iterdir()} == GOLDEN
+
+
+def test_pdctl_units_command_refuses_a_file_as_the_output_directory(tmp_path):
+    import sys
+
+    f = tmp_path / "not-a-dir"
+    f.write_text("keep me\n")
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64, r.stderr
+    assert "'-o' / '--out'" in r.stderr and "is a file" in r.stderr
+    assert "journal" not in r.stderr, "no unrelated hint"
+    assert f.read_text() == "keep me\n" and [p.name for p in tmp_path.iterdir()] == ["not-a-dir"]
