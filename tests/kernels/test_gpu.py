@@ -46,54 +46,60 @@ from pdctl.kernels._sparse_mla import sparse_mla_decode  # noqa: E402
 SM_SCALE = 0.135234
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_sparse_mla_decode_matches_the_reference_at_real_shapes(kv_format, heads, rows):
+def _check_decode(heads, rows, kv_format, config=None):
+    # Fresh case, fp32 reference, poisoned outputs, one launch, the spec's tolerances.
     q, kv, idx, length = make_decode_case(heads, rows, kv_format, slots=65536)
     ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
     o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((rows, heads), float("nan"), device="cuda")
-    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse)
+    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse, config=config)
     err = _decode_tolerance_check(o, lse, ro, rl)
     assert err["ok"], err
+
+
+def _require_hopper_gluon():
+    # A GPU that is not sm_90 has no Gluon kernel to test (skip); a Hopper whose Triton cannot build it fails.
+    from pdctl.kernels._sparse_mla import gluon_available
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
+    assert gluon_available(), "a Hopper GPU, but this Triton cannot build the Gluon kernel"
+
+
+def _require_pdl():
+    # Before sm_90 there is no programmatic dependent launch (the kernels launch plainly: skip); on sm_90+ a Triton
+    # without launch_pdl is a broken set-up and fails.
+    from pdctl.kernels._sparse_mla import _pdl_supported
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    assert _pdl_supported(torch.device("cuda")), "an sm_90+ GPU, but this Triton's launcher has no launch_pdl"
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_sparse_mla_decode_matches_the_reference_at_real_shapes(kv_format, heads, rows):
+    _check_decode(heads, rows, kv_format)
 
 
 @pytest.mark.parametrize("heads,block_h", [(8, 16), (16, 16), (32, 32), (64, 32), (128, 16)])
 @pytest.mark.parametrize("rows,splits,variant", [(1, 32, 1), (8, 4, 2), (8, 8, 3), (64, 1, 1), (64, 2, 3),
                                                  (1, 32, 4), (8, 4, 4), (64, 2, 4), (1, 16, 5), (8, 8, 5), (64, 1, 5)])
 def test_gluon_fp8_decode_matches_the_reference(heads, block_h, rows, splits, variant):
-    from pdctl.kernels._sparse_mla import DecodeConfig, gluon_available
+    from pdctl.kernels._sparse_mla import DecodeConfig
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
-    assert gluon_available(), "a Hopper GPU, but this Triton cannot build the Gluon kernel"
-    q, kv, idx, length = make_decode_case(heads, rows, "fp8", slots=65536)
-    ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
-    o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((rows, heads), float("nan"), device="cuda")
-    cfg = DecodeConfig(block_h=block_h, splits=splits, gluon=variant)
-    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse, config=cfg)
-    err = _decode_tolerance_check(o, lse, ro, rl)
-    assert err["ok"], err
+    _require_hopper_gluon()
+    _check_decode(heads, rows, "fp8", DecodeConfig(block_h=block_h, splits=splits, gluon=variant))
 
 
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("rows,splits", [(1, 32), (8, 4), (64, 1), (64, 2)])
 def test_gluon_ws_fp8_decode_with_64_head_blocks_matches_the_reference(heads, rows, splits):
-    from pdctl.kernels._sparse_mla import DecodeConfig, gluon_available
+    from pdctl.kernels._sparse_mla import DecodeConfig
 
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
-    assert gluon_available(), "a Hopper GPU, but this Triton cannot build the Gluon kernel"
-    q, kv, idx, length = make_decode_case(heads, rows, "fp8", slots=65536)
-    ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
-    o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((rows, heads), float("nan"), device="cuda")
-    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse,
-                      config=DecodeConfig(block_h=64, splits=splits, gluon=5))
-    err = _decode_tolerance_check(o, lse, ro, rl)
-    assert err["ok"], err
+    _require_hopper_gluon()
+    _check_decode(heads, rows, "fp8", DecodeConfig(block_h=64, splits=splits, gluon=5))
 
 
 @pytest.mark.parametrize("mode", [1, 2])
@@ -107,11 +113,11 @@ def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon,
     # must equal, bit for bit, the same chain run eagerly with plain launches.
     from dataclasses import replace
 
-    from pdctl.kernels._sparse_mla import DecodeConfig, _pdl_supported
+    from pdctl.kernels._sparse_mla import DecodeConfig
 
-    if kv_format == "fp8" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (Hopper) only")
-    assert _pdl_supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    _require_pdl()
+    if gluon:
+        _require_hopper_gluon()
     heads = 16
     q, kv, idx, length = make_decode_case(heads, 1, kv_format, slots=65536)
     idx2 = torch.randperm(kv.reshape(-1, kv.shape[-1]).shape[0], device="cuda")[: idx.shape[1]][None].to(torch.int32)
@@ -199,9 +205,8 @@ def test_indexer_programmatic_dependent_launches_chain_in_a_cuda_graph(mode):
     # counts, candidate lists, the last-arriver counter), including across the two calls that share the graph's
     # pool. The top-k sets must equal those of the same calls with plain launches, on every replay.
     from pdctl.kernels._indexer import IndexerConfig
-    from pdctl.kernels._sparse_mla import _pdl_supported
 
-    assert _pdl_supported(torch.device("cuda")), "this GPU or Triton cannot launch with PDL"
+    _require_pdl()
     q8, w, cache, bt, sl = make_indexer_case([9000, 30000, 70000, 2048] * 2, max_context=163840)
     a, b = slice(0, 4), slice(4, 8)
 
