@@ -112,12 +112,6 @@ def _kernels() -> Any:
     return _indexer_kernels
 
 
-def _pdl_launch(x: torch.Tensor, mode: int) -> dict[str, int | bool]:
-    from pdctl.kernels._sparse_mla import _pdl_launch as launch
-
-    return launch(x, mode)
-
-
 def _num_sms(device: torch.device) -> int:
     import torch
 
@@ -172,6 +166,8 @@ def indexer_logits(
         logits = torch.empty(b, max(width, 1), dtype=torch.float32, device=q8.device)
     if b == 0:
         return logits
+    from pdctl.kernels._sparse_mla import _pdl_launch
+
     programs = cfg.programs_per_sm * _num_sms(q8.device)
     kern = _kernels()
     kc = index_k_cache.view(torch.float8_e4m3fn)
@@ -286,8 +282,6 @@ def candidate_buffer(b: int, cw: int, cfg: IndexerConfig, device) -> torch.Tenso
 def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg: IndexerConfig, hist0_done: bool):
     # The two top-k launches (first histogram unless already counted, then partition + refinement) on a zeroed
     # workspace ``ws`` int32 [B, WS_STRIDE] (or one holding the first histogram, with hist0_done).
-    import torch
-
     b = seq_lens.shape[0]
     if b == 0:
         return
@@ -296,6 +290,8 @@ def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg
     cand = candidate_buffer(b, cw, cfg, logits.device)
     block = cfg.topk_block
     segs = max(1, cfg.topk_programs // b)
+    from pdctl.kernels._sparse_mla import _pdl_launch
+
     gdc = _pdl_launch(logits, cfg.pdl)
     if not hist0_done:
         kern._topk_hist_kernel[(b, segs)](
