@@ -152,9 +152,14 @@ def decode_metrics(h: int, rows: int, fmt: str, us: float, ceil: dict, topk: int
 def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, with_ref: bool) -> list[dict]:
     import torch
 
-    from pdctl.kernels._build import _decode_candidates, _decode_tolerance_check, make_decode_case
+    from pdctl.kernels._build import (
+        _decode_candidates,
+        _decode_tolerance_check,
+        _launch_setting_candidates,
+        make_decode_case,
+    )
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import LAST_LAUNCH, sparse_mla_decode
+    from pdctl.kernels._sparse_mla import LAST_LAUNCH, _pdl_supported, sparse_mla_decode
 
     sm = 0.135234
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -208,10 +213,10 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
                         attempt(cfg)
                     if timed:
                         r["plain_us"] = min(timed, key=lambda x: x[0])[0]
-                    # as build_and_verify: both PDL trigger points on the two fastest plain configs
-                    for _, cfg, _, _ in sorted(timed, key=lambda x: x[0])[:2]:
-                        for mode in (1, 2):
-                            attempt(dataclasses.replace(cfg, pdl=mode))
+                    # as build_and_verify: launch settings (PDL, the in-kernel merge) on the fastest plain configs
+                    ranked = [cfg for _, cfg, _, _ in sorted(timed, key=lambda x: x[0])]
+                    for cfg in _launch_setting_candidates(ranked, h, rows, nsm, _pdl_supported(q.device)):
+                        attempt(cfg)
                     if timed:
                         best = min(timed, key=lambda x: x[0])
                         r.update(ours_us=best[0], cfg=best[1].as_dict(), err=best[2], regs=best[3])
@@ -408,7 +413,7 @@ def _f(x, fmt="{:.1f}"):
 
 def _kernel_label(c: dict) -> str:
     """``gluon-N: BH,splits`` for the Gluon kernel, ``tl.dot: BH,BN,warps,splits,prefetch`` otherwise."""
-    pdl = f" pdl-{c['pdl']}" if c.get("pdl") else ""
+    pdl = (f" pdl-{c['pdl']}" if c.get("pdl") else "") + (" merged" if c.get("merge") else "")
     if c.get("gluon"):
         return f"gluon-{c['gluon']}: {c['block_h']},{c['splits']}{pdl}"
     return f"tl.dot: {c['block_h']},{c['block_n']},{c['num_warps']},{c['splits']},{c.get('prefetch', 0)}{pdl}"

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) of the decode's two kernels, measured three ways on the GPU machine.
+"""Programmatic dependent launch (PDL) of the decode's two kernels, measured three ways on the GPU machine, and
+(``--merge``) the same with the splits merged inside the split kernel (``DecodeConfig.merge`` 1, one launch).
 
 For each shape and config given, µs per call (CUDA-graph replay as in ``bench_kernels.graph_us_multi``, inputs
 rotated so that L2 does not serve repeated calls) with ``DecodeConfig.pdl`` 0 (plain launches), 1 (both kernels
@@ -6,7 +7,7 @@ PDL-launched, the split kernel triggering the merge at its start) and 2 (trigger
 Every output is checked against the fp32 reference first.
 
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
---cases h,B,gluon,block_h,splits ...``
+--cases h,B,gluon,block_h,splits ... [--merge]``
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ DEFAULT_CASES = ["16,1,5,16,32", "16,8,5,16,16", "16,8,3,16,32", "32,8,5,32,16",
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    ap.add_argument("--merge", action="store_true",
+                    help="also time DecodeConfig.merge = 1 (splits merged in the split kernel) for each PDL mode")
     args = ap.parse_args(argv)
     _bootstrap()
     import torch
@@ -34,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
 
     sm = 0.135234
-    print("| h | B | config | plain µs | PDL, trigger at start µs | PDL, trigger after main loop µs |")
-    print("|---|---|---|---|---|---|")
+    settings = [(0, 0), (1, 0), (2, 0)] + ([(0, 1), (1, 1), (2, 1)] if args.merge else [])
+    heads_ = ["plain µs", "PDL, trigger at start µs", "PDL, trigger after main loop µs"]
+    heads_ += [f"merged in kernel, {x}" for x in heads_] if args.merge else []
+    print("| h | B | config | " + " | ".join(heads_) + " |")
+    print("|---|---|---|" + "---|" * len(heads_))
     for case in args.cases:
         h, rows, gluon, bh, splits = (int(x) for x in case.split(","))
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
@@ -46,10 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         o = torch.empty(rows, h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(rows, h, device="cuda")
         res = []
-        for pdl in (0, 1, 2):
-            cfg = DecodeConfig(block_h=bh, splits=splits, gluon=gluon, pdl=pdl)
+        for pdl, merge in settings:
+            cfg = DecodeConfig(block_h=bh, splits=splits, gluon=gluon, pdl=pdl, merge=merge)
             o.fill_(float("nan"))
-            sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
+            try:
+                sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
+            except ValueError:  # merge = 1 where the grid exceeds the SMs, or not a warp-specialised kernel
+                res.append("—")
+                continue
             torch.cuda.synchronize()
             ok = _decode_tolerance_check(o, lse, ro, rl)["ok"]
             us = graph_us_multi([lambda ix=ix, cfg=cfg: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,

@@ -275,6 +275,24 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
     return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))
 
 
+def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms: int, pdl: bool) -> list[Any]:
+    """Launch settings worth timing on top of the plain configs, given those configs fastest first.
+
+    Programmatic dependent launch (``pdl`` 1 and 2; only when ``pdl`` is True, i.e. ``_pdl_supported``) on the two
+    fastest; the in-kernel merge (``merge`` 1, with each PDL mode) on the two fastest warp-specialised Gluon configs
+    whose grid fits one program per SM. Every one is verified like a plain config before it can be chosen.
+    """
+    out = []
+    modes = (1, 2) if pdl else ()
+    for cfg in ranked[:2]:
+        out += [dataclasses.replace(cfg, pdl=m) for m in modes]
+    mergeable = [c for c in ranked if c.gluon in (4, 5) and c.splits > 1
+                 and rows * -(-heads // c.block_h) * c.splits <= num_sms]
+    for cfg in mergeable[:2]:
+        out += [dataclasses.replace(cfg, merge=1, pdl=m) for m in (0, *modes)]
+    return out
+
+
 def build_and_verify(
     cache_dir: str | os.PathLike[str],
     *,
@@ -379,12 +397,11 @@ def build_and_verify(
 
                 for cfg in (_decode_candidates(h, rows, num_sms, fmt) if tune else [None]):
                     attempt(cfg)
-                if tune and _pdl_supported(dev):
-                    # Programmatic dependent launch is a launch setting of a given kernel: tried on the two
-                    # fastest plain configs, both trigger points (verified like every candidate).
-                    for _, cfg, _ in sorted(passing, key=lambda x: x[0])[:2]:
-                        for mode in (1, 2):
-                            attempt(dataclasses.replace(cfg, pdl=mode))
+                if tune:
+                    # Launch settings of a given kernel (PDL, the in-kernel merge), on the fastest plain configs.
+                    ranked = [cfg for _, cfg, _ in sorted(passing, key=lambda x: x[0])]
+                    for cfg in _launch_setting_candidates(ranked, h, rows, num_sms, _pdl_supported(dev)):
+                        attempt(cfg)
                 entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}
                 if failing:
                     entry["failed_configs"] = failing
@@ -447,7 +464,7 @@ def build_and_verify(
 @functools.cache
 def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     """The part of a manifest that :func:`load_manifest` installs, as a pydantic model: launch configs are strict
-    ints with exactly the dataclasses' fields (``pdl`` in 0–2), the rest of the manifest is kept as written."""
+    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` 0–1), the rest of the manifest is kept as written."""
     import dataclasses as dc
     from typing import Literal
 
@@ -456,7 +473,7 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     strict = pydantic.ConfigDict(extra="forbid", strict=True)
 
     def launch_model(cls: type) -> type:
-        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le=2 if f.name == "pdl" else None))
+        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le={"pdl": 2, "merge": 1}.get(f.name)))
                   for f in dc.fields(cls)}
         return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
 

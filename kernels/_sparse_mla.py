@@ -65,6 +65,13 @@ class DecodeConfig:
     the split kernel lets the merge launch at its start (1) or after its main loop (2). Same results; which is
     faster depends on the shape (``build_and_verify`` times them)."""
 
+    merge: int = 0
+    """Warp-specialised Gluon kernels (``gluon`` 4–5) with splits > 1 only: 1 = the split programs merge their own
+    partials after a grid-wide barrier (``_sparse_mla_gluon._grid_barrier``), one launch instead of the split
+    kernel and ``_combine_kernel``. The whole grid must be resident at once, so the kernel is launched
+    cooperatively (CUDA's cooperative launch attribute, Triton's ``launch_cooperative_grid``) and the grid
+    (rows × head blocks × splits) must not exceed the SM count; sparse_mla_decode raises ValueError otherwise."""
+
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -174,6 +181,24 @@ def _pdl_launch(x: torch.Tensor, mode: int) -> dict[str, int | bool]:
     return {"GDC": 0}
 
 
+_BARRIERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _grid_barrier_counter(x: torch.Tensor) -> torch.Tensor:
+    """The zeroed ``int32 [1]`` counter that a ``merge = 1`` launch on ``x``'s device and the current stream
+    synchronises on. One per (device, stream): launches on one stream never overlap, and the counter's low 31 bits
+    are back at 0 after every complete barrier, so it is zeroed once. Created during CUDA-graph capture, its zeroing
+    is captured too (and replayed before the kernel)."""
+    import torch
+
+    stream = torch.cuda.current_stream(x.device)
+    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    counter = _BARRIERS.get(key)
+    if counter is None:
+        counter = _BARRIERS[key] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    return counter
+
+
 def _combine_block_d(row_heads: int, num_sms: int) -> int:
     """Lanes of the 512-wide output one combine program merges: all 512 once (rows × heads) fills two
     waves of SMs, else fewer (down to 64) so that small batches still spread over the GPU."""
@@ -263,6 +288,8 @@ def sparse_mla_decode(
     cfg = config or default_decode_config(heads, t_rows, "fp8" if fp8 else "bf16", _num_sms(q.device), k)
     if not 1 <= cfg.splits <= _MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    if cfg.merge not in (0, 1):
+        raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
     split_launch = _pdl_launch(q, cfg.pdl)
     merge_launch = _pdl_launch(q, min(cfg.pdl, 1))  # the merge is short: it triggers at its start
     if out is None:
@@ -284,6 +311,16 @@ def sparse_mla_decode(
                 raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
                                  f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
             kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
+            if cfg.merge:
+                programs = grid[0] * grid[1] * grid[2]
+                if cfg.splits < 2 or programs > _num_sms(q.device):
+                    raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
+                                     f"splits = {programs} here, {_num_sms(q.device)} SMs): use merge=0 for {cfg}")
+                s_p2, lanes = _next_pow2(cfg.splits), _next_pow2(-(-D_V // cfg.splits))
+                launch.update(MERGE=True, MERGE_S_P2=s_p2, MERGE_DL=lanes, bar_ptr=_grid_barrier_counter(q),
+                              launch_cooperative_grid=True)
+        elif cfg.merge:
+            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
         else:
             if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
                 raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, "
@@ -297,6 +334,8 @@ def sparse_mla_decode(
             HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, **launch, **split_launch,
         )
     else:
+        if cfg.merge:
+            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
         compiled = main_k[grid](
             q, q.stride(0), q.stride(1),
             kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,
@@ -311,7 +350,7 @@ def sparse_mla_decode(
             **split_launch,
         )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
-    if cfg.splits > 1:
+    if cfg.splits > 1 and not cfg.merge:
         block_d = _combine_block_d(t_rows * heads, _num_sms(q.device))
         comb_k[(t_rows, heads, D_V // block_d)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,

@@ -430,6 +430,75 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
 
 
 @gluon.jit
+def _grid_barrier(bar_ptr, first, n_programs, MAX_POLLS: gl.constexpr):
+    # Every program of the grid arrives here; returns True once all have (False after MAX_POLLS polls, a grid that
+    # is not co-resident). The counting is CUDA cooperative groups' grid sync (CUDA 12 ``cooperative_groups``
+    # ``details/sync.h``): program 0 adds 2^31 − (n − 1), the others 1, so the counter's top bit flips exactly when the
+    # last one arrives and its low 31 bits come back to where they were (0: the host zeroes it once). One thread per
+    # program makes the acq_rel arrival (Triton issues a scalar atomic from one thread) after a CTA barrier, so the
+    # program's partial-output stores are released with it; the polls are acquire loads.
+    gl.thread_barrier()
+    inc = gl.where(first, 2147483647 - n_programs + 2, 1)
+    old = gl.atomic_add(bar_ptr, inc, sem="acq_rel", scope="gpu")
+    cur = old
+    polls = 0
+    while ((cur ^ old) >= 0) & (polls < MAX_POLLS):
+        cur = gl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    gl.thread_barrier()
+    return (cur ^ old) < 0
+
+
+@gluon.constexpr_function
+def _merge_layout(dl, num_warps):
+    # [splits, 16 heads, dl lanes] spread so that each thread loads 4 consecutive lanes (16 bytes) of one partial
+    # row: lanes first, then heads, then splits, over threads and then warps.
+    td = min(32, dl // 4)
+    th = min(32 // td, 16)
+    wh = min(num_warps, max(1, 16 // th))
+    return gl.BlockedLayout([1, 1, 4], [32 // (td * th), th, td], [num_warps // wh, wh, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _merge_splits(mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, hb, sp, H, SPLITS, ok,
+                  BLOCK_H: gl.constexpr, S_P2: gl.constexpr, DL: gl.constexpr):
+    # The flash-decoding LSE merge of `_combine_kernel`, done by the split programs themselves after the grid
+    # barrier: split program `sp` of (row t, head block hb) merges lanes [sp·DL, sp·DL + DL) of the block's heads over
+    # all SPLITS partials, 16 heads per loop step ([S_P2, 16, DL] values, S_P2 · DL ≤ 1024); the sp = 0 program also
+    # writes the LSE. The code is kept short on purpose (a loop, one LSE per (split, head), 16-byte partial loads):
+    # straight-line merge code, run once per program, measured 5–50 µs on the H200, fetching its instructions cold.
+    # `ok` False (the barrier timed out) gives NaN lse. The partials come from other programs: read through L2 (.cg).
+    L3: gl.constexpr = _merge_layout(DL, gl.num_warps())
+    LS: gl.constexpr = gl.SliceLayout(2, L3)
+    LO: gl.constexpr = gl.SliceLayout(0, L3)
+    s = gl.expand_dims(gl.arange(0, S_P2, layout=gl.SliceLayout(1, LS)), 1)
+    hl = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LS)), 0)
+    ho = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, LO)), 1)
+    d = sp * DL + gl.expand_dims(gl.arange(0, DL, layout=gl.SliceLayout(0, LO)), 0)
+    for hh in range(0, BLOCK_H, 16):
+        h = hb * BLOCK_H + hh + hl
+        rows = (t.to(gl.int64) * H + h) * SPLITS + s
+        lj = gl.load(ml_ptr + rows, mask=(s < SPLITS) & (h < H), other=float("-inf"), cache_modifier=".cg")
+        mx = gl.max(lj, axis=0)
+        live = mx > float("-inf")
+        msafe = gl.where(live, mx, 0.0)
+        w = gl.where(lj > float("-inf"), gl.exp(lj - gl.expand_dims(msafe, 0)), 0.0)
+        wsum = gl.sum(w, axis=0)
+        hout = hb * BLOCK_H + hh + ho
+        omask = (hout < H) & (d < 512)
+        parts = gl.load(mo_ptr + gl.expand_dims(rows, 2) * 512 + gl.expand_dims(d, 0),
+                        mask=gl.expand_dims((s < SPLITS) & (h < H), 2) & gl.expand_dims(d < 512, 0), other=0.0,
+                        cache_modifier=".cg")
+        inv = gl.where(live, 1.0 / gl.where(live, wsum, 1.0), 0.0)
+        o = gl.sum(parts * gl.expand_dims(w, 2), axis=0) * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, LO)), 1)
+        gl.store(o_ptr + t.to(gl.int64) * stride_ot + hout * stride_oh + d, o.to(gl.bfloat16), mask=omask)
+        lse = gl.where(live, msafe + gl.log(gl.where(live, wsum, 1.0)), float("inf"))
+        lse = gl.where(ok, lse, float("nan"))
+        hs = hb * BLOCK_H + hh + gl.arange(0, 16, layout=gl.SliceLayout(0, LS))
+        gl.store(lse_ptr + t.to(gl.int64) * stride_lt + hs, lse, mask=(hs < H) & (sp == 0))
+
+
+@gluon.jit
 def _decode_fp8_ws_kernel(
     q_ptr, stride_qt, stride_qh,
     kv8_ptr, kvs_ptr, kvr_ptr,
@@ -438,6 +507,7 @@ def _decode_fp8_ws_kernel(
     H, K, qk_scale_log2, SPLITS,
     HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, GDC: gl.constexpr,
+    bar_ptr=None, MERGE: gl.constexpr = False, MERGE_S_P2: gl.constexpr = 2, MERGE_DL: gl.constexpr = 256,
 ):
     KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -486,3 +556,11 @@ def _decode_fp8_ws_kernel(
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
                         1, 2, LOADER_WARPS)),
         ], [LOADER_WARPS, LOADER_WARPS], [LOADER_REGS, LOADER_REGS])
+    if MERGE:
+        # The split programs merge their own partials (one launch instead of two; needs the whole grid resident:
+        # the host launches it cooperatively).
+        first = (t == 0) & (hb == 0) & (sp == 0)
+        n_programs = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
+        ok = _grid_barrier(bar_ptr, first, n_programs, 1 << 22)
+        _merge_splits(mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, t, hb, sp, H, SPLITS, ok,
+                      BLOCK_H, MERGE_S_P2, MERGE_DL)

@@ -165,6 +165,8 @@ _GOOD_ENTRY = {"heads": 16, "kv": "fp8", "rows": 1, "config": {"block_h": 16, "s
          r"decode\.0\.config\.warp_groups: Extra inputs are not permitted"),
         ({"ok": True, "gpu": {"name": "x"}, "decode": [{**_GOOD_ENTRY, "config": {"pdl": 5}}]},
          r"decode\.0\.config\.pdl: Input should be less than or equal to 2"),
+        ({"ok": True, "gpu": {"name": "x"}, "decode": [{**_GOOD_ENTRY, "config": {"merge": 2}}]},
+         r"decode\.0\.config\.merge: Input should be less than or equal to 1"),
         ({"ok": True, "gpu": {"name": "x"}, "decode": [{**_GOOD_ENTRY, "config": {"block_h": "16"}}]},
          r"decode\.0\.config\.block_h: Input should be a valid integer"),
         ({"ok": True, "gpu": {"name": "x"}, "decode": {"heads": 16}}, r"decode: Input should be a valid list"),
@@ -187,3 +189,21 @@ def test_a_manifest_this_pdctl_cannot_read_is_refused_with_the_fix(tmp_path, cle
     with pytest.raises(KernelsBuildError, match=match + r".*python -m pdctl.kernels build"):
         load_manifest(tmp_path)
     assert not _TUNED and not INDEXER_TUNED, "nothing is installed from a refused manifest"
+
+
+def test_the_build_tries_launch_settings_on_the_fastest_plain_configs():
+    # PDL (both trigger points) on the two fastest; the in-kernel merge (with each PDL mode) only on the two fastest
+    # warp-specialised configs whose grid fits one program per SM (132 here: 1 row × 1 head block × 32 splits fits,
+    # 9 rows × 1 × 16 = 144 does not).
+    from pdctl.kernels._build import _launch_setting_candidates
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    ranked = [DecodeConfig(splits=32, gluon=3), DecodeConfig(splits=32, gluon=5), DecodeConfig(splits=16, gluon=4),
+              DecodeConfig(splits=32, gluon=4)]
+    got = _launch_setting_candidates(ranked, 16, 1, 132, pdl=True)
+    assert [(c.gluon, c.splits, c.pdl, c.merge) for c in got] == [
+        (3, 32, 1, 0), (3, 32, 2, 0), (5, 32, 1, 0), (5, 32, 2, 0),
+        (5, 32, 0, 1), (5, 32, 1, 1), (5, 32, 2, 1), (4, 16, 0, 1), (4, 16, 1, 1), (4, 16, 2, 1)]
+    assert [(c.pdl, c.merge) for c in _launch_setting_candidates(ranked, 16, 1, 132, pdl=False)] == [(0, 1), (0, 1)]
+    assert all(c.merge == 0 for c in _launch_setting_candidates(ranked, 16, 9, 132, pdl=True))
+    assert any(c.merge for c in _launch_setting_candidates(ranked, 16, 8, 132, pdl=True))  # 8 × 16 = 128 fits

@@ -148,6 +148,28 @@ def test_a_pdl_mode_outside_0_to_2_is_refused_before_any_launch():
     assert (out == -7.0).all()
 
 
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (DecodeConfig(splits=2, merge=2), "merge must be 0 .*got 2"),
+        (DecodeConfig(splits=2, merge=1), "merge=1 is a setting of the warp-specialised Gluon kernels"),
+        (DecodeConfig(splits=2, gluon=3, merge=1), "merge=1 is a setting of the warp-specialised Gluon kernels"),
+        (DecodeConfig(splits=1, gluon=5, merge=1), "merge=1 needs splits > 1"),
+        # 2 rows × 4 head blocks × 2 splits = 16 programs on the interpreter's 4 "SMs": not all resident at once
+        (DecodeConfig(splits=2, gluon=5, merge=1), "rows × head blocks × splits = 16 here, 4 SMs"),
+    ],
+)
+def test_an_in_kernel_merge_that_cannot_run_is_refused_before_any_launch(config, match):
+    # merge = 1 spins on a grid barrier, so a grid that cannot be resident at once must never launch (it would hang).
+    q, kv, idx, _ = _case(64, rows=2, topk=64)
+    fp8 = config.gluon > 0
+    out = torch.full((2, 64, 512), -7.0, dtype=torch.bfloat16 if fp8 else torch.float32)
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_decode(q.bfloat16() if fp8 else q, quantize_kv656(kv) if fp8 else kv, idx, SM, out=out,
+                          config=config)
+    assert (out == -7.0).all()
+
+
 def test_pdl_modes_fall_back_to_plain_launches_off_the_gpu():
     # Programmatic dependent launch needs sm_90+; under the CPU interpreter a tuned pdl entry still computes the
     # same function (the kernels are compiled with GDC 0, nothing emitted).
