@@ -7,7 +7,8 @@ each selected latent row once for all its heads (MQA reuse), computes QKᵀ with
 writes a normalised partial output and its LSE, and ``_combine_kernel`` merges them (flash-decoding LSE merge).
 Splits are what let one or a few query rows fill the 132 SMs of an H200 (2048 rows / 64-row tiles = 32 tiles).
 With ``DecodeConfig.pdl`` the two kernels are programmatic dependent launches (``_gdc``), so the merge's launch
-overlaps the split kernel; the build times it per shape.
+overlaps the split kernel; with ``DecodeConfig.merge`` (warp-specialised Gluon kernels only) the split programs meet
+at a grid barrier and merge their own partials, one launch in all. The build times both settings per shape.
 
 FP8 656-byte rows are never dequantised element-wise with their scales: for chunk g the per-token scale
 ``sc_g[n]`` multiplies the score tile after the dot (``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the

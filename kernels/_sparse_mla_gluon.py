@@ -52,6 +52,14 @@ built and measured (verified against the reference): 61.2 against 51.0 µs, each
 this tile's softmax, FlashAttention-3's intra-warpgroup overlap): verified, and 1–25 % slower at every measured
 shape (h = 16, B = 64: 61.4 against 50.9 µs; h = 128, B = 64: 194.6 against 155.5; H200, 2026-11-30).
 
+With ``DecodeConfig.merge`` the warp-specialised kernel also merges its splits: after the partitions join, every
+program arrives at a grid barrier (``_grid_barrier``; the launch is cooperative, so the whole grid is resident) and
+then merges a slice of the lanes over all splits (``_merge_splits``), so that no second kernel is launched. Measured on
+the H200 (2026-11-30): the barrier costs 1.0–1.9 µs per call; the merge 2.7–3.3 µs once its code was a short loop,
+against 5–52 µs as first written, straight-line: run once per program, that code was fetched cold (its time followed
+its instruction count, not its bytes). Faster than two launches at B = 8 (h = 16: 11.9 against 14.2 µs) and at
+h = 128, B = 1; slower at B = 1 with h ≤ 32 (9.4 against 7.3 µs), where the build keeps two launches.
+
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
 config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
 5: with one loader).

@@ -137,7 +137,8 @@ def clean_tuned_tables():
 
 @no_gpu
 def test_load_manifest_installs_the_h200_builds_configs_old_and_new(clean_tuned_tables):
-    # The manifests the H200 builds wrote: before programmatic dependent launch (no `pdl` field) and after.
+    # The manifests the H200 builds wrote: before programmatic dependent launch (no `pdl` field), after it, and after
+    # the in-kernel merge (`merge`).
     from pathlib import Path
 
     from pdctl.kernels._build import load_manifest
@@ -152,6 +153,10 @@ def test_load_manifest_installs_the_h200_builds_configs_old_and_new(clean_tuned_
     new = default_decode_config(16, 1, "fp8")
     assert (new.gluon, new.splits, new.pdl) == (5, 32, 1)
     assert default_decode_config(16, 8, "fp8").pdl == 0 and default_decode_config(16, 64, "fp8").pdl == 2
+    load_manifest(results / "h200_kernels_manifest_2026-11-30_merge.json")  # and after the in-kernel merge
+    merged = default_decode_config(16, 8, "fp8")
+    assert (merged.gluon, merged.splits, merged.pdl, merged.merge) == (5, 16, 1, 1)
+    assert default_decode_config(16, 1, "fp8").merge == 0
     assert INDEXER_TUNED["default"].programs_per_sm == 4
 
 
