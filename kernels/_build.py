@@ -481,7 +481,7 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     entry = pydantic.create_model("DecodeEntry", heads=(int, ...), kv=(Literal["fp8", "bf16"], ...), rows=(int, ...),
                                   config=(decode_cfg | None, None))
     indexer = pydantic.create_model("IndexerEntry", config=(indexer_cfg | None, None))
-    gpu = pydantic.create_model("GpuEntry", name=(str, ...))
+    gpu = pydantic.create_model("GpuEntry", name=(str, ...), sm_count=(int | None, None))
     return pydantic.create_model("KernelsManifest", ok=(bool, ...), gpu=(gpu, ...), decode=(list[entry], []),
                                  indexer=(indexer, indexer()))
 
@@ -491,7 +491,8 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         KernelsBuildError: missing/unreadable manifest, one whose structure or launch configs this pdctl does not
-            know (the first offending field is named), ``ok`` false, or a manifest built on another GPU model.
+            know (the first offending field is named), ``ok`` false, or a manifest built on another GPU model or
+            with another SM count visible.
             Nothing is installed then.
     """
     p = Path(path)
@@ -517,9 +518,14 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not parsed.ok:
         raise KernelsBuildError(f"kernels manifest {p} records a failed verification")
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_properties(torch.cuda.current_device()).name
-        if name != parsed.gpu.name:
-            raise KernelsBuildError(f"kernels manifest {p} was built on {parsed.gpu.name!r}, this GPU is {name!r}")
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if props.name != parsed.gpu.name:
+            raise KernelsBuildError(f"kernels manifest {p} was built on {parsed.gpu.name!r}, this GPU is {props.name!r}")
+        if parsed.gpu.sm_count is not None and parsed.gpu.sm_count != props.multi_processor_count:
+            # tuned split counts (and merge = 1, which needs its grid resident at once) assume the SM count
+            raise KernelsBuildError(f"kernels manifest {p} was built with {parsed.gpu.sm_count} SMs visible, this "
+                                    f"{props.name} shows {props.multi_processor_count}; run the kernels_built step "
+                                    "again (python -m pdctl.kernels build)")
     decode = {(e.heads, e.kv, e.rows): DecodeConfig(**e.config.model_dump())
               for e in parsed.decode if e.config is not None}
     indexer = IndexerConfig(**parsed.indexer.config.model_dump()) if parsed.indexer.config is not None else None

@@ -182,22 +182,48 @@ def _pdl_launch(x: torch.Tensor, mode: int) -> dict[str, int | bool]:
     return {"GDC": 0}
 
 
-_BARRIERS: dict[tuple[int, int], torch.Tensor] = {}
+_BARRIER_POOL: dict[int, torch.Tensor] = {}
+"""Per device: ``int32 [64 · 32]``, zeroed outside any CUDA-graph capture; counter i is element 32·i (one 128-byte
+line each)."""
+_BARRIER_SLOTS: dict[tuple[int, int], int] = {}
+_BARRIER_COUNTERS = 64
 
 
 def _grid_barrier_counter(x: torch.Tensor) -> torch.Tensor:
-    """The zeroed ``int32 [1]`` counter that a ``merge = 1`` launch on ``x``'s device and the current stream
-    synchronises on. One per (device, stream): launches on one stream never overlap, and the counter's low 31 bits
-    are back at 0 after every complete barrier, so it is zeroed once. Created during CUDA-graph capture, its zeroing
-    is captured too (and replayed before the kernel)."""
+    """The ``int32 [1]`` counter that a ``merge = 1`` launch on ``x``'s device and the current stream synchronises on.
+
+    The barrier (``_sparse_mla_gluon._grid_barrier``) needs the counter's low 31 bits at 0 when a grid arrives, and
+    leaves them at 0 after every complete barrier; so each counter is zeroed once, at the first ``merge = 1`` call
+    on the device, which must not be inside a CUDA-graph capture (a zeroing recorded in one graph would not cover
+    another graph captured on the same stream, nor calls before that graph's first replay). One counter per
+    (device, stream): launches on one stream reach the barrier one grid at a time (with programmatic dependent launch
+    the next grid's programs wait for this grid to complete before they touch memory). Graphs captured on one
+    stream share its counter, so they must not be replayed concurrently on different streams.
+
+    Raises:
+        RuntimeError: the first ``merge = 1`` call on a device is inside a CUDA-graph capture (warm up eagerly first,
+            as SGLang's graph runner does), or more than 64 streams on one device used ``merge = 1``.
+    """
     import torch
 
-    stream = torch.cuda.current_stream(x.device)
-    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
-    counter = _BARRIERS.get(key)
-    if counter is None:
-        counter = _BARRIERS[key] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    return counter
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    pool = _BARRIER_POOL.get(dev)
+    if pool is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DecodeConfig.merge=1: the grid-barrier counters are zeroed by the first merge=1 call on "
+                               f"cuda:{dev}, which must run outside CUDA-graph capture; make one eager (warm-up) call "
+                               "before capturing")
+        pool = torch.zeros(_BARRIER_COUNTERS * 32, dtype=torch.int32, device=x.device)
+        torch.cuda.synchronize(x.device)  # zero before any stream (or a capture) can use it
+        _BARRIER_POOL[dev] = pool
+    key = (dev, torch.cuda.current_stream(x.device).cuda_stream)
+    slot = _BARRIER_SLOTS.get(key)
+    if slot is None:
+        slot = sum(1 for d, _ in _BARRIER_SLOTS if d == dev)
+        if slot >= _BARRIER_COUNTERS:
+            raise RuntimeError(f"DecodeConfig.merge=1 on more than {_BARRIER_COUNTERS} streams of cuda:{dev}")
+        _BARRIER_SLOTS[key] = slot
+    return pool[32 * slot: 32 * slot + 1]
 
 
 def _combine_block_d(row_heads: int, num_sms: int) -> int:
@@ -291,6 +317,14 @@ def sparse_mla_decode(
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
     if cfg.merge not in (0, 1):
         raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
+    grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
+    if cfg.merge:
+        if cfg.gluon not in (4, 5):
+            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
+        programs = grid[0] * grid[1] * grid[2]
+        if cfg.splits < 2 or programs > _num_sms(q.device):
+            raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
+                             f"splits = {programs} here, {_num_sms(q.device)} SMs): use merge=0 for {cfg}")
     split_launch = _pdl_launch(q, cfg.pdl)
     merge_launch = _pdl_launch(q, min(cfg.pdl, 1))  # the merge is short: it triggers at its start
     if out is None:
@@ -305,23 +339,16 @@ def sparse_mla_decode(
     else:
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
-    grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
     if cfg.gluon:
         if cfg.gluon in (4, 5):
             if not fp8 or q.dtype != torch.bfloat16 or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
                 raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
                                  f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
             kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
-            if cfg.merge:
-                programs = grid[0] * grid[1] * grid[2]
-                if cfg.splits < 2 or programs > _num_sms(q.device):
-                    raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
-                                     f"splits = {programs} here, {_num_sms(q.device)} SMs): use merge=0 for {cfg}")
+            if cfg.merge:  # (checked above: splits > 1, the grid fits one program per SM)
                 s_p2, lanes = _next_pow2(cfg.splits), _next_pow2(-(-D_V // cfg.splits))
                 launch.update(MERGE=True, MERGE_S_P2=s_p2, MERGE_DL=lanes, bar_ptr=_grid_barrier_counter(q),
                               launch_cooperative_grid=True)
-        elif cfg.merge:
-            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
         else:
             if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
                 raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, "
@@ -335,8 +362,6 @@ def sparse_mla_decode(
             HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1, BLOCK_H=cfg.block_h, **launch, **split_launch,
         )
     else:
-        if cfg.merge:
-            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
         compiled = main_k[grid](
             q, q.stride(0), q.stride(1),
             kv_main, stride_kv, kv_sc, stride_kvs, kv_rope, stride_kvr,

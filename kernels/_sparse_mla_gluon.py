@@ -475,7 +475,8 @@ def _merge_splits(mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_l
     # all SPLITS partials, 16 heads per loop step ([S_P2, 16, DL] values, S_P2 · DL ≤ 1024); the sp = 0 program also
     # writes the LSE. The code is kept short on purpose (a loop, one LSE per (split, head), 16-byte partial loads):
     # straight-line merge code, run once per program, measured 5–50 µs on the H200, fetching its instructions cold.
-    # `ok` False (the barrier timed out) gives NaN lse. The partials come from other programs: read through L2 (.cg).
+    # `ok` False (this program's barrier wait timed out) gives NaN in its lanes of o (and in lse from sp = 0). The
+    # partials come from other programs: read through L2 (.cg).
     L3: gl.constexpr = _merge_layout(DL, gl.num_warps())
     LS: gl.constexpr = gl.SliceLayout(2, L3)
     LO: gl.constexpr = gl.SliceLayout(0, L3)
@@ -499,6 +500,7 @@ def _merge_splits(mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_l
                         cache_modifier=".cg")
         inv = gl.where(live, 1.0 / gl.where(live, wsum, 1.0), 0.0)
         o = gl.sum(parts * gl.expand_dims(w, 2), axis=0) * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, LO)), 1)
+        o = gl.where(ok, o, float("nan"))
         gl.store(o_ptr + t.to(gl.int64) * stride_ot + hout * stride_oh + d, o.to(gl.bfloat16), mask=omask)
         lse = gl.where(live, msafe + gl.log(gl.where(live, wsum, 1.0)), float("inf"))
         lse = gl.where(ok, lse, float("nan"))
@@ -566,7 +568,8 @@ def _decode_fp8_ws_kernel(
         ], [LOADER_WARPS, LOADER_WARPS], [LOADER_REGS, LOADER_REGS])
     if MERGE:
         # The split programs merge their own partials (one launch instead of two; needs the whole grid resident:
-        # the host launches it cooperatively).
+        # the host launches it cooperatively). Under PDL the next grid on this stream may already be resident, but
+        # its programs wait (_gdc_enter) for this grid to complete before they touch the barrier counter.
         first = (t == 0) & (hb == 0) & (sp == 0)
         n_programs = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
         ok = _grid_barrier(bar_ptr, first, n_programs, 1 << 22)
