@@ -44,6 +44,12 @@ attention sinks, target-verify/draft-extend indexer calls, models with ``index_i
 exactly when SGLang's own top-k would (``SGLANG_DSA_FUSE_TOPK`` on and not ``force_unfused_topk``), logical
 positions otherwise, and pads rows past the batch with −1 as the original does.
 
+CUDA graphs: a manifest may choose ``DecodeConfig.merge`` (the split programs merge their own partials after a
+grid barrier), whose barrier counters are zeroed at the first such call on the device and must not first be
+reached inside a capture. SGLang's ``CudaGraphRunner.capture_one_batch_size``
+(``sglang/srt/model_executor/cuda_graph_runner.py``) runs each batch size twice eagerly before capturing it, so the
+decode hook's first call is always eager; a first call inside a capture is refused with a ``RuntimeError``.
+
 Any other SGLang version (``importlib.metadata.version("sglang")``) is refused: the hooked functions' names
 and argument lists change between releases (``nsa_*`` → ``dsa_*`` rename in 0.5.15–0.5.20, see
 ``shared/reference/sglang-pd.md`` §1.4), so the plugin also checks each target's parameter names before
