@@ -491,8 +491,9 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         KernelsBuildError: missing/unreadable manifest, one whose structure or launch configs this pdctl does not
-            know (the first offending field is named), ``ok`` false, or a manifest built on another GPU model or
-            with another SM count visible.
+            know (the first offending field is named), a decode config that ``check_decode_config`` refuses for
+            its entry's shape (e.g. ``merge`` 1 on a kernel without it, or a merged grid larger than the manifest's
+            SM count), ``ok`` false, or a manifest built on another GPU model or with another SM count visible.
             Nothing is installed then.
     """
     p = Path(path)
@@ -506,7 +507,7 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     import torch
 
     from pdctl.kernels._indexer import IndexerConfig, set_indexer_config
-    from pdctl.kernels._sparse_mla import DecodeConfig, set_decode_configs
+    from pdctl.kernels._sparse_mla import DecodeConfig, check_decode_config, set_decode_configs
 
     try:
         parsed = _manifest_model(DecodeConfig, IndexerConfig).model_validate(m)
@@ -517,6 +518,17 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
                                 "the kernels_built step again (python -m pdctl.kernels build)") from e
     if not parsed.ok:
         raise KernelsBuildError(f"kernels manifest {p} records a failed verification")
+    decode = {}
+    for i, e in enumerate(parsed.decode):
+        if e.config is None:
+            continue
+        cfg = DecodeConfig(**e.config.model_dump())
+        try:  # a config the launcher would refuse at the first decode call is refused here, naming the entry
+            check_decode_config(cfg, e.heads, e.rows, e.kv, parsed.gpu.sm_count)
+        except ValueError as err:
+            raise KernelsBuildError(f"kernels manifest {p}: decode.{i}.config: {err}; run the kernels_built step again "
+                                    "(python -m pdctl.kernels build)") from err
+        decode[(e.heads, e.kv, e.rows)] = cfg
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         if props.name != parsed.gpu.name:
@@ -526,8 +538,6 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise KernelsBuildError(f"kernels manifest {p} was built with {parsed.gpu.sm_count} SMs visible, this "
                                     f"{props.name} shows {props.multi_processor_count}; run the kernels_built step "
                                     "again (python -m pdctl.kernels build)")
-    decode = {(e.heads, e.kv, e.rows): DecodeConfig(**e.config.model_dump())
-              for e in parsed.decode if e.config is not None}
     indexer = IndexerConfig(**parsed.indexer.config.model_dump()) if parsed.indexer.config is not None else None
     set_decode_configs(decode)
     if indexer is not None:

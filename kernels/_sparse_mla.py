@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DecodeConfig", "default_decode_config", "set_decode_configs", "sparse_mla_decode"]
+__all__ = ["DecodeConfig", "check_decode_config", "default_decode_config", "set_decode_configs", "sparse_mla_decode"]
 
 D_QK = 576
 D_V = 512
@@ -226,6 +226,35 @@ def _grid_barrier_counter(x: torch.Tensor) -> torch.Tensor:
     return pool[32 * slot: 32 * slot + 1]
 
 
+def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str, num_sms: int | None) -> None:
+    """Refuse a launch config that cannot run ``rows`` query rows of ``heads`` heads on a ``kv_format`` cache
+    (``"fp8"`` or ``"bf16"``) on a GPU with ``num_sms`` SMs (``None``: not checked): the split count, the Gluon
+    variants' cache format and head blocks, and the in-kernel merge's conditions. Used by
+    :func:`sparse_mla_decode` before anything is allocated or launched, and by ``load_manifest`` before a tuned
+    table is installed. (q's dtype and the PDL mode are checked at launch.)
+
+    Raises:
+        ValueError: naming the field and what it must be.
+    """
+    if not 1 <= cfg.splits <= _MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    if cfg.merge not in (0, 1):
+        raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
+    if cfg.gluon in (4, 5):
+        if kv_format != "fp8" or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
+            raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
+                             f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
+    elif cfg.gluon and (kv_format != "fp8" or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3)):
+        raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, got {cfg}")
+    if cfg.merge:
+        if cfg.gluon not in (4, 5):
+            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
+        programs = rows * -(-heads // cfg.block_h) * cfg.splits
+        if cfg.splits < 2 or (num_sms is not None and programs > num_sms):
+            raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
+                             f"splits = {programs} here, {num_sms} SMs): use merge=0 for {cfg}")
+
+
 def _combine_block_d(row_heads: int, num_sms: int) -> int:
     """Lanes of the 512-wide output one combine program merges: all 512 once (rows × heads) fills two
     waves of SMs, else fewer (down to 64) so that small batches still spread over the GPU."""
@@ -313,18 +342,10 @@ def sparse_mla_decode(
         raise ValueError(f"topk_length must be int32 [{t_rows}], got {topk_length.dtype} {tuple(topk_length.shape)}")
 
     cfg = config or default_decode_config(heads, t_rows, "fp8" if fp8 else "bf16", _num_sms(q.device), k)
-    if not 1 <= cfg.splits <= _MAX_SPLITS:
-        raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
-    if cfg.merge not in (0, 1):
-        raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
+    check_decode_config(cfg, heads, t_rows, "fp8" if fp8 else "bf16", _num_sms(q.device))
+    if cfg.gluon and q.dtype != torch.bfloat16:
+        raise ValueError(f"the Gluon kernels need bf16 q, got {q.dtype} (config {cfg})")
     grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
-    if cfg.merge:
-        if cfg.gluon not in (4, 5):
-            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
-        programs = grid[0] * grid[1] * grid[2]
-        if cfg.splits < 2 or programs > _num_sms(q.device):
-            raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
-                             f"splits = {programs} here, {_num_sms(q.device)} SMs): use merge=0 for {cfg}")
     split_launch = _pdl_launch(q, cfg.pdl)
     merge_launch = _pdl_launch(q, min(cfg.pdl, 1))  # the merge is short: it triggers at its start
     if out is None:
@@ -340,19 +361,13 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     if cfg.gluon:
-        if cfg.gluon in (4, 5):
-            if not fp8 or q.dtype != torch.bfloat16 or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
-                raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
-                                 f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
+        if cfg.gluon in (4, 5):  # (config checked above)
             kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
             if cfg.merge:  # (checked above: splits > 1, the grid fits one program per SM)
                 s_p2, lanes = _next_pow2(cfg.splits), _next_pow2(-(-D_V // cfg.splits))
                 launch.update(MERGE=True, MERGE_S_P2=s_p2, MERGE_DL=lanes, bar_ptr=_grid_barrier_counter(q),
                               launch_cooperative_grid=True)
         else:
-            if not fp8 or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3) or q.dtype != torch.bfloat16:
-                raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, "
-                                 f"got {cfg}")
             kernel, launch = _gluon_kernel(), {"STAGES": {1: 2, 2: 1, 3: 0}[cfg.gluon], "num_warps": 4}
         compiled = kernel[grid](
             q, q.stride(0), q.stride(1), kv_main, kv_sc, kv_rope, indices, indices.stride(0),
