@@ -282,13 +282,20 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
     fastest; the in-kernel merge (``merge`` 1, with each PDL mode) on the two fastest warp-specialised Gluon configs
     whose grid fits one program per SM. Every one is verified like a plain config before it can be chosen.
     """
+    from pdctl.kernels._sparse_mla import check_decode_config
+
+    def mergeable(cfg: Any) -> bool:  # the launcher's own conditions (the Gluon kernels are FP8-only)
+        try:
+            check_decode_config(dataclasses.replace(cfg, merge=1), heads, rows, "fp8", num_sms)
+        except ValueError:
+            return False
+        return True
+
     out = []
     modes = (1, 2) if pdl else ()
     for cfg in ranked[:2]:
         out += [dataclasses.replace(cfg, pdl=m) for m in modes]
-    mergeable = [c for c in ranked if c.gluon in (4, 5) and c.splits > 1
-                 and rows * -(-heads // c.block_h) * c.splits <= num_sms]
-    for cfg in mergeable[:2]:
+    for cfg in [c for c in ranked if mergeable(c)][:2]:
         out += [dataclasses.replace(cfg, merge=1, pdl=m) for m in (0, *modes)]
     return out
 
