@@ -168,10 +168,11 @@ def test_an_in_kernel_merge_that_cannot_run_is_refused_before_any_launch(config,
         sparse_mla_decode(q.bfloat16() if fp8 else q, quantize_kv656(kv) if fp8 else kv, idx, SM, out=out,
                           config=config)
     assert (out == -7.0).all()
-    if config.merge != 1 or config.splits > 1:
+    if "SMs" in match:  # an empty batch has no grid to exceed the SMs; every other refusal holds for it too
         return
     with pytest.raises(ValueError, match=match):  # refused even when there is nothing to compute
-        sparse_mla_decode(q[:0].bfloat16(), quantize_kv656(kv), idx[:0], SM, config=config)
+        sparse_mla_decode(q[:0].bfloat16() if fp8 else q[:0], quantize_kv656(kv) if fp8 else kv, idx[:0], SM,
+                          config=config)
 
 
 def test_pdl_modes_fall_back_to_plain_launches_off_the_gpu():
