@@ -61,8 +61,8 @@ def instrumented_source() -> str:
     rep("        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n",
         f"        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n"
         f"        {stamp('it', 6)}\n")
-    rep("        mbarrier.arrive(empty.index(st), count=1)\n\n    l_i",
-        f"        mbarrier.arrive(empty.index(st), count=1)\n        {stamp('it', 7)}\n\n    l_i")
+    rep("        mbarrier.arrive(empty.index(st), count=1)\n\n    _gdc_trigger(GDC)\n    l_i",
+        f"        mbarrier.arrive(empty.index(st), count=1)\n        {stamp('it', 7)}\n\n    _gdc_trigger(GDC)\n    l_i")
     rep("lse_ptr, stride_lt, mo_ptr, ml_ptr,\n    H, K, qk_scale_log2, SPLITS,\n    HAS_LEN: gl.constexpr, SPLIT_OUT: "
         "gl.constexpr, BLOCK_H: gl.constexpr, LOADERS",
         "lse_ptr, stride_lt, mo_ptr, ml_ptr, prof_ptr,\n    H, K, qk_scale_log2, SPLITS,\n    HAS_LEN: gl.constexpr, "

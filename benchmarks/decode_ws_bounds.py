@@ -1,0 +1,130 @@
+"""Upper bounds for the warp-specialised FP8 decode (``gluon`` 4/5): how fast would it be if one piece of work
+cost nothing? Each variant is the kernel's text with one piece removed or cheapened (its outputs are WRONG; only
+the time means something), timed like ``decode_pdl.py`` (CUDA-graph replay, inputs rotated, plain launches of the
+split kernel and ``_combine_kernel``):
+
+* ``no-rescale``: the MMA partition does not rescale the output accumulators by exp2(m_old − m_new) each tile;
+* ``no-xwarp-max``: no max over the tile's tokens (a reduction across the warpgroup's 4 warps); the running max
+  stays 0;
+* ``ld-noscale``: the loaders convert e4m3 → bf16 without the per-token scale (no fp32 round trip);
+* ``ld-prmt``: the loaders "convert" with two byte permutes per 4 values (the cost floor of any conversion);
+* combinations of the above.
+
+The base variant is checked against the fp32 reference (the harness is the kernel's). Usage (device machine, repo
+root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_ws_bounds.py [--cases h,B,block_h,splits,gluon ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PRMT = ('gl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;", "=r,=r,r", [{x}], '
+        'dtype=gl.bfloat16, is_pure=True, pack=4)')
+
+
+def _edit(src: str, start: str, end: str, old: str, new: str, n: int) -> str:
+    a, z = src.index(start), src.index(end)
+    body = src[a:z]
+    if body.count(old) != n:
+        raise SystemExit(f"kernel text changed: {old!r} found {body.count(old)}× in {start!r}, expected {n}")
+    return src[:a] + body.replace(old, new) + src[z:]
+
+
+def variant_source(edits: set[str]) -> str:
+    s = (REPO / "kernels" / "_sparse_mla_gluon.py").read_text()
+    mma = ("def _ws_mma(", "def _grid_barrier(")
+    load = ("def _ws_load(", "def _ws_mma(")
+    if "no-rescale" in edits:
+        for i in range(4):
+            s = _edit(s, *mma, f"acc{i} * al,", f"acc{i},", 1)
+    if "no-xwarp-max" in edits:
+        s = _edit(s, *mma, "m_new = gl.maximum(m_i, gl.max(s, axis=0))", "m_new = gl.maximum(m_i, 0.0)", 1)
+    for i in range(4):
+        if "ld-noscale" in edits:
+            s = _edit(s, *load, f"(k{i}.to(gl.float32) * c{i}).to(gl.bfloat16)", f"k{i}.to(gl.bfloat16)", 1)
+        if "ld-prmt" in edits:
+            s = _edit(s, *load, f"(k{i}.to(gl.float32) * c{i}).to(gl.bfloat16)",
+                      PRMT.format(x=f"k{i}.to(gl.int8, bitcast=True)"), 1)
+    return s
+
+
+VARIANTS = [(), ("no-rescale",), ("no-xwarp-max",), ("no-rescale", "no-xwarp-max"), ("ld-noscale",), ("ld-prmt",),
+            ("ld-prmt", "no-rescale", "no-xwarp-max")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["16,64,16,2,4", "32,64,32,2,4", "128,64,64,1,5", "16,8,16,16,5",
+                                                   "16,1,16,32,5"], help="h,B,block_h,splits,gluon variant (4 or 5)")
+    args = ap.parse_args(argv)
+    _bootstrap()
+    import torch
+
+    from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
+    from pdctl.kernels._reference import reference_sparse_mla_decode
+    from pdctl.kernels._sparse_mla import _combine_block_d, _kernels, _next_pow2, _ws_launch
+
+    tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-bounds-")
+    mods = {}
+    for k, edits in enumerate(VARIANTS):
+        path = Path(tmp.name) / f"pdctl_ws_bound{k}.py"  # Triton reads a kernel's source from its file
+        path.write_text(variant_source(set(edits)))
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+        mods[" + ".join(edits) or "base"] = mod
+    sm = 0.135234
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| h | B | config | " + " | ".join(mods) + " |")
+    print("|---|---|---|" + "---|" * len(mods))
+    for case in args.cases:
+        h, rows, bh, splits, variant = (int(x) for x in case.split(","))
+        q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
+        kv2 = kv.reshape(-1, 656)
+        idxs = [idx] + [torch.stack([torch.randperm(kv2.shape[0], device="cuda")[:2048] for _ in range(rows)])
+                        .to(torch.int32) for _ in range(rotations(rows * 2048 * 656) - 1)]
+        hb = -(-h // bh)
+        mid_o = torch.empty(rows, h, splits, 512, device="cuda")
+        mid_l = torch.empty(rows, h, splits, device="cuda")
+        out = torch.empty(rows, h, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(rows, h, device="cuda")
+        res = []
+        for name, mod in mods.items():
+            def run(ix, mod=mod) -> None:
+                mod._decode_fp8_ws_kernel[(rows, hb, splits)](
+                    q, q.stride(0), q.stride(1), kv2.view(torch.float8_e4m3fn), kv2.view(torch.float32),
+                    kv2.view(torch.bfloat16), ix, ix.stride(0), ix, out, out.stride(0), out.stride(1), lse,
+                    lse.stride(0), mid_o, mid_l, h, ix.shape[1], sm * 1.4426950408889634, splits,
+                    HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh))
+                if splits > 1:
+                    bd = _combine_block_d(rows * h, nsm)
+                    _kernels()[1][(rows, h, 512 // bd)](mid_o, mid_l, out, out.stride(0), out.stride(1), lse,
+                                                        lse.stride(0), h, splits, BLOCK_S=max(2, _next_pow2(splits)),
+                                                        BLOCK_D=bd, num_warps=4, GDC=False)
+            try:
+                run(idx)
+                torch.cuda.synchronize()
+                tag = ""
+                if name == "base":
+                    ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
+                    tag = "" if _decode_tolerance_check(out, lse, ro, rl)["ok"] else " WRONG"
+                res.append(f"{graph_us_multi([lambda ix=ix, run=run: run(ix) for ix in idxs]):.2f}{tag}")
+            except Exception:
+                res.append("failed")
+                print(f"{name} at {case}: {traceback.format_exc()[-400:]}", file=sys.stderr)
+        print(f"| {h} | {rows} | gluon-{variant}: {bh},{splits} | " + " | ".join(res) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
