@@ -56,10 +56,11 @@ class DecodeConfig:
     gluon: int = 0
     """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernels (``_sparse_mla_gluon``; 64-token tiles;
     block_n, num_warps, num_stages and prefetch are ignored). 1–3 (block_h 16 or 32, 4 warps): 1: two cp.async
-    stages, 2: one stage, 3: rows loaded straight into registers (no staging, two programs per SM). 4–5: the
+    stages, 2: one stage, 3: rows loaded straight into registers (no staging, two programs per SM). 4, 5 and 7: the
     warp-specialised kernel (loader warps gather and dequantise into two bf16 stages while an MMA warpgroup
     computes; one program per SM): 4: two loader partitions, block_h 16 or 32; 5: one loader partition,
-    block_h 16, 32 or 64 (64: two MMA warpgroups, each half of the heads)."""
+    block_h 16, 32 or 64 (64: two MMA warpgroups, each half of the heads); 7: block_h 64 with heads as wgmma's M
+    (``_ws_mma_hm``: two MMA partitions, each the whole QKᵀ and softmax, and half of the output lanes)."""
     pdl: int = 0
     """Programmatic dependent launch (sm_90+, Triton 3.3+; ``pdctl.kernels._gdc``): 0: plain launches. 1 and 2:
     both kernels launched with PDL, each waiting for the previous kernel in the stream before touching memory;
@@ -67,7 +68,7 @@ class DecodeConfig:
     faster depends on the shape (``build_and_verify`` times them)."""
 
     merge: int = 0
-    """Warp-specialised Gluon kernels (``gluon`` 4–5) with splits > 1 only: 1 = the split programs merge their own
+    """Warp-specialised Gluon kernels (``gluon`` 4, 5, 7) with splits > 1 only: 1 = the split programs merge their own
     partials after a grid-wide barrier (``_sparse_mla_gluon._grid_barrier``), one launch instead of the split
     kernel and ``_combine_kernel``. The whole grid must be resident at once, so the kernel is launched
     cooperatively (CUDA's cooperative launch attribute, Triton's ``launch_cooperative_grid``) and the grid
@@ -136,6 +137,9 @@ def _ws_launch(variant: int, block_h: int) -> dict[str, int]:
     spill-free or nearly with ``ptxas -v`` for sm_90a, Triton 3.6)."""
     if variant == 4:
         return {"LOADERS": 2, "LOADER_WARPS": 4, "LOADER_REGS": 128, "num_warps": 4, "maxnreg": 168}
+    if variant == 7:  # launched at 168 registers × 384 threads: the MMA partitions run at 192, the loader at 120
+        return {"LOADERS": 1, "HM": True, "MMA_REGS": 192, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 4,
+                "maxnreg": 168}
     if block_h == 64:
         return {"LOADERS": 1, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 8, "maxnreg": 168}
     return {"LOADERS": 1, "LOADER_WARPS": 4, "LOADER_REGS": 168, "num_warps": 4, "maxnreg": 248}
@@ -240,15 +244,17 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
     if cfg.merge not in (0, 1):
         raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
-    if cfg.gluon in (4, 5):
-        if kv_format != "fp8" or cfg.block_h not in ((16, 32) if cfg.gluon == 4 else (16, 32, 64)):
+    if cfg.gluon in (4, 5, 7):
+        if kv_format != "fp8" or cfg.block_h not in {4: (16, 32), 5: (16, 32, 64), 7: (64,)}[cfg.gluon]:
             raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
-                             f"(gluon 4) or 16, 32 or 64 (gluon 5), got {cfg}")
+                             f"(gluon 4), 16, 32 or 64 (gluon 5) or 64 (gluon 7), got {cfg}")
     elif cfg.gluon and (kv_format != "fp8" or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3)):
-        raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5, got {cfg}")
+        raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5 or 7, "
+                         f"got {cfg}")
     if cfg.merge:
-        if cfg.gluon not in (4, 5):
-            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4 or 5), got {cfg}")
+        if cfg.gluon not in (4, 5, 7):
+            raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4, 5 or 7), "
+                             f"got {cfg}")
         programs = rows * -(-heads // cfg.block_h) * cfg.splits
         if cfg.splits < 2 or (num_sms is not None and programs > num_sms):
             raise ValueError(f"merge=1 needs splits > 1 and at most one program per SM (rows × head blocks × "
@@ -361,7 +367,7 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     if cfg.gluon:
-        if cfg.gluon in (4, 5):  # (config checked above)
+        if cfg.gluon in (4, 5, 7):  # (config checked above)
             kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
             if cfg.merge:  # (checked above: splits > 1, the grid fits one program per SM)
                 s_p2, lanes = _next_pow2(cfg.splits), _next_pow2(-(-D_V // cfg.splits))

@@ -438,6 +438,87 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
 
 
 @gluon.jit
+def _ws_mma_hm(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready, n_tiles,
+               qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
+               SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, PART: gl.constexpr, GDC: gl.constexpr):
+    # Heads as wgmma's M (gluon 7, 64-head blocks): one of two 4-warp MMA partitions, each computing the whole
+    # S[heads, tokens] = Q·Kᵀ of a staged tile (Q the shared-memory A operand, K its natural K-major B operand) and
+    # its softmax along the tile's tokens, which is a reduction inside each warp (a head's 64 scores sit in one
+    # quad of threads), and then O[heads, lanes] += P·V for its half of the 512 lanes (PART 0: 0–255, 1: 256–511)
+    # with P straight from registers as the A operand. Both partitions compute the same softmax, so they never
+    # exchange data; each releases the stage with its own arrival. Partition 0 reads the query and signals `qready`.
+    if PART == 0:
+        _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(qready, count=1)
+    else:
+        mbarrier.wait(qready, 0)
+    MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
+    COL_S: gl.constexpr = gl.SliceLayout(0, MS)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, MO)
+    COL_O: gl.constexpr = gl.SliceLayout(0, MO)
+    m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW_S)
+    o0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MO)
+    o1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MO)
+    zs = gl.zeros([BLOCK_H, 64], gl.float32, layout=MS)
+    for it in range(n_tiles):
+        st = it % 2
+        kb = st * 4
+        mbarrier.wait(full.index(st), (it // 2) & 1)
+        s = warpgroup_mma(qpe_s.index(0), kpe_s.index(st).permute([1, 0]), zs, is_async=True)
+        s = warpgroup_mma(q_s.index(0), kc_s.index(kb + 0).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(q_s.index(1), kc_s.index(kb + 1).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(q_s.index(2), kc_s.index(kb + 2).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma(q_s.index(3), kc_s.index(kb + 3).permute([1, 0]), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        bias = bias_s.index(st).load(COL_S)
+        s = s * qk_scale_log2 + gl.expand_dims(bias, 0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        pa = gl.convert_layout(p.to(gl.bfloat16), PA)
+        al = gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        o0 = warpgroup_mma(pa, kc_s.index(kb + 2 * PART), o0 * al, is_async=True)
+        o1 = warpgroup_mma(pa, kc_s.index(kb + 2 * PART + 1), o1 * al, is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st), count=1)
+
+    _gdc_trigger(GDC)
+    # Normalise and write this partition's lanes (split partial + LSE, or the bf16 output + LSE), as _store_split.
+    l_o = gl.convert_layout(l_i, ROW_O)
+    m_o = gl.convert_layout(m_i, ROW_O)
+    live = l_o > 0.0
+    inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_o, 1.0), 0.0), 1)
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    hmask = gl.expand_dims(heads < H, 1)
+    lanes = gl.expand_dims(PART * 256 + gl.arange(0, 128, layout=COL_O), 0)
+    LN2: gl.constexpr = 0.6931471805599453
+    if SPLIT_OUT:
+        lse = gl.where(live, (m_o + gl.log2(gl.where(live, l_o, 1.0))) * LN2, float("-inf"))
+        base = (t.to(gl.int64) * H + heads) * SPLITS + sp
+        mb = mo_ptr + gl.expand_dims(base, 1) * 512 + lanes
+        gl.store(mb, o0 * inv, mask=hmask)
+        gl.store(mb + 128, o1 * inv, mask=hmask)
+        if PART == 0:
+            gl.store(ml_ptr + base, lse, mask=heads < H)
+    else:
+        lse = gl.where(live, (m_o + gl.log2(gl.where(live, l_o, 1.0))) * LN2, float("inf"))
+        ob = o_ptr + t.to(gl.int64) * stride_ot + gl.expand_dims(heads, 1) * stride_oh + lanes
+        gl.store(ob, (o0 * inv).to(gl.bfloat16), mask=hmask)
+        gl.store(ob + 128, (o1 * inv).to(gl.bfloat16), mask=hmask)
+        if PART == 0:
+            gl.store(lse_ptr + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+
+
+@gluon.jit
 def _grid_barrier(bar_ptr, first, n_programs, MAX_POLLS: gl.constexpr):
     # Every program of the grid arrives here; returns True once all have (False after MAX_POLLS polls, a grid that
     # is not co-resident). The counting is CUDA cooperative groups' grid sync (CUDA 12 ``cooperative_groups``
@@ -518,6 +599,7 @@ def _decode_fp8_ws_kernel(
     HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, GDC: gl.constexpr,
     bar_ptr=None, MERGE: gl.constexpr = False, MERGE_S_P2: gl.constexpr = 2, MERGE_DL: gl.constexpr = 256,
+    HM: gl.constexpr = False, MMA_REGS: gl.constexpr = 168,
 ):
     KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -536,19 +618,37 @@ def _decode_fp8_ws_kernel(
     kc_s = gl.allocate_shared_memory(gl.bfloat16, [8, 64, 128], KC_SL)
     kpe_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KPE_SL)
     bias_s = gl.allocate_shared_memory(gl.float32, [2, 64], B_SL)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_H], P_SL)
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    if HM:  # two MMA partitions release each stage; P stays in registers
+        qready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qready.index(0), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+    else:
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_H], P_SL)
+        for i in gl.static_range(2):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
 
     start, end, n_tiles = _split_range(K, len_ptr, t, sp, SPLITS, HAS_LEN)
     irow = idx_ptr + t.to(gl.int64) * stride_it
 
-    if LOADERS == 1:
+    if HM:
+        gl.warp_specialize([
+            (_ws_mma_hm, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready.index(0),
+                          n_tiles, qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb,
+                          sp, H, SPLITS, SPLIT_OUT, BLOCK_H, 0, GDC)),
+            (_ws_mma_hm, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready.index(0),
+                          n_tiles, qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb,
+                          sp, H, SPLITS, SPLIT_OUT, BLOCK_H, 1, GDC)),
+            (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
+                        0, 1, LOADER_WARPS)),
+        ], [4, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
+    elif LOADERS == 1:
         gl.warp_specialize([
             (_ws_mma, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, full, empty, n_tiles, qk_scale_log2,
                        o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,

@@ -102,6 +102,17 @@ def test_gluon_ws_fp8_decode_with_64_head_blocks_matches_the_reference(heads, ro
     _check_decode(heads, rows, "fp8", DecodeConfig(block_h=64, splits=splits, gluon=5))
 
 
+@pytest.mark.parametrize("heads", [64, 128, 48, 8])
+@pytest.mark.parametrize("rows,splits", [(1, 32), (8, 4), (64, 1), (64, 2), (3, 24)])
+def test_gluon_ws_fp8_decode_with_heads_as_m_matches_the_reference(heads, rows, splits):
+    # gluon 7: 64-head blocks with heads as wgmma's M, two MMA partitions each taking half the output lanes
+    # (48 and 8 heads: part of the block masked; 24 splits: ragged splits).
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    _require_hopper_gluon()
+    _check_decode(heads, rows, "fp8", DecodeConfig(block_h=64, splits=splits, gluon=7))
+
+
 def _decode_chain_case(kv_format):
     # Three decode calls (16 heads, one row) where the second one's query is computed from the first one's output
     # by a plain torch kernel; returns cfg -> [o1, lse1, o2, lse2, o3, lse3].
@@ -137,7 +148,7 @@ def _assert_graph_replays_equal(chain, cfg, want, replays, what):
 
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("kv_format,gluon,block_h,splits", [("fp8", 5, 16, 32), ("fp8", 4, 16, 8), ("fp8", 3, 16, 8),
-                                                            ("bf16", 0, 16, 16)])
+                                                            ("fp8", 7, 64, 8), ("bf16", 0, 16, 16)])
 def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon, block_h, splits, mode):
     # With pdl 1 or 2 each call is two programmatic dependent launches (split kernel, merge). Chain three calls in
     # one CUDA graph: the second call's query is computed from the first call's output by a plain torch kernel
@@ -161,7 +172,8 @@ def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon,
 
 @pytest.mark.parametrize("heads,block_h,rows,splits,variant", [(16, 16, 1, 32, 5), (16, 16, 1, 24, 5), (32, 32, 1, 32, 5),
                                                               (16, 16, 8, 16, 5), (8, 16, 2, 64, 4), (128, 32, 1, 32, 4),
-                                                              (64, 64, 1, 16, 5), (32, 16, 4, 3, 4)])
+                                                              (64, 64, 1, 16, 5), (32, 16, 4, 3, 4), (128, 64, 1, 16, 7),
+                                                              (64, 64, 8, 8, 7)])
 def test_splits_merged_in_the_split_kernel_match_the_reference(heads, block_h, rows, splits, variant):
     # merge = 1: a grid barrier, then each split program merges a slice of the lanes (non-power-of-two split counts
     # leave some programs without lanes; topk_length and empty rows come with the case).

@@ -130,7 +130,9 @@ def test_decode_rejects_bad_shapes_with_the_values(bad, match):
     [
         (DecodeConfig(block_h=64, splits=2, gluon=4), "block_h 16 or 32 \\(gluon 4\\)"),
         (DecodeConfig(block_h=128, splits=2, gluon=5), "16, 32 or 64 \\(gluon 5\\)"),
-        (DecodeConfig(block_h=64, splits=2, gluon=3), "block_h 16 or 32 and gluon 1-5"),
+        (DecodeConfig(block_h=32, splits=2, gluon=7), "64 \\(gluon 7\\)"),
+        (DecodeConfig(block_h=64, splits=2, gluon=6), "gluon 1-5 or 7"),
+        (DecodeConfig(block_h=64, splits=2, gluon=3), "block_h 16 or 32 and gluon 1-5 or 7"),
     ],
 )
 def test_gluon_configs_outside_their_head_blocks_are_refused_before_any_launch(config, match):
