@@ -35,11 +35,16 @@ def instrumented_source() -> str:
     """The Gluon module's text with per-tile stamps: slot j·8 + e of a 512-slot row per program (64 tiles max)."""
     s = (REPO / "kernels" / "_sparse_mla_gluon.py").read_text()
 
-    def rep(old: str, new: str, n: int = 1) -> None:
+    def rep(old: str, new: str, n: int = 1, within: tuple[str, str] | None = None) -> None:
+        # Replace `old` (n times) in the whole text or in the part from within[0] up to within[1].
         nonlocal s
-        if s.count(old) != n:
-            raise SystemExit(f"kernel text changed, cannot instrument: {old!r} found {s.count(old)}×, expected {n}")
-        s = s.replace(old, new)
+        a, z = (s.index(within[0]), s.index(within[1])) if within else (0, len(s))
+        part = s[a:z]
+        if part.count(old) != n:
+            raise SystemExit(f"kernel text changed, cannot instrument: {old!r} found {part.count(old)}×, expected {n}")
+        s = s[:a] + part.replace(old, new) + s[z:]
+
+    mma = ("def _ws_mma(", "def _ws_mma_hm(")  # the tokens-as-M MMA partition (gluon 4 and 5)
 
     def stamp(slot: str, e: int) -> str:
         return f"gl.store(prof + {slot} * 8 + {e}, {CLK})"
@@ -55,9 +60,9 @@ def instrumented_source() -> str:
     rep("bias_s, p_s, full, empty, n_tiles, qk_scale_log2,\n            o_ptr",
         "bias_s, p_s, full, empty, prof, n_tiles, qk_scale_log2,\n            o_ptr")
     rep("        mbarrier.wait(full.index(st), (it // 2) & 1)\n",
-        f"        {stamp('it', 3)}\n        mbarrier.wait(full.index(st), (it // 2) & 1)\n        {stamp('it', 4)}\n")
+        f"        {stamp('it', 3)}\n        mbarrier.wait(full.index(st), (it // 2) & 1)\n        {stamp('it', 4)}\n", within=mma)
     rep("        s = warpgroup_mma_wait(0, deps=[s])\n",
-        f"        s = warpgroup_mma_wait(0, deps=[s])\n        {stamp('it', 5)}\n")
+        f"        s = warpgroup_mma_wait(0, deps=[s])\n        {stamp('it', 5)}\n", within=mma)
     rep("        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n",
         f"        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n"
         f"        {stamp('it', 6)}\n")
@@ -67,12 +72,12 @@ def instrumented_source() -> str:
         "gl.constexpr, BLOCK_H: gl.constexpr, LOADERS",
         "lse_ptr, stride_lt, mo_ptr, ml_ptr, prof_ptr,\n    H, K, qk_scale_log2, SPLITS,\n    HAS_LEN: gl.constexpr, "
         "SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS")
-    rep("    irow = idx_ptr + t.to(gl.int64) * stride_it\n\n    if LOADERS",
+    rep("    irow = idx_ptr + t.to(gl.int64) * stride_it\n\n    if HM:",
         "    irow = idx_ptr + t.to(gl.int64) * stride_it\n"
-        "    prof = prof_ptr + ((t * gl.num_programs(1) + hb) * SPLITS + sp).to(gl.int64) * 512\n\n    if LOADERS")
+        "    prof = prof_ptr + ((t * gl.num_programs(1) + hb) * SPLITS + sp).to(gl.int64) * 512\n\n    if HM:")
     rep("bias_s, p_s, full, empty, n_tiles, qk_scale_log2,\n                       o_ptr",
         "bias_s, p_s, full, empty, prof, n_tiles, qk_scale_log2,\n                       o_ptr", 2)
-    rep("kc_s, kpe_s, bias_s, full, empty,\n                        0,", "kc_s, kpe_s, bias_s, full, empty, prof,\n                        0,", 2)
+    rep("kc_s, kpe_s, bias_s, full, empty,\n                        0,", "kc_s, kpe_s, bias_s, full, empty, prof,\n                        0,", 3)
     rep("kc_s, kpe_s, bias_s, full, empty,\n                        1,", "kc_s, kpe_s, bias_s, full, empty, prof,\n                        1,")
     return s
 

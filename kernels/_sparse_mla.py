@@ -60,7 +60,8 @@ class DecodeConfig:
     warp-specialised kernel (loader warps gather and dequantise into two bf16 stages while an MMA warpgroup
     computes; one program per SM): 4: two loader partitions, block_h 16 or 32; 5: one loader partition,
     block_h 16, 32 or 64 (64: two MMA warpgroups, each half of the heads); 7: block_h 64 with heads as wgmma's M
-    (``_ws_mma_hm``: two MMA partitions, each the whole QKᵀ and softmax, and half of the output lanes)."""
+    (``_ws_mma_hm``: one MMA partition computes QKᵀ, the softmax and half of the output lanes, and hands P to a
+    second for the other half)."""
     pdl: int = 0
     """Programmatic dependent launch (sm_90+, Triton 3.3+; ``pdctl.kernels._gdc``): 0: plain launches. 1 and 2:
     both kernels launched with PDL, each waiting for the previous kernel in the stream before touching memory;
@@ -137,8 +138,8 @@ def _ws_launch(variant: int, block_h: int) -> dict[str, int]:
     spill-free or nearly with ``ptxas -v`` for sm_90a, Triton 3.6)."""
     if variant == 4:
         return {"LOADERS": 2, "LOADER_WARPS": 4, "LOADER_REGS": 128, "num_warps": 4, "maxnreg": 168}
-    if variant == 7:  # launched at 168 registers × 384 threads: the MMA partitions run at 192, the loader at 120
-        return {"LOADERS": 1, "HM": True, "MMA_REGS": 192, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 4,
+    if variant == 7:  # launched at 168 registers × 384 threads; then QKᵀ + softmax 224, the PV partition 160, loader 120
+        return {"LOADERS": 1, "HM": True, "MMA_REGS": 160, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 4,
                 "maxnreg": 168}
     if block_h == 64:
         return {"LOADERS": 1, "LOADER_WARPS": 4, "LOADER_REGS": 120, "num_warps": 8, "maxnreg": 168}

@@ -438,29 +438,24 @@ def _ws_mma(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, f
 
 
 @gluon.jit
-def _ws_mma_hm(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready, n_tiles,
-               qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
-               SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, PART: gl.constexpr, GDC: gl.constexpr):
-    # Heads as wgmma's M (gluon 7, 64-head blocks): one of two 4-warp MMA partitions, each computing the whole
-    # S[heads, tokens] = Q·Kᵀ of a staged tile (Q the shared-memory A operand, K its natural K-major B operand) and
-    # its softmax along the tile's tokens, which is a reduction inside each warp (a head's 64 scores sit in one
-    # quad of threads), and then O[heads, lanes] += P·V for its half of the 512 lanes (PART 0: 0–255, 1: 256–511)
-    # with P straight from registers as the A operand. Both partitions compute the same softmax, so they never
-    # exchange data; each releases the stage with its own arrival. Partition 0 reads the query and signals `qready`.
-    if PART == 0:
-        _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(qready, count=1)
-    else:
-        mbarrier.wait(qready, 0)
+def _ws_mma_hm(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, p_s, a_s, lm_s, full, empty, pfull, pempty,
+               fin, n_tiles, qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp,
+               H, SPLITS, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, GDC: gl.constexpr):
+    # Heads as wgmma's M (gluon 7, 64-head blocks), the first of two 4-warp MMA partitions. Per staged tile:
+    # S[heads, tokens] = Q·Kᵀ (Q the shared-memory A operand, the tile its natural K-major B operand), the online
+    # softmax along the tile's tokens (a reduction inside each warp: a head's 64 scores sit in one quad of threads),
+    # P and the rescale handed to the second partition through shared memory (``_ws_pv_hm``: it waits on `pfull` and
+    # frees the buffer on `pempty`), then O[heads, 0:256] += P·V with P straight from registers as the A operand.
+    # Both partitions release the stage. At the end l and m go to the second partition (`fin`).
+    _query_to_smem(q_ptr, stride_qt, stride_qh, t, hb, H, q_s, qpe_s, BLOCK_H)
+    fence_async_shared()
+    gl.thread_barrier()
     MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, MS)
     COL_S: gl.constexpr = gl.SliceLayout(0, MS)
     ROW_O: gl.constexpr = gl.SliceLayout(1, MO)
-    COL_O: gl.constexpr = gl.SliceLayout(0, MO)
     m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=ROW_S)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW_S)
     o0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MO)
@@ -483,18 +478,64 @@ def _ws_mma_hm(q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, ful
         p = gl.exp2(s - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        pa = gl.convert_layout(p.to(gl.bfloat16), PA)
+        pb = p.to(gl.bfloat16)
+        mbarrier.wait(pempty, (it & 1) ^ 1)
+        p_s.store(pb)
+        a_s.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pfull, count=1)
+        pa = gl.convert_layout(pb, PA)
         al = gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        o0 = warpgroup_mma(pa, kc_s.index(kb + 2 * PART), o0 * al, is_async=True)
-        o1 = warpgroup_mma(pa, kc_s.index(kb + 2 * PART + 1), o1 * al, is_async=True)
+        o0 = warpgroup_mma(pa, kc_s.index(kb + 0), o0 * al, is_async=True)
+        o1 = warpgroup_mma(pa, kc_s.index(kb + 1), o1 * al, is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
         gl.thread_barrier()
         mbarrier.arrive(empty.index(st), count=1)
 
     _gdc_trigger(GDC)
-    # Normalise and write this partition's lanes (split partial + LSE, or the bf16 output + LSE), as _store_split.
-    l_o = gl.convert_layout(l_i, ROW_O)
-    m_o = gl.convert_layout(m_i, ROW_O)
+    lm_s.index(0).store(l_i)
+    lm_s.index(1).store(m_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin, count=1)
+    _store_hm(o0, o1, gl.convert_layout(l_i, ROW_O), gl.convert_layout(m_i, ROW_O), t, hb, sp, H, SPLITS, o_ptr,
+              stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, 0, MO)
+
+
+@gluon.jit
+def _ws_pv_hm(kc_s, empty, n_tiles, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H,
+              SPLITS, p_s, a_s, lm_s, pfull, pempty, fin, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr,
+              GDC: gl.constexpr):
+    # The second MMA partition of gluon 7: O[heads, 256:512] += P·V per tile, from the P (the shared-memory A
+    # operand) and rescale that ``_ws_mma_hm`` leaves each tile; l and m come from it at the end.
+    MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    ROW_O: gl.constexpr = gl.SliceLayout(1, MO)
+    o0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MO)
+    o1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MO)
+    for it in range(n_tiles):
+        st = it % 2
+        kb = st * 4
+        mbarrier.wait(pfull, it & 1)
+        al = gl.expand_dims(a_s.load(ROW_O), 1)
+        o0 = warpgroup_mma(p_s, kc_s.index(kb + 2), o0 * al, is_async=True)
+        o1 = warpgroup_mma(p_s, kc_s.index(kb + 3), o1 * al, is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
+        gl.thread_barrier()
+        mbarrier.arrive(pempty, count=1)
+        mbarrier.arrive(empty.index(st), count=1)
+    _gdc_trigger(GDC)
+    mbarrier.wait(fin, 0)
+    _store_hm(o0, o1, lm_s.index(0).load(ROW_O), lm_s.index(1).load(ROW_O), t, hb, sp, H, SPLITS, o_ptr, stride_ot,
+              stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, SPLIT_OUT, BLOCK_H, 1, MO)
+
+
+@gluon.jit
+def _store_hm(o0, o1, l_o, m_o, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr,
+              SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, PART: gl.constexpr, MO: gl.constexpr):
+    # Normalise and write one partition's 256 lanes (split partial + LSE, or the bf16 output + LSE; the LSE from
+    # PART 0), as _store_split does with the heads on the other axis.
+    ROW_O: gl.constexpr = gl.SliceLayout(1, MO)
+    COL_O: gl.constexpr = gl.SliceLayout(0, MO)
     live = l_o > 0.0
     inv = gl.expand_dims(gl.where(live, 1.0 / gl.where(live, l_o, 1.0), 0.0), 1)
     heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
@@ -620,12 +661,17 @@ def _decode_fp8_ws_kernel(
     bias_s = gl.allocate_shared_memory(gl.float32, [2, 64], B_SL)
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if HM:  # two MMA partitions release each stage; P stays in registers
-        qready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(qready.index(0), count=1)
+    if HM:  # two MMA partitions release each stage; P, its rescale and the final l, m go from one to the other
         for i in gl.static_range(2):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
+        ph_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], gl.bfloat16))
+        a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], B_SL)
+        lm_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], B_SL)
+        hbar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(3):
+            mbarrier.init(hbar.index(i), count=1)
     else:
         p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_H], P_SL)
         for i in gl.static_range(2):
@@ -639,12 +685,12 @@ def _decode_fp8_ws_kernel(
 
     if HM:
         gl.warp_specialize([
-            (_ws_mma_hm, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready.index(0),
-                          n_tiles, qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb,
-                          sp, H, SPLITS, SPLIT_OUT, BLOCK_H, 0, GDC)),
-            (_ws_mma_hm, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, full, empty, qready.index(0),
-                          n_tiles, qk_scale_log2, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb,
-                          sp, H, SPLITS, SPLIT_OUT, BLOCK_H, 1, GDC)),
+            (_ws_mma_hm, (q_ptr, stride_qt, stride_qh, q_s, qpe_s, kc_s, kpe_s, bias_s, ph_s, a_s, lm_s, full, empty,
+                          hbar.index(0), hbar.index(1), hbar.index(2), n_tiles, qk_scale_log2, o_ptr, stride_ot,
+                          stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS, SPLIT_OUT, BLOCK_H, GDC)),
+            (_ws_pv_hm, (kc_s, empty, n_tiles, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb,
+                         sp, H, SPLITS, ph_s, a_s, lm_s, hbar.index(0), hbar.index(1), hbar.index(2), SPLIT_OUT,
+                         BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
                         0, 1, LOADER_WARPS)),
         ], [4, LOADER_WARPS], [MMA_REGS, LOADER_REGS])

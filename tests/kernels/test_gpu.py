@@ -105,8 +105,8 @@ def test_gluon_ws_fp8_decode_with_64_head_blocks_matches_the_reference(heads, ro
 @pytest.mark.parametrize("heads", [64, 128, 48, 8])
 @pytest.mark.parametrize("rows,splits", [(1, 32), (8, 4), (64, 1), (64, 2), (3, 24)])
 def test_gluon_ws_fp8_decode_with_heads_as_m_matches_the_reference(heads, rows, splits):
-    # gluon 7: 64-head blocks with heads as wgmma's M, two MMA partitions each taking half the output lanes
-    # (48 and 8 heads: part of the block masked; 24 splits: ragged splits).
+    # gluon 7: 64-head blocks with heads as wgmma's M; one MMA partition hands P to the other, each takes half the
+    # output lanes (48 and 8 heads: part of the block masked; 24 splits: ragged splits).
     from pdctl.kernels._sparse_mla import DecodeConfig
 
     _require_hopper_gluon()
