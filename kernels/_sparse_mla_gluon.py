@@ -60,9 +60,20 @@ against 5–52 µs as first written, straight-line: run once per program, that c
 its instruction count, not its bytes). Faster than two launches at B = 8 (h = 16: 11.9 against 14.2 µs) and at
 h = 128, B = 1; slower at B = 1 with h ≤ 32 (9.4 against 7.3 µs), where the build keeps two launches.
 
+With 64-head blocks (h ≥ 64) the tokens-as-M layout costs a softmax reduction across the warpgroup's four warps
+every tile: the warp-specialised kernel timed with that max removed (wrong outputs, ``benchmarks/decode_ws_bounds.py``)
+ran h = 128, B = 64 in 126 instead of 157 µs on the H200. ``gluon`` 7 therefore puts the heads on wgmma's M
+(``_ws_mma_hm``, one loader partition as in 5): S[heads, tokens] = Q·Kᵀ with the staged tile as its natural
+K-major B operand, a softmax along the tokens that stays inside each warp, and O[heads, lanes] += P·V with P taken
+straight from registers as the A operand. O for 64 heads × 512 lanes is too large for one warpgroup's registers, so a
+second 4-warp MMA partition (``_ws_pv_hm``) computes lanes 256–511 from the P and rescale that the first hands it
+through shared memory each tile (FlashMLA's split of the output between two warpgroups). Measured on the H200
+(2026-11-30): h = 128, B = 64 132.9 µs against 156.6 for gluon 5, and 146.8 when both partitions computed QKᵀ and
+the softmax themselves instead of the handoff.
+
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
 config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
-5: with one loader).
+5: with one loader, 7: one loader and heads as M).
 """
 
 from triton.experimental import gluon
