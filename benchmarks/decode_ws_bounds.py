@@ -8,7 +8,12 @@ split kernel and ``_combine_kernel``):
   stays 0;
 * ``ld-noscale``: the loaders convert e4m3 → bf16 without the per-token scale (no fp32 round trip);
 * ``ld-prmt``: the loaders "convert" with two byte permutes per 4 values (the cost floor of any conversion);
+* ``ld-nogather``: the loaders' row loads are masked off (no KV bytes move; indices and scales are still read), so
+  the time is what the MMA side alone needs;
 * combinations of the above.
+
+The two MMA-side edits change the tokens-as-M partition (``gluon`` 4 and 5) only; with ``gluon`` 7 they time the
+kernel unchanged.
 
 The base variant is checked against the fp32 reference (the harness is the kernel's). Usage (device machine, repo
 root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_ws_bounds.py [--cases h,B,block_h,splits,gluon ...]``
@@ -48,6 +53,9 @@ def variant_source(edits: set[str]) -> str:
             s = _edit(s, *mma, f"acc{i} * al,", f"acc{i},", 1)
     if "no-xwarp-max" in edits:
         s = _edit(s, *mma, "m_new = gl.maximum(m_i, gl.max(s, axis=0))", "m_new = gl.maximum(m_i, 0.0)", 1)
+    if "ld-nogather" in edits:
+        s = _edit(s, *load, "m = gl.expand_dims(ok, 1) & (cols < 128)", "m = gl.expand_dims(ok, 1) & (cols < 0)", 1)
+        s = _edit(s, *load, "mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64)", "mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 0)", 1)
     for i in range(4):
         if "ld-noscale" in edits:
             s = _edit(s, *load, f"(k{i}.to(gl.float32) * c{i}).to(gl.bfloat16)", f"k{i}.to(gl.bfloat16)", 1)
@@ -58,13 +66,15 @@ def variant_source(edits: set[str]) -> str:
 
 
 VARIANTS = [(), ("no-rescale",), ("no-xwarp-max",), ("no-rescale", "no-xwarp-max"), ("ld-noscale",), ("ld-prmt",),
-            ("ld-prmt", "no-rescale", "no-xwarp-max")]
+            ("ld-prmt", "no-rescale", "no-xwarp-max"), ("ld-nogather",)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["16,64,16,2,4", "32,64,32,2,4", "128,64,64,1,5", "16,8,16,16,5",
-                                                   "16,1,16,32,5"], help="h,B,block_h,splits,gluon variant (4 or 5)")
+                                                   "16,1,16,32,5"], help="h,B,block_h,splits,gluon variant (4, 5 or 7)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="variants to time, each a '+'-joined set of edits (default: all; 'base' is always timed)")
     args = ap.parse_args(argv)
     _bootstrap()
     import torch
@@ -75,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-bounds-")
     mods = {}
-    for k, edits in enumerate(VARIANTS):
+    chosen = VARIANTS if args.variants is None else [()] + [tuple(v.split("+")) for v in args.variants]
+    for k, edits in enumerate(chosen):
         path = Path(tmp.name) / f"pdctl_ws_bound{k}.py"  # Triton reads a kernel's source from its file
         path.write_text(variant_source(set(edits)))
         spec = importlib.util.spec_from_file_location(path.stem, path)
