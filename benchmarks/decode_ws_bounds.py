@@ -81,11 +81,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import _combine_block_d, _kernels, _next_pow2, _ws_launch
+    from pdctl.kernels._sparse_mla import (DecodeConfig, _combine_block_d, _kernels, _next_pow2, _ws_launch,
+                                           check_decode_config)
 
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-bounds-")
     mods = {}
     chosen = VARIANTS if args.variants is None else [()] + [tuple(v.split("+")) for v in args.variants]
+    known = {e for v in VARIANTS for e in v}
+    if unknown := {e for v in chosen for e in v} - known:
+        raise SystemExit(f"unknown edits {sorted(unknown)}; known: {sorted(known)}")
     for k, edits in enumerate(chosen):
         path = Path(tmp.name) / f"pdctl_ws_bound{k}.py"  # Triton reads a kernel's source from its file
         path.write_text(variant_source(set(edits)))
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|" + "---|" * len(mods))
     for case in args.cases:
         h, rows, bh, splits, variant = (int(x) for x in case.split(","))
+        check_decode_config(DecodeConfig(block_h=bh, splits=splits, gluon=variant), h, rows, "fp8", nsm)
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         kv2 = kv.reshape(-1, 656)
         idxs = [idx] + [torch.stack([torch.randperm(kv2.shape[0], device="cuda")[:2048] for _ in range(rows)])

@@ -108,6 +108,8 @@ def main() -> int:
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     for case in args.cases:
         h, rows, bh, splits, variant = (int(x) for x in case.split(","))
+        if variant not in (4, 5):  # gluon 7's MMA partitions (_ws_mma_hm, _ws_pv_hm) carry no stamps
+            raise SystemExit(f"{case}: only the tokens-as-M kernels (gluon 4 and 5) are instrumented")
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         kv2 = kv.reshape(-1, 656)
         hb = -(-h // bh)

@@ -68,8 +68,8 @@ K-major B operand, a softmax along the tokens that stays inside each warp, and O
 straight from registers as the A operand. O for 64 heads × 512 lanes is too large for one warpgroup's registers, so a
 second 4-warp MMA partition (``_ws_pv_hm``) computes lanes 256–511 from the P and rescale that the first hands it
 through shared memory each tile (FlashMLA's split of the output between two warpgroups). Measured on the H200
-(2026-11-30): h = 128, B = 64 132.9 µs against 156.6 for gluon 5, and 146.8 when both partitions computed QKᵀ and
-the softmax themselves instead of the handoff.
+(2026-11-30, plain launches, the second partition then at 192 registers): h = 128, B = 64 133.7 µs against 157.0 for
+gluon 5, and 146.8 when both partitions computed QKᵀ and the softmax themselves instead of the handoff.
 
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
 config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
