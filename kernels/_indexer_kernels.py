@@ -301,7 +301,6 @@ def _refine_regs(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, o
     # first ties at it.
     c = tl.arange(0, N)
     m = c < n
-    bins = tl.arange(0, 64)
     ks = tl.load(key_ptr + c, mask=m, other=0)
     for p in tl.static_range(0, 2):
         SH = 6 - 6 * p
