@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
             e.show(file=sys.stderr)
         sys.exit(ExitCode.USAGE)
     except abort_kinds:
-        _err("interrupted")
+        _err(_INTERRUPTED)
         sys.exit(ExitCode.INTERRUPTED)
     except PdctlError as e:
         _err(f"error: {e}")
@@ -423,6 +423,11 @@ def main(argv: list[str] | None = None) -> None:
         _err("  hint: check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)")
         sys.exit(ExitCode.ERROR)
     except KeyboardInterrupt:
-        _err("interrupted: what already runs stays as it is; run the same command again to converge")
-        sys.exit(ExitCode.INTERRUPTED)
+        rc = ExitCode.INTERRUPTED
+    if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
+        _err(_INTERRUPTED)
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
+
+
+_INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
+                "again to converge, or `pdctl down SPEC --yes` to stop it")

@@ -209,3 +209,25 @@ def test_a_start_failure_names_the_log_line_that_says_why_first():
         "router unit failed while starting: cannot start /opt/smg: [Errno 2] No such file or directory: '/opt/smg'")
     assert startup_failure("router unit", ["listening", "pdctl-supervise[7]: failed (start-limit-hit)"]).splitlines()[0] == (
         "router unit failed while starting")
+
+
+def test_an_interrupted_headless_apply_says_so_and_how_to_go_on(monkeypatch, capsys):
+    # Ctrl-C during an apply: typer turns the KeyboardInterrupt into exit code 130, which came back silently before.
+    from types import SimpleNamespace
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+    from pdctl.statemachine.events import Event
+
+    def interrupted_apply(loaded, *, sink, **kw):  # noqa: ANN001, ANN003
+        sink.emit(Event("step_started", "prefill_up: started", step="prefill_up"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "load", lambda *a, **k: SimpleNamespace(warnings=[], deployment=SimpleNamespace(name="d")))
+    monkeypatch.setattr(service, "apply", interrupted_apply)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", "spec.toml"])
+    assert e.value.code == ExitCode.INTERRUPTED
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert last.startswith("interrupted:") and "pdctl status" in last and "pdctl down" in last, last
