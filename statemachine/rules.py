@@ -479,9 +479,8 @@ def _closest(what: str, value: str, names: frozenset[str]) -> str:
     import difflib
 
     near = difflib.get_close_matches(value, sorted(names), n=3, cutoff=0.5)
-    if near:
-        return f"did you mean {' or '.join(repr(n) for n in near)}?"
-    return f"use a {what} the target version has: {', '.join(sorted(names))}"
+    every = f"use a {what} the target version has: {', '.join(sorted(names))}"
+    return f"did you mean {' or '.join(repr(n) for n in near)}? Or {every}" if near else every
 
 
 def check(dep: Deployment, *, inventories: dict[str, Inventory] | None = None) -> list[Finding]:
