@@ -315,7 +315,12 @@ def chat_cmd(
     from pdctl.statemachine.topology import topology_of
 
     loaded = load(spec, state_dir=state_dir)
-    topo = topology_of(loaded.deployment)
+    spec_topo = topology_of(loaded.deployment)
+    state = loaded.journal.read()  # what runs (or is being applied), as `pdctl status` reads it
+    topo = state.target or state.deployed or spec_topo
+    if topo != spec_topo:
+        _err(f"note: deployment {topo.name!r} runs a topology other than this spec's (`pdctl plan {spec}` shows how); "
+             "chatting with what runs")
     if topo.router is not None:
         host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
         url = f"http://{host}:{topo.router.port}"

@@ -539,6 +539,23 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     assert _gone(router["main_pid"]) and demo.pids() == []
 
 
+def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
+    # The router was moved by a confirmed topology change applied from another spec: chat with the original spec
+    # reaches the router that runs (as `pdctl status` reports it) and says the spec differs, instead of refusing.
+    from harness.sim import free_ports
+
+    demo.apply()
+    moved = copy.deepcopy(demo.dict)
+    moved["router"]["port"] = free_ports(1)[0]
+    spec2 = demo.write(moved, "moved.toml")
+    plan_id = service.plan_spec(demo.load(spec2)).plan_id
+    demo.apply(spec2, confirm=plan_id)
+    r = demo.cli("chat", str(demo.spec), "hello", timeout=120)
+    assert r.returncode == ExitCode.OK, r.stderr
+    assert "runs a topology other than this spec's" in r.stderr
+    assert json.loads(r.stdout)["choices"][0]["message"]["role"] == "assistant"
+
+
 def test_chat_on_a_deployment_that_is_not_up_says_how_to_check(demo):
     # Nothing applied: the router's port has no listener. The error names the URL and points at `pdctl status`.
     r = demo.cli("chat", str(demo.spec), timeout=60)
