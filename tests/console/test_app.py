@@ -241,8 +241,13 @@ async def test_console_applies_the_demo_to_parsers_configured(console_demo):
         assert all(s.status in ("done", "skipped") for s in steps), [(s.name, s.status) for s in steps]
         tp = app.query_one(ThroughputPanel)
         await wait_for(pilot, lambda: len(tp.samples) == 3 and all(s.state == "ok" for s in tp.samples), timeout=10)
-        router = next(s for s in tp.samples if s.source == "router")
-        assert router.workers_total == 2 and router.workers_healthy == 2
+
+        def router():  # noqa: ANN202 - the latest router sample
+            return next(s for s in tp.samples if s.source == "router")
+
+        # smg exports smg_worker_health after its first health-check round, which a first scrape may precede
+        await wait_for(pilot, lambda: router().workers_total is not None, timeout=10)
+        assert router().workers_total == 2 and router().workers_healthy == 2
         await wait_for(pilot, lambda: app.plan is not None and not app.plan.has_changes, timeout=10)
     state = Journal(console_demo.state, console_demo.name).read()
     assert state.deployed is not None and state.target is None
