@@ -245,7 +245,7 @@ async def test_console_applies_the_demo_to_parsers_configured(console_demo):
         def router():  # noqa: ANN202 - the latest router sample
             return next(s for s in tp.samples if s.source == "router")
 
-        # smg exports smg_worker_health after its first health-check round, which a first scrape may precede
+        # smg_worker_health can be missing from the router's first scrapes after it starts (seen once in CI)
         await wait_for(pilot, lambda: router().workers_total is not None, timeout=10)
         assert router().workers_total == 2 and router().workers_healthy == 2
         await wait_for(pilot, lambda: app.plan is not None and not app.plan.has_changes, timeout=10)
