@@ -242,7 +242,7 @@ def _status_text(st: dict) -> str:
              + (f", reached {st['reached']}" if st["reached"] else "") + _applying_text(st)]
     for r in st["roles"]:
         health = f"{r['health'] or 'down':<5}"
-        if r["health"] and r["state"] == "active" and not r.get("port_owned", True):
+        if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
             health += " (from another process on its port)"
         lines.append(
             f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {health} "

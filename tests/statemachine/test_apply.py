@@ -418,8 +418,13 @@ def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
         ServersUp("prefill", "prefill_up").apply(ctx)
     assert first.status()["healthy"]
     # status reports the stranger's 200 as such, not as this deployment's health
-    pre = service.status(second.load())["roles"][0]
+    st2 = service.status(second.load())
+    pre = st2["roles"][0]
     assert (pre["health"], pre["port_owned"], pre["healthy"]) == (200, False, False)
+    from pdctl.console.cli import _status_text
+
+    line = next(x for x in _status_text(st2).splitlines() if x.strip().startswith(pre["name"]))
+    assert pre["state"] != "active" and "(from another process on its port)" in line, line
     assert first.status()["roles"][0]["port_owned"] is True
 
 
