@@ -258,7 +258,7 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                     cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
                                            splits=splits, prefetch=prefetch))
     if kv_format == "fp8":
-        from pdctl.kernels._sparse_mla import gluon_available
+        from pdctl.kernels._sparse_mla import WS_HEAD_BLOCKS, gluon_available
 
         if gluon_available():
             for bh in (16, 32, 64):
@@ -269,7 +269,9 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                 while s0 * progs < num_sms and s0 < 32:
                     s0 *= 2
                 for splits in sorted({max(1, s0 // 2), s0, min(32, s0 * 2)}):
-                    for gl_variant in ((5, 7) if bh == 64 else (1, 2, 3, 4, 5)):
+                    variants = [v for v in (1, 2, 3) if bh in (16, 32)]
+                    variants += [v for v, blocks in WS_HEAD_BLOCKS.items() if bh in blocks]
+                    for gl_variant in variants:
                         cands.add(DecodeConfig(block_h=bh, block_n=64, num_warps=4, num_stages=2, splits=splits,
                                                gluon=gl_variant))
     return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DecodeConfig", "check_decode_config", "default_decode_config", "set_decode_configs", "sparse_mla_decode"]
+__all__ = ["WS_HEAD_BLOCKS", "DecodeConfig", "check_decode_config", "default_decode_config", "set_decode_configs",
+           "sparse_mla_decode"]
 
 D_QK = 576
 D_V = 512
@@ -130,6 +131,10 @@ def _gluon_ws_kernel() -> Any:
     from pdctl.kernels import _sparse_mla_gluon as g
 
     return g._decode_fp8_ws_kernel
+
+
+WS_HEAD_BLOCKS = {4: (16, 32), 5: (16, 32, 64), 7: (64,)}
+"""The warp-specialised Gluon variants (``DecodeConfig.gluon``) and the head blocks each one runs; 1–3 run 16 and 32."""
 
 
 def _ws_launch(variant: int, block_h: int) -> dict[str, int]:
@@ -245,15 +250,15 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
     if cfg.merge not in (0, 1):
         raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
-    if cfg.gluon in (4, 5, 7):
-        if kv_format != "fp8" or cfg.block_h not in {4: (16, 32), 5: (16, 32, 64), 7: (64,)}[cfg.gluon]:
+    if cfg.gluon in WS_HEAD_BLOCKS:
+        if kv_format != "fp8" or cfg.block_h not in WS_HEAD_BLOCKS[cfg.gluon]:
             raise ValueError(f"the warp-specialised Gluon kernel needs the FP8 cache, bf16 q and block_h 16 or 32 "
                              f"(gluon 4), 16, 32 or 64 (gluon 5) or 64 (gluon 7), got {cfg}")
     elif cfg.gluon and (kv_format != "fp8" or cfg.block_h not in (16, 32) or cfg.gluon not in (1, 2, 3)):
         raise ValueError(f"the Gluon kernel needs the FP8 cache, bf16 q, block_h 16 or 32 and gluon 1-5 or 7, "
                          f"got {cfg}")
     if cfg.merge:
-        if cfg.gluon not in (4, 5, 7):
+        if cfg.gluon not in WS_HEAD_BLOCKS:
             raise ValueError(f"merge=1 is a setting of the warp-specialised Gluon kernels (gluon 4, 5 or 7), "
                              f"got {cfg}")
         programs = rows * -(-heads // cfg.block_h) * cfg.splits
@@ -368,7 +373,7 @@ def sparse_mla_decode(
         mid_o = mid_l = lse  # unused
     main_k, comb_k = _kernels()
     if cfg.gluon:
-        if cfg.gluon in (4, 5, 7):  # (config checked above)
+        if cfg.gluon in WS_HEAD_BLOCKS:  # (config checked above)
             kernel, launch = _gluon_ws_kernel(), _ws_launch(cfg.gluon, cfg.block_h)
             if cfg.merge:  # (checked above: splits > 1, the grid fits one program per SM)
                 s_p2, lanes = _next_pow2(cfg.splits), _next_pow2(-(-D_V // cfg.splits))
