@@ -6,7 +6,7 @@ split kernel and ``_combine_kernel``):
 * ``no-rescale``: the MMA partition does not rescale the output accumulators by exp2(m_old − m_new) each tile;
 * ``no-xwarp-max``: no max over the tile's tokens (a reduction across the warpgroup's 4 warps); the running max
   stays 0;
-* ``ld-noscale``: the loaders convert e4m3 → bf16 without the per-token scale (no fp32 round trip);
+* ``ld-noscale``: the loaders convert e4m3 → bf16 without the per-token scale (no bf16 multiply);
 * ``ld-prmt``: the loaders "convert" with two byte permutes per 4 values (the cost floor of any conversion);
 * ``ld-nogather``: the loaders' row loads are masked off (no KV bytes move; indices and scales are still read), so
   the time is what the MMA side alone needs;
@@ -16,7 +16,9 @@ The two MMA-side edits change the tokens-as-M partition (``gluon`` 4 and 5) only
 kernel unchanged.
 
 The base variant is checked against the fp32 reference (the harness is the kernel's). Usage (device machine, repo
-root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_ws_bounds.py [--cases h,B,block_h,splits,gluon ...]``
+root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_ws_bounds.py [--cases h,B,block_h,splits,gluon ...]
+[--variants ...] [--compare LABEL=PATH ...]``; ``--compare`` times other versions of the module beside it, each
+checked against the reference too.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PRMT = ('gl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;", "=r,=r,r", [{x}], '
-        'dtype=gl.bfloat16, is_pure=True, pack=4)')
+PRMT = "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;"  # a word's 4 bytes spread over 2 words
 
 
 def _edit(src: str, start: str, end: str, old: str, new: str, n: int) -> str:
@@ -54,14 +55,13 @@ def variant_source(edits: set[str]) -> str:
     if "no-xwarp-max" in edits:
         s = _edit(s, *mma, "m_new = gl.maximum(m_i, gl.max(s, axis=0))", "m_new = gl.maximum(m_i, 0.0)", 1)
     if "ld-nogather" in edits:
-        s = _edit(s, *load, "m = gl.expand_dims(ok, 1) & (cols < 128)", "m = gl.expand_dims(ok, 1) & (cols < 0)", 1)
-        s = _edit(s, *load, "mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64)", "mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 0)", 1)
-    for i in range(4):
-        if "ld-noscale" in edits:
-            s = _edit(s, *load, f"(k{i}.to(gl.float32) * c{i}).to(gl.bfloat16)", f"k{i}.to(gl.bfloat16)", 1)
-        if "ld-prmt" in edits:
-            s = _edit(s, *load, f"(k{i}.to(gl.float32) * c{i}).to(gl.bfloat16)",
-                      PRMT.format(x=f"k{i}.to(gl.int8, bitcast=True)"), 1)
+        s = _edit(s, *load, "mask=okc, other=0)", "mask=okc & (cols < 0), other=0)", 5)
+    conv = ("_DEQUANT_WORD = ", "def _dequant_store(")
+    if "ld-noscale" in edits:
+        s = _edit(s, *conv, "mul.rn.bf16x2 $0, p0, $3;\nmul.rn.bf16x2 $1, p1, $3;", "mov.b32 $0, p0;\nmov.b32 $1, p1;", 1)
+    if "ld-prmt" in edits:
+        a, z = s.index(conv[0]), s.index(conv[1])
+        s = s[:a] + f"_DEQUANT_WORD = gl.constexpr({PRMT!r})\n\n\n@gluon.jit\n" + s[z:]
     return s
 
 
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["16,64,16,2,4", "32,64,32,2,4", "128,64,64,1,5", "16,8,16,16,5",
                                                    "16,1,16,32,5"], help="h,B,block_h,splits,gluon variant (4, 5 or 7)")
+    ap.add_argument("--compare", nargs="+", default=[], metavar="LABEL=PATH",
+                    help="also time other versions of the Gluon module (e.g. an earlier commit's), each checked "
+                         "against the reference like the base")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="variants to time, each a '+'-joined set of edits (default: all; 'base' is always timed)")
     args = ap.parse_args(argv)
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-bounds-")
     mods = {}
-    chosen = VARIANTS if args.variants is None else [()] + [tuple(v.split("+")) for v in args.variants]
+    chosen = VARIANTS if args.variants is None else [()] + [tuple(v.split("+")) for v in args.variants if v != "base"]
     known = {e for v in VARIANTS for e in v}
     if unknown := {e for v in chosen for e in v} - known:
         raise SystemExit(f"unknown edits {sorted(unknown)}; known: {sorted(known)}")
@@ -98,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules[path.stem] = mod
         spec.loader.exec_module(mod)
         mods[" + ".join(edits) or "base"] = mod
+    for k, item in enumerate(args.compare):
+        label, _, src = item.partition("=")
+        path = Path(tmp.name) / f"pdctl_ws_other{k}.py"
+        path.write_text(Path(src).read_text())
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+        mods[label] = mod
+    checked = {"base"} | {item.partition("=")[0] for item in args.compare}
     sm = 0.135234
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     print("| h | B | config | " + " | ".join(mods) + " |")
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(idx)
                 torch.cuda.synchronize()
                 tag = ""
-                if name == "base":
+                if name in checked:
                     ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
                     tag = "" if _decode_tolerance_check(out, lse, ro, rl)["ok"] else " WRONG"
                 res.append(f"{graph_us_multi([lambda ix=ix, run=run: run(ix) for ix in idxs]):.2f}{tag}")

@@ -31,9 +31,9 @@ EVENTS = ("ld_start", "ld_stage_free", "ld_signalled", "mma_wait", "mma_staged",
           "mma_released")
 
 
-def instrumented_source() -> str:
+def instrumented_source(path: Path = REPO / "kernels" / "_sparse_mla_gluon.py") -> str:
     """The Gluon module's text with per-tile stamps: slot j·8 + e of a 512-slot row per program (64 tiles max)."""
-    s = (REPO / "kernels" / "_sparse_mla_gluon.py").read_text()
+    s = path.read_text()
 
     def rep(old: str, new: str, n: int = 1, within: tuple[str, str] | None = None) -> None:
         # Replace `old` (n times) in the whole text or in the part from within[0] up to within[1].
@@ -45,6 +45,7 @@ def instrumented_source() -> str:
         s = s[:a] + part.replace(old, new) + s[z:]
 
     mma = ("def _ws_mma(", "def _ws_mma_hm(")  # the tokens-as-M MMA partition (gluon 4 and 5)
+    hm = ("def _ws_mma_hm(", "def _ws_pv_hm(")  # gluon 7's first MMA partition (QKᵀ, softmax, P handoff, its PV)
 
     def stamp(slot: str, e: int) -> str:
         return f"gl.store(prof + {slot} * 8 + {e}, {CLK})"
@@ -59,10 +60,19 @@ def instrumented_source() -> str:
         f"        mbarrier.arrive(full.index(st), count=1)\n        {stamp('j', 2)}\n")
     rep("bias_s, p_s, full, empty, n_tiles, qk_scale_log2,\n            o_ptr",
         "bias_s, p_s, full, empty, prof, n_tiles, qk_scale_log2,\n            o_ptr")
-    rep("        mbarrier.wait(full.index(st), (it // 2) & 1)\n",
-        f"        {stamp('it', 3)}\n        mbarrier.wait(full.index(st), (it // 2) & 1)\n        {stamp('it', 4)}\n", within=mma)
-    rep("        s = warpgroup_mma_wait(0, deps=[s])\n",
-        f"        s = warpgroup_mma_wait(0, deps=[s])\n        {stamp('it', 5)}\n", within=mma)
+    for part in (mma, hm):
+        rep("        mbarrier.wait(full.index(st), (it // 2) & 1)\n",
+            f"        {stamp('it', 3)}\n        mbarrier.wait(full.index(st), (it // 2) & 1)\n        {stamp('it', 4)}\n",
+            within=part)
+        rep("        s = warpgroup_mma_wait(0, deps=[s])\n",
+            f"        s = warpgroup_mma_wait(0, deps=[s])\n        {stamp('it', 5)}\n", within=part)
+    # gluon 7's first MMA partition: "softmax" ends once P is handed to the second, "pv" once the stage is released
+    rep("        mbarrier.arrive(pfull, count=1)\n", f"        mbarrier.arrive(pfull, count=1)\n        {stamp('it', 6)}\n",
+        within=hm)
+    rep("        mbarrier.arrive(empty.index(st), count=1)\n",
+        f"        mbarrier.arrive(empty.index(st), count=1)\n        {stamp('it', 7)}\n", within=hm)
+    rep("full, empty, pfull, pempty,\n               fin, n_tiles,", "full, empty, pfull, pempty,\n               fin, prof, n_tiles,")
+    rep("hbar.index(0), hbar.index(1), hbar.index(2), n_tiles,", "hbar.index(0), hbar.index(1), hbar.index(2), prof, n_tiles,")
     rep("        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n",
         f"        p_s.store(p.to(gl.bfloat16))\n        fence_async_shared()\n        gl.thread_barrier()\n"
         f"        {stamp('it', 6)}\n")
@@ -85,9 +95,11 @@ def instrumented_source() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--source", type=Path, default=REPO / "kernels" / "_sparse_mla_gluon.py",
+                    help="the Gluon module to instrument (default: this checkout's), e.g. an earlier commit's copy")
     ap.add_argument("--cases", nargs="+", default=["16,64,16,2,4", "16,64,16,2,5", "32,64,32,2,4", "128,64,64,1,5",
                                                    "128,64,32,1,4", "16,1,16,32,4", "16,8,16,16,4"],
-                    help="h,B,block_h,splits,gluon variant (4 or 5)")
+                    help="h,B,block_h,splits,gluon variant (4, 5 or 7)")
     args = ap.parse_args()
     _bootstrap()
     import torch
@@ -99,7 +111,7 @@ def main() -> int:
     # Triton reads a kernel's source from its file, so the instrumented copy lives in a directory kept for the run
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-prof-")
     path = Path(tmp.name) / "pdctl_ws_prof.py"
-    path.write_text(instrumented_source())
+    path.write_text(instrumented_source(args.source))
     spec = importlib.util.spec_from_file_location("pdctl_ws_prof", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["pdctl_ws_prof"] = mod
@@ -108,8 +120,8 @@ def main() -> int:
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     for case in args.cases:
         h, rows, bh, splits, variant = (int(x) for x in case.split(","))
-        if variant not in (4, 5):  # gluon 7's MMA partitions (_ws_mma_hm, _ws_pv_hm) carry no stamps
-            raise SystemExit(f"{case}: only the tokens-as-M kernels (gluon 4 and 5) are instrumented")
+        if variant not in (4, 5, 7):
+            raise SystemExit(f"{case}: only the warp-specialised kernels (gluon 4, 5 and 7) are instrumented")
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         kv2 = kv.reshape(-1, 656)
         hb = -(-h // bh)

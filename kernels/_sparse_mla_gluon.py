@@ -36,9 +36,9 @@ and the profile of the kept kernel shows 1.9 active warps per scheduler, 0.2 ins
 The warp-specialised kernel (``_decode_fp8_ws_kernel``, ``gluon`` 4 and 5) answers that profile. One program per SM
 runs ``gl.warp_specialize`` partitions that meet on mbarriers over two bf16 stages:
 
-* one or two loader partitions (4 warps each) gather a tile's rows into registers before waiting for a free stage,
-  prefetch the next tile's slots, and dequantise with the per-token scale folded in (bf16(e4m3 · scale), one
-  rounding as before; the H200 errors against the fp32 reference did not move: rel. Frobenius 1.78e-3);
+* one or two loader partitions (4 warps each) gather a tile's rows into registers (as 32-bit words) before waiting
+  for a free stage, prefetch the next tile's slots, and dequantise with the per-token scale folded in, the way
+  FlashMLA's sm90 kernel does (e4m3 → bf16 exactly, times the scale rounded to bf16: bf16(bf16(x)·bf16(scale)));
 * the MMA partition (one warpgroup, or two splitting 64 heads) runs five chained asynchronous QKᵀ wgmmas, the online
   softmax with a 0 / −inf row bias from the loader, and four PV wgmmas, then frees the stage. It also reads the
   query, so the first gathers overlap that read.
@@ -334,57 +334,88 @@ def _decode_fp8_tm_kernel(
 
 
 @gluon.jit
-def _ws_indices(irow, n0, end, RW: gl.constexpr, RR: gl.constexpr, B1: gl.constexpr):
-    # A tile's 64 selected slots in the three row layouts the loader uses (−1 past `end`).
+def _ws_slots(irow, n0, end, RW: gl.constexpr):
+    # A tile's 64 selected slots (−1 past `end`), one per row of the loader's layout.
     offs = n0 + gl.arange(0, 64, layout=RW)
-    offs_r = n0 + gl.arange(0, 64, layout=RR)
-    offs_b = n0 + gl.arange(0, 64, layout=B1)
-    return (gl.load(irow + offs, mask=offs < end, other=-1), gl.load(irow + offs_r, mask=offs_r < end, other=-1),
-            gl.load(irow + offs_b, mask=offs_b < end, other=-1))
+    return gl.load(irow + offs, mask=offs < end, other=-1)
+
+
+# Dequantisation of one 32-bit word (four e4m3 lanes) with the token's scale, as FlashMLA's sm90 sparse decode does
+# it (``cvt_fp8x8_bf16x8``, csrc/sm90/decode/sparse_fp8/components/dequant.h): e4m3 → fp32 (exact, through f16x2),
+# paired into bf16x2 (exact: e4m3 fits bf16), times the scale rounded to bf16 ($3: bf16x2 [scale, scale]), one
+# rounding. Out: two bf16x2 words, lanes (0, 1) and (2, 3). NaN codes stay NaN.
+_DEQUANT_WORD = gl.constexpr("""{
+.reg .b16 l, h;
+.reg .b32 a, b, p0, p1;
+.reg .f16 x0, x1, x2, x3;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+mov.b32 {x0, x1}, a;
+mov.b32 {x2, x3}, b;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.f32.f16 f2, x2;
+cvt.f32.f16 f3, x3;
+cvt.rn.bf16x2.f32 p0, f1, f0;
+cvt.rn.bf16x2.f32 p1, f3, f2;
+mul.rn.bf16x2 $0, p0, $3;
+mul.rn.bf16x2 $1, p1, $3;
+}""")
+
+
+@gluon.jit
+def _dequant_store(words, scale, dst):
+    # words [64, 32] int32 (a row's 128 e4m3 lanes), scale [64] fp32 (the loader's row layout) → dst, a [64, 128]
+    # bf16 wgmma-swizzled chunk, written as [64, 64] int32 (bf16 pairs: the same bytes under the same 128-byte swizzle).
+    s16 = scale.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    lo, hi = gl.inline_asm_elementwise(_DEQUANT_WORD, "=r,=r,r,r", [words, gl.expand_dims(s16 * 0x10001, 1)],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    pairs = gl.reshape(gl.join(lo, hi), [64, 64])
+    dst._reinterpret(gl.int32, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.int32)).store(pairs)
 
 
 @gluon.jit
 def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
              W: gl.constexpr, P: gl.constexpr, PW: gl.constexpr):
-    # Loader partition W of P (PW warps): tiles W, W + P, … of this split. Each tile's rows are loaded into registers
-    # before waiting for its stage (tile j uses stage j % 2), so the gather is in flight while the MMA partition
-    # works on the other stage, and the next tile's slots are read meanwhile; then the rows are dequantised with the
-    # per-token scale folded in (bf16(e4m3 · scale)), stored as four wgmma-swizzled [64, 128] chunks plus the rope
-    # lanes and a 0 / −inf row bias, and signalled on `full`.
-    LD_NOPE: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])
-    LD_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])
-    RW: gl.constexpr = gl.SliceLayout(1, LD_NOPE)
-    RR: gl.constexpr = gl.SliceLayout(1, LD_ROPE)
-    B1: gl.constexpr = gl.BlockedLayout([1], [32], [PW], [0])
-    cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LD_NOPE)), 0)
-    cols_r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LD_ROPE)), 0)
-    idx, idx_r, idx_b = _ws_indices(irow, start + W * 64, end, RW, RR, B1)
+    # Loader partition W of P (PW warps): tiles W, W + P, … of this split (tile j uses stage j % 2). A 656-byte row
+    # is read as 32-bit words (the three views of the cache, 164 words a row): four chunks of 32 words (128 e4m3
+    # lanes each), the four fp32 scales at word 128 and the rope lanes' bf16 pairs at word 132. A tile's rows are loaded into registers before the wait for its stage,
+    # so the gather is in flight while the MMA partitions work on the other stage, and the next tile's slots are read
+    # meanwhile; then each chunk is dequantised (``_dequant_store``) into a wgmma-swizzled [64, 128] bf16 chunk, the
+    # rope lanes and a 0 / −inf row bias are stored, and the stage is signalled on `full`.
+    LD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [PW, 1], [1, 0])
+    RW: gl.constexpr = gl.SliceLayout(1, LD)
+    KPE_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    kw_ptr = kv8_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    kr_ptr = kvr_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    cols = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LD)), 0)
+    idx = _ws_slots(irow, start + W * 64, end, RW)
     for j in range(W, n_tiles, P):
         st = j % 2
-        ok = idx >= 0
-        row = gl.where(ok, idx, 0).to(gl.int64)
-        base = gl.expand_dims(row * 656, 1)
-        m = gl.expand_dims(ok, 1) & (cols < 128)
-        k0 = gl.load(kv8_ptr + base + cols, mask=m, other=0.0)
-        k1 = gl.load(kv8_ptr + base + 128 + cols, mask=m, other=0.0)
-        k2 = gl.load(kv8_ptr + base + 256 + cols, mask=m, other=0.0)
-        k3 = gl.load(kv8_ptr + base + 384 + cols, mask=m, other=0.0)
-        srow = row * 164 + 128
-        c0 = gl.expand_dims(gl.load(kvs_ptr + srow, mask=ok, other=0.0), 1)
-        c1 = gl.expand_dims(gl.load(kvs_ptr + srow + 1, mask=ok, other=0.0), 1)
-        c2 = gl.expand_dims(gl.load(kvs_ptr + srow + 2, mask=ok, other=0.0), 1)
-        c3 = gl.expand_dims(gl.load(kvs_ptr + srow + 3, mask=ok, other=0.0), 1)
-        base_r = gl.expand_dims(gl.where(idx_r >= 0, idx_r, 0).to(gl.int64) * 328 + 264, 1)
-        kpe = gl.load(kvr_ptr + base_r + cols_r, mask=gl.expand_dims(idx_r >= 0, 1) & (cols_r < 64), other=0.0)
-        bias = gl.where(idx_b >= 0, 0.0, float("-inf"))
-        idx, idx_r, idx_b = _ws_indices(irow, start + (j + P) * 64, end, RW, RR, B1)
-        mbarrier.wait(empty.index(st), ((j // 2) & 1) ^ 1)
         kb = st * 4
-        kc_s.index(kb + 0).store((k0.to(gl.float32) * c0).to(gl.bfloat16))
-        kc_s.index(kb + 1).store((k1.to(gl.float32) * c1).to(gl.bfloat16))
-        kc_s.index(kb + 2).store((k2.to(gl.float32) * c2).to(gl.bfloat16))
-        kc_s.index(kb + 3).store((k3.to(gl.float32) * c3).to(gl.bfloat16))
-        kpe_s.index(st).store(kpe)
+        ok = idx >= 0
+        row = gl.where(ok, idx, 0).to(gl.int64) * 164
+        okc = gl.expand_dims(ok, 1)
+        base = gl.expand_dims(row, 1) + cols
+        k0 = gl.load(kw_ptr + base, mask=okc, other=0)
+        k1 = gl.load(kw_ptr + base + 32, mask=okc, other=0)
+        k2 = gl.load(kw_ptr + base + 64, mask=okc, other=0)
+        k3 = gl.load(kw_ptr + base + 96, mask=okc, other=0)
+        kpe = gl.load(kr_ptr + base + 132, mask=okc, other=0)
+        c0 = gl.load(kvs_ptr + row + 128, mask=ok, other=0.0)
+        c1 = gl.load(kvs_ptr + row + 129, mask=ok, other=0.0)
+        c2 = gl.load(kvs_ptr + row + 130, mask=ok, other=0.0)
+        c3 = gl.load(kvs_ptr + row + 131, mask=ok, other=0.0)
+        bias = gl.where(ok, 0.0, float("-inf"))
+        idx = _ws_slots(irow, start + (j + P) * 64, end, RW)
+        mbarrier.wait(empty.index(st), ((j // 2) & 1) ^ 1)
+        _dequant_store(k0, c0, kc_s.index(kb + 0))
+        _dequant_store(k1, c1, kc_s.index(kb + 1))
+        _dequant_store(k2, c2, kc_s.index(kb + 2))
+        _dequant_store(k3, c3, kc_s.index(kb + 3))
+        kpe_s.index(st)._reinterpret(gl.int32, [64, 32], KPE_W).store(kpe)
         bias_s.index(st).store(bias)
         fence_async_shared()
         mbarrier.arrive(full.index(st), count=1)
