@@ -10,11 +10,13 @@ With ``DecodeConfig.pdl`` the two kernels are programmatic dependent launches (`
 overlaps the split kernel; with ``DecodeConfig.merge`` (warp-specialised Gluon kernels only) the split programs meet
 at a grid barrier and merge their own partials, one launch in all. The build times both settings per shape.
 
-FP8 656-byte rows are never dequantised element-wise with their scales: for chunk g the per-token scale
-``sc_g[n]`` multiplies the score tile after the dot (``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the
-probabilities before the PV dot (``acc_g += (p · sc_g[None, :]) · k8_g``); the e4m3 → bf16 conversion feeding the
-MMA is the only per-element work. That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds
-the same.
+In the ``tl.dot`` kernel and Gluon kernels 1–3, FP8 656-byte rows are never dequantised element-wise with their
+scales: for chunk g the per-token scale ``sc_g[n]`` multiplies the score tile after the dot
+(``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the probabilities before the PV dot
+(``acc_g += (p · sc_g[None, :]) · k8_g``); the e4m3 → bf16 conversion feeding the MMA is the only per-element work.
+That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds the same. The warp-specialised Gluon
+kernels (4, 5, 7) stage each tile once in bf16 with the scale folded in, as FlashMLA's sm90 sparse decode does:
+bf16(bf16(x) · bf16(scale)) (``cvt_fp8x8_bf16x8``, FlashMLA csrc/sm90/decode/sparse_fp8/components/dequant.h).
 
 Masked entries (index −1, or position ≥ topk_length[t]) score −inf; the running max starts at the finite
 sentinel −1e30 so an all-masked tile never computes (−inf) − (−inf) (the guard vLLM/SGLang Triton MLA kernels

@@ -71,6 +71,12 @@ through shared memory each tile (FlashMLA's split of the output between two warp
 (2026-11-30, plain launches, the second partition then at 192 registers): h = 128, B = 64 133.7 µs against 157.0 for
 gluon 5, and 146.8 when both partitions computed QKᵀ and the softmax themselves instead of the handoff.
 
+The loader then bounded gluon 7 (its first MMA partition waited 2.3 µs of 3.9 per tile for a staged tile). Reading
+the rows as 32-bit words (Triton holds an fp8 tensor one byte to a register) and dequantising as FlashMLA does, one
+inline-asm block per word, took h = 128, B = 64 from 132.5 to 115.0 µs (H200, 2026-11-30, same call); the integer
+bit-trick conversions and issuing the next tile's gathers during this tile's conversion were measured and were slower
+(``kernels/RESULTS.md``, section "The loader reads 32-bit words").
+
 Needs Triton ≥ 3.6 with Gluon and a Hopper GPU; ``_sparse_mla.sparse_mla_decode`` uses these kernels only when the
 config says ``gluon`` ≥ 1 (1: two cp.async stages, 2: one, 3: no staging; 4: warp-specialised with two loaders,
 5: with one loader, 7: one loader and heads as M).
