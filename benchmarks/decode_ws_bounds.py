@@ -55,7 +55,7 @@ def variant_source(edits: set[str]) -> str:
     if "no-xwarp-max" in edits:
         s = _edit(s, *mma, "m_new = gl.maximum(m_i, gl.max(s, axis=0))", "m_new = gl.maximum(m_i, 0.0)", 1)
     if "ld-nogather" in edits:
-        s = _edit(s, *load, "mask=okc, other=0)", "mask=okc & (cols < 0), other=0)", 5)
+        s = _edit(s, *load, "mask=okc, other=0,", "mask=okc & (cols < 0), other=0,", 5)
     conv = ("_DEQUANT_WORD = ", "def _dequant_store(")
     if "ld-noscale" in edits:
         s = _edit(s, *conv, "mul.rn.bf16x2 $0, p0, $3;\nmul.rn.bf16x2 $1, p1, $3;", "mov.b32 $0, p0;\nmov.b32 $1, p1;", 1)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     q, q.stride(0), q.stride(1), kv2.view(torch.float8_e4m3fn), kv2.view(torch.float32),
                     kv2.view(torch.bfloat16), ix, ix.stride(0), ix, out, out.stride(0), out.stride(1), lse,
                     lse.stride(0), mid_o, mid_l, h, ix.shape[1], sm * 1.4426950408889634, splits,
-                    HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh))
+                    HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh, splits))
                 if splits > 1:
                     bd = _combine_block_d(rows * h, nsm)
                     _kernels()[1][(rows, h, 512 // bd)](mid_o, mid_l, out, out.stride(0), out.stride(1), lse,

@@ -136,7 +136,7 @@ def main() -> int:
                 q, q.stride(0), q.stride(1), kv2.view(torch.float8_e4m3fn), kv2.view(torch.float32),
                 kv2.view(torch.bfloat16), idx, idx.stride(0), idx, out, out.stride(0), out.stride(1), lse, lse.stride(0),
                 mid_o, mid_l, prof, h, idx.shape[1], sm * 1.4426950408889634, splits,
-                HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh))
+                HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh, splits))
             if splits > 1:
                 bd = _combine_block_d(rows * h, nsm)
                 _kernels()[1][(rows, h, 512 // bd)](mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0),

@@ -384,13 +384,16 @@ def _dequant_store(words, scale, dst):
 
 @gluon.jit
 def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
-             W: gl.constexpr, P: gl.constexpr, PW: gl.constexpr):
+             W: gl.constexpr, P: gl.constexpr, PW: gl.constexpr, EVICT_FIRST: gl.constexpr):
     # Loader partition W of P (PW warps): tiles W, W + P, … of this split (tile j uses stage j % 2). A 656-byte row
     # is read as 32-bit words (the three views of the cache, 164 words a row): four chunks of 32 words (128 e4m3
     # lanes each), the four fp32 scales at word 128 and the rope lanes' bf16 pairs at word 132. A tile's rows are loaded into registers before the wait for its stage,
     # so the gather is in flight while the MMA partitions work on the other stage, and the next tile's slots are read
     # meanwhile; then each chunk is dequantised (``_dequant_store``) into a wgmma-swizzled [64, 128] bf16 chunk, the
     # rope lanes and a 0 / −inf row bias are stored, and the stage is signalled on `full`.
+    # EVICT_FIRST marks the row loads evict_first (L1 and L2); the host sets it for long per-program loops
+    # (``_sparse_mla._ws_launch``: faster there, slower at B = 1). `.cg` was 4–7 % slower, evict_last in between.
+    EVICT: gl.constexpr = "evict_first" if EVICT_FIRST else ""
     LD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [PW, 1], [1, 0])
     RW: gl.constexpr = gl.SliceLayout(1, LD)
     KPE_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
@@ -405,11 +408,11 @@ def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, 
         row = gl.where(ok, idx, 0).to(gl.int64) * 164
         okc = gl.expand_dims(ok, 1)
         base = gl.expand_dims(row, 1) + cols
-        k0 = gl.load(kw_ptr + base, mask=okc, other=0)
-        k1 = gl.load(kw_ptr + base + 32, mask=okc, other=0)
-        k2 = gl.load(kw_ptr + base + 64, mask=okc, other=0)
-        k3 = gl.load(kw_ptr + base + 96, mask=okc, other=0)
-        kpe = gl.load(kr_ptr + base + 132, mask=okc, other=0)
+        k0 = gl.load(kw_ptr + base, mask=okc, other=0, eviction_policy=EVICT)
+        k1 = gl.load(kw_ptr + base + 32, mask=okc, other=0, eviction_policy=EVICT)
+        k2 = gl.load(kw_ptr + base + 64, mask=okc, other=0, eviction_policy=EVICT)
+        k3 = gl.load(kw_ptr + base + 96, mask=okc, other=0, eviction_policy=EVICT)
+        kpe = gl.load(kr_ptr + base + 132, mask=okc, other=0, eviction_policy=EVICT)
         c0 = gl.load(kvs_ptr + row + 128, mask=ok, other=0.0)
         c1 = gl.load(kvs_ptr + row + 129, mask=ok, other=0.0)
         c2 = gl.load(kvs_ptr + row + 130, mask=ok, other=0.0)
@@ -688,7 +691,7 @@ def _decode_fp8_ws_kernel(
     HAS_LEN: gl.constexpr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, LOADERS: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, GDC: gl.constexpr,
     bar_ptr=None, MERGE: gl.constexpr = False, MERGE_S_P2: gl.constexpr = 2, MERGE_DL: gl.constexpr = 256,
-    HM: gl.constexpr = False, MMA_REGS: gl.constexpr = 168,
+    HM: gl.constexpr = False, MMA_REGS: gl.constexpr = 168, EVICT_FIRST: gl.constexpr = False,
 ):
     KC_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     KPE_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -740,7 +743,7 @@ def _decode_fp8_ws_kernel(
                          sp, H, SPLITS, ph_s, a_s, lm_s, hbar.index(0), hbar.index(1), hbar.index(2), SPLIT_OUT,
                          BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
-                        0, 1, LOADER_WARPS)),
+                        0, 1, LOADER_WARPS, EVICT_FIRST)),
         ], [4, LOADER_WARPS], [MMA_REGS, LOADER_REGS])
     elif LOADERS == 1:
         gl.warp_specialize([
@@ -748,7 +751,7 @@ def _decode_fp8_ws_kernel(
                        o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
                        SPLIT_OUT, BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
-                        0, 1, LOADER_WARPS)),
+                        0, 1, LOADER_WARPS, EVICT_FIRST)),
         ], [LOADER_WARPS], [LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -756,9 +759,9 @@ def _decode_fp8_ws_kernel(
                        o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, mo_ptr, ml_ptr, t, hb, sp, H, SPLITS,
                        SPLIT_OUT, BLOCK_H, GDC)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
-                        0, 2, LOADER_WARPS)),
+                        0, 2, LOADER_WARPS, EVICT_FIRST)),
             (_ws_load, (kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, bias_s, full, empty,
-                        1, 2, LOADER_WARPS)),
+                        1, 2, LOADER_WARPS, EVICT_FIRST)),
         ], [LOADER_WARPS, LOADER_WARPS], [LOADER_REGS, LOADER_REGS])
     if MERGE:
         # The split programs merge their own partials (one launch instead of two; needs the whole grid resident:
