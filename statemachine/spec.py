@@ -43,7 +43,11 @@ __all__ = [
     "parse_spec",
 ]
 
-Port = Annotated[int, Field(ge=1, le=65535)]
+# Numbers and switches are strict: TOML writes them bare, and lax parsing would take `port = true` as port 1 or
+# `trust_remote_code = "no"` as False.
+Int = Annotated[int, Field(strict=True)]
+Bool = Annotated[bool, Field(strict=True)]
+Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
 
@@ -71,7 +75,7 @@ class Host(_Model):
     ``discover``: read the host's GPUs (nvidia-smi) and NUMA layout (sysfs) when planning or applying
     (``pdctl.statemachine.inventory``; ``pdctl validate`` never contacts hosts)."""
     gpu_name: str | None = None
-    gpu_numa: list[int] | None = None
+    gpu_numa: list[Int] | None = None
     """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order). None: unknown."""
     numa_cpus: dict[int, str] | None = None
     """CPU list of each NUMA node in sysfs ``cpulist`` syntax, e.g. ``{0 = "0-31,64-95"}``."""
@@ -89,12 +93,12 @@ class Model(_Model):
 
     path: str
     served_name: str | None = None
-    context_length: int | None = Field(default=None, ge=1)
-    page_size: int | None = Field(default=None, ge=1)
+    context_length: Int | None = Field(default=None, ge=1)
+    page_size: Int | None = Field(default=None, ge=1)
     kv_cache_dtype: Literal[
         "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"
     ] = "auto"
-    trust_remote_code: bool = False
+    trust_remote_code: Bool = False
     attention_backend: str | None = None
     dsa_prefill_backend: str | None = None
     dsa_decode_backend: str | None = None
@@ -122,11 +126,11 @@ class ServerRole(_Model):
 
     name: str | None = None
     host: str = "local"
-    gpus: list[int] = Field(min_length=1)
-    tp: int = Field(default=1, ge=1)
-    attn_dp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1)
-    numa_node: int | None = Field(default=None, ge=0)
+    gpus: list[Int] = Field(min_length=1)
+    tp: Int = Field(default=1, ge=1)
+    attn_dp: Int = Field(default=1, ge=1)
+    ep: Int = Field(default=1, ge=1)
+    numa_node: Int | None = Field(default=None, ge=0)
     http_host: str = "127.0.0.1"
     port: Port
     bootstrap_port: Port | None = None
@@ -136,7 +140,7 @@ class ServerRole(_Model):
     extra_args: list[str] = Field(default_factory=list)
     parsers: Parsers | None = None
     """Restates the deployment's parsers for this role; any difference between roles is refused."""
-    page_size: int | None = Field(default=None, ge=1)
+    page_size: Int | None = Field(default=None, ge=1)
     """Override of ``model.page_size`` (must still match between prefill and decode)."""
     kv_cache_dtype: str | None = None
     """Override of ``model.kv_cache_dtype`` (must still match between prefill and decode)."""
@@ -180,12 +184,12 @@ class Router(_Model):
     policy: str = "cache_aware"
     prometheus_host: str = "127.0.0.1"
     prometheus_port: Port = 29000
-    allow_public_prometheus: bool = False
-    worker_startup_timeout_s: int = Field(default=1800, ge=1)
-    health_check_interval_s: int = Field(default=10, ge=1)
-    health_check_timeout_s: int = Field(default=5, ge=1)
-    health_failure_threshold: int = Field(default=3, ge=1)
-    health_success_threshold: int = Field(default=2, ge=1)
+    allow_public_prometheus: Bool = False
+    worker_startup_timeout_s: Int = Field(default=1800, ge=1)
+    health_check_interval_s: Int = Field(default=10, ge=1)
+    health_check_timeout_s: Int = Field(default=5, ge=1)
+    health_failure_threshold: Int = Field(default=3, ge=1)
+    health_success_threshold: Int = Field(default=2, ge=1)
     executable: str | None = None
     """Path of the router executable (``smg``); default: found next to pdctl's Python or on PATH."""
     extra_args: list[str] = Field(default_factory=list)
@@ -200,7 +204,7 @@ class Router(_Model):
 class Kernels(_Model):
     """pdctl's Triton kernels, built and verified on the target GPUs before any server starts."""
 
-    enabled: bool = False
+    enabled: Bool = False
     which: list[Literal["sparse_mla_decode", "lightning_indexer"]] = Field(
         default_factory=lambda: ["sparse_mla_decode", "lightning_indexer"]
     )
@@ -302,6 +306,20 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
+def _type_fix(kind: str, value: Any) -> str:
+    """The message for a number or switch written as another TOML type (strict fields above)."""
+    want = "a whole number" if kind == "int_type" else "true or false"
+    shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
+    if isinstance(value, str):
+        bare = value.strip().lower() in ("true", "false") if kind == "bool_type" else value.strip().lstrip("+-").isdigit()
+        fix = "remove the quotes" if bare else f"write {want}, without quotes"
+    elif isinstance(value, float) and kind == "int_type" and value.is_integer():
+        fix = f"write {int(value)}"
+    else:
+        fix = f"write {want}"
+    return f"must be {want}, not {shown}: {fix}"
+
+
 def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
     """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field."""
     try:
@@ -315,6 +333,8 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
             elif err["type"] == "missing":
                 msg = "required: add it"
+            elif err["type"] in ("int_type", "bool_type"):
+                msg = _type_fix(err["type"], err["input"])
             lines.append(f"{field}: {msg}")
         where = f"{path}: " if path else ""
         raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=lines, path=path) from None

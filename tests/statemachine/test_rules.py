@@ -273,6 +273,29 @@ def test_missing_required_field_is_named():
     assert "prefill[0].port: required" in str(e.value)
 
 
+@pytest.mark.parametrize("path,value,words", [
+    (("prefill", 0, "port"), "30010", "must be a whole number, not '30010': remove the quotes"),
+    (("prefill", 0, "port"), True, "must be a whole number, not true"),  # lax parsing took it as port 1
+    (("router", "port"), 30001.0, "must be a whole number, not 30001.0: write 30001"),
+    (("decode", 0, "tp"), "four", "must be a whole number, not 'four': write a whole number, without quotes"),
+    (("decode", 0, "gpus"), [4, 5, "6", 7], "must be a whole number, not '6': remove the quotes"),
+    (("model", "trust_remote_code"), "yes", "must be true or false, not 'yes': write true or false, without quotes"),
+    (("model", "trust_remote_code"), 1, "must be true or false, not 1"),
+])
+def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
+    d = seed_dict()
+    node = d
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    field = ".".join(f"[{k}]" if isinstance(k, int) else k for k in path).replace(".[", "[")
+    if path[-1] == "gpus":
+        field += "[2]"
+    assert f"{field}: {words}" in str(e.value), str(e.value)
+
+
 def test_a_toml_syntax_error_reports_the_line(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text('name = "x"\n[model]\npath = "m"\n[[prefill]\nport = 1\n')
