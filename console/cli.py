@@ -135,6 +135,8 @@ class _Reporter:
         if event.kind == "step_started":
             self.step_started = True
             return
+        if event.kind == "apply_interrupted":
+            return  # main() ends an interrupted command with the same advice
         if event.kind == "apply_failed" and self.failure_shown:
             return  # the failed step's line said it
         el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None else ""

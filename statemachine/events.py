@@ -24,6 +24,7 @@ EventKind = Literal[
     "role_removed",
     "apply_done",
     "apply_failed",
+    "apply_interrupted",
     "info",
 ]
 

@@ -267,6 +267,15 @@ def apply(
         _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
         try:
             machine = run_steps(ctx, steps_for(desired), sink)
+        except KeyboardInterrupt:
+            # Ctrl-C / SIGINT: the journal keeps the target (a re-run converges); say where it stopped, so that a
+            # --json consumer's stream ends with an event too
+            step = next((name for name, rec in state.steps.items() if rec.status == "running"), None)
+            j.audit("apply-interrupted", plan_id=plan.plan_id, step=step)
+            sink.emit(Event("apply_interrupted", f"interrupted{f' during {step}' if step else ''}: what already runs "
+                            "stays as it is; apply again to converge, or `pdctl down` to stop it", step=step,
+                            data={"plan_id": plan.plan_id}))
+            raise
         except Exception as exc:
             j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
             sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),

@@ -457,6 +457,33 @@ def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):
     assert demo.status()["healthy"]
 
 
+def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo):
+    # SIGINT (Ctrl-C) during a --json apply: the stream's last line says where it stopped (it ended on a step event).
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    events = []
+    try:
+        for line in p.stdout:
+            events.append(json.loads(line))
+            if events[-1]["kind"] == "step_started" and events[-1]["step"] == "prefill_up":
+                p.send_signal(signal.SIGINT)
+                break
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    events += [json.loads(x) for x in rest.splitlines()]
+    assert p.returncode == 130, err
+    last = events[-1]
+    assert last["kind"] == "apply_interrupted" and last["step"] == "prefill_up", events[-3:]
+    assert "apply again" in last["message"] and "pdctl down" in last["message"]
+    audit = demo.load().journal.audit_records()[-1]
+    assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
+    assert err.rstrip().splitlines()[-1].startswith("interrupted:"), err
+
+
 def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
     demo.apply()
     collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
