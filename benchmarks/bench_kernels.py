@@ -104,6 +104,16 @@ def rotations(bytes_per_call: float, cap: int = 16) -> int:
     return max(1, min(cap, int(-(-3 * 60e6 // max(bytes_per_call, 1)))))
 
 
+def ws_launch_args(kernel, variant: int, block_h: int, splits: int) -> dict:  # noqa: ANN001
+    """``_sparse_mla._ws_launch`` for *kernel*, a warp-specialised kernel that may come from another version of the
+    Gluon module (``decode_ws_bounds.py --compare``, ``decode_ws_profile.py --source``): the constexprs it does not
+    declare (e.g. ``EVICT_FIRST`` for a module older than it) are left out, launch options kept."""
+    from pdctl.kernels._sparse_mla import _ws_launch
+
+    return {k: v for k, v in _ws_launch(variant, block_h, splits).items()
+            if k in kernel.arg_names or k in ("num_warps", "maxnreg")}
+
+
 def ceilings() -> dict:
     """Copy bandwidth (bytes read + written, 2 GiB each way) and bf16 matmul rate, after a warm-up that brings
     the clocks up (an idle H200 sits at ~375 MHz SM clock: the first run of this script measured 2.75 TB/s cold)."""

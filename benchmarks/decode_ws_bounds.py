@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+from bench_kernels import _bootstrap, graph_us_multi, rotations, ws_launch_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRMT = "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;"  # a word's 4 bytes spread over 2 words
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import (DecodeConfig, _combine_block_d, _kernels, _next_pow2, _ws_launch,
+    from pdctl.kernels._sparse_mla import (DecodeConfig, _combine_block_d, _kernels, _next_pow2,
                                            check_decode_config)
 
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-bounds-")
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                     q, q.stride(0), q.stride(1), kv2.view(torch.float8_e4m3fn), kv2.view(torch.float32),
                     kv2.view(torch.bfloat16), ix, ix.stride(0), ix, out, out.stride(0), out.stride(1), lse,
                     lse.stride(0), mid_o, mid_l, h, ix.shape[1], sm * 1.4426950408889634, splits,
-                    HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh, splits))
+                    HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False,
+                    **ws_launch_args(mod._decode_fp8_ws_kernel, variant, bh, splits))
                 if splits > 1:
                     bd = _combine_block_d(rows * h, nsm)
                     _kernels()[1][(rows, h, 512 // bd)](mid_o, mid_l, out, out.stride(0), out.stride(1), lse,

@@ -10,6 +10,10 @@ runs it once per shape, checks the output against the fp32 reference, and prints
 * MMA partition: ``wait_full`` (starved for a staged tile), ``qk`` (five wgmmas), ``softmax`` (scores, online softmax,
   Pᵀ store, barrier) and ``pv`` (four wgmmas and releasing the stage).
 
+With gluon 7 the MMA figures are the first MMA partition's (``_ws_mma_hm``): ``softmax`` runs up to P's handoff to the
+second partition (waiting for its P buffer included) and ``pv`` covers the first partition's two PV wgmmas.
+``--source PATH`` instruments another version of the module (e.g. an earlier commit's copy) instead of this checkout's.
+
 Run on the GPU machine (bare checkout): ``python3 benchmarks/decode_ws_profile.py``.
 """
 
@@ -23,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import _bootstrap  # noqa: E402
+from bench_kernels import _bootstrap, ws_launch_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLK = 'gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)'
@@ -106,7 +110,7 @@ def main() -> int:
 
     from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import _combine_block_d, _kernels, _next_pow2, _ws_launch
+    from pdctl.kernels._sparse_mla import _combine_block_d, _kernels, _next_pow2
 
     # Triton reads a kernel's source from its file, so the instrumented copy lives in a directory kept for the run
     tmp = tempfile.TemporaryDirectory(prefix="pdctl-ws-prof-")
@@ -136,7 +140,8 @@ def main() -> int:
                 q, q.stride(0), q.stride(1), kv2.view(torch.float8_e4m3fn), kv2.view(torch.float32),
                 kv2.view(torch.bfloat16), idx, idx.stride(0), idx, out, out.stride(0), out.stride(1), lse, lse.stride(0),
                 mid_o, mid_l, prof, h, idx.shape[1], sm * 1.4426950408889634, splits,
-                HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False, **_ws_launch(variant, bh, splits))
+                HAS_LEN=False, SPLIT_OUT=splits > 1, BLOCK_H=bh, GDC=False,
+                **ws_launch_args(mod._decode_fp8_ws_kernel, variant, bh, splits))
             if splits > 1:
                 bd = _combine_block_d(rows * h, nsm)
                 _kernels()[1][(rows, h, 512 // bd)](mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0),

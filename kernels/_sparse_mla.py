@@ -139,13 +139,13 @@ WS_HEAD_BLOCKS = {4: (16, 32), 5: (16, 32, 64), 7: (64,)}
 """The warp-specialised Gluon variants (``DecodeConfig.gluon``) and the head blocks each one runs; 1–3 run 16 and 32."""
 
 
-def _ws_launch(variant: int, block_h: int, splits: int) -> dict[str, int]:
+def _ws_launch(variant: int, block_h: int, splits: int) -> dict[str, int | bool]:
     """Warps and register split of the warp-specialised kernel: the MMA partition's warps (``num_warps``), the
     loaders' register budget, and ``maxnreg`` so that one program's warps fit the SM's 64K registers (all checked
     spill-free or nearly with ``ptxas -v`` for sm_90a, Triton 3.6); and ``EVICT_FIRST``, the loaders' cache hint
-    for the gathered rows, set for splits ≤ 2 (long per-program loops): measured on the H200 (2026-11-30) 1–3 %
-    faster at B = 64 (h = 16, 64, 128; splits 1–2), no change at h = 128, B = 8 (8 splits), 8–10 % slower at
-    B = 1 (16–32 splits)."""
+    for the gathered rows, set for splits ≤ 2 (long per-program loops): measured on the H200 (2026-11-30, top-k
+    2048, so 16–32 tiles a program) 1–3 % faster at B = 64 (h = 16, 64, 128; splits 1–2), no change at h = 128,
+    B = 8 (8 splits), 8–11 % slower at B = 1 (16–32 splits, 1–2 tiles a program)."""
     hint = {"EVICT_FIRST": splits <= 2}
     if variant == 4:
         return {"LOADERS": 2, "LOADER_WARPS": 4, "LOADER_REGS": 128, "num_warps": 4, "maxnreg": 168, **hint}

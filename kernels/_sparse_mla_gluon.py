@@ -348,8 +348,9 @@ def _ws_slots(irow, n0, end, RW: gl.constexpr):
 
 # Dequantisation of one 32-bit word (four e4m3 lanes) with the token's scale, as FlashMLA's sm90 sparse decode does
 # it (``cvt_fp8x8_bf16x8``, csrc/sm90/decode/sparse_fp8/components/dequant.h): e4m3 → fp32 (exact, through f16x2),
-# paired into bf16x2 (exact: e4m3 fits bf16), times the scale rounded to bf16 ($3: bf16x2 [scale, scale]), one
-# rounding. Out: two bf16x2 words, lanes (0, 1) and (2, 3). NaN codes stay NaN.
+# paired into bf16x2 (exact: e4m3 fits bf16), times the scale rounded to bf16 ($3: bf16x2 [scale, scale]): exact but
+# for the product's rounding with power-of-two (ue8m0) scales; other fp32 scales are rounded to bf16 first, the same
+# for all 128 lanes of a chunk, as in FlashMLA. Out: two bf16x2 words, lanes (0, 1) and (2, 3). NaN codes stay NaN.
 _DEQUANT_WORD = gl.constexpr("""{
 .reg .b16 l, h;
 .reg .b32 a, b, p0, p1;
@@ -387,9 +388,9 @@ def _ws_load(kv8_ptr, kvs_ptr, kvr_ptr, irow, start, end, n_tiles, kc_s, kpe_s, 
              W: gl.constexpr, P: gl.constexpr, PW: gl.constexpr, EVICT_FIRST: gl.constexpr):
     # Loader partition W of P (PW warps): tiles W, W + P, … of this split (tile j uses stage j % 2). A 656-byte row
     # is read as 32-bit words (the three views of the cache, 164 words a row): four chunks of 32 words (128 e4m3
-    # lanes each), the four fp32 scales at word 128 and the rope lanes' bf16 pairs at word 132. A tile's rows are loaded into registers before the wait for its stage,
-    # so the gather is in flight while the MMA partitions work on the other stage, and the next tile's slots are read
-    # meanwhile; then each chunk is dequantised (``_dequant_store``) into a wgmma-swizzled [64, 128] bf16 chunk, the
+    # lanes each), the four fp32 scales at word 128 and the rope lanes' bf16 pairs at word 132. A tile's rows are
+    # loaded into registers before the wait for its stage, so the gather is in flight while the MMA partitions work
+    # on the other stage, and the next tile's slots are read meanwhile; then each chunk is dequantised (``_dequant_store``) into a wgmma-swizzled [64, 128] bf16 chunk, the
     # rope lanes and a 0 / −inf row bias are stored, and the stage is signalled on `full`.
     # EVICT_FIRST marks the row loads evict_first (L1 and L2); the host sets it for long per-program loops
     # (``_sparse_mla._ws_launch``: faster there, slower at B = 1). `.cg` was 4–7 % slower, evict_last in between.

@@ -113,6 +113,27 @@ def test_gluon_ws_fp8_decode_with_heads_as_m_matches_the_reference(heads, rows, 
     _check_decode(heads, rows, "fp8", DecodeConfig(block_h=64, splits=splits, gluon=7))
 
 
+@pytest.mark.parametrize("gluon,block_h,heads,rows,splits", [(7, 64, 128, 64, 1), (4, 16, 16, 64, 2), (5, 16, 16, 1, 32)])
+def test_warp_specialised_decode_with_scales_that_are_not_powers_of_two(gluon, block_h, heads, rows, splits):
+    # The test caches carry ue8m0 (power-of-two) scales, for which bf16(bf16(x)·bf16(s)), the loader's FlashMLA-style
+    # dequantisation, equals bf16(x·s). A cache written with other fp32 scales must meet the same tolerances.
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    _require_hopper_gluon()
+    q, kv, idx, length = make_decode_case(heads, rows, "fp8", slots=65536)
+    scales = kv.reshape(-1, 656)[:, 512:528].view(torch.float32)  # [slots, 4], a view into the cache
+    scales.mul_(1 + torch.rand_like(scales))
+    assert torch.equal(kv.reshape(-1, 656)[:, 512:528].view(torch.float32), scales)  # written into the cache
+    assert (torch.frexp(scales[scales > 0]).mantissa != 0.5).any()  # some are no longer powers of two
+    ro, rl = reference_sparse_mla_decode(q, kv, idx, SM_SCALE, length, compute_dtype=torch.float32)
+    o = torch.full((rows, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((rows, heads), float("nan"), device="cuda")
+    sparse_mla_decode(q, kv, idx, SM_SCALE, length, out=o, lse=lse,
+                      config=DecodeConfig(block_h=block_h, splits=splits, gluon=gluon))
+    err = _decode_tolerance_check(o, lse, ro, rl)
+    assert err["ok"], err
+
+
 def _decode_chain_case(kv_format):
     # Three decode calls (16 heads, one row) where the second one's query is computed from the first one's output
     # by a plain torch kernel; returns cfg -> [o1, lse1, o2, lse2, o3, lse3].
