@@ -47,6 +47,7 @@ __all__ = [
 # `trust_remote_code = "no"` as False.
 Int = Annotated[int, Field(strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
+Float = Annotated[float, Field(strict=True)]  # an integer is still a number here
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
@@ -135,7 +136,7 @@ class ServerRole(_Model):
     port: Port
     bootstrap_port: Port | None = None
     nccl_port: Port | None = None
-    mem_fraction: float | None = Field(default=None, gt=0, le=1)
+    mem_fraction: Float | None = Field(default=None, gt=0, le=1)
     env: dict[str, str] = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
     parsers: Parsers | None = None
@@ -144,7 +145,7 @@ class ServerRole(_Model):
     """Override of ``model.page_size`` (must still match between prefill and decode)."""
     kv_cache_dtype: str | None = None
     """Override of ``model.kv_cache_dtype`` (must still match between prefill and decode)."""
-    expected_cold_start_s: float | None = Field(default=None, gt=0)
+    expected_cold_start_s: Float | None = Field(default=None, gt=0)
 
     @field_validator("gpus")
     @classmethod
@@ -228,7 +229,7 @@ class Engine(_Model):
 class Console(_Model):
     """Console and telemetry settings (in place: changing them restarts nothing)."""
 
-    refresh_s: float = Field(default=1.0, gt=0)
+    refresh_s: Float = Field(default=1.0, gt=0)
 
 
 class Deployment(_Model):
@@ -306,12 +307,24 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
+def _is_toml_number(text: str, *, whole: bool) -> bool:
+    # Would `text` without its quotes be a TOML integer (whole) or number? (TOML's digits are ASCII only.)
+    try:
+        v = tomllib.loads(f"v = {text}").get("v")
+    except tomllib.TOMLDecodeError:
+        return False
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) if whole else isinstance(v, (int, float))
+
+
 def _type_fix(kind: str, value: Any) -> str:
     """The message for a number or switch written as another TOML type (strict fields above)."""
-    want = "a whole number" if kind == "int_type" else "true or false"
+    want = {"int_type": "a whole number", "float_type": "a number"}.get(kind, "true or false")
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     if isinstance(value, str):
-        bare = value.strip().lower() in ("true", "false") if kind == "bool_type" else value.strip().lstrip("+-").isdigit()
+        bare = (value.strip().lower() in ("true", "false") if kind == "bool_type" else
+                _is_toml_number(value.strip(), whole=kind == "int_type"))
         fix = "remove the quotes" if bare else f"write {want}, without quotes"
     elif isinstance(value, float) and kind == "int_type" and value.is_integer():
         fix = f"write {int(value)}"
@@ -333,7 +346,7 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
             elif err["type"] == "missing":
                 msg = "required: add it"
-            elif err["type"] in ("int_type", "bool_type"):
+            elif err["type"] in ("int_type", "bool_type", "float_type"):
                 msg = _type_fix(err["type"], err["input"])
             lines.append(f"{field}: {msg}")
         where = f"{path}: " if path else ""

@@ -281,6 +281,9 @@ def test_missing_required_field_is_named():
     (("decode", 0, "gpus"), [4, 5, "6", 7], "must be a whole number, not '6': remove the quotes"),
     (("model", "trust_remote_code"), "yes", "must be true or false, not 'yes': write true or false, without quotes"),
     (("model", "trust_remote_code"), 1, "must be true or false, not 1"),
+    (("prefill", 0, "mem_fraction"), True, "must be a number, not true"),  # lax parsing wrote --mem-fraction-static 1.0
+    (("prefill", 0, "mem_fraction"), "0.8", "must be a number, not '0.8': remove the quotes"),
+    (("prefill", 0, "port"), "３００１０", "must be a whole number, not '３００１０': write a whole number, without quotes"),
 ])
 def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
     d = seed_dict()
@@ -294,6 +297,12 @@ def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, val
     if path[-1] == "gpus":
         field += "[2]"
     assert f"{field}: {words}" in str(e.value), str(e.value)
+
+
+def test_an_integer_is_still_a_number_for_a_fraction():
+    d = seed_dict()
+    d["prefill"][0]["mem_fraction"] = 1
+    assert parse_spec(d).prefill[0].mem_fraction == 1.0
 
 
 def test_a_toml_syntax_error_reports_the_line(tmp_path):
