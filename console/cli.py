@@ -9,6 +9,7 @@ Exit codes are documented in :mod:`pdctl.console.exit_codes` and in ``pdctl --he
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -149,6 +150,21 @@ class _Reporter:
             self.failure_shown = True
 
 
+_terminated = False
+"""Set when SIGTERM stopped the command (``_sigterm_as_interrupt``): main() then exits 143, not 130."""
+
+
+def _sigterm_as_interrupt() -> None:
+    # SIGTERM (`timeout`, CI runners, process managers) stops a headless apply the way Ctrl-C does: the engine
+    # journals where it stopped and ends a --json stream with apply_interrupted, instead of dying mid-write.
+    def on_sigterm(signum, frame) -> None:  # noqa: ANN001
+        global _terminated
+        _terminated = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 @app.command("apply")
 def apply_cmd(
     spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Spec (TOML) or a plan saved with `pdctl plan -o`")],
@@ -175,6 +191,7 @@ def apply_cmd(
     loaded = load(spec, state_dir=state_dir, discover=True)
     _warnings(loaded)
     rep = _Reporter(as_json)
+    _sigterm_as_interrupt()
     try:
         result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
     except PdctlError as e:
@@ -416,8 +433,7 @@ def main(argv: list[str] | None = None) -> None:
             e.show(file=sys.stderr)
         sys.exit(ExitCode.USAGE)
     except abort_kinds:
-        _err(_INTERRUPTED)
-        sys.exit(ExitCode.INTERRUPTED)
+        rc = ExitCode.INTERRUPTED
     except PdctlError as e:
         _err(f"error: {e}")
         sys.exit(exit_code_for(e))
@@ -432,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
-        _err(_INTERRUPTED)
+        _err(("terminated (SIGTERM); " if _terminated else "") + _INTERRUPTED)
+        rc = ExitCode.TERMINATED if _terminated else rc
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 
 

@@ -13,6 +13,7 @@ code  name            meaning
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
 130   INTERRUPTED     Ctrl-C
+143   TERMINATED      ``apply``: SIGTERM (``timeout``, a CI runner, a process manager), handled like Ctrl-C
 ====  ==============  ==========================================================================
 
 It lives beside the CLI, not in the engine: the engine raises typed errors and never exits.
@@ -35,6 +36,7 @@ class ExitCode(IntEnum):
     LOCKED = 4
     USAGE = 64
     INTERRUPTED = 130
+    TERMINATED = 143
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
