@@ -483,7 +483,8 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     assert "apply again" in last["message"] and "pdctl down" in last["message"]
     audit = demo.load().journal.audit_records()[-1]
     assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
-    assert err.rstrip().splitlines()[-1].startswith("interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM); interrupted:"), err
+    said = "interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM); interrupted:"
+    assert err.rstrip().splitlines()[-1].startswith(said), err
 
 
 def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
