@@ -307,6 +307,15 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
+# Messages for a value of the wrong shape (pydantic error type -> what to write instead).
+_SHAPE_FIXES = {
+    "string_type": "must be text: put it in quotes",
+    "list_type": "must be a list: write it in brackets, e.g.",
+    "dict_type": "must be a table: write it as [section] or { key = value }",
+    "too_short": "must not be empty: give at least one",
+}
+
+
 def _is_toml_number(text: str, *, whole: bool) -> bool:
     # Would `text` without its quotes be a TOML integer (whole) or number? (TOML's digits are ASCII only.)
     try:
@@ -348,6 +357,10 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = "required: add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):
                 msg = _type_fix(err["type"], err["input"])
+            elif err["type"] in _SHAPE_FIXES:
+                msg = _SHAPE_FIXES[err["type"]]
+                if err["type"] == "list_type":
+                    msg += " [0, 1, 2, 3]" if err["loc"][-1] in ("gpus", "gpu_numa") else ' ["--flag", "value"]'
             lines.append(f"{field}: {msg}")
         where = f"{path}: " if path else ""
         raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=lines, path=path) from None

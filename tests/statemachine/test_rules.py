@@ -284,6 +284,11 @@ def test_missing_required_field_is_named():
     (("prefill", 0, "mem_fraction"), True, "must be a number, not true"),  # lax parsing wrote --mem-fraction-static 1.0
     (("prefill", 0, "mem_fraction"), "0.8", "must be a number, not '0.8': remove the quotes"),
     (("prefill", 0, "port"), "３００１０", "must be a whole number, not '３００１０': write a whole number, without quotes"),
+    (("prefill", 0, "gpus"), 4, "must be a list: write it in brackets, e.g. [0, 1, 2, 3]"),
+    (("prefill", 0, "gpus"), [], "must not be empty: give at least one"),
+    (("router", "extra_args"), "--x", 'must be a list: write it in brackets, e.g. ["--flag", "value"]'),
+    (("model", "served_name"), 123, "must be text: put it in quotes"),
+    (("engine", "env"), 5, "must be a table: write it as [section] or { key = value }"),
 ])
 def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
     d = seed_dict()
@@ -294,7 +299,7 @@ def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, val
     with pytest.raises(SpecError) as e:
         parse_spec(d)
     field = ".".join(f"[{k}]" if isinstance(k, int) else k for k in path).replace(".[", "[")
-    if path[-1] == "gpus":
+    if path[-1] == "gpus" and isinstance(value, list) and value:
         field += "[2]"
     assert f"{field}: {words}" in str(e.value), str(e.value)
 
