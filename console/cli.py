@@ -246,7 +246,11 @@ def _applying_text(st: dict) -> str:
     failed = next((name for name, v in st.get("steps", {}).items() if v.get("status") == "failed"), None)
     if failed:
         return f" [the last apply failed at {failed}: apply again after the fix]"
-    return " [apply in progress or interrupted]"
+    holder = st.get("locked_by")
+    if holder:
+        return (f" [{holder.get('purpose', 'apply')} in progress: PID {holder.get('pid', '?')} "
+                f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
+    return " [an apply was interrupted: apply again to converge, or `pdctl down` to stop it]"
 
 
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"

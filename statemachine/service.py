@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from pdctl.statemachine.journal import Journal, default_state_dir
@@ -404,6 +405,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "plan_id": state.plan_id,
         "deployed": state.deployed is not None,
         "applying": state.target is not None,
+        "locked_by": _lock_holder(loaded),
         "matches_spec": spec_topo == (state.target or state.deployed),
         "reached": reached,
         "healthy": all_healthy,
@@ -411,6 +413,14 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "router": router,
         "steps": steps,
     }
+
+
+def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
+    # Who holds the deployment's lock now (an apply or down running in another process), as the lock file names it.
+    try:
+        return loaded.journal.held_by()
+    except OSError:
+        return None
 
 
 def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001

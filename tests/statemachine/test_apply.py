@@ -457,6 +457,25 @@ def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):
     assert demo.status()["healthy"]
 
 
+def test_status_tells_an_apply_that_runs_from_one_that_was_interrupted(demo):
+    from pdctl.console.cli import _status_text
+
+    demo.apply()
+    journal = demo.load().journal
+    state = journal.read()
+    state.target = state.deployed  # as an apply journals it before its first step
+    journal.write(state)
+    st = demo.status()
+    assert st["locked_by"] is None and not st["healthy"]
+    assert "[an apply was interrupted: apply again to converge" in _status_text(st).splitlines()[0]
+    with journal.lock("apply"):  # another process would hold it; this one does, as the lock file says
+        st = demo.status()
+    assert st["locked_by"]["pid"] == os.getpid(), st["locked_by"]
+    assert f"[apply in progress: PID {os.getpid()} (" in _status_text(st).splitlines()[0]
+    assert demo.cli("apply", str(demo.spec)).returncode == 0
+    assert demo.status()["healthy"]
+
+
 @pytest.mark.parametrize("sig,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     # Ctrl-C (SIGINT) or SIGTERM (`timeout`, CI runners) during a --json apply: the stream's last line says where it
