@@ -127,8 +127,11 @@ class _Reporter:
         """A failure's message is on the terminal already: the command's end need not repeat it."""
         self.hint_shown = False
         self.step_started = False
+        self.ended = False
+        """An event that ends a run (apply_done, apply_failed, apply_interrupted) was emitted."""
 
     def emit(self, event) -> None:  # noqa: ANN001
+        self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
         if self.as_json:
             sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
             sys.stdout.flush()
@@ -179,22 +182,31 @@ def apply_cmd(
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this
     exact plan. A saved plan applies only while the deployment still matches its "from" side.
     """
+    from pdctl.statemachine.events import Event
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import apply, load, load_saved_plan
 
-    saved = None
-    if spec.suffix == ".json":
-        saved = load_saved_plan(spec)
-        if not saved.spec_path:
-            raise typer.BadParameter("the saved plan names no spec file")
-        spec = Path(saved.spec_path)
-    loaded = load(spec, state_dir=state_dir, discover=True)
-    _warnings(loaded)
     rep = _Reporter(as_json)
+    saved = None
+    try:
+        if spec.suffix == ".json":
+            saved = load_saved_plan(spec)
+            if not saved.spec_path:
+                raise typer.BadParameter("the saved plan names no spec file")
+            spec = Path(saved.spec_path)
+        loaded = load(spec, state_dir=state_dir, discover=True)
+    except PdctlError as e:  # refused before planning: a --json stream still gets its last event
+        if as_json:
+            rep.emit(Event("apply_failed", e.message, data={"hint": e.hint, "error": type(e).__name__}))
+        raise
+    _warnings(loaded)
     _sigterm_as_interrupt()
     try:
         result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
     except PdctlError as e:
+        if as_json and not rep.ended:  # refused without an event (lock held, topology not confirmed, stale plan)
+            rep.emit(Event("apply_failed", e.message, step=getattr(e, "step", None),
+                           data={"hint": e.hint, "error": type(e).__name__}))
         from pdctl.statemachine.errors import StepError, TopologyNotConfirmed
 
         if isinstance(e, TopologyNotConfirmed) and not as_json:

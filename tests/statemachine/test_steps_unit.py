@@ -231,3 +231,35 @@ def test_an_interrupted_headless_apply_says_so_and_how_to_go_on(monkeypatch, cap
     assert e.value.code == ExitCode.INTERRUPTED
     last = capsys.readouterr().err.rstrip().splitlines()[-1]
     assert last.startswith("interrupted:") and "pdctl status" in last and "pdctl down" in last, last
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path, capsys):
+    # An invalid spec, or a lock held by another apply: the --json stream used to be empty (stderr and the exit code
+    # said it); it now ends with apply_failed naming the error, and nothing starts.
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEMO.read_text().replace("port = 30010", 'port = "30010"', 1))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", str(bad), "--json", "--state-dir", str(tmp_path / "s1")])
+    assert e.value.code == ExitCode.ERROR
+    last = _json_lines(capsys.readouterr().out)[-1]
+    assert last["kind"] == "apply_failed" and last["data"]["error"] == "SpecError", last
+    assert "prefill[0].port: must be a whole number" in last["message"]
+
+    state = tmp_path / "s2"
+    with service.load(DEMO, state_dir=state).journal.lock("apply"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["apply", str(DEMO), "--json", "--state-dir", str(state)])
+    assert e.value.code == ExitCode.LOCKED
+    events = _json_lines(capsys.readouterr().out)
+    assert [ev["kind"] for ev in events] == ["apply_failed"], events
+    assert events[0]["data"]["error"] == "LockHeld" and "is locked by PID" in events[0]["message"]
