@@ -77,7 +77,7 @@ class _PostingSink:
         except Exception:  # noqa: BLE001 - progress without the journal is still progress
             pass
         self.app.post_message(ConsoleApp.ApplyProgressed(event, journal))
-        if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "step_failed"):
+        if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "apply_interrupted", "step_failed"):
             raise ApplyCancelled("apply cancelled from the console")
 
 

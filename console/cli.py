@@ -8,10 +8,12 @@ Exit codes are documented in :mod:`pdctl.console.exit_codes` and in ``pdctl --he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Annotated, Optional
 
 import typer
@@ -22,7 +24,8 @@ from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused "
-    "(apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted."
+    "(apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
+    "143 an apply stopped by SIGTERM."
 )
 
 app = typer.Typer(
@@ -157,15 +160,32 @@ _terminated = False
 """Set when SIGTERM stopped the command (``_sigterm_as_interrupt``): main() then exits 143, not 130."""
 
 
-def _sigterm_as_interrupt() -> None:
+def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
+    # A --json stream that ends without a terminal event gets one: apply_failed naming the error.
+    if rep.as_json and not rep.ended:
+        from pdctl.statemachine.events import Event
+
+        msg = getattr(exc, "message", None) or (exc.format_message() if isinstance(exc, typer.BadParameter) else str(exc))
+        rep.emit(Event("apply_failed", msg, step=getattr(exc, "step", None),
+                       data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
     # SIGTERM (`timeout`, CI runners, process managers) stops a headless apply the way Ctrl-C does: the engine
-    # journals where it stopped and ends a --json stream with apply_interrupted, instead of dying mid-write.
+    # journals where it stopped and ends a --json stream with apply_interrupted, instead of dying mid-write. A
+    # second SIGTERM is ignored while that runs; the previous handler is back afterwards.
     def on_sigterm(signum, frame) -> None:  # noqa: ANN001
         global _terminated
         _terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @app.command("apply")
@@ -182,47 +202,46 @@ def apply_cmd(
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this
     exact plan. A saved plan applies only while the deployment still matches its "from" side.
     """
-    from pdctl.statemachine.events import Event
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import apply, load, load_saved_plan
 
     rep = _Reporter(as_json)
     saved = None
-    try:
-        if spec.suffix == ".json":
-            saved = load_saved_plan(spec)
-            if not saved.spec_path:
-                raise typer.BadParameter("the saved plan names no spec file")
-            spec = Path(saved.spec_path)
-        loaded = load(spec, state_dir=state_dir, discover=True)
-    except PdctlError as e:  # refused before planning: a --json stream still gets its last event
-        if as_json:
-            rep.emit(Event("apply_failed", e.message, data={"hint": e.hint, "error": type(e).__name__}))
-        raise
-    _warnings(loaded)
-    _sigterm_as_interrupt()
-    try:
-        result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
-    except PdctlError as e:
-        if as_json and not rep.ended:  # refused without an event (lock held, topology not confirmed, stale plan)
-            rep.emit(Event("apply_failed", e.message, step=getattr(e, "step", None),
-                           data={"hint": e.hint, "error": type(e).__name__}))
-        from pdctl.statemachine.errors import StepError, TopologyNotConfirmed
+    with _sigterm_as_interrupt():
+        try:
+            if spec.suffix == ".json":
+                saved = load_saved_plan(spec)
+                if not saved.spec_path:
+                    raise typer.BadParameter("the saved plan names no spec file")
+                spec = Path(saved.spec_path)
+            loaded = load(spec, state_dir=state_dir, discover=True)
+        except (PdctlError, UnitsError, OSError, typer.BadParameter) as e:  # refused before planning
+            _json_refusal(rep, e)
+            raise
+        _warnings(loaded)
+        try:
+            result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
+        except (UnitsError, OSError) as e:
+            _json_refusal(rep, e)
+            raise
+        except PdctlError as e:
+            _json_refusal(rep, e)  # (lock held, topology not confirmed, stale plan: the engine emitted nothing)
+            from pdctl.statemachine.errors import StepError, TopologyNotConfirmed
 
-        if isinstance(e, TopologyNotConfirmed) and not as_json:
-            from pdctl.statemachine.service import plan_spec
+            if isinstance(e, TopologyNotConfirmed) and not as_json:
+                from pdctl.statemachine.service import plan_spec
 
-            sys.stdout.write(render_text(saved or plan_spec(loaded)) + "\n")
-        if isinstance(e, StepError) and rep.failure_shown:
-            # said once, on the failed step's line; end with where it stopped instead of repeating it
-            if e.hint and not rep.hint_shown:
-                _err(f"  hint: {e.hint}")
-            if rep.step_started:
-                _err(f"apply stopped at {e.step}: `pdctl status` shows what runs now; apply again after the fix")
-            else:
-                _err("apply refused before its first step; apply again after the fix")
-            raise typer.Exit(exit_code_for(e)) from None
-        raise
+                sys.stdout.write(render_text(saved or plan_spec(loaded)) + "\n")
+            if isinstance(e, StepError) and rep.failure_shown:
+                # said once, on the failed step's line; end with where it stopped instead of repeating it
+                if e.hint and not rep.hint_shown:
+                    _err(f"  hint: {e.hint}")
+                if rep.step_started:
+                    _err(f"apply stopped at {e.step}: `pdctl status` shows what runs now; apply again after the fix")
+                else:
+                    _err("apply refused before its first step; apply again after the fix")
+                raise typer.Exit(exit_code_for(e)) from None
+            raise
     if not as_json:
         _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")
 
@@ -253,15 +272,16 @@ def status_cmd(
 
 
 def _applying_text(st: dict) -> str:
+    # The lock first: a running apply keeps the previous run's failed steps in the journal until it starts its own.
+    holder = st.get("locked_by")
+    if holder:
+        return (f" [{holder.get('purpose', 'apply')} in progress: PID {holder.get('pid', '?')} "
+                f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
     if not st["applying"]:
         return ""
     failed = next((name for name, v in st.get("steps", {}).items() if v.get("status") == "failed"), None)
     if failed:
         return f" [the last apply failed at {failed}: apply again after the fix]"
-    holder = st.get("locked_by")
-    if holder:
-        return (f" [{holder.get('purpose', 'apply')} in progress: PID {holder.get('pid', '?')} "
-                f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
     return " [an apply was interrupted: apply again to converge, or `pdctl down` to stop it]"
 
 

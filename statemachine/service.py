@@ -254,7 +254,8 @@ def apply(
             ports_taken_elsewhere(ctx, own)
         except StepError as exc:
             j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
-            sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint}))
+            sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint,
+                                                                                "error": type(exc).__name__}))
             raise
         j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
         sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
@@ -265,8 +266,8 @@ def apply(
         state.steps = {}  # this run re-proves every step of the new topology
         j.write(state)
         ctx.journal_state = state
-        _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
         try:
+            _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
             machine = run_steps(ctx, steps_for(desired), sink)
         except KeyboardInterrupt:
             # Ctrl-C / SIGINT: the journal keeps the target (a re-run converges); say where it stopped, so that a
@@ -280,7 +281,7 @@ def apply(
         except Exception as exc:
             j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
             sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),
-                            data={"hint": getattr(exc, "hint", None)}))
+                            data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
             raise
         state.deployed = desired
         state.target = None
@@ -329,6 +330,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     from pdctl.statemachine import launch, ports, probes
     from pdctl.statemachine.errors import ProbeError
 
+    locked_by = _lock_holder(loaded)  # before the journal: an apply that ends meanwhile leaves a converged journal
     state = loaded.journal.read()
     topo = state.target or state.deployed or topology_of(loaded.deployment)
     host = deployment_host(loaded.deployment)
@@ -405,7 +407,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "plan_id": state.plan_id,
         "deployed": state.deployed is not None,
         "applying": state.target is not None,
-        "locked_by": _lock_holder(loaded),
+        "locked_by": locked_by,
         "matches_spec": spec_topo == (state.target or state.deployed),
         "reached": reached,
         "healthy": all_healthy,
@@ -419,7 +421,7 @@ def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
     # Who holds the deployment's lock now (an apply or down running in another process), as the lock file names it.
     try:
         return loaded.journal.held_by()
-    except OSError:
+    except Exception:  # noqa: BLE001 - an unreadable or foreign lock file: the lock's state is a courtesy here
         return None
 
 

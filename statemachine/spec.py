@@ -310,10 +310,19 @@ def _loc(loc: tuple[Any, ...]) -> str:
 # Messages for a value of the wrong shape (pydantic error type -> what to write instead).
 _SHAPE_FIXES = {
     "string_type": "must be text: put it in quotes",
-    "list_type": "must be a list: write it in brackets, e.g.",
     "dict_type": "must be a table: write it as [section] or { key = value }",
     "too_short": "must not be empty: give at least one",
 }
+
+
+def _list_fix(loc: tuple) -> str:
+    # A list written as something else: an example that fits the field.
+    name = loc[-1] if loc else ""
+    if name in ("prefill", "decode", "server"):
+        return f"must be a list of tables: write each one as [[{name}]] (double brackets)"
+    example = {"gpus": "[0, 1, 2, 3]", "gpu_numa": "[0, 0, 1, 1]", "which": '["sparse_mla_decode"]',
+               "extra_args": '["--flag", "value"]'}.get(name, '["a", "b"]')
+    return f"must be a list: write it in brackets, e.g. {example}"
 
 
 def _is_toml_number(text: str, *, whole: bool) -> bool:
@@ -332,9 +341,12 @@ def _type_fix(kind: str, value: Any) -> str:
     want = {"int_type": "a whole number", "float_type": "a number"}.get(kind, "true or false")
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     if isinstance(value, str):
-        bare = (value.strip().lower() in ("true", "false") if kind == "bool_type" else
-                _is_toml_number(value.strip(), whole=kind == "int_type"))
-        fix = "remove the quotes" if bare else f"write {want}, without quotes"
+        if kind == "bool_type" and value.strip().lower() in ("true", "false"):
+            fix = f"write {value.strip().lower()}, without quotes"  # TOML's booleans are lower case
+        elif kind != "bool_type" and _is_toml_number(value.strip(), whole=kind == "int_type"):
+            fix = "remove the quotes"
+        else:
+            fix = f"write {want}, without quotes"
     elif isinstance(value, float) and kind == "int_type" and value.is_integer():
         fix = f"write {int(value)}"
     else:
@@ -357,10 +369,10 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = "required: add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):
                 msg = _type_fix(err["type"], err["input"])
+            elif err["type"] == "list_type":
+                msg = _list_fix(err["loc"])
             elif err["type"] in _SHAPE_FIXES:
                 msg = _SHAPE_FIXES[err["type"]]
-                if err["type"] == "list_type":
-                    msg += " [0, 1, 2, 3]" if err["loc"][-1] in ("gpus", "gpu_numa") else ' ["--flag", "value"]'
             lines.append(f"{field}: {msg}")
         where = f"{path}: " if path else ""
         raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=lines, path=path) from None

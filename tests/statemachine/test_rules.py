@@ -289,6 +289,9 @@ def test_missing_required_field_is_named():
     (("router", "extra_args"), "--x", 'must be a list: write it in brackets, e.g. ["--flag", "value"]'),
     (("model", "served_name"), 123, "must be text: put it in quotes"),
     (("engine", "env"), 5, "must be a table: write it as [section] or { key = value }"),
+    (("model", "trust_remote_code"), "True", "must be true or false, not 'True': write true, without quotes"),
+    (("prefill",), {"gpus": [0], "port": 1}, "must be a list of tables: write each one as [[prefill]] (double brackets)"),
+    (("kernels", "which"), "sparse_mla_decode", 'must be a list: write it in brackets, e.g. ["sparse_mla_decode"]'),
 ])
 def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
     d = seed_dict()

@@ -237,7 +237,7 @@ def _json_lines(text: str) -> list[dict]:
     return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
-def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path, capsys):
+def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path, capsys, monkeypatch):
     # An invalid spec, or a lock held by another apply: the --json stream used to be empty (stderr and the exit code
     # said it); it now ends with apply_failed naming the error, and nothing starts.
     from pdctl.console import cli
@@ -256,6 +256,7 @@ def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path,
     assert "prefill[0].port: must be a whole number" in last["message"]
 
     state = tmp_path / "s2"
+    monkeypatch.setattr(service, "deployment_host", lambda dep: pytest.fail("the apply got past the held lock"))
     with service.load(DEMO, state_dir=state).journal.lock("apply"):
         with pytest.raises(SystemExit) as e:
             cli.main(["apply", str(DEMO), "--json", "--state-dir", str(state)])
@@ -263,3 +264,35 @@ def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path,
     events = _json_lines(capsys.readouterr().out)
     assert [ev["kind"] for ev in events] == ["apply_failed"], events
     assert events[0]["data"]["error"] == "LockHeld" and "is locked by PID" in events[0]["message"]
+
+
+def test_status_text_names_the_lock_holder_before_an_earlier_failure():
+    # A new apply keeps the last run's failed steps in the journal until it starts its own: the holder comes first.
+    from pdctl.console.cli import _applying_text
+
+    holder = {"pid": 42, "user": "op", "host": "gpu1", "purpose": "apply", "since": "2026-11-30T15:00:00+0000"}
+    st = {"applying": True, "steps": {"decode_up": {"status": "failed"}}, "locked_by": holder}
+    assert _applying_text(st) == " [apply in progress: PID 42 (op@gpu1) since 2026-11-30T15:00:00+0000]"
+    assert "failed at decode_up" in _applying_text({**st, "locked_by": None})
+    assert "down in progress" in _applying_text({"applying": False, "steps": {}, "locked_by": {**holder, "purpose": "down"}})
+    assert _applying_text({"applying": False, "steps": {}, "locked_by": None}) == ""
+
+
+def test_sigterm_handling_is_undone_after_the_command(tmp_path, monkeypatch):
+    # The headless apply turns SIGTERM into an interrupt only while it runs; the previous handler comes back (here
+    # the apply gets past loading the spec and is refused by a held lock).
+    import signal
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(service, "deployment_host", lambda dep: pytest.fail("the apply got past the held lock"))
+    with service.load(DEMO, state_dir=tmp_path).journal.lock("apply"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["apply", str(DEMO), "--state-dir", str(tmp_path)])
+    assert e.value.code == ExitCode.LOCKED
+    assert signal.getsignal(signal.SIGTERM) is before
