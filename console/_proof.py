@@ -24,7 +24,8 @@ def render_proof(step: StepView | None) -> RenderableType:
     parts: list[RenderableType] = []
     head = Text()
     head.append(step.name, style="bold")
-    head.append(f"  {step.status}", style={"done": "green", "skipped": "green", "failed": "bold red", "running": "yellow"}.get(step.status, "dim"))
+    head.append(f"  {step.status}", style={"done": "green", "skipped": "green", "failed": "bold red", "running": "yellow",
+                                       "interrupted": "yellow"}.get(step.status, "dim"))
     head.append(f"  took {fmt_duration(step.elapsed_s)}")
     if step.age_s is not None:
         head.append(f", {fmt_duration(step.age_s)} ago", style="dim")

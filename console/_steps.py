@@ -19,6 +19,7 @@ STATUS_MARK = {
     "done": ("✓", "bold green"),
     "skipped": ("=", "green"),
     "failed": ("✗", "bold red"),
+    "interrupted": ("‖", "bold yellow"),
 }
 """Status → (mark, style)."""
 

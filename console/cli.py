@@ -25,7 +25,7 @@ from pdctl.units.errors import UnitsError
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused "
     "(apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
-    "143 an apply stopped by SIGTERM."
+    "143 an apply or down stopped by SIGTERM."
 )
 
 app = typer.Typer(
@@ -157,7 +157,7 @@ class _Reporter:
 
 
 _terminated = False
-"""Set when SIGTERM stopped the command (``_sigterm_as_interrupt``): main() then exits 143, not 130."""
+"""Set when SIGTERM stopped the command (``_signals_as_interrupt``): main() then exits 143, not 130."""
 
 
 def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
@@ -165,27 +165,29 @@ def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
     if rep.as_json and not rep.ended:
         from pdctl.statemachine.events import Event
 
-        msg = getattr(exc, "message", None) or (exc.format_message() if isinstance(exc, typer.BadParameter) else str(exc))
+        msg = getattr(exc, "message", None) or str(exc)
         rep.emit(Event("apply_failed", msg, step=getattr(exc, "step", None),
                        data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    # SIGTERM (`timeout`, CI runners, process managers) stops a headless apply the way Ctrl-C does: the engine
-    # journals where it stopped and ends a --json stream with apply_interrupted, instead of dying mid-write. A
-    # second SIGTERM is ignored while that runs; the previous handler is back afterwards.
-    def on_sigterm(signum, frame) -> None:  # noqa: ANN001
+def _signals_as_interrupt() -> Iterator[None]:
+    # SIGTERM (`timeout`, CI runners, process managers) stops a headless apply or down the way Ctrl-C does: the
+    # engine journals where it stopped (and ends a --json stream with apply_interrupted) instead of dying mid-write.
+    # Once either signal has come, repeats are ignored while that is reported; the previous handlers come back after.
+    def on_signal(signum, frame) -> None:  # noqa: ANN001
         global _terminated
-        _terminated = True
+        _terminated = _terminated or signum == signal.SIGTERM
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @app.command("apply")
@@ -207,15 +209,13 @@ def apply_cmd(
 
     rep = _Reporter(as_json)
     saved = None
-    with _sigterm_as_interrupt():
+    with _signals_as_interrupt():
         try:
             if spec.suffix == ".json":
                 saved = load_saved_plan(spec)
-                if not saved.spec_path:
-                    raise typer.BadParameter("the saved plan names no spec file")
                 spec = Path(saved.spec_path)
             loaded = load(spec, state_dir=state_dir, discover=True)
-        except (PdctlError, UnitsError, OSError, typer.BadParameter) as e:  # refused before planning
+        except (PdctlError, UnitsError, OSError) as e:  # refused before planning
             _json_refusal(rep, e)
             raise
         _warnings(loaded)
@@ -337,7 +337,8 @@ def down_cmd(
         if answer.strip().lower() not in ("y", "yes"):
             _err("nothing stopped")
             raise typer.Exit(ExitCode.OK)
-    names = down(loaded, sink=_Reporter(False))
+    with _signals_as_interrupt():
+        names = down(loaded, sink=_Reporter(False))
     _err(f"stopped and removed {len(names)} unit(s) of {loaded.deployment.name!r}")
 
 

@@ -13,7 +13,7 @@ code  name            meaning
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
 130   INTERRUPTED     Ctrl-C
-143   TERMINATED      ``apply``: SIGTERM (``timeout``, a CI runner, a process manager), handled like Ctrl-C
+143   TERMINATED      ``apply``, ``down``: SIGTERM (``timeout``, a CI runner, a process manager), handled like Ctrl-C
 ====  ==============  ==========================================================================
 
 It lives beside the CLI, not in the engine: the engine raises typed errors and never exits.

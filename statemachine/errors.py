@@ -118,7 +118,8 @@ class LockHeld(PdctlError):
     title = "Deployment locked"
 
     def __init__(self, message: str, *, holder: dict | None = None) -> None:
-        super().__init__(message, hint="wait for the other apply to finish, or check that its PID is gone")
+        purpose = (holder or {}).get("purpose") or "apply"
+        super().__init__(message, hint=f"wait for the other {purpose} to finish, or check that its PID is gone")
         self.holder = holder or {}
 
 

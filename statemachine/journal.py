@@ -71,7 +71,8 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
 
 @dataclass
 class StepRecord:
-    """A step's last outcome: ``status`` is pending, running, done, skipped or failed."""
+    """A step's last outcome: ``status`` is pending, running, done, skipped, failed or interrupted (Ctrl-C or SIGTERM
+    while it ran)."""
 
     status: str = "pending"
     proof: dict[str, Any] | None = None

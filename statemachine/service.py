@@ -8,6 +8,7 @@ The headless CLI and the Textual console are thin shells over them.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
@@ -98,12 +99,15 @@ def _resolve_confirmation(plan: Plan, confirm: str | None) -> None:
 
 
 def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
-    from pdctl.statemachine.errors import PlanError
+    from pdctl.statemachine.errors import PdctlError
 
     try:
-        return Plan.model_validate_json(Path(path).read_text())
+        plan = Plan.model_validate_json(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise PlanError(f"{path}: not a readable pdctl plan: {exc}") from None
+        raise PdctlError(f"{path}: not a readable pdctl plan: {exc}", hint="save one with `pdctl plan SPEC -o FILE`") from None
+    if not plan.spec_path:
+        raise PdctlError(f"{path}: the saved plan names no spec file", hint="save it again with `pdctl plan SPEC -o FILE`")
+    return plan
 
 
 def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
@@ -235,60 +239,58 @@ def apply(
                     hint="make a new plan from the current spec",
                 )
             plan = saved_plan  # exactly what was reviewed; a topology change still needs its confirmation
-        sink.emit(Event("plan", f"plan {plan.plan_id}: {plan.cls or 'no changes'}", data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
-        j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
         try:
-            _resolve_confirmation(plan, confirm)
-        except Exception as exc:
-            j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
-            raise
-        # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
-        host = deployment_host(loaded.deployment)
-        host.run(["true"], timeout=30)
-        ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
-                            host=host)
-        unfinished = state.target  # an interrupted apply's target: its roles may run too
-        # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
-        own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
-        try:
-            ports_taken_elsewhere(ctx, own)
-        except StepError as exc:
-            j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
-            sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint,
-                                                                                "error": type(exc).__name__}))
-            raise
-        j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
-        sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
+            sink.emit(Event("plan", f"plan {plan.plan_id}: {plan.cls or 'no changes'}",
+                            data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
+            j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
+            try:
+                _resolve_confirmation(plan, confirm)
+            except Exception as exc:
+                j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
+                raise
+            # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
+            host = deployment_host(loaded.deployment)
+            host.run(["true"], timeout=30)
+            ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
+                                host=host)
+            unfinished = state.target  # an interrupted apply's target: its roles may run too
+            # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
+            own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
+            try:
+                ports_taken_elsewhere(ctx, own)
+            except StepError as exc:
+                j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
+                sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint,
+                                                                                    "error": type(exc).__name__}))
+                raise
+            j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
+            sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
-        # Journal the target before touching anything: a kill from here on re-runs to the same end.
-        state.target = desired
-        state.plan_id = plan.plan_id
-        state.steps = {}  # this run re-proves every step of the new topology
-        j.write(state)
-        ctx.journal_state = state
-        try:
-            _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
-            machine = run_steps(ctx, steps_for(desired), sink)
+            # Journal the target before touching anything: a kill from here on re-runs to the same end.
+            state.target = desired
+            state.plan_id = plan.plan_id
+            state.steps = {}  # this run re-proves every step of the new topology
+            j.write(state)
+            ctx.journal_state = state
+            try:
+                _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
+                machine = run_steps(ctx, steps_for(desired), sink)
+            except Exception as exc:
+                j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
+                sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),
+                                data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
+                raise
+            state.deployed = desired
+            state.target = None
+            j.write(state)
+            j.audit("apply-done", plan_id=plan.plan_id, state=machine.state)
+            sink.emit(Event("apply_done", f"deployment {desired.name!r} reached {machine.state}", data={"plan_id": plan.plan_id}))
+            return ApplyResult(plan, machine.state, {k: v.to_json() for k, v in state.steps.items()})
         except KeyboardInterrupt:
-            # Ctrl-C / SIGINT: the journal keeps the target (a re-run converges); say where it stopped, so that a
-            # --json consumer's stream ends with an event too
-            step = next((name for name, rec in state.steps.items() if rec.status == "running"), None)
-            j.audit("apply-interrupted", plan_id=plan.plan_id, step=step)
-            sink.emit(Event("apply_interrupted", f"interrupted{f' during {step}' if step else ''}: what already runs "
-                            "stays as it is; apply again to converge, or `pdctl down` to stop it", step=step,
-                            data={"plan_id": plan.plan_id}))
+            # Ctrl-C, or SIGTERM through the CLI, from the plan on: the journal keeps any target (a re-run
+            # converges), the step that ran is marked interrupted, and a --json stream ends with an event too
+            _interrupted(j, state, plan, sink)
             raise
-        except Exception as exc:
-            j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
-            sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),
-                            data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
-            raise
-        state.deployed = desired
-        state.target = None
-        j.write(state)
-        j.audit("apply-done", plan_id=plan.plan_id, state=machine.state)
-        sink.emit(Event("apply_done", f"deployment {desired.name!r} reached {machine.state}", data={"plan_id": plan.plan_id}))
-        return ApplyResult(plan, machine.state, {k: v.to_json() for k, v in state.steps.items()})
 
 
 def _remove_gone_roles(ctx, state, earlier, sink) -> None:  # noqa: ANN001
@@ -417,6 +419,20 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     }
 
 
+def _interrupted(j: Journal, state, plan: Plan, sink) -> None:  # noqa: ANN001
+    from pdctl.statemachine.events import Event
+
+    step = next((name for name, rec in state.steps.items() if rec.status == "running"), None)
+    if step is not None:
+        state.steps[step].status = "interrupted"
+        state.steps[step].finished_at = time.time()
+        j.write(state)
+    j.audit("apply-interrupted", plan_id=plan.plan_id, step=step)
+    sink.emit(Event("apply_interrupted", f"interrupted{f' during {step}' if step else ''}: what already runs stays "
+                    "as it is; apply again to converge, or `pdctl down` to stop it", step=step,
+                    data={"plan_id": plan.plan_id}))
+
+
 def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
     # Who holds the deployment's lock now (an apply or down running in another process), as the lock file names it.
     try:
@@ -428,34 +444,45 @@ def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
 def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     """Stop everything in reverse order (router, decode, prefill), remove the units, and record
     that nothing is deployed. Returns the units stopped. Holds the lock."""
-    from pdctl.statemachine import launch
-    from pdctl.statemachine.events import Event, NullSink
+    from pdctl.statemachine.events import NullSink
 
     sink = sink or NullSink()
     j = loaded.journal
     with j.lock("down"):
         state = j.read()
         j.audit("down-started", serial=state.serial)
-        manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
-        names: list[str] = []
-        for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
-            if topo is None:
-                continue
-            for n in unit_names(topo).values():
-                if n not in names:
-                    names.append(n)
-        names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
-        names = [n for n in names if manager.installed_text(n) is not None]
-        for n in names:
-            was = manager.status(n).state
-            manager.stop(n)
-            ran = was in ("active", "activating", "deactivating")
-            sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
-        manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
-        state.deployed = None
-        state.target = None
-        state.steps = {}
-        state.units = {}  # nothing runs: no definition is proven any more
-        j.write(state)
-        j.audit("down-done", units=names)
-        return names
+        try:
+            return _down_locked(loaded, j, state, sink)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: what is stopped stays stopped; run down again
+            j.audit("down-interrupted")
+            raise
+
+
+def _down_locked(loaded: Loaded, j: Journal, state, sink) -> list[str]:  # noqa: ANN001
+    # down's work under the lock: stop the units (router first), remove them, journal that nothing is deployed
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.events import Event
+
+    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
+    names: list[str] = []
+    for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
+        if topo is None:
+            continue
+        for n in unit_names(topo).values():
+            if n not in names:
+                names.append(n)
+    names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
+    names = [n for n in names if manager.installed_text(n) is not None]
+    for n in names:
+        was = manager.status(n).state
+        manager.stop(n)
+        ran = was in ("active", "activating", "deactivating")
+        sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
+    manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
+    state.deployed = None
+    state.target = None
+    state.steps = {}
+    state.units = {}  # nothing runs: no definition is proven any more
+    j.write(state)
+    j.audit("down-done", units=names)
+    return names

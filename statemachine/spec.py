@@ -186,11 +186,12 @@ class Router(_Model):
     prometheus_host: str = "127.0.0.1"
     prometheus_port: Port = 29000
     allow_public_prometheus: Bool = False
-    worker_startup_timeout_s: Int = Field(default=1800, ge=1)
-    health_check_interval_s: Int = Field(default=10, ge=1)
-    health_check_timeout_s: Int = Field(default=5, ge=1)
-    health_failure_threshold: Int = Field(default=3, ge=1)
-    health_success_threshold: Int = Field(default=2, ge=1)
+    # (at most 2**31 - 1: smg crashed converting 10**20 and left the router failed)
+    worker_startup_timeout_s: Int = Field(default=1800, ge=1, le=2**31 - 1)
+    health_check_interval_s: Int = Field(default=10, ge=1, le=2**31 - 1)
+    health_check_timeout_s: Int = Field(default=5, ge=1, le=2**31 - 1)
+    health_failure_threshold: Int = Field(default=3, ge=1, le=2**31 - 1)
+    health_success_threshold: Int = Field(default=2, ge=1, le=2**31 - 1)
     executable: str | None = None
     """Path of the router executable (``smg``); default: found next to pdctl's Python or on PATH."""
     extra_args: list[str] = Field(default_factory=list)

@@ -502,8 +502,29 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     assert "apply again" in last["message"] and "pdctl down" in last["message"]
     audit = demo.load().journal.audit_records()[-1]
     assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
+    assert demo.status()["steps"]["prefill_up"]["status"] == "interrupted"  # not left "running"
     said = "interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM); interrupted:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
+
+
+def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):
+    # SIGTERM as soon as the plan line arrives (before or around the first step): still one terminal event.
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = json.loads(p.stdout.readline())
+        p.send_signal(signal.SIGTERM)
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    events = [first] + [json.loads(x) for x in rest.splitlines()]
+    assert first["kind"] == "plan" and p.returncode == 143, (events, err)
+    assert events[-1]["kind"] == "apply_interrupted", events
+    assert [e["kind"] for e in events].count("apply_interrupted") == 1
+    assert demo.load().journal.audit_records()[-1]["event"] == "apply-interrupted"
 
 
 def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):

@@ -292,6 +292,7 @@ def test_missing_required_field_is_named():
     (("model", "trust_remote_code"), "True", "must be true or false, not 'True': write true, without quotes"),
     (("prefill",), {"gpus": [0], "port": 1}, "must be a list of tables: write each one as [[prefill]] (double brackets)"),
     (("kernels", "which"), "sparse_mla_decode", 'must be a list: write it in brackets, e.g. ["sparse_mla_decode"]'),
+    (("router", "worker_startup_timeout_s"), 10**20, "Input should be less than or equal to 2147483647"),
 ])
 def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
     d = seed_dict()

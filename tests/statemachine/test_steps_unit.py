@@ -289,10 +289,60 @@ def test_sigterm_handling_is_undone_after_the_command(tmp_path, monkeypatch):
 
     from .specs import DEMO
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(service, "deployment_host", lambda dep: pytest.fail("the apply got past the held lock"))
-    with service.load(DEMO, state_dir=tmp_path).journal.lock("apply"):
+    with service.load(DEMO, state_dir=tmp_path).journal.lock("down"):
         with pytest.raises(SystemExit) as e:
             cli.main(["apply", str(DEMO), "--state-dir", str(tmp_path)])
     assert e.value.code == ExitCode.LOCKED
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_held_lock_names_what_holds_it(tmp_path, capsys, monkeypatch):
+    from pdctl.console import cli
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    monkeypatch.setattr(service, "deployment_host", lambda dep: pytest.fail("the apply got past the held lock"))
+    with service.load(DEMO, state_dir=tmp_path).journal.lock("down"):
+        with pytest.raises(SystemExit):
+            cli.main(["apply", str(DEMO), "--state-dir", str(tmp_path)])
+    assert "hint: wait for the other down to finish" in capsys.readouterr().err
+
+
+def test_an_interrupted_down_is_audited(tmp_path, monkeypatch):
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    def stopped(*a, **k):  # noqa: ANN002, ANN003
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "_down_locked", stopped)
+    loaded = service.load(DEMO, state_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        service.down(loaded)
+    assert [r["event"] for r in loaded.journal.audit_records()][-2:] == ["down-started", "down-interrupted"]
+
+
+def test_a_saved_plan_without_its_spec_is_an_error_not_a_usage_mistake(tmp_path, capsys):
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+
+    from .specs import DEMO
+
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit):
+        cli.main(["plan", str(DEMO), "--state-dir", str(tmp_path), "-o", str(out)])
+    plan = json.loads(out.read_text())
+    plan["spec_path"] = ""
+    out.write_text(json.dumps(plan))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", str(out), "--json", "--state-dir", str(tmp_path)])
+    assert e.value.code == ExitCode.ERROR
+    captured = capsys.readouterr()
+    last = _json_lines(captured.out)[-1]
+    assert last["kind"] == "apply_failed" and "names no spec file" in last["message"], last
+    assert "pdctl plan SPEC -o FILE" in captured.err
