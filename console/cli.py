@@ -23,8 +23,8 @@ from pdctl.statemachine.errors import PdctlError
 from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
-    "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused "
-    "(apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
+    "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
+    "plan (apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
     "143 an apply or down stopped by SIGTERM."
 )
 
