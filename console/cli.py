@@ -12,8 +12,8 @@ import contextlib
 import json
 import signal
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
