@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from pdctl.statemachine.journal import Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
@@ -104,9 +104,11 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     try:
         plan = Plan.model_validate_json(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise PdctlError(f"{path}: not a readable pdctl plan: {exc}", hint="save one with `pdctl plan SPEC -o FILE`") from None
+        raise PdctlError(f"{path}: not a readable pdctl plan: {exc}",
+                         hint="save one with `pdctl plan SPEC -o FILE`") from None
     if not plan.spec_path:
-        raise PdctlError(f"{path}: the saved plan names no spec file", hint="save it again with `pdctl plan SPEC -o FILE`")
+        raise PdctlError(f"{path}: the saved plan names no spec file",
+                         hint="save it again with `pdctl plan SPEC -o FILE`")
     return plan
 
 
@@ -211,7 +213,9 @@ def apply(
     A *saved_plan* applies only while the deployment still matches its "from" side and the spec
     still produces its "to" side (:class:`StalePlanError`). Roles no longer in the spec are
     stopped and removed (router first). Raises :class:`StepError` naming the failed step; the
-    journal then records the failure and what already runs stays as it was.
+    journal then records the failure and what already runs stays as it was. A KeyboardInterrupt
+    (Ctrl-C; SIGTERM in the CLI) from the plan on is re-raised after the running step is marked
+    ``interrupted``, ``apply-interrupted`` is audited and ``apply_interrupted`` emitted.
     """
     from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
