@@ -456,6 +456,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
 
     # --- kernels --------------------------------------------------------------------------------
+    if dep.kernels.enabled and not dep.kernels.which:
+        err("kernels.which", "kernels are enabled but none is named: kernels_built would build nothing",
+            'name them (which = ["sparse_mla_decode", "lightning_indexer"]), or set kernels.enabled = false')
     if dep.kernels.enabled and "sparse_mla_decode" in dep.kernels.which:
         if dep.model.dsa_decode_backend not in _PLUGIN_DECODE_BACKENDS:
             err(

@@ -248,6 +248,12 @@ def test_unknown_target_version():
     _one(d, "sglang_version", "no facts for SGLang 0.9.1")
 
 
+def test_kernels_enabled_with_none_named_is_refused():
+    d = seed_dict()
+    d["kernels"] = {"enabled": True, "which": []}
+    _one(d, "kernels.which", "none is named", "set kernels.enabled = false")
+
+
 @pytest.mark.parametrize("name", ["bad name", "-lead", "a/b", "x" * 70, "ünï"])
 def test_a_name_that_cannot_become_a_systemd_unit_name(name):
     d = seed_dict()
