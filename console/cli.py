@@ -165,9 +165,7 @@ def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
     if rep.as_json and not rep.ended:
         from pdctl.statemachine.events import Event
 
-        msg = getattr(exc, "message", None) or str(exc)
-        rep.emit(Event("apply_failed", msg, step=getattr(exc, "step", None),
-                       data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
+        rep.emit(Event.apply_failed(exc))
 
 
 @contextlib.contextmanager

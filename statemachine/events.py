@@ -43,6 +43,12 @@ class Event:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def apply_failed(cls, exc: BaseException) -> Event:
+        """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them) and its type."""
+        return cls("apply_failed", getattr(exc, "message", None) or str(exc), step=getattr(exc, "step", None),
+                   data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__})
+
 
 class EventSink(Protocol):
     def emit(self, event: Event) -> None: ...

@@ -264,8 +264,7 @@ def apply(
                 ports_taken_elsewhere(ctx, own)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
-                sink.emit(Event("apply_failed", exc.message, step=exc.step, data={"hint": exc.hint,
-                                                                                    "error": type(exc).__name__}))
+                sink.emit(Event.apply_failed(exc))
                 raise
             j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
             sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
@@ -281,8 +280,7 @@ def apply(
                 machine = run_steps(ctx, steps_for(desired), sink)
             except Exception as exc:
                 j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
-                sink.emit(Event("apply_failed", str(getattr(exc, "message", exc)), step=getattr(exc, "step", None),
-                                data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__}))
+                sink.emit(Event.apply_failed(exc))
                 raise
             state.deployed = desired
             state.target = None
