@@ -162,6 +162,9 @@ def _topk_partition_kernel(
     seq = tl.load(seqlen_ptr + b)
     orow = out_ptr + b64 * stride_o
     offs = tl.arange(0, BLOCK)
+    seg = tl.cdiv(tl.cdiv(seq, nr), BLOCK) * BLOCK
+    lo = r * seg
+    hi = tl.minimum(lo + seg, seq)
     if seq <= TOPK:
         if r == 0:
             for j0 in tl.static_range(0, TOPK, BLOCK):
@@ -169,56 +172,79 @@ def _topk_partition_kernel(
                 inb = j < seq
                 val = _slot(bt_ptr, stride_bt, b64, j, inb, PHYSICAL)
                 tl.store(orow + j, tl.where(inb, val, -1), mask=j < TOPK)
-    else:
+    elif lo < hi:  # a program with an empty share of the row exits at once: no loads, no atomics
         wrow = ws_ptr + b64 * WS
         lrow = logits_ptr + b64 * stride_lg
         crow = cand_ptr + b64 * stride_c
         d0, need0 = _pick(tl.load(wrow + tl.arange(0, 256)), TOPK, 256)
         n_gt0 = TOPK - need0  # keys with a top byte above d0: all of them are in the top-k
-        if r == 0:  # for the refinement
+        if r == 0:  # for the refinement (program 0's share is never empty)
             tl.store(wrow + 259, d0)
             tl.store(wrow + 260, need0)
-        seg = tl.cdiv(tl.cdiv(seq, nr), BLOCK) * BLOCK
-        lo = r * seg
-        hi = tl.minimum(lo + seg, seq)
-        # Two passes over the program's segment (the second mostly from L2): count, reserve output and list
-        # ranges with one atomic each, then write. Atomics inside the loop would put an L2 round trip between
-        # every block's load and its stores (measured on the H200: 135 µs for 8M keys with them). The candidates'
-        # next 12 bits are counted into a 4096-bin histogram with one global atomic per candidate (a few % of the
-        # keys, spread over many bins).
-        ng = 0
-        ne = 0
-        for n0 in range(lo, hi, BLOCK):
-            n = n0 + offs
-            inb = n < hi
-            ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
-            top = (ks >> 24) + 128
-            eq = inb & (top == d0)
-            ng += tl.sum((inb & (top > d0)).to(tl.int32), 0)
-            ne += tl.sum(eq.to(tl.int32), 0)
-            tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
-        bg = tl.atomic_add(wrow + 256, ng, sem="relaxed")
-        be = tl.atomic_add(wrow + 257, ne, sem="relaxed")
-        _gdc_trigger(GDC)
-        for n0 in range(lo, hi, BLOCK):
-            n = n0 + offs
+        if hi - lo <= BLOCK:
+            # One block (every program's share when R·BLOCK ≥ L_b, e.g. L_b ≤ 8K at any B here): the keys stay in
+            # registers between counting and writing, so the second load below (an L2 round trip) is not needed.
+            n = lo + offs
             inb = n < hi
             ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
             top = (ks >> 24) + 128
             gt = inb & (top > d0)
             eq = inb & (top == d0)
+            tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
             both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)  # one scan for both ranks (BLOCK < 65536)
-            rank = tl.cumsum(both, 0) - both
-            rg = bg + (rank & 65535)
-            re = be + (rank >> 16)
-            val = _slot(bt_ptr, stride_bt, b64, n, gt, PHYSICAL)
-            tl.store(orow + rg, val, mask=gt & (rg < n_gt0))  # bounds hold even on stale counts
-            ce = eq & (re < CW)
-            tl.store(crow + re, n, mask=ce)
-            tl.store(crow + CW + re, ks, mask=ce)
             tot = tl.sum(both, 0)
-            bg += tot & 65535
-            be += tot >> 16
+            bg = tl.atomic_add(wrow + 256, tot & 65535, sem="relaxed")
+            be = tl.atomic_add(wrow + 257, tot >> 16, sem="relaxed")
+            _gdc_trigger(GDC)
+            _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW, PHYSICAL)
+        else:
+            # Two passes over the program's segment (the second mostly from L2): count, reserve output and list
+            # ranges with one atomic each, then write. Atomics inside the loop would put an L2 round trip between
+            # every block's load and its stores (measured on the H200: 135 µs for 8M keys with them). The
+            # candidates' next 12 bits are counted into a 4096-bin histogram with one global atomic per candidate
+            # (a few % of the keys, spread over many bins).
+            ng = 0
+            ne = 0
+            for n0 in range(lo, hi, BLOCK):
+                n = n0 + offs
+                inb = n < hi
+                ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+                top = (ks >> 24) + 128
+                eq = inb & (top == d0)
+                ng += tl.sum((inb & (top > d0)).to(tl.int32), 0)
+                ne += tl.sum(eq.to(tl.int32), 0)
+                tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
+            bg = tl.atomic_add(wrow + 256, ng, sem="relaxed")
+            be = tl.atomic_add(wrow + 257, ne, sem="relaxed")
+            _gdc_trigger(GDC)
+            for n0 in range(lo, hi, BLOCK):
+                n = n0 + offs
+                inb = n < hi
+                ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+                top = (ks >> 24) + 128
+                gt = inb & (top > d0)
+                eq = inb & (top == d0)
+                both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
+                _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW,
+                                 PHYSICAL)
+                tot = tl.sum(both, 0)
+                bg += tot & 65535
+                be += tot >> 16
+
+
+@triton.jit
+def _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW,
+                     PHYSICAL: tl.constexpr):
+    # One block of the partition's writes: keys above d0 (gt) to output slots bg + their rank, candidates (eq) to
+    # the list at be + their rank; ``both`` packs the two flags as the low and high 16 bits so one scan ranks both.
+    rank = tl.cumsum(both, 0) - both
+    rg = bg + (rank & 65535)
+    re = be + (rank >> 16)
+    val = _slot(bt_ptr, stride_bt, b64, n, gt, PHYSICAL)
+    tl.store(orow + rg, val, mask=gt & (rg < n_gt0))  # bounds hold even on stale counts
+    ce = eq & (re < CW)
+    tl.store(crow + re, n, mask=ce)
+    tl.store(crow + CW + re, ks, mask=ce)
 
 
 @triton.jit
@@ -229,9 +255,10 @@ def _topk_refine_kernel(
     # Third launch, (B, R) programs. The candidates' 12-bit second digit d1 comes from the partition's histogram;
     # each program takes a slice of the row's candidate list, writes those whose second digit is above d1 (all in
     # the top-k) and appends those equal to it to a short list (cand[b, 2·CW:], at most CAP), claiming slots
-    # with row counters; a program whose slice is empty only arrives. The row's last program to finish (an acq_rel
-    # arrival counter) resolves the remaining 12 bits over the short list held in registers; if more than CAP
-    # candidates share d1 (heavily tied logits), by looping over the full list instead.
+    # with row counters; a program whose slice is empty exits at once. The row's last program with a slice to
+    # finish (an acq_rel arrival counter) resolves the remaining 12 bits over the short list held in registers, with
+    # the d1 it already picked; if more than CAP candidates share d1 (heavily tied logits), by looping over the
+    # full list instead.
     b = tl.program_id(0)
     r = tl.program_id(1)
     _gdc_enter(GDC)
@@ -247,10 +274,13 @@ def _topk_refine_kernel(
         n_c = tl.minimum(tl.load(wrow + 257), CW)
         spos = crow + 2 * CW
         skey = spos + CAP
-        seg = tl.cdiv(tl.cdiv(n_c, nr), BLOCK) * BLOCK
+        seg = tl.maximum(tl.cdiv(tl.cdiv(n_c, nr), BLOCK) * BLOCK, BLOCK)
         lo = r * seg
-        hi = tl.minimum(lo + seg, n_c)
-        if lo < hi:
+        # Only the programs whose slice is non-empty take part (program 0 always does); the others exit at once,
+        # so the row's arrival counter sees `active` arrivals, not R.
+        if lo < tl.maximum(n_c, 1):
+            active = tl.maximum(tl.cdiv(n_c, seg), 1)
+            hi = tl.minimum(lo + seg, n_c)
             d1, need = _pick(tl.load(wrow + 512 + tl.arange(0, 4096)), need0, 4096)
             n_gt = TOPK - need  # slots [0, n_gt) take every key above the 20-bit prefix of the k-th key
             offs = tl.arange(0, BLOCK)
@@ -274,23 +304,23 @@ def _topk_refine_kernel(
                 keep = eq & (rs < CAP)
                 tl.store(spos + rs, pos, mask=keep)
                 tl.store(skey + rs, ks, mask=keep)
-        _gdc_trigger(GDC)
-        # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
-        # arriver's acquire makes the row's short list visible to it.
-        tl.debug_barrier()
-        if tl.atomic_add(wrow + 258, 1, sem="acq_rel") == nr - 1:
-            d1, need = _pick(tl.load(wrow + 512 + tl.arange(0, 4096)), need0, 4096)
-            n_gt = TOPK - need
-            thr = ((d0 - 128) << 24) | (d1 << 12)
-            n_s = tl.atomic_add(wrow + 263, 0, sem="relaxed")
-            tl.store(wrow + 261, n_s)  # for benchmarks/indexer_stages.py: how long the short list was
-            if n_s <= 1024:
-                _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, 1024, PHYSICAL)
-            elif n_s <= CAP:
-                _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, CAP, PHYSICAL)
-            else:
-                _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, BLOCK,
-                             PHYSICAL)
+            _gdc_trigger(GDC)
+            # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
+            # arriver's acquire makes the row's short list visible to it.
+            tl.debug_barrier()
+            if tl.atomic_add(wrow + 258, 1, sem="acq_rel") == active - 1:
+                thr = ((d0 - 128) << 24) | (d1 << 12)
+                n_s = tl.atomic_add(wrow + 263, 0, sem="relaxed")
+                tl.store(wrow + 261, n_s)  # for benchmarks/indexer_stages.py: how long the short list was
+                if n_s <= 1024:
+                    _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, 1024,
+                                 PHYSICAL)
+                elif n_s <= CAP:
+                    _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, CAP,
+                                 PHYSICAL)
+                else:
+                    _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, BLOCK,
+                                 PHYSICAL)
 
 
 @triton.jit

@@ -112,14 +112,26 @@ def test_output_does_not_depend_on_the_block_table_width():
     assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
 
 
-def _topk_sets(logits, lens, topk=TOPK, cap=8192):
+def _topk_sets(logits, lens, topk=TOPK, cap=8192, **cfg):
     from dataclasses import replace
 
     sl = torch.tensor(lens, dtype=torch.int32)
     bt = torch.zeros(len(lens), 1, dtype=torch.int32)
     out = torch.full((len(lens), topk), -7, dtype=torch.int32)
-    topk_over_logits(logits, sl, bt, topk, physical=False, out=out, config=replace(CFG, topk_refine_cap=cap))
+    topk_over_logits(logits, sl, bt, topk, physical=False, out=out, config=replace(CFG, topk_refine_cap=cap, **cfg))
     return out
+
+
+def test_topk_is_exact_when_most_programs_of_a_row_have_no_share():
+    # 32 programs per row: row 0 (5000 keys, two 128-key blocks per program) leaves 12 of them without a share of
+    # the partition, row 1 (300 keys, one block each) 29, and every row's candidates fit one refining program's
+    # slice, so 31 refining programs per row exit at once and the last of the others must still finish the row.
+    g = torch.Generator().manual_seed(7)
+    lens = [5000, 300, 129]
+    logits = torch.randn(3, 5000, generator=g)
+    out = _topk_sets(logits, lens, topk_programs=96, refine_block=256)
+    for b, n in enumerate(lens):
+        assert sorted(out[b].tolist()) == sorted(logits[b, :n].topk(TOPK).indices.tolist())
 
 
 # The refining program holds up to 1024 keys sharing the k-th key's top 20 bits in registers, then up to

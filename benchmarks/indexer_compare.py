@@ -1,0 +1,95 @@
+"""Time the whole lightning-indexer call (logits + top-k) with this checkout's kernels beside other versions of
+``kernels/_indexer_kernels.py``, on the same inputs, each version's output checked as a set against this
+checkout's (and against the fp32 reference logits where that is cheap). Run on the GPU machine:
+
+    python benchmarks/indexer_compare.py --compare before=.gl/topk_old/_indexer_kernels.py
+
+Prints one line per (L, B, version): µs per call (median of CUDA-graph replays, inputs rotated so one replay
+touches ≥ 3× the L2, as ``bench_kernels.py``), % of copy bandwidth at 132 B per context token, and the checks.
+The versions are timed in turn, twice (A B A B), so that clock drift shows as a spread rather than a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+
+CASES = ((8192, 1), (8192, 8), (8192, 64), (32768, 1), (32768, 8), (32768, 64), (131072, 1), (131072, 8),
+         (131072, 64))
+
+
+def _load(label: str, path: str):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(f"indexer_kernels_{label}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
+                    help="another version of kernels/_indexer_kernels.py to time beside this checkout's")
+    ap.add_argument("--copy-gbps", type=float, default=4250.0, help="copy bandwidth for the %% column")
+    args = ap.parse_args(argv)
+    _bootstrap()
+    import torch
+
+    from pdctl.kernels import _indexer as ix
+    from pdctl.kernels._build import check_topk, make_indexer_case
+    from pdctl.kernels._reference import reference_indexer_logits
+
+    versions = {"this": ix._kernels()}
+    for item in args.compare:
+        label, _, path = item.partition("=")
+        versions[label] = _load(label, path)
+    own = ix._kernels
+    for L, B in CASES:
+        nrot = rotations(B * L * 132, cap=8)
+        q8, w, cache, bt, sl = make_indexer_case([L] * (B * nrot), max_context=163840)
+        reps = []
+        for k in range(nrot):
+            sel = slice(k * B, (k + 1) * B)
+            out = torch.full((B, 2048), -7, dtype=torch.int32, device="cuda")
+            lg = torch.empty(B, bt.shape[1] * 64, dtype=torch.float32, device="cuda")
+            reps.append((q8[sel], w[sel], bt[sel], sl[sel], out, lg))
+        ref_logits = None
+        if B * L <= 8 * 32768:
+            ref_logits = reference_indexer_logits(q8[:B], w[:B], cache, bt[:B], sl[:B], compute_dtype=torch.float32)
+        first = None
+        times: dict[str, list[float]] = {v: [] for v in versions}
+        checks: dict[str, str] = {}
+        for rnd in range(2):
+            for label, mod in versions.items():
+                ix._kernels = lambda mod=mod: mod
+                try:
+                    a = reps[0]
+                    if rnd == 0:
+                        a[4].fill_(-7)
+                        ix.lightning_indexer(a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5])
+                        torch.cuda.synchronize()
+                        got = a[4].sort(dim=1).values.clone()
+                        first = got if first is None else first
+                        checks[label] = "same set" if torch.equal(got, first) else "DIFFERENT SET"
+                        if ref_logits is not None:
+                            checks[label] += "; reference " + str(check_topk(a[4], ref_logits, bt[:B], sl[:B], 2048))
+                    times[label].append(graph_us_multi([lambda a=a: ix.lightning_indexer(
+                        a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5]) for a in reps]))
+                finally:
+                    ix._kernels = own
+        for label in versions:
+            best = min(times[label])
+            frac = B * L * 132 / (best * 1e-6) / (args.copy_gbps * 1e9)
+            spread = " / ".join(f"{t:.1f}" for t in times[label])
+            print(f"L={L} B={B} {label}: {best:.1f} us ({spread}), {frac:.0%} of copy BW; {checks.get(label)}",
+                  flush=True)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
