@@ -122,10 +122,14 @@ def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.co
         hi = tl.minimum(lo + seg, seq)
         offs = tl.arange(0, BLOCK)
         hist = tl.zeros([256], dtype=tl.int32)
+        lrow = logits_ptr + b64 * stride_lg
+        x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
         for n0 in range(lo, hi, BLOCK):
+            # the next block's load is issued before this block's histogram: two blocks in flight per program
             n = n0 + offs
             inb = n < hi
-            ks = _key(tl.load(logits_ptr + b64 * stride_lg + n, mask=inb, other=0.0))
+            ks = _key(x)
+            x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
             hist += tl.histogram(tl.where(inb, (ks >> 24) + 128, 0), 256)
             if hi - n0 < BLOCK:
                 hist -= tl.where(tl.arange(0, 256) == 0, BLOCK - (hi - n0), 0)
@@ -205,10 +209,12 @@ def _topk_partition_kernel(
             # (a few % of the keys, spread over many bins).
             ng = 0
             ne = 0
-            for n0 in range(lo, hi, BLOCK):
+            x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
+            for n0 in range(lo, hi, BLOCK):  # the next block's load is issued before this block's work
                 n = n0 + offs
                 inb = n < hi
-                ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+                ks = _key(x)
+                x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
                 top = (ks >> 24) + 128
                 eq = inb & (top == d0)
                 ng += tl.sum((inb & (top > d0)).to(tl.int32), 0)
@@ -217,10 +223,12 @@ def _topk_partition_kernel(
             bg = tl.atomic_add(wrow + 256, ng, sem="relaxed")
             be = tl.atomic_add(wrow + 257, ne, sem="relaxed")
             _gdc_trigger(GDC)
+            x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
             for n0 in range(lo, hi, BLOCK):
                 n = n0 + offs
                 inb = n < hi
-                ks = _key(tl.load(lrow + n, mask=inb, other=0.0))
+                ks = _key(x)
+                x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
                 top = (ks >> 24) + 128
                 gt = inb & (top > d0)
                 eq = inb & (top == d0)
