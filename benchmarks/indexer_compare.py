@@ -2,7 +2,7 @@
 ``kernels/_indexer_kernels.py``, on the same inputs, each version's output checked as a set against this
 checkout's (and against the fp32 reference logits where that is cheap). Run on the GPU machine:
 
-    python benchmarks/indexer_compare.py --compare before=.gl/topk_old/_indexer_kernels.py
+    python benchmarks/indexer_compare.py --compare before=OLD/_indexer_kernels.py --config wide:topk_block=4096
 
 Prints one line per (L, B, version): µs per call (median of CUDA-graph replays, inputs rotated so one replay
 touches ≥ 3× the L2, as ``bench_kernels.py``), % of copy bandwidth at 132 B per context token, and the checks.
@@ -12,6 +12,7 @@ The versions are timed in turn, twice (A B A B), so that clock drift shows as a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
                     help="another version of kernels/_indexer_kernels.py to time beside this checkout's")
+    ap.add_argument("--config", action="append", default=[], metavar="LABEL:KEY=VAL[,KEY=VAL]",
+                    help="this checkout's kernels with IndexerConfig fields changed (e.g. big:topk_block=4096)")
     ap.add_argument("--copy-gbps", type=float, default=4250.0, help="copy bandwidth for the %% column")
     args = ap.parse_args(argv)
     _bootstrap()
@@ -43,10 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     from pdctl.kernels._build import check_topk, make_indexer_case
     from pdctl.kernels._reference import reference_indexer_logits
 
-    versions = {"this": ix._kernels()}
+    base = ix._TUNED.get("default") or ix.IndexerConfig()
+    versions = {"this": (ix._kernels(), base)}
     for item in args.compare:
         label, _, path = item.partition("=")
-        versions[label] = _load(label, path)
+        versions[label] = (_load(label, path), base)
+    for item in args.config:
+        label, _, fields = item.partition(":")
+        changes = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
+        versions[label] = (ix._kernels(), dataclasses.replace(base, **changes))
     own = ix._kernels
     for L, B in CASES:
         nrot = rotations(B * L * 132, cap=8)
@@ -64,21 +72,21 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {v: [] for v in versions}
         checks: dict[str, str] = {}
         for rnd in range(2):
-            for label, mod in versions.items():
+            for label, (mod, cfg) in versions.items():
                 ix._kernels = lambda mod=mod: mod
                 try:
                     a = reps[0]
                     if rnd == 0:
                         a[4].fill_(-7)
-                        ix.lightning_indexer(a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5])
+                        ix.lightning_indexer(a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=cfg)
                         torch.cuda.synchronize()
                         got = a[4].sort(dim=1).values.clone()
                         first = got if first is None else first
                         checks[label] = "same set" if torch.equal(got, first) else "DIFFERENT SET"
                         if ref_logits is not None:
                             checks[label] += "; reference " + str(check_topk(a[4], ref_logits, bt[:B], sl[:B], 2048))
-                    times[label].append(graph_us_multi([lambda a=a: ix.lightning_indexer(
-                        a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5]) for a in reps]))
+                    times[label].append(graph_us_multi([lambda a=a, cfg=cfg: ix.lightning_indexer(
+                        a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=cfg) for a in reps]))
                 finally:
                     ix._kernels = own
         for label in versions:
