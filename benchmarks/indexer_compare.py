@@ -27,6 +27,7 @@ CASES = ((8192, 1), (8192, 8), (8192, 64), (32768, 1), (32768, 8), (32768, 64), 
 def _load(label: str, path: str):  # noqa: ANN202
     spec = importlib.util.spec_from_file_location(f"indexer_kernels_{label}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -34,7 +35,8 @@ def _load(label: str, path: str):  # noqa: ANN202
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                    help="another version of kernels/_indexer_kernels.py to time beside this checkout's")
+                    help="another version of kernels/_indexer_kernels.py to time beside this checkout's, or a "
+                         "folder holding one with the _indexer.py that launches it")
     ap.add_argument("--config", action="append", default=[], metavar="LABEL:KEY=VAL[,KEY=VAL]",
                     help="this checkout's kernels with IndexerConfig fields changed (e.g. big:topk_block=4096)")
     ap.add_argument("--copy-gbps", type=float, default=4250.0, help="copy bandwidth for the %% column")
@@ -47,15 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     from pdctl.kernels._reference import reference_indexer_logits
 
     base = ix._TUNED.get("default") or ix.IndexerConfig()
-    versions = {"this": (ix._kernels(), base)}
+    versions = {"this": (ix, ix._kernels(), base)}
     for item in args.compare:
         label, _, path = item.partition("=")
-        versions[label] = (_load(label, path), base)
+        if Path(path).is_dir():  # an older launcher with its kernels: its own IndexerConfig defaults
+            launcher = _load(f"{label}_launcher", str(Path(path) / "_indexer.py"))
+            versions[label] = (launcher, _load(label, str(Path(path) / "_indexer_kernels.py")),
+                               launcher.IndexerConfig())
+        else:
+            versions[label] = (ix, _load(label, path), base)
     for item in args.config:
         label, _, fields = item.partition(":")
         changes = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
-        versions[label] = (ix._kernels(), dataclasses.replace(base, **changes))
-    own = ix._kernels
+        versions[label] = (ix, ix._kernels(), dataclasses.replace(base, **changes))
+    own = {id(m): m._kernels for m, _, _ in versions.values()}
     for L, B in CASES:
         nrot = rotations(B * L * 132, cap=8)
         q8, w, cache, bt, sl = make_indexer_case([L] * (B * nrot), max_context=163840)
@@ -72,23 +79,23 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {v: [] for v in versions}
         checks: dict[str, str] = {}
         for rnd in range(2):
-            for label, (mod, cfg) in versions.items():
-                ix._kernels = lambda mod=mod: mod
+            for label, (lx, mod, cfg) in versions.items():
+                lx._kernels = lambda mod=mod: mod
                 try:
                     a = reps[0]
                     if rnd == 0:
                         a[4].fill_(-7)
-                        ix.lightning_indexer(a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=cfg)
+                        lx.lightning_indexer(a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=cfg)
                         torch.cuda.synchronize()
                         got = a[4].sort(dim=1).values.clone()
                         first = got if first is None else first
                         checks[label] = "same set" if torch.equal(got, first) else "DIFFERENT SET"
                         if ref_logits is not None:
                             checks[label] += "; reference " + str(check_topk(a[4], ref_logits, bt[:B], sl[:B], 2048))
-                    times[label].append(graph_us_multi([lambda a=a, cfg=cfg: ix.lightning_indexer(
+                    times[label].append(graph_us_multi([lambda a=a, cfg=cfg, lx=lx: lx.lightning_indexer(
                         a[0], a[1], cache, a[2], a[3], 2048, out=a[4], logits=a[5], config=cfg) for a in reps]))
                 finally:
-                    ix._kernels = own
+                    lx._kernels = own[id(lx)]
         for label in versions:
             best = min(times[label])
             frac = B * L * 132 / (best * 1e-6) / (args.copy_gbps * 1e9)
