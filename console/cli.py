@@ -54,12 +54,13 @@ def _warnings(loaded) -> None:  # noqa: ANN001
 
 @app.command()
 def validate(spec: SpecArg) -> None:
-    """Check SPEC against pdctl's rules. Contacts no host, changes nothing."""
+    """Check SPEC against pdctl's rules. Contacts no host, changes nothing. Prints the verdict on stdout (warnings
+    and errors on stderr); exit 0: valid, 1: invalid."""
     from pdctl.statemachine.service import load
 
     loaded = load(spec)
     _warnings(loaded)
-    _err(f"{spec}: valid ({len(loaded.warnings)} warning(s))")
+    sys.stdout.write(f"{spec}: valid ({len(loaded.warnings)} warning(s))\n")
 
 
 @app.command()

@@ -239,6 +239,14 @@ def test_cli_plan_exit_codes_and_json(tmp_path):
     assert saved.plan_id in r.stdout
 
 
+def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
+    spec = tmp_path / "ok.toml"
+    spec.write_text(_toml_dump(seed_dict(), list(range(8))))
+    r = _pdctl("validate", str(spec))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{spec}: valid (0 warning(s))"
+
+
 def test_cli_invalid_spec_exits_1_naming_the_field(tmp_path):
     d = seed_dict()
     d["decode"][0]["gpus"] = [0, 1, 2, 3]
