@@ -355,6 +355,23 @@ def _type_fix(kind: str, value: Any) -> str:
     return f"must be {want}, not {shown}: {fix}"
 
 
+_BOUNDS = {"greater_than": ("more than", "gt"), "greater_than_equal": ("at least", "ge"),
+           "less_than": ("less than", "lt"), "less_than_equal": ("at most", "le")}
+
+
+def _range_fix(kind: str, value: Any, ctx: dict[str, Any]) -> str:
+    """The message for a number outside its field's range: the bound, the value, and for a fraction written as a
+    percentage (e.g. ``mem_fraction = 90``) the fraction meant."""
+    words, key = _BOUNDS[kind]
+    bound = ctx.get(key)
+    if isinstance(bound, float) and bound.is_integer():
+        bound = int(bound)
+    msg = f"must be {words} {bound}, not {value}"
+    if key in ("le", "lt") and bound == 1 and isinstance(value, (int, float)) and 1 < value <= 100:
+        return f"{msg}: it is a fraction, write {value / 100:g} for {value:g} %"
+    return f"{msg}: write a value in range"
+
+
 def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
     """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field."""
     try:
@@ -372,6 +389,8 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = _type_fix(err["type"], err["input"])
             elif err["type"] == "list_type":
                 msg = _list_fix(err["loc"])
+            elif err["type"] in _BOUNDS:
+                msg = _range_fix(err["type"], err["input"], err.get("ctx", {}))
             elif err["type"] in _SHAPE_FIXES:
                 msg = _SHAPE_FIXES[err["type"]]
             lines.append(f"{field}: {msg}")

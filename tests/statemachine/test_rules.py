@@ -298,9 +298,15 @@ def test_missing_required_field_is_named():
     (("model", "trust_remote_code"), "True", "must be true or false, not 'True': write true, without quotes"),
     (("prefill",), {"gpus": [0], "port": 1}, "must be a list of tables: write each one as [[prefill]] (double brackets)"),
     (("kernels", "which"), "sparse_mla_decode", 'must be a list: write it in brackets, e.g. ["sparse_mla_decode"]'),
-    (("router", "worker_startup_timeout_s"), 10**20, "Input should be less than or equal to 2147483647"),
+    (("router", "worker_startup_timeout_s"), 10**20,
+     "must be at most 2147483647, not 100000000000000000000: write a value in range"),
+    # out of range: the bound, and for a fraction written as a percentage the fraction meant
+    (("prefill", 0, "mem_fraction"), 90, "must be at most 1, not 90: it is a fraction, write 0.9 for 90 %"),
+    (("decode", 0, "mem_fraction"), 0, "must be more than 0, not 0: write a value in range"),
+    (("router", "port"), 70000, "must be at most 65535, not 70000: write a value in range"),
+    (("decode", 0, "tp"), 0, "must be at least 1, not 0: write a value in range"),
 ])
-def test_numbers_and_switches_written_as_another_toml_type_are_refused(path, value, words):
+def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
     node = d
     for k in path[:-1]:
