@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION
@@ -49,6 +49,22 @@ Int = Annotated[int, Field(strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
 Float = Annotated[float, Field(strict=True)]  # an integer is still a number here
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
+
+_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def _cpu_list(text: str) -> str:
+    # sysfs cpulist syntax ("0-31,64-95"), which systemd's CPUAffinity= also reads (systemd.exec(5)); systemd
+    # ignores a setting it cannot parse and starts the unit unpinned, so a bad list is refused here.
+    for part in text.split(","):
+        m = _CPU_RANGE.fullmatch(part.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"{text!r} is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\"")
+    return text
+
+
+CpuList = Annotated[str, Field(strict=True), AfterValidator(_cpu_list)]
+NumaNode = Annotated[int, Field(ge=0)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
 
@@ -78,7 +94,7 @@ class Host(_Model):
     gpu_name: str | None = None
     gpu_numa: list[Int] | None = None
     """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order). None: unknown."""
-    numa_cpus: dict[int, str] | None = None
+    numa_cpus: dict[NumaNode, CpuList] | None = None
     """CPU list of each NUMA node in sysfs ``cpulist`` syntax, e.g. ``{0 = "0-31,64-95"}``."""
 
     @property
@@ -381,7 +397,11 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
         for err in exc.errors():
             field = _loc(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
+            if len(err["loc"]) >= 2 and err["loc"][-1] == "[key]":  # a table's key, e.g. numa_cpus = { zero = … }
+                field = _loc(err["loc"][:-2])
+                msg = (f"key {err['loc'][-2]!r} must be a NUMA node number (0, 1, …): write e.g. "
+                       f'{{ 0 = "0-31", 1 = "32-63" }}')
+            elif err["type"] == "extra_forbidden":
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
             elif err["type"] == "missing":
                 msg = "required: add it"

@@ -320,6 +320,30 @@ def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path
     assert f"{field}: {words}" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("cpus, words", [
+    ({"zero": "0-31"}, "hosts.local.numa_cpus: key 'zero' must be a NUMA node number"),
+    ({"-1": "0-31"}, "hosts.local.numa_cpus: key '-1' must be a NUMA node number"),
+    ({"0": "abc"}, "hosts.local.numa_cpus.0: 'abc' is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\""),
+    ({"0": "9-3"}, "hosts.local.numa_cpus.0: '9-3' is not a CPU list"),
+    ({"0": ""}, "hosts.local.numa_cpus.0: '' is not a CPU list"),
+    ({"0": "0-31;64-95"}, "hosts.local.numa_cpus.0: '0-31;64-95' is not a CPU list"),
+    ({"0": 5}, "hosts.local.numa_cpus.0: must be text: put it in quotes"),
+])
+def test_numa_cpu_lists_are_checked_before_they_reach_cpu_affinity(cpus, words):
+    # systemd ignores a CPUAffinity= it cannot parse and starts the unit unpinned, so the spec refuses it
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = cpus
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert words in str(e.value), str(e.value)
+
+
+def test_numa_cpu_lists_in_sysfs_syntax_are_kept_as_written():
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = {"0": "0-31, 64-95", "1": "32"}
+    assert parse_spec(d).hosts["local"].numa_cpus == {0: "0-31, 64-95", 1: "32"}
+
+
 def test_an_integer_is_still_a_number_for_a_fraction():
     d = seed_dict()
     d["prefill"][0]["mem_fraction"] = 1
