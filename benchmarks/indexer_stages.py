@@ -50,9 +50,8 @@ def main() -> int:
             ws[:, 258].zero_()  # its arrival and slot counters, zeroed in the same graph for every replay
             ws[:, 262:264].zero_()
             kern._topk_refine_kernel[(B, segs)](
-                sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, bt, bt.stride(0), out, out.stride(0), TOPK=2048,
-                BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=True, num_warps=cfg.refine_warps,
-                GDC=False)
+                sl, ws, ix.WS_STRIDE, cand, cand.stride(0), cw, out, out.stride(0), TOPK=2048,
+                BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, num_warps=cfg.refine_warps, GDC=False)
 
         ws.zero_()
         hist()

@@ -20,8 +20,8 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    * ``_topk_hist_kernel``: a 256-bin histogram of the keys' top byte (or counted by the logits kernel as it
      writes the logits, with ``fuse_hist0``); it fixes d0, the top byte of the k-th largest key;
    * ``_topk_partition_kernel``: keys whose top byte is above d0 go straight to the output; keys that share d0
-     are candidates, their positions and keys appended to a per-row list while a 4096-bin histogram of their
-     next 12 bits is counted (one global atomic per candidate);
+     are candidates, their output values (slots) and keys appended to a per-row list while a 4096-bin histogram
+     of their next 12 bits is counted (one global atomic per candidate);
    * ``_topk_refine_kernel``, on the same grid: with those 12 bits fixed, the candidates above them
      go to the output and the few that share them to a short list; the row's last program resolves the last
      12 bits over the short list in registers and writes the rest of the row.
@@ -271,9 +271,9 @@ def _output(out, b: int, topk: int, device):  # noqa: ANN001, ANN202
 
 
 def candidate_buffer(b: int, cw: int, cfg: IndexerConfig, device) -> torch.Tensor:
-    """The top-k's per-row candidate lists, ``int32 [B, 2·cw + 2·cap]``: positions and keys of the keys sharing
-    the k-th key's top byte (cw = the logits row length, each), then the refinement's short list (positions and
-    keys, ``cfg.topk_refine_cap`` each)."""
+    """The top-k's per-row candidate lists, ``int32 [B, 2·cw + 2·cap]``: output values (physical slots, or positions
+    with ``physical=False``) and keys of the keys sharing the k-th key's top byte (cw = the logits row length,
+    each), then the refinement's short list (values and keys, ``cfg.topk_refine_cap`` each)."""
     import torch
 
     return torch.empty(b, 2 * cw + 2 * cfg.topk_refine_cap, dtype=torch.int32, device=device)
@@ -304,7 +304,7 @@ def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg
         num_stages=cfg.topk_stages, **gdc,
     )
     kern._topk_refine_kernel[(b, segs)](
-        seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, block_table, block_table.stride(0), out, out.stride(0),
-        TOPK=topk, BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, PHYSICAL=physical, num_warps=cfg.refine_warps,
+        seq_lens, ws, WS_STRIDE, cand, cand.stride(0), cw, out, out.stride(0),
+        TOPK=topk, BLOCK=cfg.refine_block, CAP=cfg.topk_refine_cap, num_warps=cfg.refine_warps,
         **gdc,
     )

@@ -155,7 +155,7 @@ def _topk_partition_kernel(
 ):
     # Second launch of the top-k. With d0 the top byte of the k-th largest key (from the first pass's histogram):
     # every key whose top byte is above d0 is in the top-k and goes straight to the output (slots claimed with a
-    # row counter); keys whose top byte equals d0 are candidates: position and key appended to the row's list
+    # row counter); keys whose top byte equals d0 are candidates: output value and key appended to the row's list
     # (cand[b, 0, :] / cand[b, 1, :], CW apart), and a 4096-bin histogram of their next 12 bits is counted on the
     # way (``_topk_refine_kernel`` finishes the row).
     b = tl.program_id(0)
@@ -194,13 +194,14 @@ def _topk_partition_kernel(
             top = (ks >> 24) + 128
             gt = inb & (top > d0)
             eq = inb & (top == d0)
+            val = _slot(bt_ptr, stride_bt, b64, n, gt | eq, PHYSICAL)  # in flight during the reservations
             tl.atomic_add(wrow + 512 + ((ks >> 12) & 4095), 1, mask=eq, sem="relaxed")
             both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)  # one scan for both ranks (BLOCK < 65536)
             tot = tl.sum(both, 0)
             bg = tl.atomic_add(wrow + 256, tot & 65535, sem="relaxed")
             be = tl.atomic_add(wrow + 257, tot >> 16, sem="relaxed")
             _gdc_trigger(GDC)
-            _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW, PHYSICAL)
+            _partition_write(both, bg, be, val, ks, gt, eq, n_gt0, orow, crow, CW)
         else:
             # Two passes over the program's segment (the second mostly from L2): count, reserve output and list
             # ranges with one atomic each, then write. Atomics inside the loop would put an L2 round trip between
@@ -233,32 +234,32 @@ def _topk_partition_kernel(
                 gt = inb & (top > d0)
                 eq = inb & (top == d0)
                 both = gt.to(tl.int32) | (eq.to(tl.int32) << 16)
-                _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW,
-                                 PHYSICAL)
+                val = _slot(bt_ptr, stride_bt, b64, n, gt | eq, PHYSICAL)
+                _partition_write(both, bg, be, val, ks, gt, eq, n_gt0, orow, crow, CW)
                 tot = tl.sum(both, 0)
                 bg += tot & 65535
                 be += tot >> 16
 
 
 @triton.jit
-def _partition_write(both, bg, be, n, ks, gt, eq, n_gt0, bt_ptr, stride_bt, b64, orow, crow, CW,
-                     PHYSICAL: tl.constexpr):
+def _partition_write(both, bg, be, val, ks, gt, eq, n_gt0, orow, crow, CW):
     # One block of the partition's writes: keys above d0 (gt) to output slots bg + their rank, candidates (eq) to
-    # the list at be + their rank; ``both`` packs the two flags as the low and high 16 bits so one scan ranks both.
+    # the list at be + their rank, each as what the output holds (``val``: physical slot or position), so the
+    # refinement never looks the block table up; ``both`` packs the two flags as the low and high 16 bits so one
+    # scan ranks both.
     rank = tl.cumsum(both, 0) - both
     rg = bg + (rank & 65535)
     re = be + (rank >> 16)
-    val = _slot(bt_ptr, stride_bt, b64, n, gt, PHYSICAL)
     tl.store(orow + rg, val, mask=gt & (rg < n_gt0))  # bounds hold even on stale counts
     ce = eq & (re < CW)
-    tl.store(crow + re, n, mask=ce)
+    tl.store(crow + re, val, mask=ce)
     tl.store(crow + CW + re, ks, mask=ce)
 
 
 @triton.jit
 def _topk_refine_kernel(
-    seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, bt_ptr, stride_bt, out_ptr, stride_o,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, PHYSICAL: tl.constexpr, GDC: tl.constexpr,
+    seqlen_ptr, ws_ptr, WS, cand_ptr, stride_c, CW, out_ptr, stride_o,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, GDC: tl.constexpr,
 ):
     # Third launch, (B, R) programs. The candidates' 12-bit second digit d1 comes from the partition's histogram;
     # each program takes a slice of the row's candidate list, writes those whose second digit is above d1 (all in
@@ -296,6 +297,7 @@ def _topk_refine_kernel(
                 c = c0 + offs
                 m = c < hi
                 ks = tl.load(crow + CW + c, mask=m, other=0)
+                val = tl.load(crow + c, mask=m, other=0)  # what the output holds, loaded beside the keys
                 d = (ks >> 12) & 4095
                 gt = m & (d > d1)
                 eq = m & (d == d1)
@@ -306,11 +308,9 @@ def _topk_refine_kernel(
                 bs = tl.atomic_add(wrow + 263, tot >> 16, sem="relaxed")
                 rg = TOPK - need0 + bg + (rank & 65535)  # after the keys above d0, written by the partition
                 rs = bs + (rank >> 16)
-                pos = tl.load(crow + c, mask=gt | eq, other=0)
-                val = _slot(bt_ptr, stride_bt, b64, pos, gt, PHYSICAL)
                 tl.store(orow + rg, val, mask=gt & (rg < n_gt))
                 keep = eq & (rs < CAP)
-                tl.store(spos + rs, pos, mask=keep)
+                tl.store(spos + rs, val, mask=keep)
                 tl.store(skey + rs, ks, mask=keep)
             _gdc_trigger(GDC)
             # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
@@ -321,25 +321,22 @@ def _topk_refine_kernel(
                 n_s = tl.atomic_add(wrow + 263, 0, sem="relaxed")
                 tl.store(wrow + 261, n_s)  # for benchmarks/indexer_stages.py: how long the short list was
                 if n_s <= 1024:
-                    _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, 1024,
-                                 PHYSICAL)
+                    _refine_regs(spos, skey, n_s, thr, need, n_gt, orow, TOPK, 1024)
                 elif n_s <= CAP:
-                    _refine_regs(spos, skey, n_s, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, CAP,
-                                 PHYSICAL)
+                    _refine_regs(spos, skey, n_s, thr, need, n_gt, orow, TOPK, CAP)
                 else:
-                    _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, bt_ptr, stride_bt, b64, orow, TOPK, BLOCK,
-                                 PHYSICAL)
+                    _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, orow, TOPK, BLOCK)
 
 
 @triton.jit
-def _refine_regs(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, orow,
-                 TOPK: tl.constexpr, N: tl.constexpr, PHYSICAL: tl.constexpr):
+def _refine_regs(val_ptr, key_ptr, n, thr, need, n_gt, orow, TOPK: tl.constexpr, N: tl.constexpr):
     # Exact selection of `need` keys among n ≤ N keys whose top 20 bits all equal thr's, held in registers: two
     # 6-bit digits high to low, then one write of the keys above the threshold key (slots n_gt onwards) and of the
     # first ties at it.
     c = tl.arange(0, N)
     m = c < n
     ks = tl.load(key_ptr + c, mask=m, other=0)
+    val = tl.load(val_ptr + c, mask=m, other=0)
     for p in tl.static_range(0, 2):
         SH = 6 - 6 * p
         match = m & ((ks >> (SH + 6)) == (thr >> (SH + 6)))
@@ -351,14 +348,11 @@ def _refine_regs(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, o
     re = tl.cumsum(eqi, 0) - 1
     sel = (gti > 0) | ((eqi > 0) & (re < need))
     dst = tl.where(gti > 0, n_gt + rg, TOPK - need + re)
-    pos = tl.load(pos_ptr + c, mask=sel, other=0)
-    val = _slot(bt_ptr, stride_bt, b64, pos, sel, PHYSICAL)
     tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))
 
 
 @triton.jit
-def _refine_loop(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, orow,
-                 TOPK: tl.constexpr, BLOCK: tl.constexpr, PHYSICAL: tl.constexpr):
+def _refine_loop(val_ptr, key_ptr, n, thr, need, n_gt, orow, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     # ``_refine_regs`` over a list too long for registers (and whose keys need not share thr's 20-bit prefix:
     # only those that do take part): each digit and the final write loop over the list in BLOCK-sized pieces.
     offs = tl.arange(0, BLOCK)
@@ -386,8 +380,7 @@ def _refine_loop(pos_ptr, key_ptr, n, thr, need, n_gt, bt_ptr, stride_bt, b64, o
         re = n_tied + tl.cumsum(eqi, 0) - 1
         sel = (gti > 0) | ((eqi > 0) & (re < need))
         dst = tl.where(gti > 0, n_gt + rg, TOPK - need + re)
-        pos = tl.load(pos_ptr + c, mask=sel, other=0)
-        val = _slot(bt_ptr, stride_bt, b64, pos, sel, PHYSICAL)
+        val = tl.load(val_ptr + c, mask=sel, other=0)
         tl.store(orow + dst, val, mask=sel & (dst >= 0) & (dst < TOPK))
         n_above += tl.sum(gti, 0)
         n_tied += tl.sum(eqi, 0)
