@@ -114,6 +114,21 @@ def ws_launch_args(kernel, variant: int, block_h: int, splits: int) -> dict:  # 
             if k in kernel.arg_names or k in ("num_warps", "maxnreg")}
 
 
+def indexer_reps(q8, w, bt, sl, b: int, nrot: int) -> list[tuple]:  # noqa: ANN001
+    """The *nrot* input sets of an indexer case built for ``b · nrot`` requests, rows ``k·b … (k+1)·b`` each:
+    ``(q8, weights, block_table, seq_lens, out, logits)`` with ``out`` int32 [b, 2048] poisoned with −7 and an
+    fp32 logits workspace as wide as the block table."""
+    import torch
+
+    reps = []
+    for k in range(nrot):
+        sel = slice(k * b, (k + 1) * b)
+        out = torch.full((b, 2048), -7, dtype=torch.int32, device=q8.device)
+        lg = torch.empty(b, bt.shape[1] * 64, dtype=torch.float32, device=q8.device)
+        reps.append((q8[sel], w[sel], bt[sel], sl[sel], out, lg))
+    return reps
+
+
 def ceilings() -> dict:
     """Copy bandwidth (bytes read + written, 2 GiB each way) and bf16 matmul rate, after a warm-up that brings
     the clocks up (an idle H200 sits at ~375 MHz SM clock: the first run of this script measured 2.75 TB/s cold)."""
@@ -371,12 +386,7 @@ def bench_indexer(ceil: dict, lens, batches, log, naive_for=(8192,)) -> list[dic
                     widths["32K"] = bt160[:, : 32768 // 64].contiguous()
                 outs = {}
                 for name, bt in widths.items():
-                    reps = []
-                    for k in range(nrot):
-                        sel = slice(k * B, (k + 1) * B)
-                        out = torch.full((B, 2048), -7, dtype=torch.int32, device="cuda")
-                        lg = torch.empty(B, bt.shape[1] * 64, dtype=torch.float32, device="cuda")
-                        reps.append((q8[sel], w[sel], bt[sel], sl[sel], out, lg))
+                    reps = indexer_reps(q8, w, bt, sl, B, nrot)
                     q, ww, b_, s_, out, lg = reps[0]
                     lightning_indexer(q, ww, cache, b_, s_, 2048, out=out, logits=lg)
                     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+from bench_kernels import _bootstrap, graph_us_multi, indexer_reps, rotations  # noqa: E402
 
 CASES = ((8192, 1), (8192, 8), (8192, 64), (32768, 1), (32768, 8), (32768, 64), (131072, 1), (131072, 8),
          (131072, 64))
@@ -66,12 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for L, B in CASES:
         nrot = rotations(B * L * 132, cap=8)
         q8, w, cache, bt, sl = make_indexer_case([L] * (B * nrot), max_context=163840)
-        reps = []
-        for k in range(nrot):
-            sel = slice(k * B, (k + 1) * B)
-            out = torch.full((B, 2048), -7, dtype=torch.int32, device="cuda")
-            lg = torch.empty(B, bt.shape[1] * 64, dtype=torch.float32, device="cuda")
-            reps.append((q8[sel], w[sel], bt[sel], sl[sel], out, lg))
+        reps = indexer_reps(q8, w, bt, sl, B, nrot)
         ref_logits = None
         if B * L <= 8 * 32768:
             ref_logits = reference_indexer_logits(q8[:B], w[:B], cache, bt[:B], sl[:B], compute_dtype=torch.float32)

@@ -94,6 +94,15 @@ def _key(x):
 
 
 @triton.jit
+def _block(lrow, x, n0, offs, hi, BLOCK: tl.constexpr):
+    # One step of a loop over a program's share [lo, hi) of a logits row: this block's positions, in-range mask
+    # and keys (from x, loaded one step ahead), and the next block's load, issued before the caller works on this
+    # block so that two blocks are in flight per program.
+    n = n0 + offs
+    return n, n < hi, _key(x), tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
+
+
+@triton.jit
 def _pick(h, need, NB: tl.constexpr):
     # Largest digit d with #(keys with digit >= d) >= need, from the histogram h [NB]; returns (d, need minus the
     # keys strictly above d).
@@ -125,11 +134,7 @@ def _topk_hist_kernel(logits_ptr, stride_lg, seqlen_ptr, ws_ptr, WS, TOPK: tl.co
         lrow = logits_ptr + b64 * stride_lg
         x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
         for n0 in range(lo, hi, BLOCK):
-            # the next block's load is issued before this block's histogram: two blocks in flight per program
-            n = n0 + offs
-            inb = n < hi
-            ks = _key(x)
-            x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
+            n, inb, ks, x = _block(lrow, x, n0, offs, hi, BLOCK)
             hist += tl.histogram(tl.where(inb, (ks >> 24) + 128, 0), 256)
             if hi - n0 < BLOCK:
                 hist -= tl.where(tl.arange(0, 256) == 0, BLOCK - (hi - n0), 0)
@@ -211,11 +216,8 @@ def _topk_partition_kernel(
             ng = 0
             ne = 0
             x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
-            for n0 in range(lo, hi, BLOCK):  # the next block's load is issued before this block's work
-                n = n0 + offs
-                inb = n < hi
-                ks = _key(x)
-                x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
+            for n0 in range(lo, hi, BLOCK):
+                n, inb, ks, x = _block(lrow, x, n0, offs, hi, BLOCK)
                 top = (ks >> 24) + 128
                 eq = inb & (top == d0)
                 ng += tl.sum((inb & (top > d0)).to(tl.int32), 0)
@@ -226,10 +228,7 @@ def _topk_partition_kernel(
             _gdc_trigger(GDC)
             x = tl.load(lrow + lo + offs, mask=lo + offs < hi, other=0.0)
             for n0 in range(lo, hi, BLOCK):
-                n = n0 + offs
-                inb = n < hi
-                ks = _key(x)
-                x = tl.load(lrow + n + BLOCK, mask=n + BLOCK < hi, other=0.0)
+                n, inb, ks, x = _block(lrow, x, n0, offs, hi, BLOCK)
                 top = (ks >> 24) + 128
                 gt = inb & (top > d0)
                 eq = inb & (top == d0)
