@@ -24,10 +24,20 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION
+from pdctl.units import cpu_list
 
 __all__ = [
     "Deployment",
@@ -47,24 +57,23 @@ __all__ = [
 # `trust_remote_code = "no"` as False.
 Int = Annotated[int, Field(strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
-Float = Annotated[float, Field(strict=True)]  # an integer is still a number here
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an integer is still a number here; inf/nan are not
 Port = Annotated[int, Field(ge=1, le=65535, strict=True)]
 
-_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+def _node_key(key: Any) -> Any:
+    # A numa_cpus key as TOML gives it (text): a NUMA node number written plainly ("0", "1"); "1.0", "+1", " 1" or
+    # "01" (which would collide with "1") are refused rather than converted.
+    if isinstance(key, str) and not re.fullmatch(r"0|[1-9][0-9]*", key):
+        raise ValueError("not a NUMA node number")
+    return key
 
 
-def _cpu_list(text: str) -> str:
-    # sysfs cpulist syntax ("0-31,64-95"), which systemd's CPUAffinity= also reads (systemd.exec(5)); systemd
-    # ignores a setting it cannot parse and starts the unit unpinned, so a bad list is refused here.
-    for part in text.split(","):
-        m = _CPU_RANGE.fullmatch(part.strip())
-        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise ValueError(f"{text!r} is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\"")
-    return text
+# A CPU list in sysfs cpulist syntax (commas; spaces read as separators too), kept in the canonical comma form that
+# the unit renderer and the supervisor read with the same function (pdctl.units.cpu_list); "" = a node without CPUs.
+CpuList = Annotated[str, Field(strict=True), AfterValidator(cpu_list)]
+NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0)]
 
-
-CpuList = Annotated[str, Field(strict=True), AfterValidator(_cpu_list)]
-NumaNode = Annotated[int, Field(ge=0)]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
 
@@ -161,7 +170,8 @@ class ServerRole(_Model):
     """Override of ``model.page_size`` (must still match between prefill and decode)."""
     kv_cache_dtype: str | None = None
     """Override of ``model.kv_cache_dtype`` (must still match between prefill and decode)."""
-    expected_cold_start_s: Float | None = Field(default=None, gt=0)
+    expected_cold_start_s: Float | None = Field(default=None, gt=0, le=2**31 - 2)
+    """At most 2**31 − 2 s: the router's ``worker_startup_timeout_s`` (≤ 2**31 − 1) must be able to exceed it."""
 
     @field_validator("gpus")
     @classmethod
@@ -329,6 +339,7 @@ _SHAPE_FIXES = {
     "string_type": "must be text: put it in quotes",
     "dict_type": "must be a table: write it as [section] or { key = value }",
     "too_short": "must not be empty: give at least one",
+    "finite_number": "must be a finite number: write a number of seconds (or a fraction), not inf or nan",
 }
 
 
@@ -383,8 +394,8 @@ def _range_fix(kind: str, value: Any, ctx: dict[str, Any]) -> str:
     if isinstance(bound, float) and bound.is_integer():
         bound = int(bound)
     msg = f"must be {words} {bound}, not {value}"
-    if key in ("le", "lt") and bound == 1 and isinstance(value, (int, float)) and 1 < value <= 100:
-        return f"{msg}: it is a fraction, write {value / 100:g} for {value:g} %"
+    if key in ("le", "lt") and bound == 1 and isinstance(value, (int, float)) and 2 <= value <= 100:
+        return f"{msg}: it is a fraction; for {value:g} %, write {value / 100:g}"
     return f"{msg}: write a value in range"
 
 

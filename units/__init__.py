@@ -29,7 +29,17 @@ from ._systemd import (
     unit_files,
 )
 from ._systemd_manager import SystemdManager, parse_show
-from ._types import RouterLaunch, ServerLaunch, ServiceSpec, ServiceStatus, TargetSpec, UnitSet, pairs
+from ._types import (
+    RouterLaunch,
+    ServerLaunch,
+    ServiceSpec,
+    ServiceStatus,
+    TargetSpec,
+    UnitSet,
+    cpu_list,
+    cpu_set,
+    pairs,
+)
 from .errors import (
     ForeignUnit,
     ManagerUnavailable,
@@ -60,6 +70,8 @@ __all__ = [
     "UnitDirNotWritable",
     "UnitSet",
     "UnitsError",
+    "cpu_list",
+    "cpu_set",
     "env_assignment",
     "exec_line",
     "exec_word",

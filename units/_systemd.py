@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import re
 
-from ._types import ServiceSpec, TargetSpec, UnitSet
+from ._types import ServiceSpec, TargetSpec, UnitSet, cpu_list
 
 __all__ = [
     "MARKER",
@@ -82,7 +82,6 @@ READINESS_GATE = (
 
 _SAFE = re.compile(r"[A-Za-z0-9_+=:,./@%$-]+")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_CPU_LIST = re.compile(r"[0-9]+(-[0-9]+)?([ ,][0-9]+(-[0-9]+)?)*")
 _C_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
@@ -191,9 +190,10 @@ def render_service(spec: ServiceSpec, *, scope: str = "system") -> str:
     if spec.numa_node is not None:
         s += ["NUMAPolicy=bind", f"NUMAMask={int(spec.numa_node)}"]
     if spec.cpu_affinity:
-        if not _CPU_LIST.fullmatch(spec.cpu_affinity):
-            raise ValueError(f"{spec.name}: CPU list {spec.cpu_affinity!r} is not in cpulist syntax")
-        s.append(f"CPUAffinity={spec.cpu_affinity}")
+        try:
+            s.append(f"CPUAffinity={cpu_list(spec.cpu_affinity)}")
+        except ValueError as exc:
+            raise ValueError(f"{spec.name}: {exc}") from None
     if spec.memlock_infinity:
         s.append("LimitMEMLOCK=infinity")
     s += [

@@ -11,6 +11,7 @@ Mappings are stored as tuples of ``(key, value)`` pairs in the order given (``en
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -22,8 +23,47 @@ __all__ = [
     "ServiceStatus",
     "TargetSpec",
     "UnitSet",
+    "cpu_list",
+    "cpu_set",
     "pairs",
 ]
+
+_CPU_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+CPU_MAX = 8192
+"""CPU numbers must stay below this: systemd refuses larger ones in ``CPUAffinity=`` (``CPU_SET_MAX_NCPU``,
+src/shared/cpu-set-util.c; CONFIG_NR_CPUS goes up to 8192) and would start the unit unpinned."""
+
+
+def cpu_list(text: str) -> str:
+    """Check a CPU list and return it in Linux's cpulist form, e.g. ``"0-31,64-95"`` (sysfs
+    ``/sys/devices/system/node/nodeN/cpulist``; kernel Documentation/admin-guide/cputopology.rst). Spaces are also
+    taken as separators, as systemd.exec(5)'s ``CPUAffinity=`` reads them, and written as commas. ``""`` (a node
+    without CPUs) stays ``""``. The one grammar of the spec check, the unit renderer and the process supervisor.
+
+    Raises:
+        ValueError: ``'…' is not a CPU list: …`` for anything else: non-ASCII digits, a range whose end is below its
+            start, another separator, an empty item, a CPU number of :data:`CPU_MAX` or more.
+    """
+    body = text.strip(" ")
+    if not body:
+        return ""
+    items = re.split(r" *, *| +", body)
+    for item in items:
+        m = _CPU_ITEM.fullmatch(item)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"{text!r} is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\"")
+        if int(m.group(2) or m.group(1)) >= CPU_MAX:
+            raise ValueError(f"{text!r} is not a CPU list: CPU numbers stop at {CPU_MAX - 1} (systemd's limit)")
+    return ",".join(items)
+
+
+def cpu_set(text: str) -> set[int]:
+    """The CPUs of a list :func:`cpu_list` accepts (``"0-2,8"`` → ``{0, 1, 2, 8}``). Raises ValueError as it does."""
+    cpus: set[int] = set()
+    for item in filter(None, cpu_list(text).split(",")):
+        a, _, b = item.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
 
 Pairs = tuple[tuple[str, str], ...]
 

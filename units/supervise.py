@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 
 from ._process import SUPERVISOR_TAG, UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
-from ._types import ServiceSpec
+from ._types import ServiceSpec, cpu_set
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 """What the role inherits from the watchdog's environment (systemd, too, starts from a clean one)."""
@@ -80,11 +80,7 @@ class Watchdog:
     def preexec(self) -> None:  # runs in the child between fork and exec (single-threaded parent)
         os.setpgid(0, 0)
         if self.spec.cpu_affinity:
-            cpus: set[int] = set()
-            for part in self.spec.cpu_affinity.replace(" ", ",").split(","):
-                if part:
-                    a, _, b = part.partition("-")
-                    cpus.update(range(int(a), int(b or a) + 1))
+            cpus = cpu_set(self.spec.cpu_affinity)
             try:
                 os.sched_setaffinity(0, cpus & os.sched_getaffinity(0) or cpus)
             except OSError:

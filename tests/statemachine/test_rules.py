@@ -301,10 +301,15 @@ def test_missing_required_field_is_named():
     (("router", "worker_startup_timeout_s"), 10**20,
      "must be at most 2147483647, not 100000000000000000000: write a value in range"),
     # out of range: the bound, and for a fraction written as a percentage the fraction meant
-    (("prefill", 0, "mem_fraction"), 90, "must be at most 1, not 90: it is a fraction, write 0.9 for 90 %"),
+    (("prefill", 0, "mem_fraction"), 90, "must be at most 1, not 90: it is a fraction; for 90 %, write 0.9"),
+    (("prefill", 0, "mem_fraction"), 1.5, "must be at most 1, not 1.5: write a value in range"),  # not a percentage
     (("decode", 0, "mem_fraction"), 0, "must be more than 0, not 0: write a value in range"),
     (("router", "port"), 70000, "must be at most 65535, not 70000: write a value in range"),
     (("decode", 0, "tp"), 0, "must be at least 1, not 0: write a value in range"),
+    (("prefill", 0, "expected_cold_start_s"), float("inf"), "must be a finite number"),  # crashed the rules
+    (("decode", 0, "mem_fraction"), float("nan"), "must be a finite number"),
+    # so that the router's timeout (at most 2**31 - 1 s) can always exceed it, as the rule's fix asks
+    (("prefill", 0, "expected_cold_start_s"), 3e9, "must be at most 2147483646, not 3000000000.0"),
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
@@ -323,10 +328,15 @@ def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path
 @pytest.mark.parametrize("cpus, words", [
     ({"zero": "0-31"}, "hosts.local.numa_cpus: key 'zero' must be a NUMA node number"),
     ({"-1": "0-31"}, "hosts.local.numa_cpus: key '-1' must be a NUMA node number"),
+    ({"01": "0-31"}, "hosts.local.numa_cpus: key '01' must be a NUMA node number"),  # would collide with "1"
+    ({"1.0": "0-31"}, "hosts.local.numa_cpus: key '1.0' must be a NUMA node number"),
+    ({"+1": "0-31"}, "hosts.local.numa_cpus: key '+1' must be a NUMA node number"),
     ({"0": "abc"}, "hosts.local.numa_cpus.0: 'abc' is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\""),
     ({"0": "9-3"}, "hosts.local.numa_cpus.0: '9-3' is not a CPU list"),
-    ({"0": ""}, "hosts.local.numa_cpus.0: '' is not a CPU list"),
     ({"0": "0-31;64-95"}, "hosts.local.numa_cpus.0: '0-31;64-95' is not a CPU list"),
+    ({"0": "0-31,,64"}, "hosts.local.numa_cpus.0: '0-31,,64' is not a CPU list"),
+    ({"0": "０-３"}, "hosts.local.numa_cpus.0: '０-３' is not a CPU list"),  # non-ASCII digits
+    ({"0": "0-8192"}, "hosts.local.numa_cpus.0: '0-8192' is not a CPU list: CPU numbers stop at 8191"),
     ({"0": 5}, "hosts.local.numa_cpus.0: must be text: put it in quotes"),
 ])
 def test_numa_cpu_lists_are_checked_before_they_reach_cpu_affinity(cpus, words):
@@ -338,10 +348,17 @@ def test_numa_cpu_lists_are_checked_before_they_reach_cpu_affinity(cpus, words):
     assert words in str(e.value), str(e.value)
 
 
-def test_numa_cpu_lists_in_sysfs_syntax_are_kept_as_written():
+def test_numa_cpu_lists_are_kept_in_the_form_the_units_are_rendered_from(tmp_path):
+    # spaces (systemd reads them as separators) become sysfs's commas; "" is a node without CPUs (no pinning); and
+    # whatever the spec accepts, the unit renderer writes
+    from pdctl.statemachine.launch import write_units
+
     d = seed_dict()
-    d["hosts"]["local"]["numa_cpus"] = {"0": "0-31, 64-95", "1": "32"}
-    assert parse_spec(d).hosts["local"].numa_cpus == {0: "0-31, 64-95", 1: "32"}
+    d["hosts"]["local"]["numa_cpus"] = {"0": " 0-31, 64-95 ", "1": "32-63 96-127", "2": ""}
+    dep = parse_spec(d)
+    assert dep.hosts["local"].numa_cpus == {0: "0-31,64-95", 1: "32-63,96-127", 2: ""}
+    units = "".join(p.read_text() for p in write_units(dep, tmp_path) if p.suffix == ".service")
+    assert "CPUAffinity=0-31,64-95" in units and "CPUAffinity=32-63,96-127" in units
 
 
 def test_an_integer_is_still_a_number_for_a_fraction():

@@ -293,3 +293,25 @@ def test_demo_runs_the_sim_with_pdctls_python_and_smg_beside_it():
     beside = Path(sys.executable).parent / "smg"
     assert exe == (str(beside) if beside.exists() else exe)
     parse_sglang(server_argv(p))
+
+
+@pytest.mark.parametrize("text, canon", [("0-31,64-95", "0-31,64-95"), (" 0-31, 64-95 ", "0-31,64-95"),
+                                         ("0-31 64-95", "0-31,64-95"), ("7", "7"), ("0-8191", "0-8191")])
+def test_cpu_lists_render_in_sysfs_form_and_pin_the_same_cpus(text, canon):
+    # one grammar for the spec check, CPUAffinity= and the supervisor's sched_setaffinity
+    from pdctl.units import ServiceSpec, cpu_list, cpu_set, render_service
+
+    unit = render_service(ServiceSpec(name="pdctl-x-p.service", description="x", argv=("/bin/true",), deployment="x",
+                                      role="p", cpu_affinity=text))
+    assert f"CPUAffinity={canon}\n" in unit
+    assert cpu_list(text) == canon and cpu_set(text) == cpu_set(canon)
+    assert min(cpu_set(text)) == int(canon.split(",")[0].split("-")[0])
+
+
+@pytest.mark.parametrize("text", ["abc", "3-1", "0,,1", "0-31\t64", "٠-٣", "0-8192", "0-99999999999"])
+def test_cpu_lists_systemd_would_ignore_are_refused_before_a_unit_is_written(text):
+    from pdctl.units import ServiceSpec, render_service
+
+    with pytest.raises(ValueError, match="is not a CPU list"):
+        render_service(ServiceSpec(name="pdctl-x-p.service", description="x", argv=("/bin/true",), deployment="x",
+                                   role="p", cpu_affinity=text))
