@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pdctl.statemachine.hosts import Host as HostType
 from pdctl.statemachine.spec import Deployment, Host, ServerRole
+from pdctl.statemachine.topology import numa_binding
 from pdctl.units import (
     ForeignUnit,
     ProcessSupervisor,
@@ -138,19 +139,8 @@ def numa_for(dep: Deployment, role_name: str) -> tuple[int | None, str | None]:
     (``hosts.<h>.gpu_numa``); the CPU list from ``hosts.<h>.numa_cpus`` (None: unknown)."""
     for name, _kind, role in dep.roles():
         if name == role_name:
-            return _numa(dep, role)
+            return numa_binding(dep, role)
     return None, None
-
-
-def _numa(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
-    host = dep.hosts.get(role.host)
-    node = role.numa_node
-    if node is None and host is not None and host.gpu_numa:
-        nodes = {host.gpu_numa[g] for g in role.gpus if g < len(host.gpu_numa)}
-        if len(nodes) == 1 and len(role.gpus) and all(g < len(host.gpu_numa) for g in role.gpus):
-            node = nodes.pop()
-    cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
-    return node, cpus
 
 
 def _cache_dir(dep: Deployment) -> str:
@@ -180,7 +170,7 @@ def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
 
 def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch:
     parsers = role.parsers or dep.parsers
-    node, cpus = _numa(dep, role)
+    node, cpus = numa_binding(dep, role)  # as the plan records it
     kv = dep.kv_transfer
     pd = kind in ("prefill", "decode")
     return ServerLaunch(

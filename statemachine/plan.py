@@ -159,6 +159,8 @@ def _reach_free(deployment: dict) -> dict:
 
 def _role_changes(old: RoleTopology, new: RoleTopology) -> list[AttrChange]:
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
+    if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
+        n["settings"].pop("numa_binding", None)
     out: list[AttrChange] = []
     for a in _ROLE_TOPOLOGY_ATTRS:
         out += _diff(a, o[a], n[a], "topology")

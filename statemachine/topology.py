@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pdctl.statemachine.spec import Deployment
+from pdctl.statemachine.spec import Deployment, ServerRole
 
 __all__ = ["KVLink", "RoleTopology", "RouterTopology", "Topology", "topology_of"]
 
@@ -115,6 +115,20 @@ def _fingerprint(value: str) -> str:
     return "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
+def numa_binding(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
+    """``(NUMA node, CPU list)`` a role's unit binds to (``NUMAMask=`` / ``CPUAffinity=``): its ``numa_node``, else
+    the one node all its GPUs sit on (``hosts.<h>.gpu_numa``); the CPU list from ``hosts.<h>.numa_cpus``. None:
+    unknown (nothing rendered)."""
+    host = dep.hosts.get(role.host)
+    node = role.numa_node
+    if node is None and host is not None and host.gpu_numa:
+        nodes = {host.gpu_numa[g] for g in role.gpus if g < len(host.gpu_numa)}
+        if len(nodes) == 1 and len(role.gpus) and all(g < len(host.gpu_numa) for g in role.gpus):
+            node = nodes.pop()
+    cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
+    return node, cpus
+
+
 def topology_of(dep: Deployment) -> Topology:
     """Resolve *dep* (already validated) into its :class:`Topology`."""
     model = dep.model.model_dump()
@@ -133,6 +147,8 @@ def topology_of(dep: Deployment) -> Topology:
             "env": dict(sorted(r.env.items())),
             "extra_args": list(r.extra_args),
             "expected_cold_start_s": r.expected_cold_start_s,
+            # what the unit binds to: changing gpu_numa or numa_cpus re-renders it and restarts the role
+            "numa_binding": dict(zip(("node", "cpus"), numa_binding(dep, r))),
         }
         roles.append(
             RoleTopology(

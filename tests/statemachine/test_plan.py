@@ -70,6 +70,40 @@ def test_parser_only_change_is_disruptive_and_restarts_prefill_and_decode():
     assert paths == {"settings.parsers.tool_call_parser"}
 
 
+def test_a_numa_cpu_list_change_is_planned_as_the_restart_it_causes():
+    # the unit's CPUAffinity= follows hosts.<h>.numa_cpus: apply restarts the role, so the plan must say so
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["hosts"]["local"]["numa_cpus"]["1"] = "32-63"
+    p = make_plan(topo(seed), topo(other))
+    assert p.cls == "disruptive" and not p.requires_confirmation
+    assert p.restarts() == ["decode"]
+    [change] = p.changes
+    assert [(a.path, a.before, a.after) for a in change.changes] == [
+        ("settings.numa_binding.cpus", "32-63,96-127", "32-63")]
+
+
+def test_a_gpu_numa_change_that_moves_a_role_to_another_node_is_planned():
+    seed = seed_dict()
+    for kind in ("prefill", "decode"):
+        del seed[kind][0]["numa_node"]  # roles without numa_node follow their GPUs' node
+    other = copy.deepcopy(seed)
+    other["hosts"]["local"]["gpu_numa"] = [1, 1, 1, 1, 0, 0, 0, 0]
+    p = make_plan(topo(seed), topo(other))
+    assert sorted(p.restarts()) == ["decode", "prefill"]
+    paths = {a.path for c in p.changes for a in c.changes}
+    assert paths == {"settings.numa_binding.node", "settings.numa_binding.cpus"}
+
+
+def test_a_journal_from_before_numa_binding_was_recorded_plans_no_restart_for_it():
+    seed = seed_dict()
+    old = topo(seed)
+    legacy = old.model_copy(update={"roles": tuple(
+        r.model_copy(update={"settings": {k: v for k, v in r.settings.items() if k != "numa_binding"}})
+        for r in old.roles)})
+    assert not make_plan(legacy, topo(copy.deepcopy(seed))).has_changes
+
+
 def test_identical_spec_plans_nothing():
     seed = seed_dict()
     p = make_plan(topo(seed), topo(copy.deepcopy(seed)))
