@@ -2,7 +2,10 @@
 ``kernels/_indexer_kernels.py``, on the same inputs, each version's output checked as a set against this
 checkout's (and against the fp32 reference logits where that is cheap). Run on the GPU machine:
 
-    python benchmarks/indexer_compare.py --compare before=OLD/_indexer_kernels.py --config wide:topk_block=4096
+    python benchmarks/indexer_compare.py --compare before=OLD_KERNELS_DIR --config wide:topk_block=4096
+
+where OLD_KERNELS_DIR holds an older ``_indexer.py`` with its ``_indexer_kernels.py`` (a kernels file alone works
+only while its launch signatures match this checkout's).
 
 Prints one line per (L, B, version): µs per call (median of CUDA-graph replays, inputs rotated so one replay
 touches ≥ 3× the L2, as ``bench_kernels.py``), % of copy bandwidth at 132 B per context token, and the checks.

@@ -54,8 +54,8 @@ def _warnings(loaded) -> None:  # noqa: ANN001
 
 @app.command()
 def validate(spec: SpecArg) -> None:
-    """Check SPEC against pdctl's rules. Contacts no host, changes nothing. Prints the verdict on stdout (warnings
-    and errors on stderr); exit 0: valid, 1: invalid."""
+    """Check SPEC against pdctl's rules. Contacts no host, changes nothing. Exit 0: valid, printing "SPEC: valid (N
+    warning(s))" on stdout; 1: invalid. Warnings and errors go to stderr."""
     from pdctl.statemachine.service import load
 
     loaded = load(spec)

@@ -26,7 +26,7 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
      go to the output and the few that share them to a short list; the row's last program resolves the last
      12 bits over the short list in registers and writes the rest of the row.
 
-   Exactly k entries come out, unsorted (SGLang's contract is unsorted). The first two run on a ``(B, R)`` grid,
+   Exactly k entries come out, unsorted (SGLang's contract is unsorted). All three run on a ``(B, R)`` grid,
    R = max(1, topk_programs // B) programs splitting each row (so one long row still spreads over the GPU; a
    program whose share of a short row is empty exits at once). The workspace (histograms and counters) is
    zeroed by the logits kernel: a call is four launches. Rows with L_b ≤ k write ``[0 .. L_b−1, −1 …]``.
@@ -280,7 +280,7 @@ def candidate_buffer(b: int, cw: int, cfg: IndexerConfig, device) -> torch.Tenso
 
 
 def _topk(logits, seq_lens, block_table, out, ws, topk: int, physical: bool, cfg: IndexerConfig, hist0_done: bool):
-    # The two top-k launches (first histogram unless already counted, then partition + refinement) on a zeroed
+    # The three top-k launches (first histogram unless already counted, then partition and refinement) on a zeroed
     # workspace ``ws`` int32 [B, WS_STRIDE] (or one holding the first histogram, with hist0_done).
     b = seq_lens.shape[0]
     if b == 0:

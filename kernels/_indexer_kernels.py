@@ -3,14 +3,14 @@
 Keys for the top-k: an fp32 logit's bits ``i`` map to the order-preserving signed key ``i ^ ((i >> 31) & 0x7fffffff)``
 (negative floats get their magnitude bits flipped). The exact top-k is a radix select, high bits first, in three
 launches after the logits (``_indexer`` describes them): the top byte's histogram over the whole row, a partition
-that writes the keys above the k-th key's top byte and lists those sharing it (counting their next 6-bit digit),
+that writes the keys above the k-th key's top byte and lists those sharing it (counting their next 12 bits),
 and a per-row refinement over that list alone. For continuous logits the list is the few % of keys that share
 the k-th key's exponent pair; if every logit is equal (e.g. all weights zero) it is the whole row, refined in a loop
 by one program: still exact, just not spread over the GPU.
 
 Digit widths follow the cost of ``tl.histogram`` on sm_90 (Triton 3.6 lowers it to one warp vote per bit plus a
 population count per bin a lane owns; counted in the PTX: 256 bins ≈ 2.5 warp instructions per key, 64 bins ≈ 0.6).
-Grids: ``(B, R)`` with R fixed by the SM count and B, and ``(B,)``; never by the context length.
+Grids: ``(B, R)`` with R fixed by the SM count and B; never by the context length.
 """
 
 import triton
@@ -280,8 +280,8 @@ def _topk_refine_kernel(
         d0 = tl.load(wrow + 259)
         need0 = tl.load(wrow + 260)
         n_c = tl.minimum(tl.load(wrow + 257), CW)
-        spos = crow + 2 * CW
-        skey = spos + CAP
+        sval = crow + 2 * CW
+        skey = sval + CAP
         seg = tl.maximum(tl.cdiv(tl.cdiv(n_c, nr), BLOCK) * BLOCK, BLOCK)
         lo = r * seg
         # Only the programs whose slice is non-empty take part (program 0 always does); the others exit at once,
@@ -309,7 +309,7 @@ def _topk_refine_kernel(
                 rs = bs + (rank >> 16)
                 tl.store(orow + rg, val, mask=gt & (rg < n_gt))
                 keep = eq & (rs < CAP)
-                tl.store(spos + rs, val, mask=keep)
+                tl.store(sval + rs, val, mask=keep)
                 tl.store(skey + rs, ks, mask=keep)
             _gdc_trigger(GDC)
             # Arrive: the barrier orders every thread's stores before the (gpu-scope, release) arrival; the last
@@ -320,9 +320,9 @@ def _topk_refine_kernel(
                 n_s = tl.atomic_add(wrow + 263, 0, sem="relaxed")
                 tl.store(wrow + 261, n_s)  # for benchmarks/indexer_stages.py: how long the short list was
                 if n_s <= 1024:
-                    _refine_regs(spos, skey, n_s, thr, need, n_gt, orow, TOPK, 1024)
+                    _refine_regs(sval, skey, n_s, thr, need, n_gt, orow, TOPK, 1024)
                 elif n_s <= CAP:
-                    _refine_regs(spos, skey, n_s, thr, need, n_gt, orow, TOPK, CAP)
+                    _refine_regs(sval, skey, n_s, thr, need, n_gt, orow, TOPK, CAP)
                 else:
                     _refine_loop(crow, crow + CW, n_c, thr, need, n_gt, orow, TOPK, BLOCK)
 

@@ -112,24 +112,41 @@ def test_output_does_not_depend_on_the_block_table_width():
     assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
 
 
-def _topk_sets(logits, lens, topk=TOPK, cap=8192, **cfg):
+def _topk_sets(logits, lens, topk=TOPK, cap=8192, physical=False, **cfg):
+    # Logical positions of each row's top-k. With physical, the rows' pages are scattered (a shuffled block table)
+    # and the physical slots that come out are mapped back, so the same checks cover the slot mapping too.
     from dataclasses import replace
 
     sl = torch.tensor(lens, dtype=torch.int32)
-    bt = torch.zeros(len(lens), 1, dtype=torch.int32)
+    pages = -(-logits.shape[1] // 64)
+    g = torch.Generator().manual_seed(99)
+    bt = torch.stack([torch.randperm(pages, generator=g) + b * pages for b in range(len(lens))]).to(torch.int32)
     out = torch.full((len(lens), topk), -7, dtype=torch.int32)
-    topk_over_logits(logits, sl, bt, topk, physical=False, out=out, config=replace(CFG, topk_refine_cap=cap, **cfg))
+    topk_over_logits(logits, sl, bt, topk, physical=physical, out=out,
+                     config=replace(CFG, topk_refine_cap=cap, **cfg))
+    if physical:
+        for b in range(len(lens)):
+            where = torch.empty(len(lens) * pages, dtype=torch.int64)  # physical page -> logical page of row b
+            where[bt[b].long()] = torch.arange(pages)
+            keep = out[b] >= 0
+            out[b, keep] = (where[out[b, keep].long() // 64] * 64 + out[b, keep] % 64).to(torch.int32)
     return out
 
 
-def test_topk_is_exact_when_most_programs_of_a_row_have_no_share():
-    # 32 programs per row: row 0 (5000 keys, two 128-key blocks per program) leaves 12 of them without a share of
-    # the partition, row 1 (300 keys, one block each) 29, and every row's candidates fit one refining program's
-    # slice, so 31 refining programs per row exit at once and the last of the others must still finish the row.
+# Both outputs: logical positions, and physical slots through a shuffled block table (mapped back by _topk_sets).
+PHYS = pytest.mark.parametrize("physical", [False, True])
+
+
+@PHYS
+def test_topk_is_exact_when_most_programs_of_a_row_have_no_share(physical):
+    # 32 programs per row. Partition: row 0 (5000 keys, two 128-key blocks per program) leaves 12 of them without
+    # a share, row 1 (300 keys, one block each) 29 and row 2 (129 keys) 30. Refinement: row 0's ~1500 candidates
+    # take 6 programs (26 exit at once), rows 1 and 2 one (31 exit); the last of each row's active programs
+    # must still finish it.
     g = torch.Generator().manual_seed(7)
     lens = [5000, 300, 129]
     logits = torch.randn(3, 5000, generator=g)
-    out = _topk_sets(logits, lens, topk_programs=96, refine_block=256)
+    out = _topk_sets(logits, lens, physical=physical, topk_programs=96, refine_block=256)
     for b, n in enumerate(lens):
         assert sorted(out[b].tolist()) == sorted(logits[b, :n].topk(TOPK).indices.tolist())
 
@@ -159,33 +176,36 @@ def test_topk_when_the_kth_keys_exponent_bin_holds_exactly_the_keys_still_needed
 
 
 @CAPS
+@PHYS
 @pytest.mark.parametrize("seed", [0, 1])
-def test_topk_over_logits_is_exact_on_long_rows_and_negative_values(seed, cap):
+def test_topk_over_logits_is_exact_on_long_rows_and_negative_values(seed, physical, cap):
     g = torch.Generator().manual_seed(seed)
     lens = [5000, 129, 3000]
     # row 0: ~N(0, 1); row 1: a tiny spread around -5; row 2: every value in one exponent bin (> 1024 candidates)
     logits = torch.stack([torch.randn(5000, generator=g), torch.randn(5000, generator=g) * 1e-3 - 5,
                           16 + 15.99 * torch.rand(5000, generator=g)])
-    out = _topk_sets(logits, lens, cap=cap)
+    out = _topk_sets(logits, lens, cap=cap, physical=physical)
     for b, n in enumerate(lens):
         assert sorted(out[b].tolist()) == sorted(logits[b, :n].topk(TOPK).indices.tolist())
 
 
 @CAPS
+@PHYS
 @pytest.mark.parametrize("n_tied", [50, 3000])
-def test_topk_rations_ties_at_the_kth_value_among_candidates(n_tied, cap):
+def test_topk_rations_ties_at_the_kth_value_among_candidates(n_tied, physical, cap):
     # 100 keys above, then n_tied copies of the k-th value sharing its top byte with smaller ones: 28 ties kept.
     logits = torch.cat([torch.full((100,), 9.0), torch.full((n_tied,), 3.5), torch.full((400,), 3.0),
                         torch.linspace(-1, 1, 300)])[None, :].contiguous()
-    out = _topk_sets(logits, [logits.shape[1]], cap=cap)[0]
+    out = _topk_sets(logits, [logits.shape[1]], cap=cap, physical=physical)[0]
     assert out.unique().numel() == TOPK
     vals = logits[0, out.long()]
     assert (vals == 9.0).sum() == 100 and (vals == 3.5).sum() == 28
 
 
 @CAPS
+@PHYS
 @pytest.mark.parametrize("n_close", [300, 3000])
-def test_topk_resolves_keys_that_differ_only_in_their_lowest_bits(n_close, cap):
+def test_topk_resolves_keys_that_differ_only_in_their_lowest_bits(n_close, physical, cap):
     # n_close consecutive floats from 3.0 up (one ulp apart, so every digit down to the lowest 6 bits decides),
     # shuffled with 100 larger keys, 20 keys in [3.8, 3.9) and 200 in [2, 2.5) (same top byte as the run, other
     # next digits): the top-k is the 100, the 20, and the 8 largest of the run, exactly.
@@ -194,7 +214,7 @@ def test_topk_resolves_keys_that_differ_only_in_their_lowest_bits(n_close, cap):
     vals = torch.cat([torch.full((100,), 9.0), 3.8 + 0.1 * torch.rand(20, generator=g), run,
                       2 + 0.5 * torch.rand(200, generator=g), -torch.rand(500, generator=g)])
     perm = torch.randperm(vals.numel(), generator=g)
-    out = _topk_sets(vals[perm][None, :].contiguous(), [vals.numel()], cap=cap)[0]
+    out = _topk_sets(vals[perm][None, :].contiguous(), [vals.numel()], cap=cap, physical=physical)[0]
     expect = perm.argsort()[torch.cat([torch.arange(120), 120 + torch.arange(n_close - 8, n_close)])]
     assert sorted(out.tolist()) == sorted(expect.tolist())
 
