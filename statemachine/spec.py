@@ -177,7 +177,7 @@ class ServerRole(_Model):
     @classmethod
     def _gpus_unique(cls, v: list[int]) -> list[int]:
         if any(g < 0 for g in v):
-            raise ValueError("GPU ids are >= 0")
+            raise ValueError(f"GPU ids are >= 0, not {min(v)}: use the ids nvidia-smi lists (0, 1, …)")
         if len(set(v)) != len(v):
             raise ValueError(f"GPU ids repeat in {v}: list each GPU once")
         return v

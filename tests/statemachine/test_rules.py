@@ -361,6 +361,14 @@ def test_numa_cpu_lists_are_kept_in_the_form_the_units_are_rendered_from(tmp_pat
     assert "CPUAffinity=0-31,64-95" in units and "CPUAffinity=32-63,96-127" in units
 
 
+def test_a_negative_gpu_id_is_refused_with_the_ids_to_use():
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [-1, 5, 6, 7]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "decode[0].gpus: GPU ids are >= 0, not -1: use the ids nvidia-smi lists (0, 1, …)" in str(e.value)
+
+
 def test_an_integer_is_still_a_number_for_a_fraction():
     d = seed_dict()
     d["prefill"][0]["mem_fraction"] = 1
