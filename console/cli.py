@@ -412,7 +412,8 @@ def console_cmd(
     readonly: Annotated[bool, typer.Option("--readonly", help="Watch only: every mutating key binding is removed")] = False,
     refresh: Annotated[
         Optional[float],
-        typer.Option("--refresh", metavar="SECONDS", min=0.1, help="Telemetry interval (default: the spec's console.refresh_s, 1 s)"),
+        typer.Option("--refresh", metavar="SECONDS", min=0.1, max=3600,
+                     help="Telemetry interval (default: the spec's console.refresh_s, 1 s)"),
     ] = None,
 ) -> None:
     """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it.

@@ -72,7 +72,9 @@ def _node_key(key: Any) -> Any:
 # A CPU list in sysfs cpulist syntax (commas; spaces read as separators too), kept in the canonical comma form that
 # the unit renderer and the supervisor read with the same function (pdctl.units.cpu_list); "" = a node without CPUs.
 CpuList = Annotated[str, Field(strict=True), AfterValidator(cpu_list)]
-NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0)]
+# Linux numbers NUMA nodes below MAX_NUMNODES = 2**CONFIG_NODES_SHIFT, at most 1024 (include/linux/numa.h).
+NODE_MAX = 1023
+NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0, le=NODE_MAX)]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
@@ -101,8 +103,9 @@ class Host(_Model):
     ``discover``: read the host's GPUs (nvidia-smi) and NUMA layout (sysfs) when planning or applying
     (``pdctl.statemachine.inventory``; ``pdctl validate`` never contacts hosts)."""
     gpu_name: str | None = None
-    gpu_numa: list[Int] | None = None
-    """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order). None: unknown."""
+    gpu_numa: list[Annotated[int, Field(strict=True, ge=-1, le=NODE_MAX)]] | None = None
+    """NUMA node of each GPU, indexed by GPU id (``nvidia-smi`` order); -1: none reported (sysfs ``numa_node``).
+    None: unknown."""
     numa_cpus: dict[NumaNode, CpuList] | None = None
     """CPU list of each NUMA node in sysfs ``cpulist`` syntax, e.g. ``{0 = "0-31,64-95"}``."""
 
@@ -156,7 +159,7 @@ class ServerRole(_Model):
     tp: Int = Field(default=1, ge=1)
     attn_dp: Int = Field(default=1, ge=1)
     ep: Int = Field(default=1, ge=1)
-    numa_node: Int | None = Field(default=None, ge=0)
+    numa_node: Int | None = Field(default=None, ge=0, le=NODE_MAX)
     http_host: str = "127.0.0.1"
     port: Port
     bootstrap_port: Port | None = None
@@ -256,7 +259,7 @@ class Engine(_Model):
 class Console(_Model):
     """Console and telemetry settings (in place: changing them restarts nothing)."""
 
-    refresh_s: Float = Field(default=1.0, gt=0)
+    refresh_s: Float = Field(default=1.0, gt=0, le=3600)
 
 
 class Deployment(_Model):
@@ -410,8 +413,11 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
             msg = err["msg"].removeprefix("Value error, ")
             if len(err["loc"]) >= 2 and err["loc"][-1] == "[key]":  # a table's key, e.g. numa_cpus = { zero = … }
                 field = _loc(err["loc"][:-2])
-                msg = (f"key {err['loc'][-2]!r} must be a NUMA node number (0, 1, …): write e.g. "
-                       f'{{ 0 = "0-31", 1 = "32-63" }}')
+                if err["type"] in _BOUNDS:
+                    msg = f"key {err['loc'][-2]!r} " + _range_fix(err["type"], err["input"], err.get("ctx", {}))
+                else:
+                    msg = (f"key {err['loc'][-2]!r} must be a NUMA node number (0, 1, …): write e.g. "
+                           f'{{ 0 = "0-31", 1 = "32-63" }}')
             elif err["type"] == "extra_forbidden":
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
             elif err["type"] == "missing":

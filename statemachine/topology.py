@@ -125,6 +125,7 @@ def numa_binding(dep: Deployment, role: ServerRole) -> tuple[int | None, str | N
         nodes = {host.gpu_numa[g] for g in role.gpus if g < len(host.gpu_numa)}
         if len(nodes) == 1 and len(role.gpus) and all(g < len(host.gpu_numa) for g in role.gpus):
             node = nodes.pop()
+            node = node if node >= 0 else None  # -1: the GPU reports no NUMA node, so nothing is bound
     cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
     return node, cpus
 

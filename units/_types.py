@@ -36,9 +36,11 @@ src/shared/cpu-set-util.c; CONFIG_NR_CPUS goes up to 8192) and would start the u
 
 def cpu_list(text: str) -> str:
     """Check a CPU list and return it in Linux's cpulist form, e.g. ``"0-31,64-95"`` (sysfs
-    ``/sys/devices/system/node/nodeN/cpulist``; kernel Documentation/admin-guide/cputopology.rst). Spaces are also
-    taken as separators, as systemd.exec(5)'s ``CPUAffinity=`` reads them, and written as commas. ``""`` (a node
-    without CPUs) stays ``""``. The one grammar of the spec check, the unit renderer and the process supervisor.
+    ``/sys/devices/system/node/nodeN/cpulist``; kernel Documentation/admin-guide/cputopology.rst): the CPUs in
+    ascending order, runs written as ranges, so that one set of CPUs has one spelling (``"0,1"``, ``"0 1"`` and
+    ``"1,0-1"`` are all ``"0-1"``). Spaces are also taken as separators, as systemd.exec(5)'s ``CPUAffinity=``
+    reads them. ``""`` (a node without CPUs) stays ``""``. The one grammar of the spec check, the unit renderer and
+    the process supervisor.
 
     Raises:
         ValueError: ``'…' is not a CPU list: …`` for anything else: non-ASCII digits, a range whose end is below its
@@ -54,16 +56,27 @@ def cpu_list(text: str) -> str:
             raise ValueError(f"{text!r} is not a CPU list: write CPU numbers and ranges, e.g. \"0-31,64-95\"")
         if int(m.group(2) or m.group(1)) >= CPU_MAX:
             raise ValueError(f"{text!r} is not a CPU list: CPU numbers stop at {CPU_MAX - 1} (systemd's limit)")
-    return ",".join(items)
+    cpus = sorted({c for item in items for c in _cpu_range(item)})
+    runs: list[str] = []
+    start = prev = cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(runs)
+
+
+def _cpu_range(item: str) -> range:
+    a, _, b = item.partition("-")
+    return range(int(a), int(b or a) + 1)
 
 
 def cpu_set(text: str) -> set[int]:
     """The CPUs of a list :func:`cpu_list` accepts (``"0-2,8"`` → ``{0, 1, 2, 8}``). Raises ValueError as it does."""
-    cpus: set[int] = set()
-    for item in filter(None, cpu_list(text).split(",")):
-        a, _, b = item.partition("-")
-        cpus.update(range(int(a), int(b or a) + 1))
-    return cpus
+    return {c for item in filter(None, cpu_list(text).split(",")) for c in _cpu_range(item)}
 
 Pairs = tuple[tuple[str, str], ...]
 

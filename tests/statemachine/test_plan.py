@@ -83,6 +83,13 @@ def test_a_numa_cpu_list_change_is_planned_as_the_restart_it_causes():
         ("settings.numa_binding.cpus", "32-63,96-127", "32-63")]
 
 
+def test_the_same_cpus_written_another_way_plan_nothing():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["hosts"]["local"]["numa_cpus"]["0"] = "64-95, 0-15 16-31"  # the same CPUs as "0-31,64-95"
+    assert not make_plan(topo(seed), topo(other)).has_changes
+
+
 def test_a_gpu_numa_change_that_moves_a_role_to_another_node_is_planned():
     seed = seed_dict()
     for kind in ("prefill", "decode"):

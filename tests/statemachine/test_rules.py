@@ -310,6 +310,7 @@ def test_missing_required_field_is_named():
     (("decode", 0, "mem_fraction"), float("nan"), "must be a finite number"),
     # so that the router's timeout (at most 2**31 - 1 s) can always exceed it, as the rule's fix asks
     (("prefill", 0, "expected_cold_start_s"), 3e9, "must be at most 2147483646, not 3000000000.0"),
+    (("prefill", 0, "numa_node"), 1024, "must be at most 1023, not 1024"),  # Linux's MAX_NUMNODES
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
@@ -337,6 +338,7 @@ def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path
     ({"0": "0-31,,64"}, "hosts.local.numa_cpus.0: '0-31,,64' is not a CPU list"),
     ({"0": "０-３"}, "hosts.local.numa_cpus.0: '０-３' is not a CPU list"),  # non-ASCII digits
     ({"0": "0-8192"}, "hosts.local.numa_cpus.0: '0-8192' is not a CPU list: CPU numbers stop at 8191"),
+    ({"1024": "0-3"}, "hosts.local.numa_cpus: key '1024' must be at most 1023, not 1024"),
     ({"0": 5}, "hosts.local.numa_cpus.0: must be text: put it in quotes"),
 ])
 def test_numa_cpu_lists_are_checked_before_they_reach_cpu_affinity(cpus, words):
@@ -354,7 +356,7 @@ def test_numa_cpu_lists_are_kept_in_the_form_the_units_are_rendered_from(tmp_pat
     from pdctl.statemachine.launch import write_units
 
     d = seed_dict()
-    d["hosts"]["local"]["numa_cpus"] = {"0": " 0-31, 64-95 ", "1": "32-63 96-127", "2": ""}
+    d["hosts"]["local"]["numa_cpus"] = {"0": " 0-31, 64-95 ", "1": "96-127 32-63", "2": ""}
     dep = parse_spec(d)
     assert dep.hosts["local"].numa_cpus == {0: "0-31,64-95", 1: "32-63,96-127", 2: ""}
     units = "".join(p.read_text() for p in write_units(dep, tmp_path) if p.suffix == ".service")
@@ -367,6 +369,30 @@ def test_a_negative_gpu_id_is_refused_with_the_ids_to_use():
     with pytest.raises(SpecError) as e:
         parse_spec(d)
     assert "decode[0].gpus: GPU ids are >= 0, not -1: use the ids nvidia-smi lists (0, 1, …)" in str(e.value)
+
+
+def test_gpu_numa_entries_are_node_numbers_or_minus_one_and_minus_one_binds_nothing(tmp_path):
+    from pdctl.statemachine.launch import write_units
+
+    d = seed_dict()
+    d["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 1024, 1, 1, 1, 1]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "hosts.local.gpu_numa[3]: must be at most 1023, not 1024" in str(e.value)
+    d["hosts"]["local"]["gpu_numa"] = [-1, -1, -1, -1, 1, 1, 1, 1]  # sysfs says -1 for "no NUMA node reported"
+    del d["prefill"][0]["numa_node"]
+    units = {p.name: p.read_text() for p in write_units(parse_spec(d), tmp_path) if p.suffix == ".service"}
+    [prefill] = [u for n, u in units.items() if n.endswith("-prefill.service")]
+    assert "NUMAMask=" not in prefill and "CPUAffinity=" not in prefill
+
+
+def test_a_console_refresh_past_an_hour_is_refused():
+    # the console's telemetry wait overflowed time_t at 1e10 s and stopped
+    d = seed_dict()
+    d["console"] = {"refresh_s": 1e10}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "console.refresh_s: must be at most 3600, not 10000000000.0" in str(e.value)
 
 
 def test_an_integer_is_still_a_number_for_a_fraction():
