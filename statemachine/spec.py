@@ -415,9 +415,11 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 field = _loc(err["loc"][:-2])
                 if err["type"] in _BOUNDS:
                     msg = f"key {err['loc'][-2]!r} " + _range_fix(err["type"], err["input"], err.get("ctx", {}))
-                else:
+                elif err["loc"][-3:-2] == ("numa_cpus",):
                     msg = (f"key {err['loc'][-2]!r} must be a NUMA node number (0, 1, …): write e.g. "
                            f'{{ 0 = "0-31", 1 = "32-63" }}')
+                else:
+                    msg = f"key {err['loc'][-2]!r}: {msg}"
             elif err["type"] == "extra_forbidden":
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
             elif err["type"] == "missing":
