@@ -5,7 +5,8 @@ slots, memory throughput). Run on the GPU machine under ncu, e.g. (``kernels_dev
         python3 benchmarks/ncu_targets.py
 
 Shapes: FP8 decode at h = 16 / 32 and B = 1 / 64 with the Gluon variants (cp.async staging and straight-to-register loads),
-and the indexer at L = 32K, B = 64 (logits, first histogram, partition + refinement).
+and the indexer at L = 32K, B = 64 (logits, first histogram, partition + refinement); ``--b1``: decode at B = 1 only;
+``--indexer L,B``: the indexer alone at that shape.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ def main() -> int:
     from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
 
     only_b1 = "--b1" in sys.argv  # decode at B = 1 only: the split kernel and the combine, per launch
+    if "--indexer" in sys.argv:  # --indexer L,B: the indexer's four launches at that shape only
+        length, rows = (int(x) for x in sys.argv[sys.argv.index("--indexer") + 1].split(","))
+        q8, w, cache, bt, sl = make_indexer_case([length] * rows, max_context=163840)
+        print(f"indexer L={length} B={rows}", flush=True)
+        lightning_indexer(q8, w, cache, bt, sl, 2048)
+        torch.cuda.synchronize()
+        return 0
     cases = ((32, 64, 32, 2, (1, 3)), (16, 64, 16, 4, (3, 1)), (16, 1, 16, 32, (1, 3)))
     if only_b1:
         cases = ((16, 1, 16, 32, (3,)), (16, 1, 16, 16, (3,)), (16, 1, 16, 64, (3,)), (128, 1, 32, 32, (3,)))

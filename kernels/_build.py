@@ -434,6 +434,8 @@ def build_and_verify(
     icands = [IndexerConfig()] + ([IndexerConfig(programs_per_sm=pp, logits_stages=st, topk_programs=tp)
                                    for pp, st in ((4, 5), (8, 3), (16, 5)) for tp in (528, 1056)]
                                   + [IndexerConfig(pdl=0)] if tune else [])
+    if tune:  # the logits' keys by per-thread copies instead of bulk tensor copies (where those exist)
+        icands += [IndexerConfig(logits_tma=0)]
     itimes = []
     for icfg in icands:
         try:
@@ -473,7 +475,7 @@ def build_and_verify(
 @functools.cache
 def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     """The part of a manifest that :func:`load_manifest` installs, as a pydantic model: launch configs are strict
-    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` 0–1), the rest of the manifest is kept as written."""
+    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` and ``logits_tma`` 0–1), the rest of the manifest is kept as written."""
     import dataclasses as dc
     from typing import Literal
 
@@ -482,7 +484,7 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     strict = pydantic.ConfigDict(extra="forbid", strict=True)
 
     def launch_model(cls: type) -> type:
-        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le={"pdl": 2, "merge": 1}.get(f.name)))
+        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le={"pdl": 2, "merge": 1, "logits_tma": 1}.get(f.name)))
                   for f in dc.fields(cls)}
         return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
 

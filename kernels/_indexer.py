@@ -11,7 +11,7 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    no host sync and no extra launch (CUDA-graph safe), and is balanced whatever the mix of lengths; program p
    walks runs p, p+P, … Run (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for each ``chunk_pages``
    64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page (8448 B, one
-   contiguous page), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
+   contiguous page; the 8 KB of keys as one bulk tensor copy on sm_90+, ``IndexerConfig.logits_tma``), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
    per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
    stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
@@ -75,6 +75,12 @@ class IndexerConfig:
     refine_block: int = 1024
     """Candidates per step of a refining program (8 warps, 1024: the best all-round of the sweep in
     ``bench_kernels.py --sections isweep`` on the H200, 2026-11-30)."""
+    logits_tma: int = 1
+    """1: the logits kernel loads each page's keys with one bulk tensor copy (TMA) where it can (``chunk_pages`` 1
+    on an sm_90+ GPU, or Triton's interpreter), per-thread asynchronous copies elsewhere; 0: always per-thread
+    copies. On the H200 (2026-11-30) TMA took the whole call from 462.5 to 425.0 µs at L = 128K, B = 64 and from
+    132.9 to 123.6 µs at L = 32K, B = 64, and was within 0.3 µs or faster at the seven other benchmark shapes
+    (``kernels/RESULTS.md``): the copies no longer cost the programs' registers and issue slots."""
     fuse_hist0: int = 0
     """1: the logits kernel also counts the top-k's first (top-byte) histogram, saving a pass over the logits;
     0: a separate pass does (measured on the H200 at 2M keys: fused, the 256-bin ``tl.histogram`` made the
@@ -118,6 +124,13 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Bulk tensor copies (TMA) for the logits kernel: sm_90+ GPUs, and Triton's interpreter (CPU tensors)."""
+    import torch
+
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _next_pow2(x: int) -> int:
@@ -172,11 +185,18 @@ def indexer_logits(
     kern = _kernels()
     kc = index_k_cache.view(torch.float8_e4m3fn)
     ks = index_k_cache.view(torch.float32)
+    k_desc = None
+    if cfg.logits_tma and cfg.chunk_pages == 1 and _has_tma(q8.device):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # The cache as 128-byte e4m3 rows, 66 a page (64 key rows, then 2 rows holding the 64 fp32 scales).
+        k_desc = TensorDescriptor.from_tensor(kc.view(-1, 128), block_shape=[64, 128])
     kern._indexer_logits_kernel[(programs,)](
         q8, weights, kc, ks, block_table, block_table.stride(0), seq_lens, logits, logits.stride(0),
         workspace if workspace is not None else seq_lens, WS_STRIDE,
         0 if workspace is None or count_hist0 else workspace.numel(),
-        b, programs, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages, HIST=workspace is not None and count_hist0,
+        b, programs, k_desc, BLOCK_B=max(16, _next_pow2(b)), PAGES=cfg.chunk_pages,
+        HIST=workspace is not None and count_hist0, TMA=k_desc is not None,
         num_warps=cfg.logits_warps,
         num_stages=cfg.logits_stages,
         **_pdl_launch(q8, cfg.pdl),

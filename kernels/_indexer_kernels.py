@@ -22,10 +22,11 @@ from pdctl.kernels._gdc import _gdc_enter, _gdc_trigger
 @triton.jit
 def _indexer_logits_kernel(
     q_ptr, w_ptr, kc_ptr, ks_ptr, bt_ptr, stride_bt, seqlen_ptr, logits_ptr, stride_lg, ws_ptr, WS, WS_ZERO,
-    B, NUM_PROGS,
+    B, NUM_PROGS, k_desc,
     BLOCK_B: tl.constexpr,
     PAGES: tl.constexpr,
     HIST: tl.constexpr,
+    TMA: tl.constexpr,
     GDC: tl.constexpr,
 ):
     # Persistent: every program derives the same work list from seq_lens (no host sync, no extra launch):
@@ -72,8 +73,13 @@ def _indexer_logits_kernel(
             pgs = pg + tok // 64
             inb = ((pg * 64 + tok) < seq) & (pgs < pg1)
             page = tl.load(btrow + pgs, mask=pgs < pg1, other=0).to(tl.int64)
-            krow = tl.multiple_of(page * 8448 + slot * 128, 16)  # page = 64·128 B keys | 64 fp32 scales
-            k = tl.load(kc_ptr + krow[:, None] + dd[None, :], mask=inb[:, None], other=0.0)  # e4m3 [64·PAGES, 128]
+            if TMA:
+                # One bulk tensor copy of the page's 8 KB of keys (k_desc: the cache as e4m3 rows of 128 B, 66 rows
+                # a page; PAGES = 1). Tokens past L_b in the last page are read too; their logits are not stored.
+                k = k_desc.load([(tl.load(btrow + pg) * 66).to(tl.int32), 0])
+            else:
+                krow = tl.multiple_of(page * 8448 + slot * 128, 16)  # page = 64·128 B keys | 64 fp32 scales
+                k = tl.load(kc_ptr + krow[:, None] + dd[None, :], mask=inb[:, None], other=0.0)  # e4m3 [64·PAGES, 128]
             ksc = tl.load(ks_ptr + page * 2112 + 2048 + slot, mask=inb, other=0.0)  # fp32 [64·PAGES]
             s = tl.dot(k, qt, out_dtype=tl.float32)  # [64·PAGES tokens, 64 heads]
             s = tl.maximum(s, 0.0) * wv[None, :]  # ReLU per head, then the head weight

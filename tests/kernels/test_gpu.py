@@ -241,10 +241,10 @@ def test_sparse_mla_decode_without_topk_length_masks_only_minus_one():
     assert _decode_tolerance_check(o, lse, ro, rl)["ok"]
 
 
-def _indexer_check(seq_lens, max_context):
+def _indexer_check(seq_lens, max_context, config=None):
     q8, w, cache, bt, sl = make_indexer_case(seq_lens, max_context=max_context)
     lg = torch.full((len(seq_lens), bt.shape[1] * 64), float("nan"), device="cuda")
-    indexer_logits(q8, w, cache, bt, sl, logits=lg)
+    indexer_logits(q8, w, cache, bt, sl, logits=lg, config=config)
     ref = reference_indexer_logits(q8, w, cache, bt, sl, compute_dtype=torch.float32)
     for b in range(len(seq_lens)):
         n = int(seq_lens[b])
@@ -252,14 +252,20 @@ def _indexer_check(seq_lens, max_context):
         assert torch.isnan(lg[b, n:]).all(), "columns past L_b must not be touched"
     assert indexer_logits_error(lg, q8, w, cache, bt, sl) <= 1e-3
     out = torch.full((len(seq_lens), 2048), -7, dtype=torch.int32, device="cuda")
-    lightning_indexer(q8, w, cache, bt, sl, 2048, out=out)
+    lightning_indexer(q8, w, cache, bt, sl, 2048, out=out, config=config)
     assert not (out == -7).any()
     res = check_topk(out, ref, bt, sl, 2048)
     assert res["ok"], res
 
 
-def test_indexer_matches_the_reference_on_mixed_lengths_at_160k_width():
-    _indexer_check([1, 63, 64, 2047, 2048, 2049, 4097, 8191, 40000, 131072, 0], 163840)
+@pytest.mark.parametrize("tma", [0, 1])
+def test_indexer_matches_the_reference_on_mixed_lengths_at_160k_width(tma):
+    from pdctl.kernels._indexer import IndexerConfig
+
+    # Lengths inside, at and past page and top-k boundaries; with tma, each page's keys come in one bulk tensor copy
+    # that also reads the last page's tokens past L_b (their logits must not be stored).
+    _indexer_check([1, 63, 64, 2047, 2048, 2049, 4097, 8191, 40000, 131072, 0], 163840,
+                   IndexerConfig(logits_tma=tma))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])

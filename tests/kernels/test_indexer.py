@@ -31,12 +31,13 @@ def _case(lens, max_context=1024, seed=1):
     return make_indexer_case(lens, max_context=max_context, device="cpu", seed=seed, extra_pages=3)
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 2])
-def test_logits_match_reference_on_exactly_each_rows_tokens(chunk_pages):
+@pytest.mark.parametrize("chunk_pages,tma", [(1, 0), (2, 0), (1, 1)])
+def test_logits_match_reference_on_exactly_each_rows_tokens(chunk_pages, tma):
     lens = [0, 1, 63, 64, 65, 300, 700]
     q8, w, cache, bt, sl = _case(lens)
     lg = torch.full((len(lens), bt.shape[1] * 64), float("nan"))
-    indexer_logits(q8, w, cache, bt, sl, logits=lg, config=IndexerConfig(chunk_pages=chunk_pages, programs_per_sm=4))
+    cfg = IndexerConfig(chunk_pages=chunk_pages, programs_per_sm=4, logits_tma=tma)
+    indexer_logits(q8, w, cache, bt, sl, logits=lg, config=cfg)
     ref = reference_indexer_logits(q8, w, cache, bt, sl)
     for b, n in enumerate(lens):
         assert torch.isfinite(lg[b, :n]).all()
