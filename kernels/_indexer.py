@@ -18,7 +18,9 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    logits (``_indexer_kernels``), in three launches:
 
    * ``_topk_hist_kernel``: a 256-bin histogram of the keys' top byte (or counted by the logits kernel as it
-     writes the logits, with ``fuse_hist0``); it fixes d0, the top byte of the k-th largest key;
+     writes the logits, with ``fuse_hist0``); it fixes d0, the top byte of the k-th largest key. Each block of keys
+     is counted with a 32-bin histogram of the 16 top bytes below each sign's largest, or with 256 bins when a key
+     falls outside those windows (exact either way);
    * ``_topk_partition_kernel``: keys whose top byte is above d0 go straight to the output; keys that share d0
      are candidates, their output values (slots) and keys appended to a per-row list while a 4096-bin histogram
      of their next 12 bits is counted (one global atomic per candidate);

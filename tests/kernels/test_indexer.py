@@ -176,6 +176,31 @@ def test_topk_when_the_kth_keys_exponent_bin_holds_exactly_the_keys_still_needed
     assert sorted(out[0].tolist()) == sorted(perm.argsort()[:TOPK].tolist())
 
 
+def test_first_histogram_counts_every_key_of_each_row_exactly():
+    # The first radix pass counts a block's keys with two 16-byte windows (below each sign's largest top byte) and
+    # falls back to the 256-bin histogram for a block with a key outside them. Rows: continuous values of both signs
+    # (windows only); values spread over 2^-100 .. 2^100 with both signs and exact zeros (fallback blocks); only
+    # positive / only negative values; all equal; a short last block. The counts must equal torch's, per row.
+    from pdctl.kernels._indexer import WS_STRIDE, _kernels
+
+    g = torch.Generator().manual_seed(4)
+    n = 1500
+    wide = torch.sign(torch.randn(n, generator=g)) * torch.exp2(200 * torch.rand(n, generator=g) - 100)
+    wide[::97] = 0.0
+    wide[5::89] = -0.0
+    rows = torch.stack([torch.randn(n, generator=g), wide, torch.rand(n, generator=g) + 0.5,
+                        -torch.rand(n, generator=g) - 0.5, torch.full((n,), 2.5), torch.randn(n, generator=g)])
+    lens = torch.tensor([n, n, n, n, n, 1300], dtype=torch.int32)
+    ws = torch.zeros(rows.shape[0], WS_STRIDE, dtype=torch.int32)
+    _kernels()._topk_hist_kernel[(rows.shape[0], 3)](rows, rows.stride(0), lens, ws, WS_STRIDE, TOPK=TOPK, BLOCK=128,
+                                                      GDC=0)
+    bits = rows.view(torch.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    for b in range(rows.shape[0]):
+        want = torch.bincount(((keys[b, : lens[b]] >> 24) + 128).long(), minlength=256).to(torch.int32)
+        assert torch.equal(ws[b, :256], want), b
+
+
 @CAPS
 @PHYS
 @pytest.mark.parametrize("seed", [0, 1])
