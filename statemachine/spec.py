@@ -19,8 +19,10 @@ whose message carries the line and column.
 
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -367,22 +369,62 @@ def _is_toml_number(text: str, *, whole: bool) -> bool:
     return isinstance(v, int) if whole else isinstance(v, (int, float))
 
 
-def _type_fix(kind: str, value: Any) -> str:
-    """The message for a number or switch written as another TOML type (strict fields above)."""
+def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | None] = lambda v: None) -> str:
+    """The message for a number or switch written as another TOML type (strict fields above). ``check(v)`` gives the
+    validation error the field would raise for the value ``v`` (None if it would pass): a fix that proposes a value
+    (the number without its quotes, a whole number for an integral float, a percentage as a fraction) names the
+    field's range instead when that value would fail it, so that following the message leads somewhere."""
     want = {"int_type": "a whole number", "float_type": "a number"}.get(kind, "true or false")
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
+    proposed: Any = None
     if isinstance(value, str):
-        if kind == "bool_type" and value.strip().lower() in ("true", "false"):
-            fix = f"write {value.strip().lower()}, without quotes"  # TOML's booleans are lower case
-        elif kind != "bool_type" and _is_toml_number(value.strip(), whole=kind == "int_type"):
-            fix = "remove the quotes"
+        text = value.strip()
+        if kind == "bool_type" and text.lower() in ("true", "false"):
+            fix = f"write {text.lower()}, without quotes"  # TOML's booleans are lower case
+        elif kind != "bool_type" and _is_toml_number(text, whole=kind == "int_type"):
+            fix, proposed = "remove the quotes", tomllib.loads(f"v = {text}")["v"]
+        elif kind == "float_type" and text.endswith("%") and _is_fraction(check, text[:-1].strip()):
+            proposed = tomllib.loads(f"v = {text[:-1].strip()}")["v"] / 100
+            fix = f"for {text[:-1].strip()} %, write {proposed:g}"
         else:
             fix = f"write {want}, without quotes"
     elif isinstance(value, float) and kind == "int_type" and value.is_integer():
-        fix = f"write {int(value)}"
+        fix, proposed = f"write {int(value)}", int(value)
     else:
         fix = f"write {want}"
+    if proposed is not None:
+        err = check(proposed)
+        if err is not None and err["type"] in _BOUNDS:
+            words, bound, hint = _range_parts(err["type"], proposed, err.get("ctx", {}))
+            return f"must be {want} {words} {bound}, not {shown}: {hint}"
     return f"must be {want}, not {shown}: {fix}"
+
+
+def _is_fraction(check: Callable[[Any], dict[str, Any] | None], text: str) -> bool:
+    # Is `text` a TOML number, and the field a fraction (at most 1: a value of 1 or more is refused by its bound)?
+    if not _is_toml_number(text, whole=False):
+        return False
+    err = check(max(float(tomllib.loads(f"v = {text}")["v"]), 2.0))
+    return err is not None and err["type"] in ("less_than", "less_than_equal") and err.get("ctx", {}).get(
+        "le", err.get("ctx", {}).get("lt")) == 1
+
+
+def _error_at(data: dict[str, Any], loc: tuple, value: Any) -> dict[str, Any] | None:
+    # The validation error that `value` written at `loc` of the parsed TOML `data` would get (None if none): what a
+    # proposed fix would run into.
+    d = copy.deepcopy(data)
+    try:
+        node: Any = d
+        for k in loc[:-1]:
+            node = node[k]
+        node[loc[-1]] = value
+    except (KeyError, IndexError, TypeError):
+        return None
+    try:
+        Deployment.model_validate(d)
+    except ValidationError as exc:
+        return next((e for e in exc.errors() if tuple(e["loc"]) == tuple(loc)), None)
+    return None
 
 
 _BOUNDS = {"greater_than": ("more than", "gt"), "greater_than_equal": ("at least", "ge"),
@@ -392,14 +434,19 @@ _BOUNDS = {"greater_than": ("more than", "gt"), "greater_than_equal": ("at least
 def _range_fix(kind: str, value: Any, ctx: dict[str, Any]) -> str:
     """The message for a number outside its field's range: the bound, the value, and for a fraction written as a
     percentage (e.g. ``mem_fraction = 90``) the fraction meant."""
+    words, bound, hint = _range_parts(kind, value, ctx)
+    return f"must be {words} {bound}, not {value}: {hint}"
+
+
+def _range_parts(kind: str, value: Any, ctx: dict[str, Any]) -> tuple[str, Any, str]:
+    # (the bound in words, the bound, the fix) for a number outside its field's range.
     words, key = _BOUNDS[kind]
     bound = ctx.get(key)
     if isinstance(bound, float) and bound.is_integer():
         bound = int(bound)
-    msg = f"must be {words} {bound}, not {value}"
     if key in ("le", "lt") and bound == 1 and isinstance(value, (int, float)) and 2 <= value <= 100:
-        return f"{msg}: it is a fraction; for {value:g} %, write {value / 100:g}"
-    return f"{msg}: write a value in range"
+        return words, bound, f"it is a fraction; for {value:g} %, write {value / 100:g}"
+    return words, bound, "write a value in range"
 
 
 def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
@@ -425,7 +472,7 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
             elif err["type"] == "missing":
                 msg = "required: add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):
-                msg = _type_fix(err["type"], err["input"])
+                msg = _type_fix(err["type"], err["input"], lambda v, loc=err["loc"]: _error_at(data, loc, v))
             elif err["type"] == "list_type":
                 msg = _list_fix(err["loc"])
             elif err["type"] in _BOUNDS:

@@ -311,6 +311,14 @@ def test_missing_required_field_is_named():
     # so that the router's timeout (at most 2**31 - 1 s) can always exceed it, as the rule's fix asks
     (("prefill", 0, "expected_cold_start_s"), 3e9, "must be at most 2147483646, not 3000000000.0"),
     (("prefill", 0, "numa_node"), 1024, "must be at most 1023, not 1024"),  # Linux's MAX_NUMNODES
+    # a proposed fix that the field's range would refuse next names the range instead
+    (("prefill", 0, "port"), 1e10, "must be a whole number at most 65535, not 10000000000.0: write a value in range"),
+    (("router", "port"), "70000", "must be a whole number at most 65535, not '70000': write a value in range"),
+    (("prefill", 0, "mem_fraction"), "9", "must be a number at most 1, not '9': it is a fraction; for 9 %, write 0.09"),
+    # a percentage in quotes, for a fraction
+    (("prefill", 0, "mem_fraction"), "90%", "must be a number, not '90%': for 90 %, write 0.9"),
+    (("prefill", 0, "mem_fraction"), "150%", "must be a number at most 1, not '150%': write a value in range"),
+    (("prefill", 0, "expected_cold_start_s"), "90%", "must be a number, not '90%': write a number, without quotes"),
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
