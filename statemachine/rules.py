@@ -21,6 +21,7 @@ from typing import Literal
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole
+from pdctl.units import cpu_list, cpu_set
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
 
@@ -202,7 +203,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         hinv = inv.get(role.host)
         if hinv and hinv.gpu_numa is not None:
             missing = [g for g in role.gpus if g >= len(hinv.gpu_numa)]
-            if missing:
+            if missing and not hinv.gpu_numa and not (inventories and role.host in inventories):
+                err(
+                    f"{f}.gpus",
+                    f"host {role.host!r} declares no GPUs (gpu_numa = [])",
+                    f"list each GPU's NUMA node in hosts.{role.host}.gpu_numa (nvidia-smi topo -m), or leave it out",
+                )
+            elif missing and not hinv.gpu_numa:
+                err(f"{f}.gpus", f"host {role.host!r} has no GPUs (nvidia-smi lists none)",
+                    "run the role on a host with GPUs")
+            elif missing:
                 err(
                     f"{f}.gpus",
                     f"GPU {missing} not on host {role.host!r}, which has GPUs 0-{len(hinv.gpu_numa) - 1}",
@@ -216,11 +226,33 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"set numa_node = {nodes[0]}" if len(nodes) == 1 else "pick GPUs from one NUMA node",
                 )
         if hinv and hinv.numa_cpus is not None and role.numa_node is not None and role.numa_node not in hinv.numa_cpus:
-            err(
-                f"{f}.numa_node",
-                f"NUMA node {role.numa_node} does not exist on host {role.host!r} (nodes {sorted(hinv.numa_cpus)})",
-                "use a node the host has (ls /sys/devices/system/node)",
-            )
+            if not hinv.numa_cpus:
+                err(
+                    f"{f}.numa_node",
+                    f"NUMA node {role.numa_node}, but host {role.host!r} declares no NUMA nodes (numa_cpus = {{}})",
+                    f'declare each node\'s CPUs in hosts.{role.host}.numa_cpus, e.g. {{ 0 = "0-31", 1 = "32-63" }} '
+                    "(/sys/devices/system/node/node*/cpulist), or leave it out",
+                )
+            else:
+                err(
+                    f"{f}.numa_node",
+                    f"NUMA node {role.numa_node} does not exist on host {role.host!r} (nodes {sorted(hinv.numa_cpus)})",
+                    "use a node the host has (ls /sys/devices/system/node)",
+                )
+
+    # --- declared CPU lists: a CPU belongs to one NUMA node ----------------------------------------
+    for key, host in dep.hosts.items():
+        nodes = sorted((host.numa_cpus or {}).items())
+        for i, (a, cpus_a) in enumerate(nodes):
+            for b, cpus_b in nodes[i + 1:]:
+                both = cpu_set(cpus_a) & cpu_set(cpus_b)
+                if both:
+                    err(
+                        f"hosts.{key}.numa_cpus",
+                        f"CPUs {cpu_list(','.join(map(str, sorted(both))))} are listed under NUMA nodes {a} and {b}",
+                        "a CPU belongs to one node: copy each node's list from "
+                        "/sys/devices/system/node/node<N>/cpulist on the host",
+                    )
 
     # --- GPU overlap per host -------------------------------------------------------------------
     by_host_gpu: dict[tuple[str, int], str] = {}

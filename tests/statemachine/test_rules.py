@@ -77,6 +77,28 @@ def test_numa_node_the_host_lacks_is_an_error():
     _one(d, "prefill[0].numa_node", "NUMA node 3 does not exist")
 
 
+def test_an_empty_declared_inventory_is_named_as_such_with_the_fields_to_fill():
+    # numa_cpus = {} / gpu_numa = [] are declarations of nothing (leaving them out means "unknown"): the error says so
+    # and points at the spec, not at a node or GPU range that reads as "nodes []" or "GPUs 0--1".
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = {}
+    _one(d, "prefill[0].numa_node", "declares no NUMA nodes (numa_cpus = {})", "hosts.local.numa_cpus", "leave it out")
+    d = seed_dict()
+    d["hosts"]["local"]["gpu_numa"] = []
+    _one(d, "decode[0].gpus", "declares no GPUs (gpu_numa = [])", "hosts.local.gpu_numa")
+    d = seed_dict()
+    del d["hosts"]["local"]["gpu_numa"]
+    _one(d, "decode[0].gpus", "has no GPUs (nvidia-smi lists none)", inventories={"local": Inventory(gpu_numa=())})
+
+
+def test_a_cpu_declared_under_two_numa_nodes_is_refused():
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = {"0": "0-31,64-95", "1": "24-63,96-127"}  # (keys as TOML gives them: text)
+    _one(d, "hosts.local.numa_cpus", "CPUs 24-31 are listed under NUMA nodes 0 and 1", "cpulist")
+    d["hosts"]["local"]["numa_cpus"] = {"0": "0-31,64-95", "1": "32-63,96-127"}
+    assert not [f for f in validate(parse_spec(d)) if f.field == "hosts.local.numa_cpus"]
+
+
 def test_port_collision_between_http_and_nccl_on_one_host():
     d = seed_dict()
     d["decode"][0]["nccl_port"] = 30010
