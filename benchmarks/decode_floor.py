@@ -6,11 +6,13 @@ rotated), µs per call, for:
   back (32 programs of 4 warps; the PDL pair waits with ``griddepcontrol.wait`` and triggers at once), the floor
   of a call made of one or two launches;
 * ``gather``: 32 programs that load 64 top-k indices each, then gather those 64 rows of the 656-byte FP8 cache
-  (as 32-bit words) and write one sum: the dependent index → row DRAM round trips every split program makes;
+  (as 32-bit words) and write one sum: the dependent index → row DRAM round trips a 32-split decode's programs
+  make; the same 2048 rows over 64 and 128 programs show how much of it is one SM's throughput, not latency;
 * ``split kernel only``: the decode's split kernel with the merge launch left out (outputs not checked);
 * ``decode``: the whole call (split + merge, or merged in-kernel), checked against the fp32 reference first.
 
-Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_floor.py [--cases h,B,gluon,block_h,splits,pdl,merge ...]``
+Usage (device machine, repo root):
+``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_floor.py [--cases h,B,gluon,block_h,splits,pdl,merge ...]``
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     null_kernel, gather_kernel = _kernels()
     xs = [torch.zeros(32, dtype=torch.int32, device="cuda") for _ in range(4)]
     pdl = {"GDC": 1, "launch_pdl": True} if _sparse_mla._pdl_supported(xs[0].device) else {"GDC": 0}
-    print(f"null ×1: {graph_us_multi([lambda x=x: null_kernel[(32,)](x, GDC=0) for x in xs]):.2f} µs")
-    print(f"null ×2: {graph_us_multi([lambda x=x: (null_kernel[(32,)](x, GDC=0), null_kernel[(32,)](x, GDC=0)) for x in xs]):.2f} µs")
-    print(f"null ×2 PDL: {graph_us_multi([lambda x=x: (null_kernel[(32,)](x, **pdl), null_kernel[(32,)](x, **pdl)) for x in xs]):.2f} µs")
+    plain = {"GDC": 0}
+    for label, n, kw in (("null ×1", 1, plain), ("null ×2", 2, plain), ("null ×2 PDL", 2, pdl)):
+        fns = [lambda x=x, n=n, kw=kw: [null_kernel[(32,)](x, **kw) for _ in range(n)] for x in xs]
+        print(f"{label}: {graph_us_multi(fns):.2f} µs")
     sm = 0.135234
     for case in args.cases:
         h, rows, gluon, bh, splits, pdl_mode, merge = (int(x) for x in case.split(","))
@@ -84,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                         .to(torch.int32) for _ in range(nrot - 1)]
         if case == args.cases[0]:
             words = kv.view(torch.int32)
-            sink = torch.empty(32, dtype=torch.int32, device="cuda")
-            fns = [lambda i=i: gather_kernel[(32,)](words, i, sink, ROWS=64, WORDS=256) for i in idxs]
-            print(f"gather (32 programs × 64 rows, index then rows): {graph_us_multi(fns):.2f} µs")
+            sink = torch.empty(128, dtype=torch.int32, device="cuda")
+            for progs in (32, 64, 128):  # the same 2048 rows over more SMs: latency vs one SM's throughput
+                rows_p = 2048 // progs
+                fns = [lambda i=i, p=progs, r=rows_p: gather_kernel[(p,)](words, i, sink, ROWS=r, WORDS=256)
+                       for i in idxs]
+                print(f"gather ({progs} programs × {rows_p} rows, index then rows): {graph_us_multi(fns):.2f} µs")
         cfg = DecodeConfig(block_h=bh, splits=splits, gluon=gluon, pdl=pdl_mode, merge=merge)
         o = torch.full((rows, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(rows, h, device="cuda")
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = _decode_tolerance_check(o, lse, ro, rl)
         full = graph_us_multi([lambda i=i: sparse_mla_decode(q, kv, i, sm, None, out=o, lse=lse, config=cfg)
                                for i in idxs])
-        line = f"h={h} B={rows} gluon-{gluon}: {bh},{splits} pdl-{pdl_mode}{' merged' if merge else ''}: decode {full:.2f} µs (check {ok['ok']})"
+        label = f"h={h} B={rows} gluon-{gluon}: {bh},{splits} pdl-{pdl_mode}{' merged' if merge else ''}"
+        line = f"{label}: decode {full:.2f} µs (check {ok['ok']})"
         if not merge and splits > 1:
             orig = _sparse_mla._kernels
             _sparse_mla._kernels = lambda orig=orig: (orig()[0], _NoLaunch())

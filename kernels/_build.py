@@ -161,6 +161,42 @@ def make_indexer_case(seq_lens: list[int], *, max_context: int, device: str = "c
     return q8, w, cache, bt, sl
 
 
+def check_first_histogram(device: str = "cuda", *, n: int = 1500, block: int = 128, programs: int = 3,
+                          topk: int = 128) -> dict[str, Any]:
+    """Run the indexer top-k's first pass (``_topk_hist_kernel``) on rows built to take both of its paths and
+    compare its 256-bin top-byte histograms with torch's. Rows (``n`` logits each, ``programs`` programs a row,
+    ``block`` keys a step): N(0, 1); both signs spread over 2^-100..2^100 with exact ±0 (the 256-bin path); only
+    positive; only negative; all equal; N(0, 1) with a short last block; one sign over exactly 16 and 17
+    consecutive top bytes in every block (windows only / 256 bins), and the same negated. Returns ``{"ok": bool,
+    "bad_rows": [row, …], "past_256": bool}`` (``past_256``: something was counted beyond bin 255)."""
+    import torch
+
+    from pdctl.kernels._indexer import WS_STRIDE, _kernels
+
+    g = torch.Generator().manual_seed(4)
+    wide = torch.sign(torch.randn(n, generator=g)) * torch.exp2(200 * torch.rand(n, generator=g) - 100)
+    wide[::97] = 0.0
+    wide[5::89] = -0.0
+    span16 = torch.exp2(-2.0 * (torch.arange(n) % 16)) * 1.5
+    span17 = torch.exp2(-2.0 * (torch.arange(n) % 17)) * 1.5
+    rows = torch.stack([torch.randn(n, generator=g), wide, torch.rand(n, generator=g) + 0.5,
+                        -torch.rand(n, generator=g) - 0.5, torch.full((n,), 2.5), torch.randn(n, generator=g),
+                        span16, span17, -span16, -span17])
+    lens = torch.full((rows.shape[0],), n, dtype=torch.int32)
+    lens[5] = n - n // 7
+    ws = torch.zeros(rows.shape[0], WS_STRIDE, dtype=torch.int32)
+    rows_d, lens_d, ws_d = rows.to(device), lens.to(device), ws.to(device)
+    _kernels()._topk_hist_kernel[(rows.shape[0], programs)](rows_d, rows_d.stride(0), lens_d, ws_d, WS_STRIDE,
+                                                             TOPK=topk, BLOCK=block, GDC=0)
+    ws = ws_d.cpu()
+    bits = rows.view(torch.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    bad = [b for b in range(rows.shape[0]) if not torch.equal(
+        ws[b, :256], torch.bincount(((keys[b, : lens[b]] >> 24) + 128).long(), minlength=256).to(torch.int32))]
+    past = bool(ws[:, 256:].any())
+    return {"ok": not bad and not past, "bad_rows": bad, "past_256": past}
+
+
 def check_topk(out, ref_logits, block_table, seq_lens, topk: int, rel_tol: float = 1e-3) -> dict[str, Any]:
     """Check ``out [B, topk]`` (physical slots) against reference logits (list of per-row tensors).
 

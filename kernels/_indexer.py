@@ -11,7 +11,8 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    no host sync and no extra launch (CUDA-graph safe), and is balanced whatever the mix of lengths; program p
    walks runs p, p+P, … Run (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for each ``chunk_pages``
    64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page (8448 B, one
-   contiguous page; the 8 KB of keys as one bulk tensor copy on sm_90+, ``IndexerConfig.logits_tma``), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
+   contiguous page; the 8 KB of keys as one bulk tensor copy on sm_90+ with ``chunk_pages`` 1,
+   ``IndexerConfig.logits_tma``), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
    per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
    stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
@@ -79,8 +80,8 @@ class IndexerConfig:
     ``bench_kernels.py --sections isweep`` on the H200, 2026-11-30)."""
     logits_tma: int = 1
     """1: the logits kernel loads each page's keys with one bulk tensor copy (TMA) where it can (``chunk_pages`` 1
-    on an sm_90+ GPU, or Triton's interpreter), per-thread asynchronous copies elsewhere; 0: always per-thread
-    copies. On the H200 (2026-11-30) TMA took the whole call from 462.5 to 425.0 µs at L = 128K, B = 64 and from
+    on an NVIDIA sm_90+ GPU or Triton's interpreter, a non-empty cache on 16 bytes: ``_has_tma``), per-thread
+    asynchronous copies elsewhere; 0: always per-thread copies. On the H200 (2026-11-30) TMA took the whole call from 462.5 to 425.0 µs at L = 128K, B = 64 and from
     132.9 to 123.6 µs at L = 32K, B = 64, and was within 0.3 µs or faster at the seven other benchmark shapes
     (``kernels/RESULTS.md``): the copies no longer cost the programs' registers and issue slots."""
     fuse_hist0: int = 0
@@ -128,11 +129,17 @@ def _num_sms(device: torch.device) -> int:
     return 2
 
 
-def _has_tma(device: torch.device) -> bool:
-    """Bulk tensor copies (TMA) for the logits kernel: sm_90+ GPUs, and Triton's interpreter (CPU tensors)."""
+def _has_tma(cache: torch.Tensor) -> bool:
+    """Whether the logits kernel can load ``cache``'s keys by bulk tensor copies (TMA): an NVIDIA sm_90+ GPU or
+    Triton's interpreter (CPU tensors), a cache of at least one page, and a base address on 16 bytes (the tensor
+    map's requirement, CUDA driver API ``cuTensorMapEncodeTiled``)."""
     import torch
 
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    if cache.shape[0] == 0 or cache.data_ptr() % 16:
+        return False
+    if cache.device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(cache.device)[0] >= 9
 
 
 def _next_pow2(x: int) -> int:
@@ -188,7 +195,7 @@ def indexer_logits(
     kc = index_k_cache.view(torch.float8_e4m3fn)
     ks = index_k_cache.view(torch.float32)
     k_desc = None
-    if cfg.logits_tma and cfg.chunk_pages == 1 and _has_tma(q8.device):
+    if cfg.logits_tma and cfg.chunk_pages == 1 and _has_tma(index_k_cache):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         # The cache as 128-byte e4m3 rows, 66 a page (64 key rows, then 2 rows holding the 64 fp32 scales).

@@ -34,6 +34,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 from pdctl.kernels._build import (  # noqa: E402
     _bench_us,
     _decode_tolerance_check,
+    check_first_histogram,
     check_topk,
     indexer_logits_error,
     make_decode_case,
@@ -255,6 +256,13 @@ def _indexer_check(seq_lens, max_context, config=None):
     lightning_indexer(q8, w, cache, bt, sl, 2048, out=out, config=config)
     assert not (out == -7).any()
     res = check_topk(out, ref, bt, sl, 2048)
+    assert res["ok"], res
+
+
+def test_first_histogram_counts_every_key_exactly_on_the_gpu():
+    # Both paths of the first top-k pass (two 16-byte windows, or 256 bins) as compiled for the GPU, at the launch's
+    # block size and with several programs a row.
+    res = check_first_histogram("cuda", n=20000, block=1024, programs=4, topk=2048)
     assert res["ok"], res
 
 
