@@ -213,9 +213,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 err(f"{f}.gpus", f"host {role.host!r} has no GPUs (nvidia-smi lists none)",
                     "run the role on a host with GPUs")
             elif missing:
+                has = "GPU 0" if len(hinv.gpu_numa) == 1 else f"GPUs 0-{len(hinv.gpu_numa) - 1}"
                 err(
                     f"{f}.gpus",
-                    f"GPU {missing} not on host {role.host!r}, which has GPUs 0-{len(hinv.gpu_numa) - 1}",
+                    f"GPU {missing} not on host {role.host!r}, which has {has}",
                     "use GPU ids the host has (nvidia-smi -L)",
                 )
             nodes = sorted({hinv.gpu_numa[g] for g in role.gpus if g < len(hinv.gpu_numa) and hinv.gpu_numa[g] >= 0})
@@ -224,6 +225,18 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{f}.numa_node",
                     f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} sit on NUMA node(s) {nodes}",
                     f"set numa_node = {nodes[0]}" if len(nodes) == 1 else "pick GPUs from one NUMA node",
+                )
+        if hinv and hinv.numa_cpus:
+            gpu_nodes = {hinv.gpu_numa[g] for g in role.gpus if hinv.gpu_numa and g < len(hinv.gpu_numa)}
+            node = role.numa_node if role.numa_node is not None else (
+                gpu_nodes.pop() if len(gpu_nodes) == 1 else None)
+            if node is not None and hinv.numa_cpus.get(node) == "":
+                warn(
+                    f"{f}.numa_node",
+                    f"NUMA node {node} is declared without CPUs (numa_cpus {node} = \"\"): the role's memory is "
+                    "bound to it, its threads to no CPUs in particular",
+                    f"declare node {node}'s CPUs (/sys/devices/system/node/node{node}/cpulist), or bind the role to "
+                    "a node with CPUs",
                 )
         if hinv and hinv.numa_cpus is not None and role.numa_node is not None and role.numa_node not in hinv.numa_cpus:
             if not hinv.numa_cpus:
@@ -240,12 +253,21 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "use a node the host has (ls /sys/devices/system/node)",
                 )
 
-    # --- declared CPU lists: a CPU belongs to one NUMA node ----------------------------------------
+    # --- declared CPU lists: a CPU belongs to one NUMA node; every GPU's node is declared ------------
     for key, host in dep.hosts.items():
-        nodes = sorted((host.numa_cpus or {}).items())
+        if host.gpu_numa and host.numa_cpus and not (inventories and key in inventories):
+            undeclared = sorted({n for n in host.gpu_numa if n >= 0} - set(host.numa_cpus))
+            if undeclared:
+                err(
+                    f"hosts.{key}.gpu_numa",
+                    f"names NUMA node(s) {undeclared}, which numa_cpus does not declare (nodes "
+                    f"{sorted(host.numa_cpus)})",
+                    f"declare their CPUs in hosts.{key}.numa_cpus, or correct gpu_numa (nvidia-smi topo -m)",
+                )
+        nodes = [(n, cpu_set(cpus)) for n, cpus in sorted((host.numa_cpus or {}).items())]
         for i, (a, cpus_a) in enumerate(nodes):
             for b, cpus_b in nodes[i + 1:]:
-                both = cpu_set(cpus_a) & cpu_set(cpus_b)
+                both = cpus_a & cpus_b
                 if both:
                     err(
                         f"hosts.{key}.numa_cpus",

@@ -39,7 +39,7 @@ from pydantic import (
 
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION
-from pdctl.units import cpu_list
+from pdctl.units import cpu_list, env_name
 
 __all__ = [
     "Deployment",
@@ -75,6 +75,7 @@ def _node_key(key: Any) -> Any:
 # the unit renderer and the supervisor read with the same function (pdctl.units.cpu_list); "" = a node without CPUs.
 CpuList = Annotated[str, Field(strict=True), AfterValidator(cpu_list)]
 # Linux numbers NUMA nodes below MAX_NUMNODES = 2**CONFIG_NODES_SHIFT, at most 1024 (include/linux/numa.h).
+EnvName = Annotated[str, AfterValidator(env_name)]  # a key of an env table: what Environment= and env files take
 NODE_MAX = 1023
 NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0, le=NODE_MAX)]
 
@@ -101,7 +102,8 @@ class Host(_Model):
     """``auto``: directly for a loopback address, over SSH otherwise; ``ssh``: over SSH even to a loopback
     address (another account on this machine, or an sshd on loopback); ``local``: directly."""
     inventory: Literal["declared", "discover"] = "declared"
-    """``declared``: trust ``gpu_numa``/``numa_cpus`` below (may be empty = unknown);
+    """``declared``: trust ``gpu_numa``/``numa_cpus`` below (left out = unknown; an empty list or table declares
+    no GPUs / no NUMA nodes);
     ``discover``: read the host's GPUs (nvidia-smi) and NUMA layout (sysfs) when planning or applying
     (``pdctl.statemachine.inventory``; ``pdctl validate`` never contacts hosts)."""
     gpu_name: str | None = None
@@ -167,7 +169,7 @@ class ServerRole(_Model):
     bootstrap_port: Port | None = None
     nccl_port: Port | None = None
     mem_fraction: Float | None = Field(default=None, gt=0, le=1)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
     parsers: Parsers | None = None
     """Restates the deployment's parsers for this role; any difference between roles is refused."""
@@ -226,7 +228,7 @@ class Router(_Model):
     executable: str | None = None
     """Path of the router executable (``smg``); default: found next to pdctl's Python or on PATH."""
     extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     # Present only so that the rules can refuse them with a clear message: parsers belong on the
     # SGLang servers, never on the router (in HTTP mode the router is a proxy).
     reasoning_parser: str | None = None
@@ -255,7 +257,7 @@ class Engine(_Model):
     python: str | None = None
     cache_dir: str | None = None
     """``SGLANG_CACHE_DIR`` (also where kernels are built); default per service scope."""
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
 
 
 class Console(_Model):
@@ -282,7 +284,7 @@ class Deployment(_Model):
     parsers: Parsers = Field(default_factory=Parsers)
     kernels: Kernels = Field(default_factory=Kernels)
     console: Console = Field(default_factory=Console)
-    secrets: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[EnvName, str] = Field(default_factory=dict)
     """Environment secrets (``HF_TOKEN``, the router's API key…). A value ``env:NAME`` is read from
     pdctl's own environment at apply time. They reach processes only through an
     ``EnvironmentFile=`` written 0600 and show as ``***`` in plans, journals and logs."""
@@ -344,7 +346,7 @@ _SHAPE_FIXES = {
     "string_type": "must be text: put it in quotes",
     "dict_type": "must be a table: write it as [section] or { key = value }",
     "too_short": "must not be empty: give at least one",
-    "finite_number": "must be a finite number: write a number of seconds (or a fraction), not inf or nan",
+    "finite_number": "must be a finite number: write a number, not inf or nan",
 }
 
 
@@ -397,6 +399,9 @@ def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | Non
         if err is not None and err["type"] in _BOUNDS:
             words, bound, hint = _range_parts(err["type"], proposed, err.get("ctx", {}))
             return f"must be {want} {words} {bound}, not {shown}: {hint}"
+        if err is not None:  # e.g. "inf" or "1e400" unquoted: not a finite number either
+            return f"must be {want}, not {shown}: " + _SHAPE_FIXES.get(err["type"], f"write {want}").removeprefix(
+                "must be a finite number: ")
     return f"must be {want}, not {shown}: {fix}"
 
 
@@ -487,14 +492,21 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
 def load_spec(path: str | Path) -> Deployment:
     """Read and validate the TOML spec at *path*.
 
-    Raises :class:`SpecError` for an unreadable file, a TOML syntax error (message with line and
-    column, from :mod:`tomllib`) or a field that fails validation. Contacts no host.
+    Raises :class:`SpecError` for an unreadable file, one that is not UTF-8 text (TOML 1.0 files are UTF-8; a
+    byte-order mark is named too), a TOML syntax error (message with line and column, from :mod:`tomllib`) or a
+    field that fails validation. Contacts no host.
     """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror or exc}", path=str(p)) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{p}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}): save the "
+                        "spec as UTF-8", path=str(p)) from None
+    if text.startswith("\ufeff"):
+        raise SpecError(f"{p}: starts with a byte-order mark (U+FEFF), which TOML does not allow: save the spec as "
+                        "UTF-8 without one", path=str(p))
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

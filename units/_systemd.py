@@ -119,10 +119,18 @@ def exec_line(argv: tuple[str, ...] | list[str]) -> str:
     return " ".join(exec_word(w) for w in argv)
 
 
+def env_name(key: str) -> str:
+    """Check an environment variable name as units and env files take it (POSIX portable names: letters, digits
+    and ``_``, not starting with a digit; systemd.exec(5) ``Environment=``) and return it. Raises ValueError."""
+    if not _ENV_KEY.fullmatch(key):
+        raise ValueError(f"{key!r} is not an environment variable name: use letters, digits and '_', not starting "
+                         "with a digit")
+    return key
+
+
 def env_assignment(key: str, value: str) -> str:
     """One ``Environment=`` value, ``KEY=VALUE``: ``%`` doubled, quoted when not all safe."""
-    if not _ENV_KEY.fullmatch(key):
-        raise ValueError(f"environment variable name {key!r}: use letters, digits and '_'")
+    env_name(key)
     _check_text(value, f"environment variable {key}")
     t = f"{key}={value}".replace("%", "%%")
     if _SAFE.fullmatch(t) and "$" not in t:

@@ -99,6 +99,22 @@ def test_a_cpu_declared_under_two_numa_nodes_is_refused():
     assert not [f for f in validate(parse_spec(d)) if f.field == "hosts.local.numa_cpus"]
 
 
+def test_a_role_on_a_node_declared_without_cpus_is_warned_that_its_threads_stay_unpinned():
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = {"0": "", "1": "32-63,96-127"}
+    f = _one(d, "prefill[0].numa_node", 'declared without CPUs (numa_cpus 0 = "")', "node0/cpulist", level="warning")
+    assert not [x for x in validate(parse_spec(d)) if x.field == "decode[0].numa_node"]
+    check(parse_spec(d))  # a warning: a memory-only node is legal
+    assert f.level == "warning"
+
+
+def test_gpu_numa_naming_a_node_numa_cpus_does_not_declare_is_refused():
+    # (before: only a warning whose fix, "set numa_node = 2", then failed as "node 2 does not exist")
+    d = seed_dict()
+    d["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 0, 2, 2, 2, 2]
+    _one(d, "hosts.local.gpu_numa", "names NUMA node(s) [2], which numa_cpus does not declare (nodes [0, 1])")
+
+
 def test_port_collision_between_http_and_nccl_on_one_host():
     d = seed_dict()
     d["decode"][0]["nccl_port"] = 30010
@@ -341,6 +357,9 @@ def test_missing_required_field_is_named():
     (("prefill", 0, "mem_fraction"), "90%", "must be a number, not '90%': for 90 %, write 0.9"),
     (("prefill", 0, "mem_fraction"), "150%", "must be a number at most 1, not '150%': write a value in range"),
     (("prefill", 0, "expected_cold_start_s"), "90%", "must be a number, not '90%': write a number, without quotes"),
+    # unquoted, these would be refused as not finite: not "remove the quotes"
+    (("prefill", 0, "mem_fraction"), "inf", "must be a number, not 'inf': write a number, not inf or nan"),
+    (("prefill", 0, "expected_cold_start_s"), "1e400", "must be a number, not '1e400': write a number, not inf or nan"),
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
@@ -437,6 +456,34 @@ def test_a_toml_syntax_error_reports_the_line(tmp_path):
     with pytest.raises(SpecError) as e:
         load_spec(p)
     assert "TOML syntax error" in str(e.value) and "line 4" in str(e.value)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ("# caf\xe9\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 at offset 5): save the spec as UTF-8"),
+    ("\ufeff".encode(), "starts with a byte-order mark (U+FEFF)"),
+    ("name = 1".encode("utf-16"), "not UTF-8 text (byte 0xff at offset 0)"),
+])
+def test_a_spec_that_is_not_utf8_text_is_refused_with_the_fix(tmp_path, raw, words):
+    # (a traceback from `validate`, `plan` and `apply` before; TOML files are UTF-8)
+    p = tmp_path / "enc.toml"
+    p.write_bytes(raw if raw.startswith(b"\xff") else raw + SEED.read_bytes())
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("path", [("engine", "env"), ("prefill", 0, "env"), ("router", "env"), ("secrets",)])
+def test_an_environment_variable_name_units_cannot_carry_is_refused(path):
+    # (validate and plan passed it; `pdctl units` then crashed and the supervisor passed it on)
+    d = seed_dict()
+    node = d
+    for k in path:
+        node = node.setdefault(k, {}) if isinstance(node, dict) else node[k]
+    node["BAD KEY"] = "x"
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    field = ".".join(f"[{k}]" if isinstance(k, int) else k for k in path).replace(".[", "[")
+    assert f"{field}: key 'BAD KEY': 'BAD KEY' is not an environment variable name" in str(e.value), str(e.value)
 
 
 def test_check_raises_one_error_listing_every_broken_rule():
