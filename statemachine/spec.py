@@ -74,8 +74,8 @@ def _node_key(key: Any) -> Any:
 # A CPU list in sysfs cpulist syntax (commas; spaces read as separators too), kept in the canonical comma form that
 # the unit renderer and the supervisor read with the same function (pdctl.units.cpu_list); "" = a node without CPUs.
 CpuList = Annotated[str, Field(strict=True), AfterValidator(cpu_list)]
-# Linux numbers NUMA nodes below MAX_NUMNODES = 2**CONFIG_NODES_SHIFT, at most 1024 (include/linux/numa.h).
 EnvName = Annotated[str, AfterValidator(env_name)]  # a key of an env table: what Environment= and env files take
+# Linux numbers NUMA nodes below MAX_NUMNODES = 2**CONFIG_NODES_SHIFT, at most 1024 (include/linux/numa.h).
 NODE_MAX = 1023
 NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0, le=NODE_MAX)]
 
@@ -400,8 +400,8 @@ def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | Non
             words, bound, hint = _range_parts(err["type"], proposed, err.get("ctx", {}))
             return f"must be {want} {words} {bound}, not {shown}: {hint}"
         if err is not None:  # e.g. "inf" or "1e400" unquoted: not a finite number either
-            return f"must be {want}, not {shown}: " + _SHAPE_FIXES.get(err["type"], f"write {want}").removeprefix(
-                "must be a finite number: ")
+            fin = err["type"] == "finite_number"
+            return f"must be {want}, not {shown}: write {'a finite number, not inf or nan' if fin else want}"
     return f"must be {want}, not {shown}: {fix}"
 
 

@@ -358,8 +358,8 @@ def test_missing_required_field_is_named():
     (("prefill", 0, "mem_fraction"), "150%", "must be a number at most 1, not '150%': write a value in range"),
     (("prefill", 0, "expected_cold_start_s"), "90%", "must be a number, not '90%': write a number, without quotes"),
     # unquoted, these would be refused as not finite: not "remove the quotes"
-    (("prefill", 0, "mem_fraction"), "inf", "must be a number, not 'inf': write a number, not inf or nan"),
-    (("prefill", 0, "expected_cold_start_s"), "1e400", "must be a number, not '1e400': write a number, not inf or nan"),
+    (("prefill", 0, "mem_fraction"), "inf", "must be a number, not 'inf': write a finite number, not inf or nan"),
+    (("prefill", 0, "expected_cold_start_s"), "1e400", "must be a number, not '1e400': write a finite number, not inf or nan"),
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
     d = seed_dict()
