@@ -14,6 +14,7 @@ groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -376,12 +377,13 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 )
         cold = [(n, r.expected_cold_start_s) for n, _k, r in roles if r.expected_cold_start_s]
         for n, cs in cold:
-            if router.worker_startup_timeout_s < cs:
+            if router.worker_startup_timeout_s <= cs:  # a worker up only just in time is a race: longer, strictly
                 err(
                     "router.worker_startup_timeout_s",
-                    f"{router.worker_startup_timeout_s} s is shorter than {n}'s expected cold start ({cs:g} s): "
-                    "smg abandons a worker that is not up in time and never retries it",
-                    f"set router.worker_startup_timeout_s >= {int(cs) + 1}",
+                    f"{router.worker_startup_timeout_s} s is not longer than {n}'s expected cold start "
+                    f"({int(cs) if float(cs).is_integer() else cs} s): smg abandons a worker that is not up in time "
+                    "and never retries it",
+                    f"set router.worker_startup_timeout_s >= {math.floor(cs) + 1}",
                 )
     elif dep.is_pd:
         err("router", "a PD deployment needs a router in front of prefill and decode", "add a [router] table")

@@ -255,7 +255,11 @@ def test_prefill_on_loopback_while_decode_is_on_another_host():
 def test_router_worker_startup_timeout_shorter_than_a_cold_start():
     d = seed_dict()
     d["router"]["worker_startup_timeout_s"] = 600
-    _one(d, "router.worker_startup_timeout_s", "shorter than prefill's expected cold start", ">= 1501")
+    _one(d, "router.worker_startup_timeout_s", "not longer than prefill's expected cold start", ">= 1501")
+    d["router"]["worker_startup_timeout_s"] = 1500  # equal is refused too, as the fix says; 1501 passes
+    _one(d, "router.worker_startup_timeout_s", "not longer than prefill's expected cold start (1500 s)", ">= 1501")
+    d["router"]["worker_startup_timeout_s"] = 1501
+    assert not [f for f in validate(parse_spec(d)) if f.field == "router.worker_startup_timeout_s"]
 
 
 def test_prometheus_on_all_interfaces_is_a_warning_unless_opted_in():
