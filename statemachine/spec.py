@@ -482,6 +482,10 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = _list_fix(err["loc"])
             elif err["type"] in _BOUNDS:
                 msg = _range_fix(err["type"], err["input"], err.get("ctx", {}))
+            elif err["type"] == "string_type" and isinstance(err["input"], dict):
+                # e.g. numa_cpus = { 1.0 = "32-63" }: TOML reads the dotted key as the table { 1 = { 0 = "32-63" } }
+                msg = (f"must be text, not the table {err['input']!r}: a dotted key (like 1.0 or a.b) makes a "
+                       "nested table in TOML; put the whole key in quotes")
             elif err["type"] in _SHAPE_FIXES:
                 msg = _SHAPE_FIXES[err["type"]]
             lines.append(f"{field}: {msg}")

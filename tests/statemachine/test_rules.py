@@ -91,6 +91,16 @@ def test_an_empty_declared_inventory_is_named_as_such_with_the_fields_to_fill():
     _one(d, "decode[0].gpus", "has no GPUs (nvidia-smi lists none)", inventories={"local": Inventory(gpu_numa=())})
 
 
+def test_a_dotted_key_that_toml_made_a_nested_table_is_explained():
+    # numa_cpus = { 1.0 = "32-63" } is { 1 = { 0 = "32-63" } } in TOML: "put it in quotes" was wrong (it was quoted)
+    d = seed_dict()
+    d["hosts"]["local"]["numa_cpus"] = {"0": "0-31,64-95", "1": {"0": "32-63,96-127"}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "hosts.local.numa_cpus.1: must be text, not the table" in str(e.value)
+    assert "a dotted key (like 1.0 or a.b) makes a nested table in TOML; put the whole key in quotes" in str(e.value)
+
+
 def test_a_cpu_declared_under_two_numa_nodes_is_refused():
     d = seed_dict()
     d["hosts"]["local"]["numa_cpus"] = {"0": "0-31,64-95", "1": "24-63,96-127"}  # (keys as TOML gives them: text)
