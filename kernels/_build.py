@@ -511,7 +511,8 @@ def build_and_verify(
 @functools.cache
 def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     """The part of a manifest that :func:`load_manifest` installs, as a pydantic model: launch configs are strict
-    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` and ``logits_tma`` 0–1), the rest of the manifest is kept as written."""
+    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` and ``logits_tma`` 0–1), the rest of the
+    manifest is kept as written."""
     import dataclasses as dc
     from typing import Literal
 
@@ -520,8 +521,8 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     strict = pydantic.ConfigDict(extra="forbid", strict=True)
 
     def launch_model(cls: type) -> type:
-        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le={"pdl": 2, "merge": 1, "logits_tma": 1}.get(f.name)))
-                  for f in dc.fields(cls)}
+        top = {"pdl": 2, "merge": 1, "logits_tma": 1}
+        fields = {f.name: (int, pydantic.Field(f.default, ge=0, le=top.get(f.name))) for f in dc.fields(cls)}
         return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
 
     decode_cfg, indexer_cfg = launch_model(decode_cls), launch_model(indexer_cls)

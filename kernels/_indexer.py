@@ -12,9 +12,9 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    walks runs p, p+P, … Run (b, i) loads q8[b] ``[64, 128]`` e4m3 and w[b] once, then for each ``chunk_pages``
    64-token pages of its run: the keys ``[64, 128]`` e4m3 and 64 fp32 scales of each page (8448 B, one
    contiguous page; the 8 KB of keys as one bulk tensor copy on sm_90+ with ``chunk_pages`` 1,
-   ``IndexerConfig.logits_tma``), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) → ``[tokens, 64 heads]``, ReLU
-   per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the MMA's rows), ``· k_scale``, and
-   stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
+   ``IndexerConfig.logits_tma``), ``tl.dot(k8, q8ᵀ)`` (fp8 wgmma on sm_90, fp32 accumulate) →
+   ``[tokens, 64 heads]``, ReLU per head, ``· w[None, :]``, sum over heads (inside each warp: tokens are the
+   MMA's rows), ``· k_scale``, and stores the logits at ``logits[b, pos]`` for pos < L_b only. Nothing is pre-filled.
 2. Top-k, exact, over the L_b logits of each row, as a radix select on order-preserving int32 keys of the fp32
    logits (``_indexer_kernels``), in three launches:
 
@@ -81,9 +81,10 @@ class IndexerConfig:
     logits_tma: int = 1
     """1: the logits kernel loads each page's keys with one bulk tensor copy (TMA) where it can (``chunk_pages`` 1
     on an NVIDIA sm_90+ GPU or Triton's interpreter, a non-empty cache on 16 bytes: ``_has_tma``), per-thread
-    asynchronous copies elsewhere; 0: always per-thread copies. On the H200 (2026-11-30) TMA took the whole call from 462.5 to 425.0 µs at L = 128K, B = 64 and from
-    132.9 to 123.6 µs at L = 32K, B = 64, and was within 0.3 µs or faster at the seven other benchmark shapes
-    (``kernels/RESULTS.md``): the copies no longer cost the programs' registers and issue slots."""
+    asynchronous copies elsewhere; 0: always per-thread copies. On the H200 (2026-11-30) TMA took the whole call
+    from 462.5 to 425.0 µs at L = 128K, B = 64 and from 132.9 to 123.6 µs at L = 32K, B = 64, and was within 0.3 µs
+    or faster at the seven other benchmark shapes (``kernels/RESULTS.md``): the copies no longer cost the programs'
+    registers and issue slots."""
     fuse_hist0: int = 0
     """1: the logits kernel also counts the top-k's first (top-byte) histogram, saving a pass over the logits;
     0: a separate pass does (measured on the H200 at 2M keys: fused, the 256-bin ``tl.histogram`` made the
