@@ -22,6 +22,7 @@ from typing import Literal
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole
+from pdctl.statemachine.topology import role_node
 from pdctl.units import cpu_list, cpu_set
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
@@ -228,9 +229,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"set numa_node = {nodes[0]}" if len(nodes) == 1 else "pick GPUs from one NUMA node",
                 )
         if hinv and hinv.numa_cpus:
-            gpu_nodes = {hinv.gpu_numa[g] for g in role.gpus if hinv.gpu_numa and g < len(hinv.gpu_numa)}
-            node = role.numa_node if role.numa_node is not None else (
-                gpu_nodes.pop() if len(gpu_nodes) == 1 else None)
+            node = role_node(role.numa_node, role.gpus, hinv.gpu_numa)
             if node is not None and hinv.numa_cpus.get(node) == "":
                 warn(
                     f"{f}.numa_node",

@@ -120,14 +120,21 @@ def numa_binding(dep: Deployment, role: ServerRole) -> tuple[int | None, str | N
     the one node all its GPUs sit on (``hosts.<h>.gpu_numa``); the CPU list from ``hosts.<h>.numa_cpus``. None:
     unknown (nothing rendered)."""
     host = dep.hosts.get(role.host)
-    node = role.numa_node
-    if node is None and host is not None and host.gpu_numa:
-        nodes = {host.gpu_numa[g] for g in role.gpus if g < len(host.gpu_numa)}
-        if len(nodes) == 1 and len(role.gpus) and all(g < len(host.gpu_numa) for g in role.gpus):
-            node = nodes.pop()
-            node = node if node >= 0 else None  # -1: the GPU reports no NUMA node, so nothing is bound
+    node = role_node(role.numa_node, role.gpus, host.gpu_numa if host is not None else None)
     cpus = host.numa_cpus.get(node) if (node is not None and host is not None and host.numa_cpus) else None
     return node, cpus
+
+
+def role_node(numa_node: int | None, gpus: list[int], gpu_numa: list[int] | tuple[int, ...] | None) -> int | None:
+    """The NUMA node a role binds to: ``numa_node`` if set, else the one node all its GPUs sit on per ``gpu_numa``
+    (declared or discovered); None when unknown, split over nodes, or -1 (sysfs: the GPU reports no node)."""
+    if numa_node is not None or not gpu_numa:
+        return numa_node
+    nodes = {gpu_numa[g] for g in gpus if g < len(gpu_numa)}
+    if len(nodes) == 1 and gpus and all(g < len(gpu_numa) for g in gpus):
+        node = nodes.pop()
+        return node if node >= 0 else None
+    return None
 
 
 def topology_of(dep: Deployment) -> Topology:
