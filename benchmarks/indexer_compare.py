@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                          "folder holding one with the _indexer.py that launches it")
     ap.add_argument("--config", action="append", default=[], metavar="LABEL:KEY=VAL[,KEY=VAL]",
                     help="this checkout's kernels with IndexerConfig fields changed (e.g. big:topk_block=4096)")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="L,B",
+                    help="shapes to time (context length L, batch B) instead of the nine of the benchmark table")
     ap.add_argument("--copy-gbps", type=float, default=4250.0, help="copy bandwidth for the %% column")
     args = ap.parse_args(argv)
     _bootstrap()
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         changes = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
         versions[label] = (ix, ix._kernels(), dataclasses.replace(base, **changes))
     own = {id(m): m._kernels for m, _, _ in versions.values()}
-    for L, B in CASES:
+    cases = [tuple(int(x) for x in c.split(",")) for c in args.cases] if args.cases else CASES
+    for L, B in cases:
         nrot = rotations(B * L * 132, cap=8)
         q8, w, cache, bt, sl = make_indexer_case([L] * (B * nrot), max_context=163840)
         reps = indexer_reps(q8, w, bt, sl, B, nrot)

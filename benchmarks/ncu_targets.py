@@ -5,7 +5,7 @@ slots, memory throughput). Run on the GPU machine under ncu, e.g. (``kernels_dev
         python3 benchmarks/ncu_targets.py
 
 Shapes: FP8 decode at h = 16 / 32 and B = 1 / 64 with the Gluon variants (cp.async staging and straight-to-register loads),
-and the indexer at L = 32K, B = 64 (logits, first histogram, partition + refinement); ``--b1``: decode at B = 1 only;
+and the indexer at L = 32K, B = 64 (logits, first histogram, partition + refinement); ``--b1``: decode at B = 1 only (gluon 3, and the warp-specialised gluon 5 that the build picks there);
 ``--indexer L,B``: the indexer alone at that shape.
 """
 
@@ -36,7 +36,7 @@ def main() -> int:
         return 0
     cases = ((32, 64, 32, 2, (1, 3)), (16, 64, 16, 4, (3, 1)), (16, 1, 16, 32, (1, 3)))
     if only_b1:
-        cases = ((16, 1, 16, 32, (3,)), (16, 1, 16, 16, (3,)), (16, 1, 16, 64, (3,)), (128, 1, 32, 32, (3,)))
+        cases = ((16, 1, 16, 32, (3, 5)), (16, 1, 16, 16, (3,)), (16, 1, 16, 64, (3, 5)), (128, 1, 32, 32, (3,)))
     for h, rows, bh, splits, variants in cases:
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         for v in variants:

@@ -275,11 +275,21 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
 
 def _combine_block_d(row_heads: int, num_sms: int) -> int:
     """Lanes of the 512-wide output one combine program merges: all 512 once (rows × heads) fills two
-    waves of SMs, else fewer (down to 64) so that small batches still spread over the GPU."""
+    waves of SMs, else fewer (down to 32) so that small batches still spread over the GPU."""
     block_d = D_V
-    while block_d > 64 and row_heads * (D_V // block_d) < 2 * num_sms:
+    while block_d > 32 and row_heads * (D_V // block_d) < 2 * num_sms:
         block_d //= 2
     return block_d
+
+
+def _combine_warps(block_s: int, block_d: int) -> int:
+    """Warps of one combine program: 1 for a [splits, lanes] tile of at most 2048 values, else 4. The merge is a
+    chain of dependent loads and reductions; one warp reduces over the splits with shuffles alone, where four
+    meet in shared memory behind barriers. Measured on the H200 (2026-11-30, CUDA-graph replays, whole decode
+    call, ``kernels/RESULTS.md``): with 32-lane blocks it took h = 16, B = 1 from 7.27 to 6.9 µs, h = 32, B = 1 from
+    7.84 to 7.3, h = 128, B = 1 (16 splits) from 16.0 to 11.9, h = 16, B = 8 from 14.6 to 12.0; with 4096-value
+    tiles (h ≥ 64, B = 8) one warp was 1.3–1.7 µs slower, two warps 1.0–1.3 µs."""
+    return 1 if block_s * block_d <= 2048 else 4
 
 
 def _num_sms(device: torch.device) -> int:
@@ -411,8 +421,9 @@ def sparse_mla_decode(
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1 and not cfg.merge:
         block_d = _combine_block_d(t_rows * heads, _num_sms(q.device))
+        block_s = max(2, _next_pow2(cfg.splits))
         comb_k[(t_rows, heads, D_V // block_d)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
-            BLOCK_S=max(2, _next_pow2(cfg.splits)), BLOCK_D=block_d, num_warps=4, **merge_launch,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_combine_warps(block_s, block_d), **merge_launch,
         )
     return out, lse

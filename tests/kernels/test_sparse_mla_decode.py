@@ -61,11 +61,12 @@ def test_decode_matches_reference_with_padding_lengths_and_empty_rows(kv_format,
 
 @pytest.mark.parametrize("kv_format", ["float", "fp8"])
 def test_split_merge_spread_over_lane_blocks_for_small_batches(monkeypatch, kv_format):
-    """As on a 132-SM GPU: 2 rows × 8 heads merge in 64-lane blocks (8 programs per (row, head))."""
+    """As on a 132-SM GPU: 2 rows × 8 heads merge in 32-lane blocks (16 programs per (row, head)), one warp each."""
     from pdctl.kernels import _sparse_mla
 
     monkeypatch.setattr(_sparse_mla, "_num_sms", lambda device: 132)
-    assert _sparse_mla._combine_block_d(2 * 8, 132) == 64 and _sparse_mla._combine_block_d(64 * 16, 132) == 512
+    assert _sparse_mla._combine_block_d(2 * 8, 132) == 32 and _sparse_mla._combine_block_d(64 * 16, 132) == 512
+    assert _sparse_mla._combine_warps(32, 64) == 1 and _sparse_mla._combine_warps(8, 512) == 4
     q, kv, idx, length = _case(8, rows=2)
     cache = quantize_kv656(kv) if kv_format == "fp8" else kv
     out = torch.full((2, 8, 512), float("nan"))
