@@ -1,7 +1,7 @@
 """Confirmations: each a ``ModalScreen[bool]`` returned through ``dismiss``; Escape means False.
 
-* :class:`TopologyConfirmScreen` — a topology change. Shows the plan and its topology changes in
-  words, and stays unconfirmable until the deployment's name is typed exactly (as Terraform
+* :class:`TopologyConfirmScreen` — a topology change. Shows its topology changes in words (always in
+  sight) above the whole plan (scrolling), and stays unconfirmable until the deployment's name is typed exactly (as Terraform
   accepts only ``yes``). Enter on a wrong name refuses and says so; nothing is applied.
 * :class:`YesNoScreen` — a disruptive change (y/N: it restarts serving roles).
 
@@ -10,6 +10,7 @@ They decide nothing: the caller applies the plan id it showed, and the engine re
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -47,9 +48,10 @@ class TopologyConfirmScreen(ModalScreen[bool]):
             padding: 0 1;
         }
         #title { text-style: bold; color: $error; }
-        #plan { height: auto; max-height: 12; border: round $primary-darken-2; }
+        #changes { color: $error; text-style: bold; height: auto; }
+        #plan { height: auto; max-height: 40vh; min-height: 3; border: round $primary-darken-2; }
         #ask { margin-top: 0; }
-        #why { color: $error; height: auto; }
+        #why { color: $error; height: auto; display: none; }
         .warnings { color: $warning; margin-bottom: 1; }
         #buttons { height: 3; align-horizontal: right; }
         #buttons > Button { margin-left: 1; }
@@ -65,11 +67,13 @@ class TopologyConfirmScreen(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Static(f"Topology change to deployment {self.expected!r} — plan {self.plan.plan_id}", id="title")
+            # The changes in words stay in sight at any terminal size (80×24 included); the full plan scrolls.
+            yield Static(Text("\n".join(f"! {w}" for w in self.plan.topology_changes)), id="changes")
             with VerticalScroll(id="plan"):
                 if self.warnings:
                     yield Static(self.warnings, classes="warnings")
                 yield Static(render_plan(self.plan))
-            yield Static(f"Type the deployment's name ([b]{self.expected}[/b]) to apply this plan. Escape cancels; nothing changes.", id="ask")
+            yield Static(f"Type [b]{self.expected}[/b] to apply this plan; Escape cancels, nothing changes.", id="ask")
             yield Input(placeholder="deployment name", id="name")
             yield Static("", id="why")
             with Horizontal(id="buttons"):
@@ -86,16 +90,16 @@ class TopologyConfirmScreen(ModalScreen[bool]):
     @on(Input.Changed, "#name")
     def _typed(self, _event: Input.Changed) -> None:
         self.query_one("#confirm", Button).disabled = not self.matches
-        self.query_one("#why", Static).update("")
+        self.query_one("#why", Static).display = False
 
     @on(Input.Submitted, "#name")
     def _submitted(self, event: Input.Submitted) -> None:
         if self.matches:
             self.dismiss(True)
         else:
-            self.query_one("#why", Static).update(
-                f"{event.value!r} is not {self.expected!r}: not applied. Type the name exactly, or Escape to cancel."
-            )
+            why = self.query_one("#why", Static)
+            why.update(f"{event.value!r} is not {self.expected!r}: not applied (Escape cancels)")
+            why.display = True
 
     @on(Button.Pressed, "#confirm")
     def _confirm(self) -> None:

@@ -15,7 +15,7 @@ from textual.widget import Widget
 
 from pdctl.console.telemetry import format_cpulist
 from pdctl.statemachine.plan import Plan, ResourceChange, format_value
-from pdctl.statemachine.topology import Topology
+from pdctl.statemachine.topology import Topology, is_wildcard
 
 __all__ = ["CLASS_STYLE", "TopologyPanel", "render_topology"]
 
@@ -121,7 +121,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
     if rt is None:
         line.append("none", style="dim")
     else:
-        public = rt.host in ("0.0.0.0", "::")
+        public = is_wildcard(rt.host)
         line.append(rt.exposure, style="bold red" if public else "bold green")
         line.append(" (all interfaces)" if public else " (loopback)" if rt.host.startswith("127.") or rt.host == "localhost" else "")
         workers = f"{len(rt.prefill)}P+{len(rt.decode)}D" if rt.prefill or rt.decode else f"{len(rt.regular)} worker(s)"

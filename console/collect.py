@@ -22,7 +22,7 @@ from pdctl.console.metrics import ThroughputSample, ThroughputTracker, parse_scr
 from pdctl.console.telemetry import GpuNumaSample, RoleNuma, read_gpu_numa
 from pdctl.console.views import StepView, expected_states, step_views, unit_names
 from pdctl.statemachine.journal import JournalState
-from pdctl.statemachine.topology import Topology, topology_of
+from pdctl.statemachine.topology import Topology, dial_host, topology_of
 
 __all__ = ["Collector", "ServiceView", "Snapshot", "current_topology", "gpu_owners", "log_sources", "role_numa", "scrape_sources"]
 
@@ -86,8 +86,6 @@ def role_numa(dep: Any, role_name: str) -> tuple[int | None, str | None]:
     return numa_for(dep, role_name)
 
 
-def _dial(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def scrape_sources(topo: Topology) -> list[tuple[str, str, str]]:
@@ -95,7 +93,7 @@ def scrape_sources(topo: Topology) -> list[tuple[str, str, str]]:
     out = [(r.name, r.kind, f"{r.url}/metrics") for r in topo.roles]
     if topo.router is not None:
         s = topo.router.settings
-        out.append(("router", "router", f"http://{_dial(str(s.get('prometheus_host', '127.0.0.1')))}:{s.get('prometheus_port', 29000)}/metrics"))
+        out.append(("router", "router", f"http://{dial_host(str(s.get('prometheus_host', '127.0.0.1')))}:{s.get('prometheus_port', 29000)}/metrics"))
     return out
 
 

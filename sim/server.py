@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -752,6 +753,8 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, addr, handler, sim: Sim) -> None:
         self.sim = sim
+        if ":" in addr[0]:  # an IPv6 literal (--host ::1), which uvicorn binds too; socketserver's default is IPv4
+            self.address_family = socket.AF_INET6
         super().__init__(addr, handler)
 
     def handle_error(self, request, client_address) -> None:
@@ -762,6 +765,10 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
     def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # IPv6 only, as SGLang's uvicorn binds: asyncio's create_server sets IPV6_V6ONLY on an AF_INET6
+            # socket, so a server on --host :: is not reached through 127.0.0.1
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         # HTTPServer.server_bind would resolve socket.getfqdn(host): a DNS round trip we do not need.
         import socketserver
         socketserver.TCPServer.server_bind(self)

@@ -38,8 +38,8 @@ import sys
 from pathlib import Path
 
 from pdctl.statemachine.hosts import Host as HostType
-from pdctl.statemachine.spec import Deployment, Host, ServerRole
-from pdctl.statemachine.topology import numa_binding
+from pdctl.statemachine.spec import Deployment, ServerRole
+from pdctl.statemachine.topology import dial_host, numa_binding, topology_of
 from pdctl.units import (
     ForeignUnit,
     ProcessSupervisor,
@@ -113,24 +113,6 @@ def router_executable(dep: Deployment) -> str:
     if beside.exists():
         return str(beside)
     return shutil.which("smg") or str(beside)
-
-
-def _connect_host(bind: str) -> str:
-    """Where to reach a server bound to *bind* from its own host (wildcards → loopback)."""
-    if bind in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if bind in ("::", "[::]"):
-        return "[::1]"
-    return f"[{bind}]" if ":" in bind and not bind.startswith("[") else bind
-
-
-def _url_host(dep: Deployment, role: ServerRole) -> str:
-    """Host part of the URL the router (and decode, via bootstrap_host) uses for *role*."""
-    if role.http_host in ("0.0.0.0", "::", ""):
-        h: Host | None = dep.hosts.get(role.host)
-        if h is not None and not h.is_local:
-            return _connect_host(h.address)
-    return _connect_host(role.http_host)
 
 
 def numa_for(dep: Deployment, role_name: str) -> tuple[int | None, str | None]:
@@ -243,11 +225,12 @@ def router_launch(dep: Deployment) -> RouterLaunch | None:
     r = dep.router
     if r is None:
         return None
-    prefill = tuple(
-        (f"http://{_url_host(dep, role)}:{role.port}", _bootstrap_port(dep, "prefill", role)) for role in dep.prefill
-    )
-    decode = tuple(f"http://{_url_host(dep, role)}:{role.port}" for role in dep.decode)
-    workers = tuple(f"http://{_url_host(dep, role)}:{role.port}" for role in dep.server)
+    # The workers' URLs as the topology derives them (RoleTopology.url): what the router proof compares /workers with.
+    url = {r.name: r.url for r in topology_of(dep).roles}
+    prefill = tuple((url[name], _bootstrap_port(dep, "prefill", role)) for name, kind, role in dep.roles()
+                    if kind == "prefill")
+    decode = tuple(url[name] for name, kind, _r in dep.roles() if kind == "decode")
+    workers = tuple(url[name] for name, kind, _r in dep.roles() if kind == "server")
     return RouterLaunch(
         executable=router_executable(dep),
         impl=dep.router_impl,
@@ -337,7 +320,7 @@ def services_for(
             start_limit_interval_s=3 * (start + 10),
             timeout_start_s=start,
             timeout_stop_s=120,
-            readiness_url=f"http://{_connect_host(host)}:{role.port}/health",
+            readiness_url=f"http://{dial_host(host)}:{role.port}/health",
             readiness_python=s.python,
             part_of=target,
             log_path=logp(name),
@@ -363,7 +346,7 @@ def services_for(
             start_limit_interval_s=5 * (300 + 5),
             timeout_start_s=300,
             timeout_stop_s=210,
-            readiness_url=f"http://{_connect_host(r.host)}:{r.port}/readiness",
+            readiness_url=f"http://{dial_host(r.host)}:{r.port}/readiness",
             readiness_python=python_for(dep),
             requires=tuple(unit_name(dep, n) for n, _, _ in dep.roles()),
             part_of=target,

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pdctl.statemachine.topology import RoleTopology, Topology
+from pdctl.statemachine.topology import RoleTopology, Topology, is_wildcard
 
 __all__ = ["AttrChange", "ChangeClass", "Plan", "ResourceChange", "format_value", "make_plan", "plan_id_of", "render_text"]
 
@@ -157,7 +157,9 @@ def _reach_free(deployment: dict) -> dict:
                                     if isinstance(h, dict) else h for k, h in hosts.items()}}
 
 
-def _role_changes(old: RoleTopology, new: RoleTopology) -> list[AttrChange]:
+def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = False) -> list[AttrChange]:
+    # entry_point: the role is where clients connect (a single server with no router in front), so its bind
+    # address and port are the deployment's exposure, a topology change like the router's.
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
     if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
         n["settings"].pop("numa_binding", None)
@@ -165,7 +167,7 @@ def _role_changes(old: RoleTopology, new: RoleTopology) -> list[AttrChange]:
     for a in _ROLE_TOPOLOGY_ATTRS:
         out += _diff(a, o[a], n[a], "topology")
     for a in _ROLE_DISRUPTIVE_ATTRS:
-        out += _diff(a, o[a], n[a], "disruptive")
+        out += _diff(a, o[a], n[a], "topology" if entry_point and a in ("http_host", "port") else "disruptive")
     out += _diff("settings", o["settings"], n["settings"], "disruptive")
     return out
 
@@ -227,14 +229,15 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
             words.append(f"{r.kind} {name!r} added")
     for name in ordered(old_roles.keys() & new_roles.keys()):
         old, new = old_roles[name], new_roles[name]
-        diffs = _role_changes(old, new)
+        exposed = new.kind == old.kind == "server" and desired.router is None and deployed.router is None
+        diffs = _role_changes(old, new, entry_point=exposed)
         if not diffs:
             continue
         cls = _worst(diffs)
         action: Action = "replace" if cls == "topology" else "update"
         if cls == "topology":
             for d in diffs:
-                if d.cls == "topology":
+                if d.cls == "topology" and not (exposed and d.path in ("http_host", "port")):  # said as exposure
                     words.append(f"{name} {d.path} {format_value(d.before)} → {format_value(d.after)}")
         changes.append(
             ResourceChange(
@@ -301,7 +304,8 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         diffs += _diff("settings", o["settings"], n["settings"], "disruptive")
         if diffs:
             if orr.exposure != nr.exposure:
-                words.append(f"router exposure {orr.exposure} → {nr.exposure}")
+                public = " (every interface)" if is_wildcard(nr.host) else ""
+                words.append(f"router exposure {orr.exposure} → {nr.exposure}{public}")
             if orr.on != nr.on:
                 words.append(f"router host {orr.on} → {nr.on}")
             changes.append(
@@ -316,6 +320,12 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
                 )
             )
     # A router whose workers restart keeps its config; nothing more to do.
+
+    # Where clients connect, when that moves other than by a router's own host or port (said above): PD collapsed
+    # into a server on *:30001 says which server now listens where.
+    if deployed is not None and not (orr and nr) and deployed.entry_points() != desired.entry_points():
+        words.append(f"exposure {'; '.join(deployed.entry_points()) or 'none'} → "
+                     f"{'; '.join(desired.entry_points()) or 'none'}")
 
     if wide:
         changes.append(

@@ -13,13 +13,42 @@ settings are *in place*. Secrets appear only as a fingerprint (``sha256:…``), 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from pdctl.statemachine.spec import Deployment, ServerRole
 
-__all__ = ["KVLink", "RoleTopology", "RouterTopology", "Topology", "topology_of"]
+__all__ = ["KVLink", "RoleTopology", "RouterTopology", "Topology", "dial_host", "is_wildcard", "topology_of",
+           "url_host"]
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether a bind address listens on every interface: ``0.0.0.0``, ``::`` or the IPv4-mapped ``::ffff:0.0.0.0``,
+    however written (:mod:`ipaddress`: the unspecified address). A host name is not."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
+
+
+def dial_host(bind: str) -> str:
+    """Where a server bound to *bind* is dialled from its own host, as a URL's host part: ``::`` → ``[::1]``
+    (uvicorn, SGLang's default HTTP server, binds it through asyncio's ``create_server``, which sets
+    ``IPV6_V6ONLY``: 127.0.0.1 would not reach it; ``[::1]`` reaches a dual-stack socket too), any other wildcard (``0.0.0.0``, ``::ffff:0.0.0.0``) → 127.0.0.1, else *bind*
+    itself (:func:`url_host`)."""
+    if bind == "" or not is_wildcard(bind):
+        return "127.0.0.1" if bind == "" else url_host(bind)
+    return "[::1]" if ipaddress.ip_address(bind.strip("[]")) == ipaddress.IPv6Address("::") else "127.0.0.1"
+
+
+def url_host(host: str) -> str:
+    """*host* as the host part of a URL: an IPv6 literal in brackets (RFC 3986 §3.2.2, ``http://[::1]:30001``),
+    anything else as it is. The spec writes IPv6 bare, as SGLang's and smg's ``--host`` take it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class _Frozen(BaseModel):
@@ -48,16 +77,15 @@ class RoleTopology(_Frozen):
     @property
     def url(self) -> str:
         """The server's HTTP base URL as seen by its peers (``http://address:port``)."""
-        host = self.http_host
-        if host in ("0.0.0.0", "::"):  # bound everywhere: dial the host's address
-            host = "127.0.0.1" if self.address in ("localhost", "127.0.0.1", "::1") else self.address
-        return f"http://{host}:{self.port}"
+        if is_wildcard(self.http_host) and self.address not in ("localhost", "127.0.0.1", "::1"):
+            return f"http://{url_host(self.address)}:{self.port}"  # bound everywhere on another machine: its address
+        return f"http://{dial_host(self.http_host)}:{self.port}"
 
     def describe(self) -> str:
         gpus = ",".join(str(g) for g in self.gpus)
         numa = f", NUMA {self.numa_node}" if self.numa_node is not None else ""
         dp = f" attn-DP{self.attn_dp}" if self.attn_dp > 1 else ""
-        return f"{self.kind} on {self.host}, GPUs {gpus}, TP{self.tp}{dp}{numa}, {self.http_host}:{self.port}"
+        return f"{self.kind} on {self.host}, GPUs {gpus}, TP{self.tp}{dp}{numa}, {url_host(self.http_host)}:{self.port}"
 
 
 class KVLink(_Frozen):
@@ -85,7 +113,12 @@ class RouterTopology(_Frozen):
 
     @property
     def exposure(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{url_host(self.host)}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The router's base URL as dialled on its own host (bound everywhere: through loopback, :func:`dial_host`)."""
+        return f"http://{dial_host(self.host)}:{self.port}"
 
 
 class Topology(_Frozen):
@@ -109,6 +142,19 @@ class Topology(_Frozen):
 
     def roles_of(self, kind: str) -> list[RoleTopology]:
         return [r for r in self.roles if r.kind == kind]
+
+    def entry_points(self) -> tuple[str, ...]:
+        """Where clients reach the deployment, in words: the router (``router on 127.0.0.1:30001``) or, without
+        one, each single server (``server 'server' on 0.0.0.0:30001 (every interface)``). Prefill and decode
+        behind a router are not entry points."""
+        if self.router is not None:
+            return (f"router on {_where(self.router.host, self.router.port)}",)
+        return tuple(f"{r.kind} {r.name!r} on {_where(r.http_host, r.port)}" for r in self.roles if r.kind == "server")
+
+
+def _where(host: str, port: int) -> str:
+    # host:port in words, with the one fact an operator must not miss: a wildcard bind listens on every interface.
+    return f"{url_host(host)}:{port}" + (" (every interface)" if is_wildcard(host) else "")
 
 
 def _fingerprint(value: str) -> str:

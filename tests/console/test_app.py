@@ -96,6 +96,33 @@ async def test_topology_modal_proceeds_with_the_right_name_and_confirms_that_pla
         assert not isinstance(app.screen, TopologyConfirmScreen)
 
 
+def _collapsed_to_public_server(d: dict) -> None:
+    # the deployed side of the plan is this; the spec (PD behind a router on 127.0.0.1) is what the console plans
+    for kind in ("prefill", "decode", "kv_transfer", "router"):
+        d.pop(kind, None)
+    d["server"] = [{"gpus": [0], "http_host": "0.0.0.0", "port": 30001}]
+
+
+async def test_the_topology_modal_keeps_the_changes_in_words_in_sight_at_80x24(console_demo):
+    console_demo.pretend_deployed(_collapsed_to_public_server)
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        modal = await _open_topology_modal(pilot, app)
+        await pilot.pause()
+        words = str(modal.query_one("#changes").render())
+        assert "exposure server 'server' on 0.0.0.0:30001 (every interface) → router on" in words
+        screen = modal.region
+        for wid in ("#changes", "#name", "#confirm"):  # whole, not clipped, without scrolling
+            region = modal.query_one(wid).region
+            assert region.height > 0 and screen.contains_region(region), (wid, region, screen)
+        assert modal.query_one("#changes").region.height >= len(app.plan.topology_changes)
+        await pilot.press(*"not-it", "enter")  # the refusal line shows too, and still nothing is cut off
+        await pilot.pause()
+        assert "not applied" in str(modal.query_one("#why").render())
+        for wid in ("#changes", "#name", "#why", "#confirm"):
+            assert screen.contains_region(modal.query_one(wid).region), wid
+
+
 async def test_escape_cancels_the_topology_modal_and_nothing_changes(console_demo):
     console_demo.pretend_deployed(_gpus_changed)
     before = Journal(console_demo.state, console_demo.name).path.read_bytes()

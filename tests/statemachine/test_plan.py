@@ -39,6 +39,49 @@ def test_collapse_into_one_server_is_a_topology_change_said_in_words():
     assert f"--confirm-topology {p.plan_id}" in text and "no --confirm-topology needed" not in text
 
 
+def test_a_collapse_names_where_clients_now_connect():
+    seed = seed_dict()
+    seed["router"]["host"] = "127.0.0.1"
+    p = make_plan(topo(seed), topo(collapsed(seed)))
+    assert ("exposure router on 127.0.0.1:30001 → server 'server' on 0.0.0.0:30001 (every interface)"
+            in p.topology_changes)
+    assert "server 'server' on 0.0.0.0:30001 (every interface)" in render_text(p)
+
+
+def _single(http_host: str, port: int = 30001, router: bool = False) -> dict:
+    d = collapsed(seed_dict())
+    d["server"][0].update(http_host=http_host, port=port)
+    if router:
+        d["router"] = {"host": "127.0.0.1", "port": 30002, "prometheus_port": 29000}
+    return d
+
+
+def test_opening_a_single_server_to_every_interface_needs_confirmation():
+    # With no router, the single server's bind address and port are the deployment's exposure.
+    p = make_plan(topo(_single("127.0.0.1")), topo(_single("0.0.0.0")))
+    assert p.cls == "topology" and p.requires_confirmation
+    assert p.topology_changes == (
+        "exposure server 'server' on 127.0.0.1:30001 → server 'server' on 0.0.0.0:30001 (every interface)",)
+    [change] = p.changes
+    assert change.action == "replace" and [(a.path, a.cls) for a in change.changes] == [("http_host", "topology")]
+    moved = make_plan(topo(_single("127.0.0.1")), topo(_single("127.0.0.1", port=30005)))
+    assert moved.requires_confirmation
+    assert moved.topology_changes == ("exposure server 'server' on 127.0.0.1:30001 → server 'server' on 127.0.0.1:30005",)
+
+
+def test_every_interface_is_named_however_the_wildcard_is_written():
+    for bind in ("::", "::0", "::ffff:0.0.0.0"):
+        p = make_plan(topo(_single("127.0.0.1")), topo(_single(bind)))
+        assert p.requires_confirmation and p.topology_changes[0].endswith("(every interface)"), (bind, p.topology_changes)
+    p = make_plan(topo(_single("127.0.0.1")), topo(_single("::1")))
+    assert "every interface" not in p.topology_changes[0] and "[::1]:30001" in p.topology_changes[0]
+
+
+def test_a_server_behind_a_router_changes_its_bind_address_without_confirmation():
+    p = make_plan(topo(_single("127.0.0.1", router=True)), topo(_single("0.0.0.0", router=True)))
+    assert p.cls == "disruptive" and not p.requires_confirmation and p.topology_changes == ()
+
+
 def test_a_first_deployment_is_a_topology_plan_that_says_it_needs_no_confirmation():
     p = make_plan(None, topo(seed_dict()))
     assert p.cls == "topology" and not p.requires_confirmation
@@ -54,7 +97,7 @@ def test_router_host_only_change_is_topology_exposure():
     p = make_plan(topo(local), topo(seed))
     assert p.cls == "topology"
     assert [c.address for c in p.changes] == ["router"]
-    assert p.topology_changes == ("router exposure 127.0.0.1:30001 → 0.0.0.0:30001",)
+    assert p.topology_changes == ("router exposure 127.0.0.1:30001 → 0.0.0.0:30001 (every interface)",)
     assert p.changes[0].restarts == ("router",)
 
 
