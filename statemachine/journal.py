@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdctl.statemachine.errors import LockHeld
+from pdctl.statemachine.errors import LockHeld, PdctlError
 from pdctl.statemachine.topology import Topology
 
 __all__ = ["Journal", "JournalState", "StepRecord", "atomic_write", "default_state_dir"]
@@ -158,6 +158,14 @@ class Journal:
         return state
 
     # -- audit ----------------------------------------------------------------------------------
+    def _make_dir(self) -> None:
+        # The state directory, created on first use; a file in its way is named with the fix (not "File exists").
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise PdctlError(f"state directory {self.dir}: a file is in the way",
+                             hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a directory") from None
+
     def audit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one audit record (who, when, what) and fsync it."""
         record = {
@@ -169,7 +177,7 @@ class Journal:
             "event": event,
             **fields,
         }
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._make_dir()
         fd = os.open(self.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
@@ -192,8 +200,10 @@ class Journal:
     # -- lock -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, purpose: str) -> Iterator[None]:
-        """Hold the deployment's lock; raise :class:`LockHeld` naming the holder if taken."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Hold the deployment's lock; raise :class:`LockHeld` naming the holder if taken. Taking over a lock whose
+        holder died without releasing it (its record is still in the lock file) is audited as ``lock-abandoned``
+        with that record: the audit log then says how an apply or down killed before recording its end ended."""
+        self._make_dir()
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
@@ -202,6 +212,9 @@ class Journal:
                 holder = self.lock_holder() or {}
                 who = f"PID {holder.get('pid', '?')} ({holder.get('user', '?')}@{holder.get('host', '?')}: {holder.get('purpose', '?')})"
                 raise LockHeld(f"deployment {self.name!r} is locked by {who} since {holder.get('since', '?')}", holder=holder) from None
+            abandoned = self.lock_holder()  # a release empties the file: a record left means a holder killed (SIGKILL)
+            if abandoned:
+                self.audit("lock-abandoned", holder=abandoned, taken_by=purpose)
             info = {
                 "pid": os.getpid(),
                 "user": _user(),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
-           "parse_proc_net_tcp"]
+           "parse_proc_net_tcp", "started_by"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,19 @@ def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
     if not ls or main_pid is None:
         return False, ls
     return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls
+
+
+def started_by(host, pid: int, marker: str) -> bool:  # noqa: ANN001
+    """Whether *pid* or one of its ancestors (at most 64 up) was started for a unit whose name holds *marker*: its
+    command line names it (pdctl's process supervisor runs ``… -m pdctl.units.supervise <state>/units/<unit>``) or
+    its cgroup does (systemd puts a unit's processes in ``…/<unit>``, ``/proc/<pid>/cgroup``)."""
+    seen = 0
+    while pid and pid > 1 and seen < 64:
+        if marker in _read(host, f"/proc/{pid}/cmdline") or marker in _read(host, f"/proc/{pid}/cgroup"):
+            return True
+        pid = _parent(host, pid) or 0
+        seen += 1
+    return False
 
 
 def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001

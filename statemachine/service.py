@@ -244,7 +244,9 @@ def apply(
                 )
             plan = saved_plan  # exactly what was reviewed; a topology change still needs its confirmation
         try:
-            sink.emit(Event("plan", f"plan {plan.plan_id}: {plan.cls or 'no changes'}",
+            what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
+                    "topology": "a topology change" if plan.requires_confirmation else "a first deployment"}[plan.cls]
+            sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
                             data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
             j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
             try:
@@ -367,8 +369,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     router = None
     if topo.router is not None:
         st = manager.status(names["router"])
-        host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
-        url = f"http://{host}:{topo.router.port}"
+        url = topo.router.url
         router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
                   "supervised": st.supervised}
         try:
@@ -445,27 +446,61 @@ def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
 
 def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     """Stop everything in reverse order (router, decode, prefill), remove the units, and record
-    that nothing is deployed. Returns the units stopped. Holds the lock."""
+    that nothing is deployed. Returns the units stopped. Holds the lock; where nothing was ever recorded (no state
+    directory, nothing installed) it creates nothing. Raises HostError, stopping nothing, when nothing of the
+    deployment is installed here yet its own processes hold its ports (applied another way)."""
     from pdctl.statemachine.events import NullSink
+
+    from pdctl.statemachine import launch
 
     sink = sink or NullSink()
     j = loaded.journal
+    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
+    if not j.dir.exists() and not _installed_units(loaded, j.read(), manager):
+        _refuse_if_held_elsewhere(loaded, j, manager.host)  # nothing ever recorded here: create nothing (no lock, no audit)
+        return []
     with j.lock("down"):
         state = j.read()
         j.audit("down-started", serial=state.serial)
         try:
-            return _down_locked(loaded, j, state, sink)
+            return _down_locked(loaded, j, state, sink, manager)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: what is stopped stays stopped; run down again
             j.audit("down-interrupted")
             raise
+        except Exception as exc:
+            j.audit("down-failed", error=str(exc))
+            raise
 
 
-def _down_locked(loaded: Loaded, j: Journal, state, sink) -> list[str]:  # noqa: ANN001
-    # down's work under the lock: stop the units (router first), remove them, journal that nothing is deployed
-    from pdctl.statemachine import launch
-    from pdctl.statemachine.events import Event
+def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host) -> None:  # noqa: ANN001
+    """Nothing of the deployment is installed for this state directory and service manager: if its ports are held
+    all the same by its own roles' processes (the role's unit, ``pdctl-<name>-<role>.service``, above the listener:
+    applied with another ``--state-dir``, ``XDG_STATE_HOME``, user or service manager), say so rather than report a
+    successful stop of nothing. Ports held by anything else are not this deployment's business here. Raises
+    HostError naming each holder; changes nothing."""
+    from pdctl.statemachine import ports
+    from pdctl.statemachine.errors import HostError
+    from pdctl.statemachine.steps import deployment_ports
 
-    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
+    dep = loaded.deployment
+    topo = topology_of(dep)
+    wanted = deployment_ports(topo)
+    unit_of = unit_names(topo)  # the unit of the role that owns each port: a marker no other deployment's unit holds
+    ours = [x for x in ports.listeners(host, set(wanted))
+            if x.pid is not None and ports.started_by(host, x.pid, unit_of[wanted[x.port]])]
+    if ours:
+        who = "; ".join(f"{wanted[x.port]}'s port {x.port} by PID {x.pid} ({x.command or 'unknown'})" for x in ours)
+        raise HostError(
+            f"nothing of {dep.name!r} is installed here (service manager {dep.service_manager}, state directory "
+            f"{j.dir}), yet its own processes hold its ports: {who}; nothing was stopped",
+            hint="run down the way the deployment was applied: the same user, service_manager and --state-dir (or "
+                 "XDG_STATE_HOME)",
+        )
+
+
+def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
+    """The deployment's units (of what the journal records and what the spec asks) that *manager* has installed,
+    in stopping order: router, decode, the rest."""
     names: list[str] = []
     for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
         if topo is None:
@@ -474,7 +509,16 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink) -> list[str]:  # noqa:
             if n not in names:
                 names.append(n)
     names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
-    names = [n for n in names if manager.installed_text(n) is not None]
+    return [n for n in names if manager.installed_text(n) is not None]
+
+
+def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:  # noqa: ANN001
+    # down's work under the lock: stop the units (router first), remove them, journal that nothing is deployed
+    from pdctl.statemachine.events import Event
+
+    names = _installed_units(loaded, state, manager)
+    if not names:
+        _refuse_if_held_elsewhere(loaded, j, manager.host)
     for n in names:
         was = manager.status(n).state
         manager.stop(n)

@@ -122,8 +122,7 @@ class Context:
     def router_url(self) -> str:
         r = self.topology.router
         assert r is not None
-        host = "127.0.0.1" if r.host in ("0.0.0.0", "::") else r.host
-        return f"http://{host}:{r.port}"
+        return r.url
 
 
 def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str) -> T:
@@ -164,6 +163,19 @@ def _role_ports(role: RoleTopology) -> set[int]:
     return out
 
 
+def deployment_ports(topo: Topology) -> dict[int, str]:
+    """``{port: role name}`` of every port *topo*'s roles and router listen on (HTTP, bootstrap, NCCL, the derived
+    attention-DP ports, the router's metrics): what an apply needs free and what a running deployment holds."""
+    out: dict[int, str] = {}
+    for role in topo.roles:
+        for port in _role_ports(role):
+            out.setdefault(port, role.name)
+    if topo.router is not None:
+        for port in _router_ports(topo.router):
+            out.setdefault(port, "router")
+    return out
+
+
 def _describe(ls: list[ports.Listener]) -> str:
     return ", ".join(f"port {x.port} by PID {x.pid or '?'} ({x.command or 'unknown'})" for x in ls)
 
@@ -186,14 +198,8 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     taken router port before prefill and decode are started, not after. Raises :class:`ApplyFailed` naming
     every holder and the step it would have failed at."""
     topo = ctx.topology
-    wanted: dict[int, tuple[str, str]] = {}  # port -> (role, step)
-    for role in topo.roles:
-        for port in _role_ports(role):
-            wanted.setdefault(port, (role.name, f"{role.kind}_up"))
-    if topo.router is not None:
-        r = topo.router
-        for port in _router_ports(r):
-            wanted.setdefault(port, ("router", "router_exposed"))
+    step_of = {r.name: f"{r.kind}_up" for r in topo.roles} | {"router": "router_exposed"}
+    wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
     if not wanted:
         return
     ours = [pid for pid in (ctx.manager.status(u).main_pid for u in sorted(own_units)) if pid]

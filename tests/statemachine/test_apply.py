@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from harness import skip_or_fail
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
 from pdctl.statemachine.errors import ApplyFailed, LockHeld, StepTimeout, VerifyFailed
@@ -315,6 +316,9 @@ def test_apply_killed_at_any_point_then_rerun_converges_without_orphans(demo, ki
     Journal(demo.state, demo.name).read()
     r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 0, r.stderr
+    # The audit says how the killed apply ended: the next lock holder found its record left behind.
+    abandoned = [a for a in Journal(demo.state, demo.name).audit_records() if a["event"] == "lock-abandoned"]
+    assert [(a["holder"]["pid"], a["holder"]["purpose"]) for a in abandoned] == [(p.pid, "apply")]
     st = demo.status()
     assert st["healthy"] and st["reached"] == "parsers_configured"
     # No orphans: exactly one engine per role and one router.
@@ -324,6 +328,59 @@ def test_apply_killed_at_any_point_then_rerun_converges_without_orphans(demo, ki
     while demo.pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert demo.pids() == []
+
+
+def test_down_under_another_state_dir_names_the_holders_and_stops_nothing(demo, tmp_path):
+    from pdctl.statemachine.errors import HostError
+
+    demo.apply()
+    pids = demo.pids()
+    elsewhere = service.load(demo.spec, state_dir=tmp_path / "typo")
+    with pytest.raises(HostError, match=rf"nothing of .* is installed here \(service manager process, state directory "
+                                        rf".*typo\), yet its own processes hold its ports: .*router's port "
+                                        rf"{demo.ports['router']} by PID \d+") as e:
+        service.down(elsewhere)
+    assert "--state-dir" in e.value.hint
+    assert not (tmp_path / "typo").exists()  # nothing recorded there: a refused down creates nothing either
+    (tmp_path / "kept").mkdir()  # a state directory that exists (another deployment's, say): the refusal is audited
+    kept = service.load(demo.spec, state_dir=tmp_path / "kept")
+    with pytest.raises(HostError):
+        service.down(kept)
+    assert kept.journal.audit_records()[-1]["event"] == "down-failed"
+    assert demo.pids() == pids and demo.status()["healthy"]
+    r = demo.cli("down", str(demo.spec), "--yes", "--state-dir", str(tmp_path / "typo2"))
+    assert r.returncode == 1 and "nothing was stopped" in r.stderr, r.stderr
+    assert demo.pids() == pids
+
+
+def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_succeeds(demo):
+    import socket
+
+    with socket.socket() as stranger:  # not this deployment's: no pdctl-<name>- unit above it
+        stranger.bind(("127.0.0.1", demo.ports["router"]))
+        stranger.listen()
+        assert service.down(demo.load()) == []
+        assert not demo.state.exists()  # never applied here: down creates no state directory
+        demo.state.mkdir()
+        assert service.down(demo.load()) == []  # with one: locked, journalled and audited as done
+        assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
+
+
+def test_a_pd_deployment_bound_to_the_ipv6_wildcard_is_dialled_over_ipv6_and_proven(make_demo):
+    # prefill and decode on "::" (the stand-in binds it IPv6-only, as SGLang's uvicorn does), the router on ::1:
+    # every URL pdctl gives the router or dials itself must reach them, and the router proof must match /workers
+    if not os.path.exists("/proc/net/if_inet6") or "00000000000000000000000000000001" not in open("/proc/net/if_inet6").read():
+        skip_or_fail("no IPv6 loopback (::1) on this machine")
+
+    def v6(d):
+        d["prefill"][0]["http_host"] = d["decode"][0]["http_host"] = "::"
+        d["router"]["host"] = "::1"
+
+    demo = make_demo(v6)
+    demo.apply()
+    st = demo.status()
+    assert st["healthy"] and st["reached"] == "parsers_configured", st
+    assert all(r["url"].startswith("http://[::1]:") for r in st["roles"]), st["roles"]
 
 
 def test_roles_spread_over_two_hosts_are_refused_before_anything_changes(make_demo):
@@ -522,6 +579,7 @@ def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):
             p.wait(10)
     events = [first] + [json.loads(x) for x in rest.splitlines()]
     assert first["kind"] == "plan" and p.returncode == 143, (events, err)
+    assert first["message"].endswith(": a first deployment"), first  # a topology plan that needs no confirmation
     assert events[-1]["kind"] == "apply_interrupted", events
     assert [e["kind"] for e in events].count("apply_interrupted") == 1
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-interrupted"
