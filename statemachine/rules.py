@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole
-from pdctl.statemachine.topology import role_node
+from pdctl.statemachine.topology import is_wildcard, role_node
 from pdctl.units import cpu_list, cpu_set
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
@@ -92,7 +93,23 @@ _OWNED_ROUTER_FLAGS = {
     "--health-success-threshold": "router.health_success_threshold",
 }
 _PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--chat-template")
+# The --policy choices of each router_impl, as its CLI lists them: smg 1.13.0 (the version pinned in pyproject.toml,
+# `smg launch --help`) and sglang-router 0.3.2 (its launch_router CLI; shared/reference/sglang-pd.md, "Policies").
+_ROUTER_POLICIES: dict[str, tuple[str, frozenset[str]]] = {
+    "smg": ("smg 1.13.0", frozenset({"random", "round_robin", "passthrough", "cache_aware", "power_of_two",
+                                     "least_load", "manual", "consistent_hashing", "prefix_hash"})),
+    "sglang-router": ("sglang-router 0.3.2", frozenset({"random", "round_robin", "cache_aware", "power_of_two",
+                                                        "manual"})),
+}
+# pdctl's kernels read 64-token pages: the FP8 656-byte latent KV rows through SGLang's page table and the
+# indexer's paged FP8 index-K cache, 64 tokens x 132 B per page (shared/reference/kernels.md §1, kernels/_reference.py).
+_KERNEL_PAGE_SIZE = 64
+# SGLang's --mem-fraction-static is the fraction of GPU memory for weights and the KV pool; the rest holds
+# activations, CUDA graphs and NCCL buffers. At or above this, warn that almost nothing is left for them.
+_MEM_FRACTION_WARN = 0.95
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY…).
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 tuple(host.gpu_numa) if host.gpu_numa is not None else None, host.numa_cpus
             )
 
-    used_hosts = sorted({r.host for _n, _k, r in roles} | ({dep.router.on} if dep.router and dep.router.on else set()))
+    # (undeclared hosts are reported once, below; counting them here would add a contradictory second error)
+    used_hosts = sorted(h for h in {r.host for _n, _k, r in roles} | ({dep.router.on} if dep.router and dep.router.on
+                                                                        else set()) if h in dep.hosts)
     if len(used_hosts) > 1:
         err(
             "hosts",
@@ -186,10 +205,21 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 err(f"hosts.{key}.{attr}", f"{path} is not a file on this machine",
                     "give the path of an existing file (relative paths are relative to the spec's folder)")
 
+    # An undeclared host is reported once, at the first field that names it; the router's default host (the first
+    # role's) is not reported again as router.on, which the spec may not even set.
+    undeclared: dict[str, list[str]] = {}
+    for _name, _kind, role in roles:
+        if role.host not in dep.hosts:
+            undeclared.setdefault(role.host, []).append(f"{_role_field(dep, role)}.host")
+    if dep.router is not None and dep.router.on is not None and dep.router.on not in dep.hosts:
+        undeclared.setdefault(dep.router.on, []).append("router.on")
+    for key, fields in undeclared.items():
+        also = f" (also named by {', '.join(fields[1:])})" if fields[1:] else ""
+        err(fields[0], f"host {key!r} is not declared{also}", f"add [hosts.{key}] or use one of {sorted(dep.hosts)}")
+
     for name, _kind, role in roles:
         f = _role_field(dep, role)
         if role.host not in dep.hosts:
-            err(f"{f}.host", f"host {role.host!r} is not declared", f"add [hosts.{role.host}] or use one of {sorted(dep.hosts)}")
             continue
         # GPU count vs parallel sizes (SGLang: attention-DP groups live inside the TP group).
         if len(role.gpus) != role.tp:
@@ -333,9 +363,15 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     router = dep.router
     router_host = None
     if router is not None:
-        router_host = router.on or (roles[0][2].host if roles else "local")
-        if router_host not in dep.hosts:
-            err("router.on", f"host {router_host!r} is not declared", f"add [hosts.{router_host}]")
+        router_host = router.on or (roles[0][2].host if roles else "local")  # (undeclared: reported above)
+        impl, policies = _ROUTER_POLICIES[dep.router_impl]
+        if router.policy not in policies:
+            err(
+                "router.policy",
+                f"{router.policy!r} is not a --policy of {impl} (router_impl = {dep.router_impl!r}): the router "
+                "would refuse to start",
+                _closest("policy", router.policy, policies, where=impl),
+            )
         server_ports = {(r.host, r.port): n for n, _k, r in roles}
         if (router_host, router.port) in server_ports:
             err(
@@ -346,7 +382,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         else:
             claim(router_host, router.port, "router.port", "router.port")
         claim(router_host, router.prometheus_port, "router.prometheus_port", "router.prometheus_port")
-        if router.prometheus_host in ("0.0.0.0", "::") and not router.allow_public_prometheus:
+        if is_wildcard(router.prometheus_host) and not router.allow_public_prometheus:
             warn(
                 "router.prometheus_host",
                 f"router metrics are exposed on {router.prometheus_host}:{router.prometheus_port}",
@@ -406,7 +442,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{kv.backend!r} is not a transfer backend of SGLang {facts.version}",
                     f"use one of {sorted(facts.transfer_backends)}",
                 )
-        decode_hosts = {r.host for r in dep.decode}
+        decode_hosts = {r.host for r in dep.decode if r.host in dep.hosts}  # (an undeclared one is reported above)
         for i, p in enumerate(dep.prefill):
             remote = sorted(h for h in decode_hosts if h != p.host)
             if remote and p.http_host in _LOOPBACK:
@@ -510,7 +546,64 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if key in _OWNED_ENV:
             err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
 
+    # --- memory -------------------------------------------------------------------------------
+    for _name, _kind, role in roles:
+        if role.mem_fraction is not None and role.mem_fraction >= _MEM_FRACTION_WARN:
+            warn(
+                f"{_role_field(dep, role)}.mem_fraction",
+                f"mem_fraction = {role.mem_fraction:g} gives weights and the KV pool (SGLang's --mem-fraction-static) "
+                "almost all GPU memory, leaving almost none for activations, CUDA graphs and NCCL buffers",
+                "leave mem_fraction unset so that SGLang derives it, or lower it (e.g. 0.85)",
+            )
+
+    # --- engines reachable around the router ----------------------------------------------------
+    if dep.router is not None:
+        for name, _kind, role in roles:
+            if is_wildcard(role.http_host):
+                warn(
+                    f"{_role_field(dep, role)}.http_host",
+                    f"{name} binds every interface ({role.http_host}): clients can reach the engine directly, around "
+                    f"the router on {dep.router.host}:{dep.router.port}",
+                    "bind it to 127.0.0.1 (prefill, decode and the router share one host); expose the router only",
+                )
+
+    # --- secrets --------------------------------------------------------------------------------
+    tables = [("engine.env", dep.engine.env), ("router.env", dep.router.env if dep.router else {})]
+    tables += [(f"{_role_field(dep, r)}.env", r.env) for _n, _k, r in roles]
+    for where, env in tables:
+        for key, value in env.items():
+            if _SECRET_NAME.search(key) and value:  # (env tables take values as written: no env:NAME here)
+                warn(
+                    f"{where}.{key}",
+                    f"{key} looks like a secret, and env values are written into unit files and plans in clear",
+                    f'move it to [secrets] ({key} = "env:{key}"): written 0600 and shown as ***',
+                )
+    for key, value in dep.secrets.items():
+        if value and not value.startswith("env:"):
+            warn(
+                f"secrets.{key}",
+                "the value sits in the spec file in plain text (and in every copy of it)",
+                f'write "env:{key}" and export {key} where pdctl runs',
+            )
+
     # --- kernels --------------------------------------------------------------------------------
+    if dep.kernels.enabled:
+        paged: set[str] = set()  # model.page_size is reported once, not once per role that inherits it
+        for _name, _kind, role in roles:
+            if role.page_size is not None and role.page_size != _KERNEL_PAGE_SIZE:
+                field, size = f"{_role_field(dep, role)}.page_size", role.page_size
+            elif role.page_size is None and dep.model.page_size not in (None, _KERNEL_PAGE_SIZE):
+                field, size = "model.page_size", dep.model.page_size
+            else:
+                continue
+            if field not in paged:
+                paged.add(field)
+                err(
+                    field,
+                    f"page_size = {size} with kernels enabled: pdctl's kernels read 64-token pages (the FP8 "
+                    "656-byte latent KV and the indexer's 132 B/token index cache)",
+                    f"set {field} = 64 (or leave it out), or set kernels.enabled = false",
+                )
     if dep.kernels.enabled and not dep.kernels.which:
         err("kernels.which", "kernels are enabled but none is named: kernels_built would build nothing",
             'name them (which = ["sparse_mla_decode", "lightning_indexer"]), or set kernels.enabled = false')
@@ -518,7 +611,8 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if dep.model.dsa_decode_backend not in _PLUGIN_DECODE_BACKENDS:
             err(
                 "model.dsa_decode_backend",
-                f"{dep.model.dsa_decode_backend!r}: pdctl's sparse-MLA decode kernel is routed in only on SGLang's "
+                f"{'not set' if dep.model.dsa_decode_backend is None else repr(dep.model.dsa_decode_backend)}: pdctl's "
+                "sparse-MLA decode kernel is routed in only on SGLang's "
                 f"{' / '.join(_PLUGIN_DECODE_BACKENDS)} decode paths; with this backend the built kernel would never run",
                 'set model.dsa_decode_backend = "flashmla_kv" (FP8 KV) or "flashmla_sparse", or drop sparse_mla_decode from kernels.which',
             )
@@ -533,11 +627,11 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     return out
 
 
-def _closest(what: str, value: str, names: frozenset[str]) -> str:
+def _closest(what: str, value: str, names: frozenset[str], *, where: str = "the target version") -> str:
     import difflib
 
     near = difflib.get_close_matches(value, sorted(names), n=3, cutoff=0.5)
-    every = f"use a {what} the target version has: {', '.join(sorted(names))}"
+    every = f"use a {what} {where} has: {', '.join(sorted(names))}"
     return f"did you mean {' or '.join(repr(n) for n in near)}? Or {every}" if near else every
 
 

@@ -20,8 +20,11 @@ whose message carries the line and column.
 from __future__ import annotations
 
 import copy
+import difflib
+import ipaddress
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,6 +36,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -79,6 +83,95 @@ EnvName = Annotated[str, AfterValidator(env_name)]  # a key of an env table: wha
 NODE_MAX = 1023
 NumaNode = Annotated[int, BeforeValidator(_node_key), Field(ge=0, le=NODE_MAX)]
 
+# The field that holds the port of each address field (a port written into the address is moved there).
+_PORT_FIELD = {"address": "ssh_port", "http_host": "port", "host": "port", "prometheus_host": "prometheus_port"}
+# RFC 1123 §2.1 (after RFC 952): a host name label is letters, digits and '-', 1-63 characters, neither starting nor
+# ending with '-'; the whole name at most 253 characters (255 octets on the wire, RFC 1035 §2.3.4).
+_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+# ('_' too, which RFC 1123 leaves out: ~/.ssh/config aliases and container service names use it, and they resolve.)
+
+
+def _address(v: str, info: ValidationInfo) -> str:
+    """An address as SGLang's ``--host``, smg's ``--host`` / ``--prometheus-host`` and ssh take it: an IP literal
+    (:mod:`ipaddress`; IPv6 written bare, ``::1``, as those flags take it: pdctl brackets it where it builds a URL)
+    or an RFC 1123 host name (with '_' allowed). A port, a URL scheme, a user, brackets, a prefix length or spaces
+    written into it are refused with what to write instead (they passed validation and failed only at apply). An IP
+    literal is kept in its canonical form (``::0`` becomes ``::``)."""
+    key = info.field_name or "address"
+    port_field = _PORT_FIELD.get(key, "port")
+
+    def split(host: str, port: str | int) -> str:
+        return f'host and port are separate fields: write {key} = "{host}" and {port_field} = {port}'
+
+    if v == "":
+        raise ValueError("must not be empty: write an IP address (127.0.0.1, ::1) or a host name")
+    if any(c.isspace() for c in v):
+        words = v.split()
+        fix = f'write {key} = "{words[0]}"' if len(words) == 1 else "write one host name or IP address"
+        raise ValueError(f"{v!r} contains whitespace, which no address has: {fix}")
+    if "://" in v:
+        url = urllib.parse.urlsplit(v)
+        host = url.hostname or "HOST"
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        fix = split(host, port) if port else f'write {key} = "{host}"'
+        raise ValueError(f"{v!r} is a URL, not an address: {fix} (pdctl builds the URLs)")
+    if "@" in v:
+        user, _, host = v.rpartition("@")
+        if key == "address":
+            raise ValueError(f'{v!r} includes a user: write address = "{host}" and ssh_user = "{user}"')
+        raise ValueError(f'{v!r} includes a user, which a bind address has not: write {key} = "{host}"')
+    if v.startswith("["):
+        m = re.fullmatch(r"\[([^\]]*)\](?::([0-9]+))?", v)
+        if m and m.group(2):
+            raise ValueError(f"{v!r} includes a port: {split(m.group(1), int(m.group(2)))}")
+        inner = m.group(1) if m else v.strip("[]")
+        raise ValueError(f'{v!r}: write an IPv6 address without brackets, {key} = "{inner}" (pdctl adds them '
+                         "where it builds a URL)")
+    if v == "*":
+        raise ValueError(f'{v!r} is no address: for every interface write {key} = "0.0.0.0" (IPv4) or "::" (IPv6)')
+    if "/" in v:
+        try:
+            ip = ipaddress.ip_interface(v).ip
+        except ValueError:
+            raise ValueError(f"{v!r} is neither an IP address nor a host name: write one without '/'") from None
+        raise ValueError(f'{v!r} carries a prefix length, which an address has not: write {key} = "{ip}"')
+    try:
+        ip = ipaddress.ip_address(v)
+    except ValueError:
+        pass
+    else:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id and not ip.is_link_local:
+            # getaddrinfo refuses it ("Name or service not known"): the server would never start
+            raise ValueError(f"{v!r}: a zone (%{ip.scope_id}) belongs to a link-local address (fe80::/10) only: "
+                             f'write {key} = "{str(ip).split("%")[0]}"')
+        # the canonical form (::0 -> ::, 0:0:0:0:0:0:0:1 -> ::1), which the loopback and every-interface checks
+        # compare against
+        return str(ip)
+    m = re.fullmatch(r"([^:]+):([0-9]+)", v)
+    if m:
+        raise ValueError(f"{v!r} includes a port: {split(m.group(1), int(m.group(2)))}")
+    if ":" in v:
+        raise ValueError(f"{v!r} is not an IPv6 address: write one as ip -6 addr prints it, e.g. ::1 or fe80::1")
+    name = v.removesuffix(".")
+    if re.fullmatch(r"[0-9.]+", name):  # RFC 1123 §2.1: a host name never has the dotted-decimal form
+        try:
+            ipaddress.IPv4Address(v)
+        except ValueError as exc:
+            raise ValueError(f"{v!r} is not an IPv4 address ({exc}): write four numbers 0-255, e.g. 127.0.0.1") \
+                from None
+    if len(name) > 253 or not all(_LABEL_RE.fullmatch(label) for label in name.split(".")):
+        raise ValueError(f"{v!r} is neither an IP address nor a host name: a host name (RFC 1123) is labels of "
+                         "letters, digits and '-' (and '_', which ssh aliases and container names use) joined by '.', "
+                         "e.g. gpu1.example.com")
+    return v
+
+
+Address = Annotated[str, AfterValidator(_address)]
+"""A host's address or a bind address: an IP literal (IPv6 bare) or an RFC 1123 host name (:func:`_address`)."""
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
 
@@ -91,7 +184,7 @@ class Host(_Model):
     """A machine that runs roles. ``address`` "localhost" (or 127.0.0.1, ::1) means this machine, driven
     directly; any other address is reached over SSH (``pdctl.statemachine.ssh``), public-key login only."""
 
-    address: str = "localhost"
+    address: Address = "localhost"
     ssh_user: str | None = None
     ssh_port: Port = 22
     ssh_identity: str | None = None
@@ -164,7 +257,7 @@ class ServerRole(_Model):
     attn_dp: Int = Field(default=1, ge=1)
     ep: Int = Field(default=1, ge=1)
     numa_node: Int | None = Field(default=None, ge=0, le=NODE_MAX)
-    http_host: str = "127.0.0.1"
+    http_host: Address = "127.0.0.1"
     port: Port
     bootstrap_port: Port | None = None
     nccl_port: Port | None = None
@@ -212,11 +305,11 @@ class Router(_Model):
 
     on: str | None = None
     """Host key (in ``[hosts]``) the router runs on; default: the first prefill's host."""
-    host: str = "127.0.0.1"
+    host: Address = "127.0.0.1"
     """Bind address: the deployment's exposure (``0.0.0.0`` = every interface)."""
     port: Port = 30001
     policy: str = "cache_aware"
-    prometheus_host: str = "127.0.0.1"
+    prometheus_host: Address = "127.0.0.1"
     prometheus_port: Port = 29000
     allow_public_prometheus: Bool = False
     # (at most 2**31 - 1: smg crashed converting 10**20 and left the router failed)
@@ -360,6 +453,22 @@ def _list_fix(loc: tuple) -> str:
     return f"must be a list: write it in brackets, e.g. {example}"
 
 
+def _choice_fix(value: Any, expected: str) -> str:
+    """The message for a value outside a field's fixed choices (a ``Literal``), worded as the other messages are,
+    with the nearest choices (:func:`difflib.get_close_matches`, case ignored) when one is close.
+    *expected* is pydantic's rendering of the choices (``"'a', 'b' or 'c'"``); pdctl's choices are plain names
+    without quotes in them."""
+    choices = re.findall(r"'([^']*)'", expected)
+    shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
+    msg = f"must be one of {', '.join(repr(c) for c in choices)}, not {shown}"
+    if isinstance(value, str):
+        lower = {c.lower(): c for c in choices}
+        near = [lower[n] for n in difflib.get_close_matches(value.lower(), list(lower), n=3, cutoff=0.6)]
+        if near:
+            msg += f": did you mean {' or '.join(repr(n) for n in near)}?"
+    return msg
+
+
 def _is_toml_number(text: str, *, whole: bool) -> bool:
     # Would `text` without its quotes be a TOML integer (whole) or number? (TOML's digits are ASCII only.)
     try:
@@ -480,6 +589,8 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 msg = _type_fix(err["type"], err["input"], lambda v, loc=err["loc"]: _error_at(data, loc, v))
             elif err["type"] == "list_type":
                 msg = _list_fix(err["loc"])
+            elif err["type"] == "literal_error":
+                msg = _choice_fix(err["input"], err.get("ctx", {}).get("expected", ""))
             elif err["type"] in _BOUNDS:
                 msg = _range_fix(err["type"], err["input"], err.get("ctx", {}))
             elif err["type"] == "string_type" and isinstance(err["input"], dict):
@@ -504,7 +615,11 @@ def load_spec(path: str | Path) -> Deployment:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise SpecError(f"{p}: cannot read spec: {exc.strerror or exc}", path=str(p)) from None
+        fix = {IsADirectoryError: "give the spec's file, e.g. examples/demo.toml, not a directory",
+               FileNotFoundError: "check the path (relative paths start where pdctl runs), e.g. examples/demo.toml",
+               PermissionError: "make it readable by this user, or run pdctl as a user who can read it"}
+        hint = next((h for kind, h in fix.items() if isinstance(exc, kind)), "check the path and the file")
+        raise SpecError(f"{p}: cannot read spec: {exc.strerror or exc}: {hint}", path=str(p)) from None
     except UnicodeDecodeError as exc:
         raise SpecError(f"{p}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}): save the "
                         "spec as UTF-8", path=str(p)) from None

@@ -13,6 +13,24 @@ from pdctl.statemachine.spec import load_spec, parse_spec
 from .specs import DEMO, SEED, seed_dict
 
 
+def _with(path: tuple, value) -> dict:  # noqa: ANN001
+    """The seed spec as a dict with *value* written at *path* (keys and list indices)."""
+    d = seed_dict()
+    node = d
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return d
+
+
+def _refused(path: tuple, value):  # noqa: ANN001, ANN202
+    """The SpecError (pytest's ExceptionInfo) that the seed with *value* at *path* must raise."""
+    with pytest.raises(SpecError) as e:
+        parse_spec(_with(path, value))
+    return e
+
+
+
 def test_the_examples_validate_without_errors():
     for path in (SEED, DEMO):
         dep = load_spec(path)
@@ -292,6 +310,9 @@ def test_unknown_host_reference():
     d = seed_dict()
     d["decode"][0]["host"] = "gpu9"
     _one(d, "decode[0].host", "host 'gpu9' is not declared", "[hosts.gpu9]")
+    # one error for a typo, not also "roles run on 2 hosts" or "decode cannot reach the bootstrap", whose fixes
+    # (one host; bind prefill to every interface) point elsewhere
+    assert [f.field for f in _errors(d)] == ["decode[0].host"], _errors(d)
 
 
 def test_unknown_target_version():
@@ -376,13 +397,7 @@ def test_missing_required_field_is_named():
     (("prefill", 0, "expected_cold_start_s"), "1e400", "must be a number, not '1e400': write a finite number, not inf or nan"),
 ])
 def test_values_of_another_toml_type_or_out_of_range_are_refused_with_a_fix(path, value, words):
-    d = seed_dict()
-    node = d
-    for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
-    with pytest.raises(SpecError) as e:
-        parse_spec(d)
+    e = _refused(path, value)
     field = ".".join(f"[{k}]" if isinstance(k, int) else k for k in path).replace(".[", "[")
     if path[-1] == "gpus" and isinstance(value, list) and value:
         field += "[2]"
@@ -486,6 +501,16 @@ def test_a_spec_that_is_not_utf8_text_is_refused_with_the_fix(tmp_path, raw, wor
     assert words in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "missing.toml", "cannot read spec: No such file or directory: check the path"),
+    (lambda d: d, "cannot read spec: Is a directory: give the spec's file"),
+])
+def test_a_spec_path_that_is_no_readable_file_says_what_to_give(tmp_path, make, words):
+    with pytest.raises(SpecError) as e:
+        load_spec(make(tmp_path))
+    assert words in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("path", [("engine", "env"), ("prefill", 0, "env"), ("router", "env"), ("secrets",)])
 def test_an_environment_variable_name_units_cannot_carry_is_refused(path):
     # (validate and plan passed it; `pdctl units` then crashed and the supervisor passed it on)
@@ -543,3 +568,221 @@ def test_kernels_need_a_target_version_the_plugin_knows():
     d["sglang_version"] = "0.5.6"
     d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
     _one(d, "kernels.enabled", "refuses 0.5.6")
+
+
+@pytest.mark.parametrize("impl, policy, near", [
+    ("smg", "cache-aware", "'cache_aware'"),
+    ("smg", "round-robin", "'round_robin'"),
+    # smg 1.13.0 has these; sglang-router 0.3.2's CLI does not
+    ("sglang-router", "least_load", "use a policy sglang-router 0.3.2 has: cache_aware, manual, power_of_two, random"),
+    ("sglang-router", "prefix_hash", "use a policy sglang-router 0.3.2 has:"),
+    ("smg", "bucket", "use a policy smg 1.13.0 has: cache_aware, consistent_hashing, least_load,"),  # prefill only
+])
+def test_a_router_policy_the_router_refuses_is_an_error_with_the_nearest(impl, policy, near):
+    # (validate and plan accepted it; the router then exited 2 at apply)
+    d = seed_dict()
+    d["router_impl"] = impl
+    d["router"]["policy"] = policy
+    f = _one(d, "router.policy", f"{policy!r} is not a --policy of", near)
+    assert "sglang-router 0.3.2" in f.message if impl == "sglang-router" else "smg 1.13.0" in f.message
+
+
+@pytest.mark.parametrize("impl, policy", [("smg", "least_load"), ("smg", "prefix_hash"), ("smg", "passthrough"),
+                                          ("sglang-router", "power_of_two"), ("sglang-router", "cache_aware")])
+def test_a_router_policy_the_router_has_passes(impl, policy):
+    d = seed_dict()
+    d["router_impl"] = impl
+    d["router"]["policy"] = policy
+    assert not [f for f in validate(parse_spec(d)) if f.field == "router.policy"]
+
+
+@pytest.mark.parametrize("path, value", [
+    (("router", "host"), "::1"),
+    (("router", "host"), "::"),
+    (("router", "host"), "0.0.0.0"),
+    (("router", "prometheus_host"), "fe80::1%eth0"),
+    (("prefill", 0, "http_host"), "10.1.2.3"),
+    (("prefill", 0, "http_host"), "gpu-1.example.com"),
+    (("hosts", "local", "address"), "gpu1.example.com."),
+    (("hosts", "local", "address"), "::1"),
+    (("hosts", "local", "address"), "gpu_box"),  # an ~/.ssh/config alias or a container name
+])
+def test_ip_literals_and_host_names_are_addresses(path, value):
+    dep = parse_spec(_with(path, value))
+    node = dep
+    for k in path:
+        node = node[k] if isinstance(k, int) else (node[k] if isinstance(node, dict) else getattr(node, k))
+    assert node == value
+
+
+@pytest.mark.parametrize("path, written, canonical", [
+    (("router", "prometheus_host"), "::0", "::"),
+    (("hosts", "local", "address"), "0:0:0:0:0:0:0:1", "::1"),
+])
+def test_ip_literals_are_kept_in_the_form_the_loopback_and_wildcard_checks_compare(path, written, canonical):
+    d = _with(path, written)
+    dep = parse_spec(d)
+    assert (dep.router.prometheus_host if path[0] == "router" else dep.hosts["local"].address) == canonical
+    if path[0] == "router":  # a wildcard however written: the public-metrics warning
+        assert any(f.field == "router.prometheus_host" for f in validate(dep))
+    else:  # the loopback however written: driven directly, not over SSH
+        assert dep.hosts["local"].is_local
+
+
+@pytest.mark.parametrize("path, value, words", [
+    (("router", "host"), "localhost:30001",
+     "router.host: 'localhost:30001' includes a port: host and port are separate fields: write host = \"localhost\" "
+     "and port = 30001"),
+    (("router", "prometheus_host"), "127.0.0.1:29000",
+     'write prometheus_host = "127.0.0.1" and prometheus_port = 29000'),
+    (("hosts", "local", "address"), "gpu1:2222", 'write address = "gpu1" and ssh_port = 2222'),
+    (("router", "host"), "[::1]:30001", 'write host = "::1" and port = 30001'),
+    (("prefill", 0, "http_host"), "http://10.0.0.2",
+     "prefill[0].http_host: 'http://10.0.0.2' is a URL, not an address: write http_host = \"10.0.0.2\""),
+    (("router", "host"), "http://localhost:30001", 'write host = "localhost" and port = 30001'),
+    (("hosts", "local", "address"), "root@gpu1",
+     "hosts.local.address: 'root@gpu1' includes a user: write address = \"gpu1\" and ssh_user = \"root\""),
+    (("router", "host"), "[::1]", "router.host: '[::1]': write an IPv6 address without brackets, host = \"::1\""),
+    (("decode", 0, "http_host"), "local host", "decode[0].http_host: 'local host' contains whitespace"),
+    (("router", "host"), " 0.0.0.0", "contains whitespace, which no address has: write host = \"0.0.0.0\""),
+    (("prefill", 0, "http_host"), "300.1.1.1",
+     "prefill[0].http_host: '300.1.1.1' is not an IPv4 address (Octet 300 (> 255) not permitted"),
+    (("router", "prometheus_host"), "127.0.0.256", "'127.0.0.256' is not an IPv4 address"),
+    (("router", "host"), "1.2.3", "'1.2.3' is not an IPv4 address"),
+    (("router", "host"), "gpu!1", "'gpu!1' is neither an IP address nor a host name"),
+    (("router", "host"), "*", 'for every interface write host = "0.0.0.0" (IPv4) or "::" (IPv6)'),
+    (("prefill", 0, "http_host"), "10.0.0.1/24", 'carries a prefix length, which an address has not: write http_host = "10.0.0.1"'),
+    (("router", "host"), "fe80::1/64", 'write host = "fe80::1"'),
+    (("prefill", 0, "http_host"), "::1%lo", 'a zone (%lo) belongs to a link-local address (fe80::/10) only: write '
+                                           'http_host = "::1"'),
+    (("router", "host"), "-gpu1", "'-gpu1' is neither an IP address nor a host name"),
+    (("router", "host"), "::g", "'::g' is not an IPv6 address"),
+    (("router", "host"), "", "router.host: must not be empty"),
+])
+def test_an_address_with_a_port_scheme_user_brackets_or_a_typo_is_refused_with_what_to_write(path, value, words):
+    # (validate and plan accepted these; the server, router or ssh then failed at apply)
+    e = _refused(path, value)
+    assert words in str(e.value), str(e.value)
+
+
+def test_ipv6_addresses_are_bracketed_in_every_url_pdctl_builds():
+    from pdctl.statemachine.launch import router_launch
+    from pdctl.statemachine.topology import topology_of
+
+    d = seed_dict()
+    d["prefill"][0]["http_host"] = "::1"
+    d["decode"][0]["http_host"] = "::"
+    d["router"]["host"] = "::1"
+    dep = parse_spec(d)
+    topo = topology_of(dep)
+    # "::" is dialled as [::1]: SGLang's uvicorn binds it IPv6-only, so 127.0.0.1 would not reach it
+    assert [r.url for r in topo.roles] == ["http://[::1]:30010", "http://[::1]:30020"]
+    assert topo.router.url == "http://[::1]:30001"
+    assert topo.kv_link.bootstrap == (("prefill", "[::1]", 8998),)
+    r = router_launch(dep)
+    assert r.prefill == (("http://[::1]:30010", 8998),) and r.host == "::1"  # --host takes it bare
+    # the router is given exactly the URLs its proof compares /workers with (one derivation: RoleTopology.url)
+    assert (r.prefill, r.decode) == (topo.router.prefill, topo.router.decode)
+    d["decode"][0]["http_host"] = "0.0.0.0"
+    topo = topology_of(parse_spec(d))
+    assert topo.roles[1].url == "http://127.0.0.1:30020" and router_launch(parse_spec(d)).decode == topo.router.decode
+
+
+@pytest.mark.parametrize("where", ["model", "decode"])
+def test_a_page_size_other_than_64_with_kernels_enabled_is_refused(where):
+    # pdctl's kernels read 64-token pages; a 32-token page size passed validate and failed only in the kernels
+    d = seed_dict()
+    if where == "model":
+        d["model"]["page_size"] = 32
+        field = "model.page_size"
+    else:
+        d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = 128  # (equal: no prefill/decode mismatch)
+        field = "decode[0].page_size"
+    f = _one(d, field, "page_size = ", "with kernels enabled", "64-token pages", f"set {field} = 64",
+             "kernels.enabled = false")
+    assert len([x for x in _errors(d) if x.field == field]) == 1  # model.page_size once, not once per role
+    d["kernels"]["enabled"] = False
+    assert f not in validate(parse_spec(d))
+
+
+def test_a_page_size_of_64_or_unset_with_kernels_passes():
+    d = seed_dict()
+    del d["model"]["page_size"]
+    assert not [f for f in validate(parse_spec(d)) if "page_size" in f.field]
+    d["model"]["page_size"] = 32  # overridden to 64 on every role: the kernels read 64-token pages
+    d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = 64
+    assert not [f for f in validate(parse_spec(d)) if "page_size" in f.field]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.95, 1])
+def test_a_mem_fraction_near_one_is_warned(fraction):
+    d = seed_dict()
+    d["decode"][0]["mem_fraction"] = fraction
+    f = _one(d, "decode[0].mem_fraction", f"mem_fraction = {fraction:g}", "activations, CUDA graphs and NCCL buffers",
+             "leave mem_fraction unset", level="warning")
+    check(parse_spec(d))  # a warning
+    assert f.level == "warning"
+    assert not [x for x in validate(parse_spec(d)) if x.field == "prefill[0].mem_fraction"]  # (0.85 in the seed)
+
+
+def test_a_plaintext_secret_is_warned_and_an_env_reference_is_not():
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "hf_abc123", "API_KEY": "env:ROUTER_API_KEY"}
+    f = _one(d, "secrets.HF_TOKEN", "plain text", 'write "env:HF_TOKEN" and export HF_TOKEN where pdctl runs',
+             level="warning")
+    assert "hf_abc123" not in str(f)  # the warning never repeats the secret
+    assert not [x for x in validate(parse_spec(d)) if x.field == "secrets.API_KEY"]
+
+
+@pytest.mark.parametrize("path, value, words", [
+    (("kv_transfer", "backend"), "nixl2",
+     "kv_transfer.backend: must be one of 'nixl', 'mooncake', 'mooncake_tcp', 'fake', 'mori', 'ascend', not 'nixl2': "
+     "did you mean 'nixl'?"),
+    (("kv_transfer", "backend"), "NIXL", "not 'NIXL': did you mean 'nixl'?"),
+    (("service_manager",), "systemd",
+     "service_manager: must be one of 'systemd-system', 'systemd-user', 'process', not 'systemd': did you mean "
+     "'systemd-user' or 'systemd-system'?"),
+    (("router_impl",), "sglang_router", "not 'sglang_router': did you mean 'sglang-router'?"),
+    (("kernels", "which"), ["sparse_mla"], "kernels.which[0]: must be one of 'sparse_mla_decode', 'lightning_indexer', "
+     "not 'sparse_mla': did you mean 'sparse_mla_decode'?"),
+    (("hosts", "local", "connect"), "telnet", "hosts.local.connect: must be one of 'auto', 'local', 'ssh', not 'telnet'\n"),
+    (("hosts", "local", "inventory"), 5, "hosts.local.inventory: must be one of 'declared', 'discover', not 5"),
+])
+def test_a_value_outside_a_fields_choices_names_them_and_the_nearest(path, value, words):
+    e = _refused(path, value)
+    assert words in str(e.value) + "\n", str(e.value)
+    assert "Input should be" not in str(e.value)
+
+
+def test_an_engine_bound_to_every_interface_behind_a_router_is_warned():
+    d = seed_dict()
+    d["prefill"][0]["http_host"] = "0.0.0.0"
+    _one(d, "prefill[0].http_host", "binds every interface", "around the router", "127.0.0.1", level="warning")
+    assert not [f for f in validate(parse_spec(seed_dict())) if f.field.endswith(".http_host")]
+
+
+@pytest.mark.parametrize("where, key", [(("engine", "env"), "HF_TOKEN"), (("prefill", 0, "env"), "OPENAI_API_KEY"),
+                                        (("router", "env"), "db_password")])
+def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
+    d = seed_dict()
+    node = d
+    for k in where:
+        node = node.setdefault(k, {}) if isinstance(node, dict) else node[k]
+    node[key] = "hf_abcdefgh"
+    field = ".".join(f"[{k}]" if isinstance(k, int) else k for k in where).replace(".[", "[") + f".{key}"
+    _one(d, field, "looks like a secret", f'{key} = "env:{key}"', level="warning")
+    del node[key]  # moved as the fix says: no warning left
+    d.setdefault("secrets", {})[key] = f"env:{key}"
+    assert not [f for f in validate(parse_spec(d)) if key in f.field]
+
+
+def test_an_undeclared_host_is_reported_once_where_it_is_written():
+    # (the router, defaulting to the first role's host, also reported router.on, which the spec did not set)
+    d = seed_dict()
+    d["prefill"][0]["host"] = d["decode"][0]["host"] = "gpu1"
+    errs = [f for f in _errors(d) if "gpu1" in f.message]
+    assert [(f.field, f.message) for f in errs] == [
+        ("prefill[0].host", "host 'gpu1' is not declared (also named by decode[0].host)")], errs
+    assert "add [hosts.gpu1]" in errs[0].fix
+    d["router"]["on"] = "gpu2"  # written: reported where it is written
+    _one(d, "router.on", "host 'gpu2' is not declared", "[hosts.gpu2]")
