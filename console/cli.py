@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -30,9 +31,11 @@ EXIT_HELP = (
 
 app = typer.Typer(
     name="pdctl",
-    help="Plan, deploy and prove SGLang prefill-decode (PD) disaggregated deployments.\n\n" + EXIT_HELP,
+    help="Plan, deploy and prove SGLang prefill-decode (PD) disaggregated deployments.\n\n"
+         "`pdctl SPEC.toml` opens the console on SPEC; `pdctl --apply SPEC` is `pdctl apply SPEC`.\n\n" + EXIT_HELP,
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 
@@ -41,6 +44,23 @@ StateDirOpt = Annotated[
     Optional[Path],
     typer.Option("--state-dir", envvar="PDCTL_STATE_DIR", help="Journal directory (default per service scope)"),
 ]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        sys.stdout.write(f"pdctl {version('pdctl')}\n")
+        raise typer.Exit(ExitCode.OK)
+
+
+@app.callback()
+def _root(
+    _version_flag: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print pdctl's version and exit")
+    ] = False,
+) -> None:
+    pass
 
 
 def _err(msg: str) -> None:
@@ -198,10 +218,11 @@ def apply_cmd(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line on stdout")] = False,
 ) -> None:
-    """Plan, then bring the deployment to parsers_configured, proving every step.
+    """Plan, then bring the deployment to parsers_configured, proving every step (also `pdctl --apply SPEC`).
 
-    A topology change is refused (exit 2, plan printed) unless --confirm-topology names this
-    exact plan. A saved plan applies only while the deployment still matches its "from" side.
+    A topology change is refused (exit 2, plan printed) unless --confirm-topology names this exact plan. A saved plan applies only while the deployment still matches its "from" side.
+
+    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143: interrupted (Ctrl-C / SIGTERM), what runs stays as it is.
     """
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import apply, load, load_saved_plan
@@ -325,7 +346,10 @@ def down_cmd(
     state_dir: StateDirOpt = None,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask (headless)")] = False,
 ) -> None:
-    """Stop everything in reverse order (router, decode, prefill) and remove the units."""
+    """Stop everything in reverse order (router, decode, prefill) and remove the units.
+
+    Exit 0: stopped, or nothing of it installed here (this state directory and service manager) and none of its own processes running; 1: nothing installed here, yet its own processes hold its ports (applied with another --state-dir, user or service manager: the holders are named, nothing is stopped), or any other error; 4: locked; 64: bad command line, or no terminal to ask on and no --yes; 130 / 143: interrupted.
+    """
     from pdctl.statemachine.service import down, load
 
     loaded = load(spec, state_dir=state_dir)
@@ -338,7 +362,11 @@ def down_cmd(
             raise typer.Exit(ExitCode.OK)
     with _signals_as_interrupt():
         names = down(loaded, sink=_Reporter(False))
-    _err(f"stopped and removed {len(names)} unit(s) of {loaded.deployment.name!r}")
+    if names:
+        _err(f"stopped and removed {len(names)} unit(s) of {loaded.deployment.name!r}")
+    else:
+        _err(f"nothing of {loaded.deployment.name!r} is installed here (service manager "
+             f"{loaded.deployment.service_manager}, state directory {loaded.journal.dir}): nothing to stop")
 
 
 @app.command("units")
@@ -362,7 +390,10 @@ def chat_cmd(
     message: Annotated[str, typer.Argument(help="The user message")] = "What is the weather in Paris? Use the tool.",
     state_dir: StateDirOpt = None,
 ) -> None:
-    """Send one chat completion (with a tool and thinking on) through the deployment's router."""
+    """Send one chat completion (with a tool and thinking on) through the deployment's router (or its single server).
+
+    The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: any other status, or no connection.
+    """
     import httpx
 
     from pdctl.statemachine.probes import PROBE_TOOL
@@ -377,8 +408,7 @@ def chat_cmd(
         _err(f"note: deployment {topo.name!r} runs a topology other than this spec's (`pdctl plan {spec}` shows how); "
              "chatting with what runs")
     if topo.router is not None:
-        host = "127.0.0.1" if topo.router.host in ("0.0.0.0", "::") else topo.router.host
-        url = f"http://{host}:{topo.router.port}"
+        url = topo.router.url
     else:
         url = topo.roles[0].url
     model = loaded.deployment.model.served_name or loaded.deployment.model.path
@@ -416,9 +446,8 @@ def console_cmd(
                      help="Telemetry interval (default: the spec's console.refresh_s, 1 s)"),
     ] = None,
 ) -> None:
-    """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it.
-
-    Textual is imported here only: the headless commands never load it."""
+    """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`)."""
+    # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
 
     loaded = load(spec, state_dir=state_dir, discover=True)
@@ -431,7 +460,8 @@ def _rewrite(argv: list[str]) -> list[str]:
     """``--apply X`` → ``apply X``; a bare spec path → ``console SPEC``."""
     if argv and argv[0] == "--apply":
         return ["apply", *argv[1:]]
-    if argv and not argv[0].startswith("-") and argv[0] not in _command_names() and argv[0].endswith((".toml", ".json")):
+    if argv and not argv[0].startswith("-") and argv[0] not in _command_names() and (
+            argv[0].endswith((".toml", ".json")) or os.path.exists(argv[0])):  # a path: the console says what is wrong
         return ["console", *argv]
     return argv
 
