@@ -15,7 +15,7 @@ from textual.widget import Widget
 
 from pdctl.console.telemetry import format_cpulist
 from pdctl.statemachine.plan import Plan, ResourceChange, format_value
-from pdctl.statemachine.topology import Topology, is_wildcard
+from pdctl.statemachine.topology import Topology, is_wildcard, url_host
 
 __all__ = ["CLASS_STYLE", "TopologyPanel", "render_topology"]
 
@@ -82,7 +82,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
             Text(format_cpulist(r.gpus)),
             Text(par),
             Text("-" if r.numa_node is None else str(r.numa_node)),
-            Text(f"{r.http_host}:{r.port}"),
+            Text(f"{url_host(r.http_host)}:{r.port}"),
             Text(str(r.bootstrap_port) if r.bootstrap_port else "-"),
             _svc(services, r.name),
         )

@@ -21,6 +21,7 @@ as data, and ``Plan.model_validate_json`` reads it back.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 from typing import Any, Literal
 
@@ -157,10 +158,20 @@ def _reach_free(deployment: dict) -> dict:
                                     if isinstance(h, dict) else h for k, h in hosts.items()}}
 
 
+def _canonical_ip(host: Any) -> Any:
+    # An IP literal in the form specs are read into since 2026-12-01 (::0 -> ::, FE80::1 -> fe80::1): a journal
+    # written before recorded it as typed, and the same address is no change.
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
 def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = False) -> list[AttrChange]:
     # entry_point: the role is where clients connect (a single server with no router in front), so its bind
     # address and port are the deployment's exposure, a topology change like the router's.
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
+    o["http_host"] = _canonical_ip(o["http_host"])
     if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
         n["settings"].pop("numa_binding", None)
     out: list[AttrChange] = []
@@ -296,6 +307,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         words.append(f"router on {orr.exposure} removed")
     elif orr is not None and nr is not None:
         o, n = orr.model_dump(mode="json"), nr.model_dump(mode="json")
+        o["host"] = _canonical_ip(o["host"])
         diffs: list[AttrChange] = []
         for a in ("host", "port", "on"):
             diffs += _diff(a, o[a], n[a], "topology")
@@ -303,7 +315,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
             diffs += _diff(a, o[a], n[a], "disruptive")
         diffs += _diff("settings", o["settings"], n["settings"], "disruptive")
         if diffs:
-            if orr.exposure != nr.exposure:
+            if (o["host"], o["port"]) != (n["host"], n["port"]):
                 public = " (every interface)" if is_wildcard(nr.host) else ""
                 words.append(f"router exposure {orr.exposure} → {nr.exposure}{public}")
             if orr.on != nr.on:

@@ -17,6 +17,7 @@ so that an SSH host answers the same way. The parsers are pure.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
@@ -102,13 +103,15 @@ def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
     return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls
 
 
-def started_by(host, pid: int, marker: str) -> bool:  # noqa: ANN001
-    """Whether *pid* or one of its ancestors (at most 64 up) was started for a unit whose name holds *marker*: its
-    command line names it (pdctl's process supervisor runs ``… -m pdctl.units.supervise <state>/units/<unit>``) or
-    its cgroup does (systemd puts a unit's processes in ``…/<unit>``, ``/proc/<pid>/cgroup``)."""
+def started_by(host, pid: int, markers: Iterable[str]) -> bool:  # noqa: ANN001
+    """Whether *pid* or one of its ancestors (at most 64 up) was started for a unit whose name is one of *markers*:
+    its command line names it (pdctl's process supervisor runs ``… -m pdctl.units.supervise <state>/services/<unit>``)
+    or its cgroup does (systemd puts a unit's processes in ``…/<unit>``, ``/proc/<pid>/cgroup``)."""
+    markers = tuple(markers)
     seen = 0
     while pid and pid > 1 and seen < 64:
-        if marker in _read(host, f"/proc/{pid}/cmdline") or marker in _read(host, f"/proc/{pid}/cgroup"):
+        found = _read(host, f"/proc/{pid}/cmdline") + "\n" + _read(host, f"/proc/{pid}/cgroup")
+        if any(m in found for m in markers):
             return True
         pid = _parent(host, pid) or 0
         seen += 1

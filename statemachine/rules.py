@@ -23,7 +23,7 @@ from typing import Literal
 from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole
-from pdctl.statemachine.topology import is_wildcard, role_node
+from pdctl.statemachine.topology import is_wildcard, role_node, url_host
 from pdctl.units import cpu_list, cpu_set
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
@@ -108,8 +108,12 @@ _KERNEL_PAGE_SIZE = 64
 # activations, CUDA graphs and NCCL buffers. At or above this, warn that almost nothing is left for them.
 _MEM_FRACTION_WARN = 0.95
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY…).
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
+# Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY…):
+# the name's last _-separated words, so that TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not
+# taken for one; a switch value (1, true, off…) is no credential either (HF_HUB_DISABLE_IMPLICIT_TOKEN=1).
+_SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$",
+                          re.IGNORECASE)
+_SWITCH_VALUE = re.compile(r"[+-]?\d+(\.\d+)?|true|false|yes|no|on|off", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -385,7 +389,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if is_wildcard(router.prometheus_host) and not router.allow_public_prometheus:
             warn(
                 "router.prometheus_host",
-                f"router metrics are exposed on {router.prometheus_host}:{router.prometheus_port}",
+                f"router metrics are exposed on {url_host(router.prometheus_host)}:{router.prometheus_port}",
                 "bind them to 127.0.0.1, or set router.allow_public_prometheus = true to mean it",
             )
         for fld in ("reasoning_parser", "tool_call_parser", "chat_template"):
@@ -563,7 +567,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 warn(
                     f"{_role_field(dep, role)}.http_host",
                     f"{name} binds every interface ({role.http_host}): clients can reach the engine directly, around "
-                    f"the router on {dep.router.host}:{dep.router.port}",
+                    f"the router on {url_host(dep.router.host)}:{dep.router.port}",
                     "bind it to 127.0.0.1 (prefill, decode and the router share one host); expose the router only",
                 )
 
@@ -572,7 +576,8 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     tables += [(f"{_role_field(dep, r)}.env", r.env) for _n, _k, r in roles]
     for where, env in tables:
         for key, value in env.items():
-            if _SECRET_NAME.search(key) and value:  # (env tables take values as written: no env:NAME here)
+            # (env tables take values as written: no env:NAME here)
+            if _SECRET_NAME.search(key) and value and not _SWITCH_VALUE.fullmatch(value.strip()):
                 warn(
                     f"{where}.{key}",
                     f"{key} looks like a secret, and env values are written into unit files and plans in clear",

@@ -457,7 +457,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     j = loaded.journal
     manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
     if not j.dir.exists() and not _installed_units(loaded, j.read(), manager):
-        _refuse_if_held_elsewhere(loaded, j, manager.host)  # nothing ever recorded here: create nothing (no lock, no audit)
+        _refuse_if_held_elsewhere(loaded, j, manager.host, sink)  # nothing ever recorded here: create nothing (no lock, no audit)
         return []
     with j.lock("down"):
         state = j.read()
@@ -472,12 +472,13 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
             raise
 
 
-def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host) -> None:  # noqa: ANN001
+def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  # noqa: ANN001
     """Nothing of the deployment is installed for this state directory and service manager: if its ports are held
     all the same by its own roles' processes (the role's unit, ``pdctl-<name>-<role>.service``, above the listener:
     applied with another ``--state-dir``, ``XDG_STATE_HOME``, user or service manager), say so rather than report a
-    successful stop of nothing. Ports held by anything else are not this deployment's business here. Raises
-    HostError naming each holder; changes nothing."""
+    successful stop of nothing. Ports held by anything else are not this deployment's business here; ports held by
+    processes this user cannot inspect (another user's) get an ``info`` event on *sink*. Raises HostError naming each
+    holder; changes nothing."""
     from pdctl.statemachine import ports
     from pdctl.statemachine.errors import HostError
     from pdctl.statemachine.steps import deployment_ports
@@ -485,9 +486,20 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host) -> None:  # noqa
     dep = loaded.deployment
     topo = topology_of(dep)
     wanted = deployment_ports(topo)
-    unit_of = unit_names(topo)  # the unit of the role that owns each port: a marker no other deployment's unit holds
-    ours = [x for x in ports.listeners(host, set(wanted))
-            if x.pid is not None and ports.started_by(host, x.pid, unit_of[wanted[x.port]])]
+    # The deployment's unit names: markers no other deployment's units hold (any of them, not only the port's role:
+    # ports may have moved between roles since the apply)
+    units = unit_names(topo).values()
+    held = ports.listeners(host, set(wanted))
+    ours = [x for x in held if x.pid is not None and ports.started_by(host, x.pid, units)]
+    unseen = sorted({x.port for x in held if x.pid is None})
+    if unseen and not ours:
+        from pdctl.statemachine.events import Event
+
+        # /proc/<pid>/fd of another user's process is closed to us: whose these are cannot be told
+        sink.emit(Event("info", f"note: port(s) {', '.join(map(str, unseen))} of {dep.name!r} are held by processes "
+                                "this user cannot see; if the deployment was applied as another user, run down as "
+                                "that user (or root)",
+                        data={"ports": unseen}))
     if ours:
         who = "; ".join(f"{wanted[x.port]}'s port {x.port} by PID {x.pid} ({x.command or 'unknown'})" for x in ours)
         raise HostError(
@@ -518,7 +530,7 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
 
     names = _installed_units(loaded, state, manager)
     if not names:
-        _refuse_if_held_elsewhere(loaded, j, manager.host)
+        _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:
         was = manager.status(n).state
         manager.stop(n)

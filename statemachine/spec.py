@@ -116,7 +116,12 @@ def _address(v: str, info: ValidationInfo) -> str:
             port = url.port
         except ValueError:
             port = None
-        fix = split(host, port) if port else f'write {key} = "{host}"'
+        if port and (key != "address" or url.scheme == "ssh"):
+            fix = split(host, port)
+        elif port:  # a server's URL given as the host's address: its port is a role's, not ssh's
+            fix = f'write address = "{host}" (the servers\' ports are each role\'s port)'
+        else:
+            fix = f'write {key} = "{host}"'
         raise ValueError(f"{v!r} is a URL, not an address: {fix} (pdctl builds the URLs)")
     if "@" in v:
         user, _, host = v.rpartition("@")
@@ -143,10 +148,18 @@ def _address(v: str, info: ValidationInfo) -> str:
     except ValueError:
         pass
     else:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            # an IPv6-only socket (uvicorn's, smg's) cannot bind it (EINVAL), and ssh reaches the IPv4 form alike
+            raise ValueError(f"{v!r} is an IPv4 address written as IPv6: write {key} = \"{ip.ipv4_mapped}\"")
         if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id and not ip.is_link_local:
             # getaddrinfo refuses it ("Name or service not known"): the server would never start
             raise ValueError(f"{v!r}: a zone (%{ip.scope_id}) belongs to a link-local address (fe80::/10) only: "
                              f'write {key} = "{str(ip).split("%")[0]}"')
+        if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id and key != "address":
+            # a bind address ends up in the URLs the router, the decode side and pdctl dial, where a zone needs
+            # RFC 6874's %25 escape that not every client takes: ssh (hosts.*.address) takes it as it is
+            raise ValueError(f"{v!r}: a link-local address with a zone cannot be dialled through the URLs built from "
+                             f'{key}: bind a loopback, global or wildcard address instead, e.g. {key} = "::"')
         # the canonical form (::0 -> ::, 0:0:0:0:0:0:0:1 -> ::1), which the loopback and every-interface checks
         # compare against
         return str(ip)

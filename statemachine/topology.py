@@ -76,9 +76,10 @@ class RoleTopology(_Frozen):
 
     @property
     def url(self) -> str:
-        """The server's HTTP base URL as seen by its peers (``http://address:port``)."""
-        if is_wildcard(self.http_host) and self.address not in ("localhost", "127.0.0.1", "::1"):
-            return f"http://{url_host(self.address)}:{self.port}"  # bound everywhere on another machine: its address
+        """The server's HTTP base URL as dialled on its own host (``http://127.0.0.1:30010``), where its peers run:
+        pdctl drives one host per deployment, so the router, the decode side and pdctl's probes (over an SSH forward
+        for a remote host, :mod:`pdctl.statemachine.ssh`) all reach a wildcard bind through loopback
+        (:func:`dial_host`: ``::`` through ``[::1]``, which the host's name or IPv4 address would not reach)."""
         return f"http://{dial_host(self.http_host)}:{self.port}"
 
     def describe(self) -> str:

@@ -366,6 +366,27 @@ def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_su
         assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
 
 
+def test_down_with_nothing_installed_notes_ports_held_by_processes_it_cannot_see(demo, monkeypatch):
+    # A non-root user cannot read another user's /proc/<pid>/fd: such a holder cannot be told from the deployment
+    # applied as that user, so down stops nothing and says so instead of a bare "nothing to stop"
+    import socket
+
+    from pdctl.statemachine import hosts
+    from pdctl.statemachine.events import ListSink
+
+    real = hosts.Host.socket_links
+    monkeypatch.setattr(hosts.Host, "socket_links", lambda self: [(p, i) for p, i in real(self) if p != os.getpid()])
+    with socket.socket() as hidden:
+        hidden.bind(("127.0.0.1", demo.ports["router"]))
+        hidden.listen()
+        sink = ListSink()
+        assert service.down(demo.load(), sink=sink) == []
+    notes = [e for e in sink.events if e.kind == "info"]
+    assert len(notes) == 1 and notes[0].data["ports"] == [demo.ports["router"]], notes
+    assert "run down as that user" in notes[0].message
+    assert not demo.state.exists()
+
+
 def test_a_pd_deployment_bound_to_the_ipv6_wildcard_is_dialled_over_ipv6_and_proven(make_demo):
     # prefill and decode on "::" (the stand-in binds it IPv6-only, as SGLang's uvicorn does), the router on ::1:
     # every URL pdctl gives the router or dials itself must reach them, and the router proof must match /workers

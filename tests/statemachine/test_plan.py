@@ -70,11 +70,30 @@ def test_opening_a_single_server_to_every_interface_needs_confirmation():
 
 
 def test_every_interface_is_named_however_the_wildcard_is_written():
-    for bind in ("::", "::0", "::ffff:0.0.0.0"):
+    for bind in ("::", "::0", "0:0:0:0:0:0:0:0"):
         p = make_plan(topo(_single("127.0.0.1")), topo(_single(bind)))
         assert p.requires_confirmation and p.topology_changes[0].endswith("(every interface)"), (bind, p.topology_changes)
     p = make_plan(topo(_single("127.0.0.1")), topo(_single("::1")))
     assert "every interface" not in p.topology_changes[0] and "[::1]:30001" in p.topology_changes[0]
+
+
+def test_an_address_a_journal_recorded_as_typed_is_no_change_once_specs_read_it_canonical():
+    # specs read IP literals canonical (::0 -> ::) since 2026-12-01; a journal from before holds them as typed
+    d = seed_dict()
+    d["prefill"][0]["http_host"] = "::"
+    d["router"]["host"] = "::1"
+    new = topo(d)
+    typed = {"::": "0:0:0:0:0:0:0:0", "::1": "0:0::1"}
+    old = new.model_copy(update={
+        "roles": tuple(r.model_copy(update={"http_host": typed.get(r.http_host, r.http_host)}) for r in new.roles),
+        "router": new.router.model_copy(update={"host": typed["::1"]}),
+    })
+    assert make_plan(old, new).changes == ()
+    single = topo(_single("::"))
+    assert make_plan(single.model_copy(update={"roles": (single.roles[0].model_copy(update={"http_host": "::0"}),)}),
+                     single).changes == ()
+    d["router"]["host"] = "::2"  # another address all the same
+    assert make_plan(old, topo(d)).topology_changes == ("router exposure [0:0::1]:30001 → [::2]:30001",)
 
 
 def test_a_server_behind_a_router_changes_its_bind_address_without_confirmation():

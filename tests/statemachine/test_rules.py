@@ -600,7 +600,7 @@ def test_a_router_policy_the_router_has_passes(impl, policy):
     (("router", "host"), "::1"),
     (("router", "host"), "::"),
     (("router", "host"), "0.0.0.0"),
-    (("router", "prometheus_host"), "fe80::1%eth0"),
+    (("hosts", "local", "address"), "fe80::1%eth0"),  # ssh takes a link-local address with its zone
     (("prefill", 0, "http_host"), "10.1.2.3"),
     (("prefill", 0, "http_host"), "gpu-1.example.com"),
     (("hosts", "local", "address"), "gpu1.example.com."),
@@ -655,6 +655,14 @@ def test_ip_literals_are_kept_in_the_form_the_loopback_and_wildcard_checks_compa
     (("router", "host"), "fe80::1/64", 'write host = "fe80::1"'),
     (("prefill", 0, "http_host"), "::1%lo", 'a zone (%lo) belongs to a link-local address (fe80::/10) only: write '
                                            'http_host = "::1"'),
+    (("router", "prometheus_host"), "fe80::1%eth0", "a link-local address with a zone cannot be dialled through the "
+                                                    'URLs built from prometheus_host: bind a loopback, global or '
+                                                    'wildcard address instead, e.g. prometheus_host = "::"'),
+    (("prefill", 0, "http_host"), "::ffff:0.0.0.0", 'an IPv4 address written as IPv6: write http_host = "0.0.0.0"'),
+    (("hosts", "local", "address"), "::ffff:10.0.0.5", 'write address = "10.0.0.5"'),
+    (("hosts", "local", "address"), "http://gpu1:30001/",  # a server's URL: its port is no ssh port
+     'is a URL, not an address: write address = "gpu1" (the servers\' ports are each role\'s port)'),
+    (("hosts", "local", "address"), "ssh://gpu1:2222", 'write address = "gpu1" and ssh_port = 2222'),
     (("router", "host"), "-gpu1", "'-gpu1' is neither an IP address nor a host name"),
     (("router", "host"), "::g", "'::g' is not an IPv6 address"),
     (("router", "host"), "", "router.host: must not be empty"),
@@ -686,6 +694,14 @@ def test_ipv6_addresses_are_bracketed_in_every_url_pdctl_builds():
     d["decode"][0]["http_host"] = "0.0.0.0"
     topo = topology_of(parse_spec(d))
     assert topo.roles[1].url == "http://127.0.0.1:30020" and router_launch(parse_spec(d)).decode == topo.router.decode
+    # on a host known by its name (driven directly or over SSH) the router beside the servers still dials loopback:
+    # gpu1.internal may resolve to an IPv4 address, which a :: bind (IPv6 only) does not answer on
+    for connect in ("local", "ssh"):
+        d["hosts"]["local"].update(address="gpu1.internal", connect=connect)
+        d["prefill"][0]["http_host"] = "::"
+        topo = topology_of(parse_spec(d))
+        assert [r.url for r in topo.roles] == ["http://[::1]:30010", "http://127.0.0.1:30020"], connect
+        assert topo.kv_link.bootstrap == (("prefill", "[::1]", 8998),)
 
 
 @pytest.mark.parametrize("where", ["model", "decode"])
@@ -773,6 +789,15 @@ def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
     _one(d, field, "looks like a secret", f'{key} = "env:{key}"', level="warning")
     del node[key]  # moved as the fix says: no warning left
     d.setdefault("secrets", {})[key] = f"env:{key}"
+    assert not [f for f in validate(parse_spec(d)) if key in f.field]
+
+
+@pytest.mark.parametrize("key, value", [("TOKENIZERS_PARALLELISM", "false"), ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"),
+                                        ("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1"), ("NCCL_IB_SECRET_MODE", "strict"),
+                                        ("PASSTHROUGH", "yes-please")])
+def test_settings_that_only_mention_a_secret_word_are_not_warned(key, value):
+    d = seed_dict()
+    d.setdefault("engine", {}).setdefault("env", {})[key] = value
     assert not [f for f in validate(parse_spec(d)) if key in f.field]
 
 
