@@ -90,17 +90,25 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Save the plan to FILE (JSON)")] = None,
 ) -> None:
-    """Show what applying SPEC would change. Exit 0: no changes; 2: changes; 1: error."""
+    """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and serves as
+    proven); 2: changes, or none to the recorded deployment while an earlier apply did not finish or what runs no
+    longer serves as proven (`pdctl apply` has work either way: said on stdout); 1: error."""
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
+    from pdctl.statemachine.topology import topology_of
 
     loaded = load(spec, state_dir=state_dir, discover=True)
     _warnings(loaded)
     p = plan_spec(loaded)
     pending = loaded.journal.read().target
+    unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
     if pending is not None:
+        other = pending != topology_of(loaded.deployment)
+        unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
+                     "may be partly what it was applying")
         _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
     elif drift := _runtime_drift(loaded):
+        unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
         _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
              f"{'; '.join(drift)}. `pdctl apply` re-proves every step and restarts what does not serve as specified")
     if out is not None:
@@ -111,9 +119,13 @@ def plan(
         _err(f"plan saved to {out}")
     if as_json:
         sys.stdout.write(p.model_dump_json(indent=1) + "\n")
+    elif unsettled and not p.has_changes:
+        sys.stdout.write(f"No changes to what was recorded as deployed for {p.deployment!r}, but {unsettled}.\n"
+                         f"`pdctl apply` re-proves every step and restarts what does not serve as specified.\n"
+                         f"plan id: {p.plan_id}\n")
     else:
         sys.stdout.write(render_text(p) + "\n")
-    raise typer.Exit(ExitCode.CHANGES if p.has_changes else ExitCode.OK)
+    raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
 
 
 def _runtime_drift(loaded) -> list[str]:  # noqa: ANN001

@@ -5,7 +5,8 @@ code  name            meaning
 ====  ==============  ==========================================================================
 0     OK              success; ``plan``: no changes
 1     ERROR           invalid spec, host or probe error, anything unexpected
-2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``);
+2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``), or apply has work
+                      all the same (an earlier apply did not finish; what runs no longer serves as proven);
                       ``apply``: a topology change refused (no or wrong ``--confirm-topology``),
                       or a saved plan that no longer matches the deployment
 3     STEP_FAILED     ``apply``: a state-machine step failed, or a port check refused the apply before its

@@ -622,6 +622,9 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
                 break
     finally:
         p.wait(30)
+    # The journal still records PD, which the spec asks: the plan must not say it matches while a server runs
+    plan = demo.cli("plan", str(demo.spec))
+    assert plan.returncode == 2 and "an earlier apply toward another spec did not finish" in plan.stdout, plan.stdout
     # Back to PD (the deployed spec): the half-started single server must go, PD must come back.
     r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 0, r.stderr
@@ -666,7 +669,10 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     text = demo.cli("status", str(demo.spec))
     assert text.returncode == 1 and "UNSUPERVISED" in text.stdout and "NOT healthy" in text.stdout
     plan = demo.cli("plan", str(demo.spec))  # the spec did not change, but plan must not hide what apply will do
-    assert plan.returncode == 0 and "No changes" in plan.stdout
+    # (exit 2, as for changes: a script gating apply on plan must not skip it)
+    assert plan.returncode == 2 and "No changes to what was recorded as deployed" in plan.stdout, plan.stdout
+    assert "but what runs no longer serves as proven: decode UNSUPERVISED" in plan.stdout
+    assert "matches the spec" not in plan.stdout
     assert "decode UNSUPERVISED" in plan.stderr and "pdctl apply" in plan.stderr
     sink = ListSink()
     demo.apply(sink=sink)
@@ -676,7 +682,9 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     d = next(r for r in st["roles"] if r["name"] == "decode")
     assert st["healthy"] and d["supervised"] and d["main_pid"] != dec["main_pid"]
     assert int((demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid").read_text()) != wd
-    assert "note:" not in demo.cli("plan", str(demo.spec)).stderr  # all serves as proven again
+    settled = demo.cli("plan", str(demo.spec))
+    assert "note:" not in settled.stderr and settled.returncode == 0  # all serves as proven again
+    assert "matches the spec" in settled.stdout
     # The router's supervisor: apply stops the unsupervised smg before starting a supervised one.
     router = st["router"]
     _kill_watchdog(demo, router["unit"])
