@@ -220,7 +220,7 @@ def apply(
     from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
     from pdctl.statemachine.machine import run_steps
-    from pdctl.statemachine.steps import ports_taken_elsewhere, steps_for
+    from pdctl.statemachine.steps import bind_addresses_unusable, ports_taken_elsewhere, steps_for
 
     sink = sink or NullSink()
     j = loaded.journal
@@ -263,6 +263,7 @@ def apply(
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
             try:
+                bind_addresses_unusable(ctx)
                 ports_taken_elsewhere(ctx, own)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))

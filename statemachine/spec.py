@@ -175,7 +175,11 @@ def _address(v: str, info: ValidationInfo) -> str:
         except ValueError as exc:
             raise ValueError(f"{v!r} is not an IPv4 address ({exc}): write four numbers 0-255, e.g. 127.0.0.1") \
                 from None
-    if len(name) > 253 or not all(_LABEL_RE.fullmatch(label) for label in name.split(".")):
+    labels = name.split(".")
+    if len(labels) == 4 and sum(label.isdigit() for label in labels) == 3:  # 127.0.0.l, 10.O.0.1: a typo'd IPv4
+        raise ValueError(f"{v!r} looks like an IPv4 address with a typo in it (three of its four labels are numbers): "
+                         "write four numbers 0-255, e.g. 127.0.0.1")
+    if len(name) > 253 or not all(_LABEL_RE.fullmatch(label) for label in labels):
         raise ValueError(f"{v!r} is neither an IP address nor a host name: a host name (RFC 1123) is labels of "
                          "letters, digits and '-' (and '_', which ssh aliases and container names use) joined by '.', "
                          "e.g. gpu1.example.com")

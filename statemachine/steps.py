@@ -216,6 +216,65 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         )
 
 
+# Run on the deployment's host with its engine Python: each argument an address; prints {address: why unusable}.
+# getaddrinfo with AI_PASSIVE, then bind port 0 on the first result that binds, as a server's --host would.
+_BIND_PROBE = """
+import json, socket, sys
+out = {}
+for a in sys.argv[1:]:
+    try:
+        infos = socket.getaddrinfo(a, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        out[a] = "does not resolve on this host (" + (e.strerror or str(e)) + ")"
+        continue
+    why = None
+    for family, _t, _p, _c, addr in infos:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            s.bind(addr)
+            why = None
+            break
+        except OSError as e:
+            why = "cannot be bound on this host (" + (e.strerror or str(e)) + ")"
+        finally:
+            s.close()
+    if why:
+        out[a] = why
+print(json.dumps(out))
+"""
+
+
+def bind_addresses_unusable(ctx: Context) -> None:
+    """Before anything starts or stops: every bind address of *ctx*'s topology (each role's ``http_host``, the
+    router's host and metrics host) must resolve on the deployment's host and be bindable there, as the server's
+    own bind will need (a typo such as ``127.0.0.l`` passes the spec as a host name; the server then fails after its
+    predecessor was stopped). One command on the host with the engine Python. Raises :class:`ApplyFailed` naming
+    each field and why; a host where the probe cannot run at all is left to the steps."""
+    from pdctl.statemachine.launch import python_for
+
+    topo = ctx.topology
+    where: dict[str, list[tuple[str, str]]] = {}  # address -> [(what, step)]
+    for r in topo.roles:
+        where.setdefault(r.http_host, []).append((f"{r.name} http_host", f"{r.kind}_up"))
+    if topo.router is not None:
+        where.setdefault(topo.router.host, []).append(("router host", "router_exposed"))
+        prom = str(topo.router.settings.get("prometheus_host") or "")
+        if prom:
+            where.setdefault(prom, []).append(("router prometheus_host", "router_exposed"))
+    try:
+        res = ctx.host.run([python_for(ctx.dep), "-c", _BIND_PROBE, *where], timeout=30, check=False)
+        bad = json.loads(res.stdout) if res.ok else {}
+    except (OSError, ValueError):
+        return
+    if bad:
+        said = "; ".join(f"{what} {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])
+        raise ApplyFailed(
+            f"bind addresses unusable, nothing was started or changed: {said}",
+            step=where[next(iter(bad))][0][1],
+            hint="write an address this host has (ip addr lists them), 127.0.0.1, or 0.0.0.0 / :: for every interface",
+        )
+
+
 def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
     """Stop the deployment's other units that hold one of *wanted* and are themselves (re)started later in this
     apply (their settings changed): two roles swapping ports would otherwise each find its new port taken by

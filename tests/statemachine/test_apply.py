@@ -366,6 +366,25 @@ def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_su
         assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
 
 
+def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
+    # 192.0.2.1 (TEST-NET-1) is on no interface; gpu-typo.invalid never resolves (RFC 6761): both pass the spec as an
+    # address, and the server's own bind fails only after its predecessor was stopped
+    from pdctl.statemachine.errors import ApplyFailed
+
+    demo.apply()
+    pids = demo.pids()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0]["http_host"] = "192.0.2.1"
+    d["router"]["prometheus_host"] = "gpu-typo.invalid"
+    with pytest.raises(ApplyFailed, match=r"bind addresses unusable, nothing was started or changed: prefill http_host "
+                                          r"'192.0.2.1' cannot be bound on this host \(.*\); router prometheus_host "
+                                          r"'gpu-typo.invalid' does not resolve on this host") as e:
+        demo.apply(demo.write(d, "typo.toml"))
+    assert e.value.step == "prefill_up" and "ip addr" in e.value.hint
+    assert demo.pids() == pids and demo.status()["healthy"]  # nothing stopped
+    assert demo.load().journal.audit_records()[-1]["event"] == "apply-refused"
+
+
 def test_down_with_nothing_installed_notes_ports_held_by_processes_it_cannot_see(demo, monkeypatch):
     # A non-root user cannot read another user's /proc/<pid>/fd: such a holder cannot be told from the deployment
     # applied as that user, so down stops nothing and says so instead of a bare "nothing to stop"

@@ -663,6 +663,8 @@ def test_ip_literals_are_kept_in_the_form_the_loopback_and_wildcard_checks_compa
     (("hosts", "local", "address"), "http://gpu1:30001/",  # a server's URL: its port is no ssh port
      'is a URL, not an address: write address = "gpu1" (the servers\' ports are each role\'s port)'),
     (("hosts", "local", "address"), "ssh://gpu1:2222", 'write address = "gpu1" and ssh_port = 2222'),
+    (("prefill", 0, "http_host"), "127.0.0.l", "'127.0.0.l' looks like an IPv4 address with a typo in it"),
+    (("router", "host"), "10.O.0.1", "write four numbers 0-255"),
     (("router", "host"), "-gpu1", "'-gpu1' is neither an IP address nor a host name"),
     (("router", "host"), "::g", "'::g' is not an IPv6 address"),
     (("router", "host"), "", "router.host: must not be empty"),
