@@ -458,11 +458,18 @@ def console_cmd(
                      help="Telemetry interval (default: the spec's console.refresh_s, 1 s)"),
     ] = None,
 ) -> None:
-    """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`)."""
+    """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`).
+
+    Needs a terminal: without one (stdin or stdout not a TTY) it exits 64 at once.
+    """
     # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
 
     loaded = load(spec, state_dir=state_dir, discover=True)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # else Textual waits on no keys, writing escapes into a pipe
+        _err("error: the console needs a terminal (stdin and stdout); nothing was opened\n"
+             "hint: for scripts use `pdctl status SPEC [--json]`, `pdctl plan SPEC` or `pdctl apply SPEC`")
+        raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 
     raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))

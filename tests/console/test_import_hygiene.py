@@ -63,3 +63,12 @@ def test_only_the_telemetry_module_imports_pynvml():
             if re.search(r"^\s*(import pynvml|from pynvml)", p.read_text(errors="replace"), re.M):
                 importers.append(str(p.relative_to(ROOT)))
     assert importers == ["console/telemetry.py"]
+
+
+@pytest.mark.parametrize("argv", [["console", str(DEMO)], [str(DEMO), "--readonly"]])
+def test_the_console_without_a_terminal_refuses_at_once(argv, tmp_path):
+    # (it ran on forever, Textual writing escape sequences into the pipe and waiting on keys that never came)
+    r = subprocess.run([sys.executable, "-m", "pdctl", *argv, "--state-dir", str(tmp_path / "st")], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 64 and "the console needs a terminal" in r.stderr and "pdctl status" in r.stderr, r.stderr
+    assert r.stdout == "" and not (tmp_path / "st").exists()
