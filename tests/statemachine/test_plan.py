@@ -359,3 +359,27 @@ def test_cli_invalid_spec_exits_1_naming_the_field(tmp_path):
     assert r.returncode == 1
     assert "decode[0].gpus" in r.stderr and "fix:" in r.stderr
     assert r.stdout == ""
+
+
+def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_nothing(tmp_path):
+    # (-o /tmp wrote /.tmp.PID.tmp and failed on the rename; -o /missing/x.json created /missing as root)
+    sd = tmp_path / "state"
+    (tmp_path / "dir").mkdir()
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "dir"))
+    assert r.returncode == 64 and f"-o {tmp_path / 'dir'}: is a directory" in r.stderr, r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "missing" / "p.json"))
+    assert r.returncode == 64 and "folder" in r.stderr and "does not exist" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
+
+
+def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path):
+    from pdctl.statemachine.journal import atomic_write
+
+    (tmp_path / "taken").mkdir()
+    try:
+        atomic_write(tmp_path / "taken", b"{}")
+    except OSError:
+        pass
+    else:
+        raise AssertionError("a directory was replaced by a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
