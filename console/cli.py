@@ -63,6 +63,41 @@ def _root(
     pass
 
 
+class _PipeSafe:
+    """A text stream that writes nowhere, instead of raising, once its reader is gone (``pdctl apply … | head``):
+    an apply or down must not stop half-way because nobody reads its progress any more. Everything else is the
+    wrapped stream's."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._mute()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._mute()
+
+    def _mute(self) -> None:
+        self.gone = True
+        try:  # the descriptor too: the interpreter's own flush at exit then finds a reader (/dev/null)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._stream, name)
+
+
 def _err(msg: str) -> None:
     sys.stderr.write(msg.rstrip("\n") + "\n")
 
@@ -510,6 +545,8 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
+    if not isinstance(sys.stdout, _PipeSafe):
+        sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
     args = _rewrite(list(sys.argv[1:] if argv is None else argv))
     try:

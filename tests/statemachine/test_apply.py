@@ -625,6 +625,26 @@ def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-interrupted"
 
 
+def test_an_apply_whose_reader_goes_away_still_completes(demo):
+    # `pdctl apply SPEC --json | head -1`: the pipe closes after the first event; the apply must not die of EPIPE
+    # half-way (it was audited apply-failed, "[Errno 32] Broken pipe")
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    try:
+        assert json.loads(p.stdout.readline())["kind"] == "plan"
+        p.stdout.close()  # the reader is gone
+        p.stderr.close()
+        rc = p.wait(180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert rc == 0
+    assert demo.load().journal.audit_records()[-1]["event"] == "apply-done"
+    assert demo.status()["healthy"]
+
+
 def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
     demo.apply()
     collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
