@@ -82,6 +82,16 @@ def _resolve_confirmation(plan: Plan, confirm: str | None) -> None:
     from pdctl.statemachine.errors import TopologyNotConfirmed
 
     if not plan.requires_confirmation:
+        if confirm is not None and confirm != plan.plan_id and plan.has_changes:
+            # the operator confirmed a topology change this spec no longer asks (or a typo): what they reviewed is
+            # not what would run. (With no changes at all, the same command run again after it succeeded, nothing
+            # would run: accepted.)
+            raise TopologyNotConfirmed(
+                f"--confirm-topology {confirm} names another plan; this plan is {plan.plan_id} and changes no "
+                "topology; nothing was changed",
+                plan_id=plan.plan_id,
+                hint="review `pdctl plan SPEC`: drop --confirm-topology, or give this plan's id",
+            )
         return
     if confirm is None:
         raise TopologyNotConfirmed(

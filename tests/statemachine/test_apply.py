@@ -98,6 +98,14 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     assert len(refused) == 2
     started = [a for a in audit if a["event"] == "apply-started"]
     assert started[-1]["confirmation"] == plan_id
+    # The same command again: nothing to change, the confirmation is moot (a retry by a script succeeds)
+    assert demo.cli("apply", str(collapse), "--confirm-topology", plan_id).returncode == 0
+    # A confirmation of that collapse given to a spec with other changes (no topology change) confirms nothing
+    moved = demo.write({**_collapse(demo.dict, demo.ports["router"]), "engine": {**demo.dict["engine"],
+                        "env": {**demo.dict["engine"]["env"], "PDCTL_SIM_LOAD_SECONDS": "0.2"}}}, "moved.toml")
+    r = demo.cli("apply", str(moved), "--confirm-topology", plan_id)
+    assert r.returncode == 2 and "names another plan" in r.stderr and "changes no topology" in r.stderr, r.stderr
+    assert demo.pids() == after
     # down with the collapsed spec leaves nothing running.
     service.down(demo.load(collapse))
     assert demo.pids() == []
