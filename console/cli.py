@@ -379,7 +379,7 @@ def _status_text(st: dict) -> str:
         stats = rt.get("stats") or {}
         lines.append(
             f"  {'router':<10} {rt['state']:<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
-            f"{rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
+            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
         )
     if st["steps"]:

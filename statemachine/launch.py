@@ -340,7 +340,7 @@ def services_for(
             env=plain,
             secrets=secret,
             secrets_file=_secrets_file(dep, "router", scope, sd) if secret else None,
-            restart_sec=5,
+            restart_sec=1,  # the router holds no state and smg serves again ~1 s after its start: clients wait less
             restart_prevent_exit_status=(2,),  # smg's argparse refused the flags
             start_limit_burst=5,
             start_limit_interval_s=5 * (300 + 5),

@@ -382,7 +382,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         st = manager.status(names["router"])
         url = topo.router.url
         router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
-                  "supervised": st.supervised}
+                  "supervised": st.supervised, "restarts": st.restarts}
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code

@@ -283,6 +283,20 @@ def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
     while time.monotonic() < deadline and demo.status()["router"].get("readiness") != 200:
         time.sleep(0.5)
     assert demo.status()["healthy"]
+    # The router too: restarted by its supervisor, and counted as the roles are
+    router = demo.status()["router"]
+    assert router["restarts"] == 0
+    os.kill(router["main_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rt = demo.status()["router"]
+        if rt["main_pid"] not in (None, router["main_pid"]) and rt.get("readiness") == 200:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the router did not come back: {rt}")
+    assert rt["restarts"] == 1
+    assert "restarts 1" in demo.cli("status", str(demo.spec)).stdout.split("router", 1)[1]
 
 
 # --- kill -9 at five points, then re-run ---------------------------------------------------------
