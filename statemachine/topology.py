@@ -16,7 +16,7 @@ import hashlib
 import ipaddress
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from pdctl.statemachine.spec import Deployment, ServerRole
 
@@ -51,6 +51,16 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _key_sorted(value: Any) -> Any:
+    """*value* with every mapping's keys in sorted order, as the journal writes them (``sort_keys``): a topology
+    read back from the journal and one derived from a spec then print alike (``plan --json``)."""
+    if isinstance(value, dict):
+        return {k: _key_sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_key_sorted(v) for v in value]
+    return value
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -73,6 +83,8 @@ class RoleTopology(_Frozen):
     nccl_port: int | None
     settings: dict[str, Any]
     """What the server runs with (model, page size, kv-cache dtype, parsers, env, flags…)."""
+
+    _sorted_settings = field_validator("settings")(_key_sorted)
 
     @property
     def url(self) -> str:
@@ -112,6 +124,8 @@ class RouterTopology(_Frozen):
     regular: tuple[str, ...]
     settings: dict[str, Any]
 
+    _sorted_settings = field_validator("settings")(_key_sorted)
+
     @property
     def exposure(self) -> str:
         return f"{url_host(self.host)}:{self.port}"
@@ -134,6 +148,8 @@ class Topology(_Frozen):
     """Deployment-wide settings that restart every serving role when changed."""
     in_place: dict[str, Any]
     """Settings that change nothing on any host (console refresh…)."""
+
+    _sorted_settings = field_validator("deployment", "in_place")(_key_sorted)
 
     def role(self, name: str) -> RoleTopology:
         for r in self.roles:

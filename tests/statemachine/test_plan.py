@@ -324,13 +324,19 @@ def test_cli_plan_exit_codes_and_json(tmp_path):
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
     assert r.returncode == 2, r.stderr
     assert "Plan: 4 to add, 0 to change, 0 to destroy." in r.stdout
-    # Record the seed as deployed, then plan the same spec: nothing to do, exit 0.
+    # Record the seed as deployed, then plan the same spec: no changes, but nothing of it runs here, so apply has
+    # work all the same: exit 2, said on stdout (and as a note on stderr)
     j = Journal(sd, "dsv4-flash")
     j.write(JournalState(name="dsv4-flash", deployed=topo(seed_dict())))
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 2 and "no longer serves as proven: prefill inactive" in r.stderr, r.stderr
     data = json.loads(r.stdout)
     assert data["changes"] == [] and data["from_serial"] == 1
+    # the journal's side and the spec's print alike (the journal sorts keys; so does the topology now)
+    assert json.dumps(data["from_topology"]) == json.dumps(data["to_topology"])
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    assert r.returncode == 2 and "No changes to what was recorded as deployed" in r.stdout
+    assert "router inactive" in r.stdout and "matches the spec" not in r.stdout
     # The collapse, saved with -o.
     spec = tmp_path / "collapse.toml"
     spec.write_text(_toml_dump(collapsed(seed_dict()), list(range(8))))
