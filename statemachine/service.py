@@ -204,6 +204,7 @@ def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, rest
         timeouts=timeouts or Timeouts(),
         kernels_command=kcmd,
         kernels_manifest=kmanifest,
+        sink=sink,
     )
 
 

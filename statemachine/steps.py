@@ -102,6 +102,22 @@ class Context:
     timeouts: Timeouts = field(default_factory=Timeouts)
     kernels_command: list[str] | None = None
     kernels_manifest: str | None = None
+    sink: Any = None
+    """Where progress inside a step goes (an :class:`~pdctl.statemachine.events.EventSink`; None: nowhere)."""
+
+    def say(self, message: str, *, step: str | None = None, **data: Any) -> None:
+        """Emit one ``info`` event: progress a step would otherwise make in silence (a stop that may take minutes)."""
+        if self.sink is not None:
+            from pdctl.statemachine.events import Event
+
+            self.sink.emit(Event("info", message, step=step, data=data))
+
+    def restart_unit(self, unit: str, *, step: str) -> None:
+        """Restart *unit*, saying first how long stopping it may take (its ``TimeoutStopSec``): a server that does
+        not exit on SIGTERM is waited for that long, with nothing else to show."""
+        stop_s = self.units.service(unit).timeout_stop_s
+        self.say(f"restarting {unit} (stopping it may take up to {stop_s:g} s)", step=step, unit=unit)
+        self.manager.restart(unit)
 
     def fingerprint(self, unit: str) -> str:
         """Hash of the desired definition of *unit* (argv, env, limits…)."""
@@ -191,6 +207,19 @@ def _preflight_ports(ctx: Context, name: str, wanted: set[int], main_pid: int | 
         )
 
 
+def _unit_markers(manager: Any, units: set[str]) -> list[str]:
+    """What marks a process as started for one of *units* by *manager* itself (:func:`ports.started_by`): under
+    pdctl's process supervisor the unit's folder in its state directory (``<state>/services/<unit>``, on the
+    watchdog's command line), so that the same deployment applied with another state directory is not taken for
+    this one; under systemd the unit's cgroup (``…/<unit>``), one per service manager."""
+    import posixpath
+
+    state_dir = getattr(manager, "state_dir", None)
+    if state_dir:
+        return [posixpath.join(state_dir, "services", u) for u in sorted(units)]
+    return [f"/{u}" for u in sorted(units)]
+
+
 def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     """Before anything starts: refuse the apply if a process outside this deployment (outside every unit in
     *own_units*, which holds the desired roles' units and those of roles being removed) listens on a port a
@@ -204,6 +233,27 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         return
     ours = [pid for pid in (ctx.manager.status(u).main_pid for u in sorted(own_units)) if pid]
     held = ports.held_outside(ctx.host, set(wanted), ours)
+    # A process started for one of this deployment's own units but no longer its main process: a server its
+    # supervisor is still stopping (an interrupted apply's restart; a server slow to exit on SIGTERM). Its unit ends
+    # it within TimeoutStopSec: wait that long, saying so, rather than call it another deployment's.
+    mine = _unit_markers(ctx.manager, own_units)
+    leftover = [x for x in held if x.pid is not None and ports.started_by(ctx.host, x.pid, mine)]
+    if leftover:
+        stop_s = max((s.timeout_stop_s for s in ctx.units.services), default=120) + 15
+        ctx.say(f"waiting up to {stop_s:g} s for this deployment's previous processes to exit: "
+                + "; ".join(f"port {x.port} held by PID {x.pid}" for x in leftover), step="ports")
+        deadline = time.monotonic() + stop_s
+        while leftover and time.monotonic() < deadline:
+            time.sleep(min(ctx.timeouts.poll, 0.5))
+            held = ports.held_outside(ctx.host, set(wanted), ours)
+            leftover = [x for x in held if x.pid is not None and ports.started_by(ctx.host, x.pid, mine)]
+        if leftover:
+            raise ApplyFailed(
+                "this deployment's own previous processes still hold its ports after "
+                f"{stop_s:g} s, nothing was started or changed: " + _describe(leftover),
+                step=wanted[leftover[0].port][1],
+                hint="see why they do not exit (e.g. a stopped process: kill -CONT or kill -9 PID), then apply again",
+            )
     if held:
         order = [st.name for st in steps_for(topo)]
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
@@ -424,7 +474,7 @@ class ServersUp(Step):
                 ctx.forget(unit)
                 action = "restart"
             if action == "restart":
-                ctx.manager.restart(unit)
+                ctx.restart_unit(unit, step=self.name)
             elif action == "start":
                 ctx.manager.start(unit)
         for r in roles:
@@ -679,7 +729,7 @@ class RouterExposed(Step):
         ctx.manager.install(ctx.units)
         st = ctx.manager.status(unit)
         if st.state in ("active", "activating"):
-            ctx.manager.restart(unit)
+            ctx.restart_unit(unit, step=self.name)
         else:
             ctx.manager.start(unit)
 

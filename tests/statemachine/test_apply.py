@@ -388,6 +388,40 @@ def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_su
         assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
 
 
+def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_calling_it_foreign(demo):
+    # A server its unit is still stopping (slow to exit on SIGTERM, or an interrupted apply's restart) holds the port:
+    # it was refused as "ports taken by processes outside this deployment ... (another deployment?)"
+    from pdctl.statemachine.events import ListSink
+    from pdctl.statemachine.service import unit_names
+    from pdctl.statemachine.topology import topology_of
+
+    unit = unit_names(topology_of(demo.load().deployment))["decode"]
+    code = ("import socket, sys, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            f"s.bind(('127.0.0.1', {demo.ports['decode']})); s.listen(); print('up', flush=True); time.sleep(3)")
+    # the supervisor's command line names the unit (… pdctl.units.supervise <state>/services/<unit>): so does this one
+    old = subprocess.Popen([sys.executable, "-c", code, f"{demo.state}/supervisor/services/{unit}"], stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert old.stdout.readline().strip() == "up"
+        sink = ListSink()
+        demo.apply(sink=sink)
+    finally:
+        old.kill()
+        old.wait(10)
+    waits = [e for e in sink.events if e.kind == "info" and "previous processes to exit" in e.message]
+    assert len(waits) == 1 and f"port {demo.ports['decode']} held by PID {old.pid}" in waits[0].message, sink.events
+    assert demo.status()["healthy"]
+    # The same deployment applied with another state directory is not this one's to wait for: refused at once
+    from pdctl.statemachine import service
+    from pdctl.statemachine.errors import ApplyFailed
+
+    other = service.load(demo.spec, state_dir=demo.tmp / "other-state")
+    sink = ListSink()
+    with pytest.raises(ApplyFailed, match="ports taken by processes outside this deployment"):
+        service.apply(other, sink=sink, timeouts=demo.timeouts())
+    assert not [e for e in sink.events if "previous processes" in e.message]
+
+
 def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
     # 192.0.2.1 (TEST-NET-1) is on no interface; gpu-typo.invalid never resolves (RFC 6761): both pass the spec as an
     # address, and the server's own bind fails only after its predecessor was stopped
