@@ -103,19 +103,20 @@ def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
     return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls
 
 
-def started_by(host, pid: int, markers: Iterable[str]) -> bool:  # noqa: ANN001
-    """Whether *pid* or one of its ancestors (at most 64 up) was started for a unit whose name is one of *markers*:
-    its command line names it (pdctl's process supervisor runs ``… -m pdctl.units.supervise <state>/services/<unit>``)
-    or its cgroup does (systemd puts a unit's processes in ``…/<unit>``, ``/proc/<pid>/cgroup``)."""
+def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: ANN001
+    """The command line or cgroup of *pid* or of one of its ancestors (at most 64 up) that holds one of *markers*
+    (a unit's name or folder), None when none does: pdctl's process supervisor runs
+    ``… -m pdctl.units.supervise <state>/services/<unit>``, and systemd puts a unit's processes in ``…/<unit>``
+    (``/proc/<pid>/cgroup``). Arguments are joined by spaces."""
     markers = tuple(markers)
     seen = 0
     while pid and pid > 1 and seen < 64:
-        found = _read(host, f"/proc/{pid}/cmdline") + "\n" + _read(host, f"/proc/{pid}/cgroup")
-        if any(m in found for m in markers):
-            return True
+        for text in (_read(host, f"/proc/{pid}/cmdline").replace("\0", " "), _read(host, f"/proc/{pid}/cgroup")):
+            if any(m in text for m in markers):
+                return text.strip()
         pid = _parent(host, pid) or 0
         seen += 1
-    return False
+    return None
 
 
 def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001

@@ -8,6 +8,7 @@ The headless CLI and the Textual console are thin shells over them.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -502,7 +503,18 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
     # ports may have moved between roles since the apply)
     units = unit_names(topo).values()
     held = ports.listeners(host, set(wanted))
-    ours = [x for x in held if x.pid is not None and ports.started_by(host, x.pid, units)]
+    started = {x: ports.started_by(host, x.pid, units) for x in held if x.pid is not None}
+    ours = [x for x, how in started.items() if how]
+    # How it was applied, where the holders tell: the supervisor's folder names the state directory; the cgroup
+    # names the systemd manager (user@UID.service: a user's, system.slice: the system's)
+    applied: set[str] = set()
+    for how in filter(None, started.values()):
+        if m := re.search(r"(\S+)/supervisor/services/pdctl-", how):
+            applied.add(f"state directory {m.group(1)} (process supervisor)")
+        elif m := re.search(r"user@(\d+)\.service", how):
+            applied.add(f"the systemd user manager of UID {m.group(1)}")
+        elif "system.slice" in how:
+            applied.add("the systemd system manager")
     unseen = sorted({x.port for x in held if x.pid is None})
     if unseen and not ours:
         from pdctl.statemachine.events import Event
@@ -516,7 +528,8 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
         who = "; ".join(f"{wanted[x.port]}'s port {x.port} by PID {x.pid} ({x.command or 'unknown'})" for x in ours)
         raise HostError(
             f"nothing of {dep.name!r} is installed here (service manager {dep.service_manager}, state directory "
-            f"{j.dir}), yet its own processes hold its ports: {who}; nothing was stopped",
+            f"{j.dir}), yet its own processes hold its ports: {who}; nothing was stopped"
+            + (f"; it was applied with {' and '.join(sorted(applied))}" if applied else ""),
             hint="run down the way the deployment was applied: the same user, service_manager and --state-dir (or "
                  "XDG_STATE_HOME)",
         )

@@ -363,6 +363,7 @@ def test_down_under_another_state_dir_names_the_holders_and_stops_nothing(demo, 
                                         rf"{demo.ports['router']} by PID \d+") as e:
         service.down(elsewhere)
     assert "--state-dir" in e.value.hint
+    assert f"it was applied with state directory {demo.state} (process supervisor)" in str(e.value), str(e.value)
     assert not (tmp_path / "typo").exists()  # nothing recorded there: a refused down creates nothing either
     (tmp_path / "kept").mkdir()  # a state directory that exists (another deployment's, say): the refusal is audited
     kept = service.load(demo.spec, state_dir=tmp_path / "kept")
