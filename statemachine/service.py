@@ -362,8 +362,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     for r in topo.roles:
         st = manager.status(names[r.name])
         code = probes.health(client, r.url, timeout=2.0)
-        # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's)
-        owned = bool(code) and st.is_active and ports.listener_belongs(host, r.port, st.main_pid, found)[0]
+        # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
+        # activating unit's server answering is its own too (it was shown as "from another process")
+        owned = bool(code) and st.main_pid is not None and ports.listener_belongs(host, r.port, st.main_pid, found)[0]
         roles.append(
             {
                 "name": r.name,

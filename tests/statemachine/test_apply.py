@@ -554,6 +554,36 @@ def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
     assert r.stderr.rstrip().splitlines()[-1].startswith("apply refused before its first step"), r.stderr
 
 
+def test_status_during_an_apply_takes_a_loading_server_for_its_own(make_demo):
+    # While its unit is activating the server answers 503 (loading): that is its own process, not "another process
+    # on its port", as status said
+    def slow(d):
+        d["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "4"
+
+    demo = make_demo(slow)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env)
+    seen = None
+    try:
+        deadline = time.monotonic() + 60
+        while seen is None and time.monotonic() < deadline and p.poll() is None:
+            try:
+                pre = next(r for r in demo.status()["roles"] if r["name"] == "prefill")
+            except Exception:  # noqa: BLE001 - the journal or units mid-write: look again
+                pre = {}
+            if pre.get("state") == "activating" and pre.get("health"):
+                seen = pre
+            time.sleep(0.1)
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert seen is not None, "prefill never seen activating and answering"
+    assert seen["port_owned"] is True and seen["healthy"] is False, seen
+
+
 def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
     first = make_demo()
     first.apply()
