@@ -243,8 +243,9 @@ def apply(
         if saved_plan is not None:
             if saved_plan.from_topology != state.deployed:
                 raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} was made against another deployment state "
-                    f"(journal serial {saved_plan.from_serial}, now {state.serial}); nothing was changed",
+                    f"saved plan {saved_plan.plan_id} changes a deployment other than the one recorded now (what it "
+                    f"starts from is no longer what is deployed; made at journal serial {saved_plan.from_serial}, "
+                    f"now {state.serial}); nothing was changed",
                     plan_id=saved_plan.plan_id,
                     hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
                 )
