@@ -207,6 +207,9 @@ class _Reporter:
 
     def emit(self, event) -> None:  # noqa: ANN001
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
+        if event.kind == "apply_interrupted":
+            global _interrupted_step
+            _interrupted_step = event.step
         if self.as_json:
             sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
             sys.stdout.flush()
@@ -215,7 +218,7 @@ class _Reporter:
             self.step_started = True
             return
         if event.kind == "apply_interrupted":
-            return  # main() ends an interrupted command with the same advice
+            return  # main() ends an interrupted command with the same advice (and its step)
         if event.kind == "apply_failed" and self.failure_shown:
             return  # the failed step's line said it
         el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None else ""
@@ -227,6 +230,9 @@ class _Reporter:
         if event.kind in ("step_failed", "apply_failed"):
             self.failure_shown = True
 
+
+_interrupted_step: str | None = None
+"""The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
 _terminated = False
 """Set when SIGTERM stopped the command (``_signals_as_interrupt``): main() then exits 143, not 130."""
@@ -575,7 +581,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
-        _err(("terminated (SIGTERM); " if _terminated else "") + _INTERRUPTED)
+        during = f" during {_interrupted_step}" if _interrupted_step else ""
+        _err(("terminated (SIGTERM); " if _terminated else "") + _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1))
         rc = ExitCode.TERMINATED if _terminated else rc
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 

@@ -687,7 +687,7 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     audit = demo.load().journal.audit_records()[-1]
     assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
     assert demo.status()["steps"]["prefill_up"]["status"] == "interrupted"  # not left "running"
-    said = "interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM); interrupted:"
+    said = ("" if sig == signal.SIGINT else "terminated (SIGTERM); ") + "interrupted during prefill_up:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
 
 
