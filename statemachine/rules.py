@@ -116,6 +116,31 @@ _SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API_KEY|ACCE
 _SWITCH_VALUE = re.compile(r"[+-]?\d+(\.\d+)?|true|false|yes|no|on|off", re.IGNORECASE)
 
 
+# DeepSeek checkpoints by name -> (family, SGLang tool-call parsers for its markup). Sources: SGLang
+# docs/basic_usage/deepseek_v32.md (V3.2 -> deepseekv32; V3.2-Exp -> deepseekv31), 0.5.23
+# sglang/srt/function_call/deepseekv4_detector.py (V4's DSML tool_calls; deepseekv41 the V4.1 variant),
+# deepseekv31_detector.py (V3.1) and deepseekv3_detector.py (V3, R1). First match wins.
+_DEEPSEEK_TOOL_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (r"v4", "DeepSeek-V4", ("deepseekv4", "deepseekv41")),
+    (r"v3[._-]?2[._-]?exp", "DeepSeek-V3.2-Exp", ("deepseekv31",)),
+    (r"v3[._-]?2", "DeepSeek-V3.2", ("deepseekv32",)),
+    (r"v3[._-]?1", "DeepSeek-V3.1", ("deepseekv31",)),
+    (r"v3|r1", "DeepSeek-V3/R1", ("deepseekv3",)),
+)
+
+
+def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(family, tool-call parsers)`` for a DeepSeek checkpoint named as DeepSeek publishes them
+    (``deepseek-ai/DeepSeek-V4-Flash``), None for any other name (Speciale, which has no tool calling, included)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    if "deepseek" not in name or "speciale" in name:
+        return None
+    for pattern, family, parsers in _DEEPSEEK_TOOL_PARSERS:
+        if re.search(pattern, name):
+            return family, parsers
+    return None
+
+
 @dataclass(frozen=True)
 class Finding:
     """One rule's verdict. ``field`` is the spec path, ``fix`` what to change."""
@@ -511,6 +536,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 "parsers.tool_call_parser",
                 f"{base.tool_call_parser!r} is not a tool-call parser of SGLang {facts.version}",
                 _closest("tool-call parser", base.tool_call_parser, facts.tool_call_parsers),
+            )
+
+        expected = _deepseek_tool_parsers(dep.model.path)
+        if (expected and base.tool_call_parser is not None and base.tool_call_parser in facts.tool_call_parsers
+                and base.tool_call_parser not in expected[1]):
+            warn(
+                "parsers.tool_call_parser",
+                f"{dep.model.path!r} is a {expected[0]} model, whose tool calls SGLang parses with "
+                f"{' or '.join(expected[1])}: {base.tool_call_parser!r} would leave its tool-call markup in the "
+                "content (parsers_configured then fails, after both servers restarted)",
+                f'write tool_call_parser = "{expected[1][0]}" (or keep it, for a checkpoint with another format)',
             )
 
     # --- extra args / env -----------------------------------------------------------------------

@@ -813,3 +813,27 @@ def test_an_undeclared_host_is_reported_once_where_it_is_written():
     assert "add [hosts.gpu1]" in errs[0].fix
     d["router"]["on"] = "gpu2"  # written: reported where it is written
     _one(d, "router.on", "host 'gpu2' is not declared", "[hosts.gpu2]")
+
+
+@pytest.mark.parametrize("path, parser, fix", [
+    ("deepseek-ai/DeepSeek-V4-Flash", "deepseekv3", 'tool_call_parser = "deepseekv4"'),
+    ("deepseek-ai/DeepSeek-V3.2", "deepseekv31", 'tool_call_parser = "deepseekv32"'),
+    ("/models/DeepSeek-V3.2-Exp/", "deepseekv32", 'tool_call_parser = "deepseekv31"'),
+])
+def test_a_tool_call_parser_that_does_not_fit_the_deepseek_model_is_warned(path, parser, fix):
+    # (validate and plan were clean; apply restarted both servers, then parsers_configured found raw markup)
+    d = seed_dict()
+    d["model"]["path"] = path
+    d["parsers"]["tool_call_parser"] = parser
+    f = _one(d, "parsers.tool_call_parser", "leave its tool-call markup in the content", fix, level="warning")
+    assert path in f.message
+
+
+@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4-Flash", "deepseekv41"),
+                                          ("deepseek-ai/DeepSeek-V3.2-Speciale", "deepseekv32"),
+                                          ("Qwen/Qwen3-8B", "deepseekv3"), ("/models/my-finetune", "qwen")])
+def test_a_fitting_or_unknown_model_parser_pair_is_not_warned(path, parser):
+    d = seed_dict()
+    d["model"]["path"] = path
+    d["parsers"]["tool_call_parser"] = parser
+    assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
