@@ -77,7 +77,9 @@ class _PostingSink:
         except Exception:  # noqa: BLE001 - progress without the journal is still progress
             pass
         self.app.post_message(ConsoleApp.ApplyProgressed(event, journal))
-        if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "apply_interrupted", "step_failed"):
+        # (not on progress said inside a step, "info": a role restarted and the next not yet would be left half-done)
+        if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "apply_interrupted", "step_failed",
+                                                       "info"):
             raise ApplyCancelled("apply cancelled from the console")
 
 

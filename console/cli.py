@@ -125,9 +125,10 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Save the plan to FILE (JSON)")] = None,
 ) -> None:
-    """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and serves as
-    proven); 2: changes, or none to the recorded deployment while an earlier apply did not finish or what runs no
-    longer serves as proven (`pdctl apply` has work either way: said on stdout); 1: error."""
+    """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
+    changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
+    unsupervised or answered for by another process (`pdctl apply` has work either way: said on stdout); 1: error. A
+    running server that only fails its health probe (busy?) is a note on stderr, not exit 2."""
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
     from pdctl.statemachine.topology import topology_of
@@ -146,10 +147,15 @@ def plan(
         unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
                      "may be partly what it was applying")
         _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
-    elif drift := _runtime_drift(loaded):
-        unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
-        _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
-             f"{'; '.join(drift)}. `pdctl apply` re-proves every step and restarts what does not serve as specified")
+    else:
+        drift, answers = _runtime_drift(loaded)
+        if drift:
+            unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
+        if drift or answers:
+            _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
+                 f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
+                 "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
+                                "whether it lasts" if answers else ""))
     if out is not None:
         p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
@@ -167,30 +173,40 @@ def plan(
     raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
 
 
-def _runtime_drift(loaded) -> list[str]:  # noqa: ANN001
-    """What of a deployed topology does not serve now (from ``status``), one phrase per role; [] when all do
-    or nothing is deployed."""
+def _runtime_drift(loaded) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    """What of a deployed topology does not serve now (from ``status``), one phrase per role, as ``(lasting,
+    answers)``: *lasting* a unit not running, unsupervised, or its port answered by another process (apply has work);
+    *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
+    while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
+    serve or nothing is deployed."""
     from pdctl.statemachine.errors import PdctlError
     from pdctl.statemachine.service import status
 
     try:
         st = status(loaded)
     except PdctlError:
-        return []
+        return [], []
     if not st.get("deployed"):
-        return []
-    out = []
+        return [], []
+    lasting: list[str] = []
+    answers: list[str] = []
     for r in st["roles"]:
+        foreign = bool(r["health"]) and not r.get("port_owned", True)
         if not r.get("supervised", True):
-            out.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
+            lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
+        elif r["state"] != "active" or foreign:
+            lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}"
+                           + (" (from another process on its port)" if foreign else ""))
         elif not r["healthy"]:
-            out.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}")
+            answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
     rt = st.get("router")
     if rt and not rt.get("supervised", True):
-        out.append("router UNSUPERVISED (its supervisor is gone)")
-    elif rt and (rt.get("readiness") != 200 or rt["state"] != "active"):
-        out.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
-    return out
+        lasting.append("router UNSUPERVISED (its supervisor is gone)")
+    elif rt and rt["state"] != "active":
+        lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
+    elif rt and rt.get("readiness") != 200:
+        answers.append(f"router active, readiness {rt.get('readiness') or 'down'}")
+    return lasting, answers
 
 
 class _Reporter:
@@ -505,14 +521,17 @@ def console_cmd(
 ) -> None:
     """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`).
 
-    Needs a terminal: without one (stdin or stdout not a TTY) it exits 64 at once.
+    Needs a terminal: without one (stdin or stderr not a TTY) it exits 64 at once.
     """
     # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
 
     loaded = load(spec, state_dir=state_dir, discover=True)
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # else Textual waits on no keys, writing escapes into a pipe
-        _err("error: the console needs a terminal (stdin and stdout); nothing was opened\n"
+    # Textual reads keys from stdin and draws on the process's stderr (its Linux driver writes to sys.__stderr__):
+    # either one not a terminal and it would wait on no keys, writing escapes into a file or pipe
+    if not (sys.__stdin__ is not None and sys.__stdin__.isatty() and sys.__stderr__ is not None
+            and sys.__stderr__.isatty()):
+        _err("error: the console needs a terminal (stdin and stderr); nothing was opened\n"
              "hint: for scripts use `pdctl status SPEC [--json]`, `pdctl plan SPEC` or `pdctl apply SPEC`")
         raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console

@@ -139,7 +139,9 @@ class Journal:
     """A deployment's state directory: journal, audit log and lock."""
 
     def __init__(self, state_dir: str | os.PathLike[str], name: str) -> None:
-        self.dir = Path(state_dir)
+        # absolute: the supervisor's folders under it are named on its command lines, which pdctl later recognises
+        # its own processes by, whatever directory a later command runs in
+        self.dir = Path(state_dir).absolute()
         self.name = name
         self.path = self.dir / "journal.json"
         self.audit_path = self.dir / "audit.log"

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
-           "parse_proc_net_tcp", "started_by"]
+           "parse_proc_net_tcp", "started_as", "started_by"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,26 @@ def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: A
         pid = _parent(host, pid) or 0
         seen += 1
     return None
+
+
+def started_as(host, pid: int, *, args: Iterable[str] = (), cgroups: Iterable[str] = (),  # noqa: ANN001
+               not_cgroups: Iterable[str] = ()) -> bool:
+    """Whether *pid* or one of its ancestors (at most 64 up) has one of *args* as a whole command-line argument, or a
+    cgroup line (``/proc/<pid>/cgroup``) ending in one of *cgroups* and ending in none of *not_cgroups*: the exact
+    form of :func:`started_by`, which one state directory or service manager's unit needs (``/a/st`` must not match
+    ``/b/a/st``, a user manager's unit not the system manager's of the same name)."""
+    args, cgroups, not_cgroups = set(args), tuple(cgroups), tuple(not_cgroups)
+    seen = 0
+    while pid and pid > 1 and seen < 64:
+        if args and args & set(_read(host, f"/proc/{pid}/cmdline").split("\0")):
+            return True
+        if cgroups:
+            for line in _read(host, f"/proc/{pid}/cgroup").splitlines():
+                if line.endswith(cgroups) and not (not_cgroups and line.endswith(not_cgroups)):
+                    return True
+        pid = _parent(host, pid) or 0
+        seen += 1
+    return False
 
 
 def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001

@@ -108,12 +108,13 @@ _KERNEL_PAGE_SIZE = 64
 # activations, CUDA graphs and NCCL buffers. At or above this, warn that almost nothing is left for them.
 _MEM_FRACTION_WARN = 0.95
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY…):
-# the name's last _-separated words, so that TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not
-# taken for one; a switch value (1, true, off…) is no credential either (HF_HUB_DISABLE_IMPLICIT_TOKEN=1).
-_SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$",
-                          re.IGNORECASE)
-_SWITCH_VALUE = re.compile(r"[+-]?\d+(\.\d+)?|true|false|yes|no|on|off", re.IGNORECASE)
+# Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY,
+# SECRET_KEY, DB_PASSWORD…): one of these whole _-separated words anywhere, or a name ending in _KEY, so that
+# TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not taken for one; a name ending in _PATH,
+# _FILE or _DIR holds where a secret is, not the secret; a switch value (HF_HUB_DISABLE_IMPLICIT_TOKEN=1) none.
+_SECRET_NAME = re.compile(r"((^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)(_|$))|(^|_)KEY$", re.IGNORECASE)
+_SECRET_NAME_NOT = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
+_SWITCH_VALUE = re.compile(r"0|1|true|false|yes|no|on|off", re.IGNORECASE)
 
 
 # DeepSeek checkpoints by name -> (family, SGLang tool-call parsers for its markup). Sources: SGLang
@@ -133,7 +134,7 @@ def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | Non
     """``(family, tool-call parsers)`` for a DeepSeek checkpoint named as DeepSeek publishes them
     (``deepseek-ai/DeepSeek-V4-Flash``), None for any other name (Speciale, which has no tool calling, included)."""
     name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
-    if "deepseek" not in name or "speciale" in name:
+    if "deepseek" not in name or "speciale" in name or "distill" in name:  # R1-Distill-Qwen/Llama: their base's markup
         return None
     for pattern, family, parsers in _DEEPSEEK_TOOL_PARSERS:
         if re.search(pattern, name):
@@ -539,6 +540,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             )
 
         expected = _deepseek_tool_parsers(dep.model.path)
+        if expected:  # only what this SGLang version has (0.5.6 has no deepseekv4)
+            have = tuple(x for x in expected[1] if x in facts.tool_call_parsers)
+            expected = (expected[0], have) if have else None
         if (expected and base.tool_call_parser is not None and base.tool_call_parser in facts.tool_call_parsers
                 and base.tool_call_parser not in expected[1]):
             warn(
@@ -613,7 +617,8 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     for where, env in tables:
         for key, value in env.items():
             # (env tables take values as written: no env:NAME here)
-            if _SECRET_NAME.search(key) and value and not _SWITCH_VALUE.fullmatch(value.strip()):
+            if (_SECRET_NAME.search(key) and not _SECRET_NAME_NOT.search(key) and value
+                    and not _SWITCH_VALUE.fullmatch(value.strip())):
                 warn(
                     f"{where}.{key}",
                     f"{key} looks like a secret, and env values are written into unit files and plans in clear",

@@ -256,6 +256,7 @@ def apply(
                     hint="make a new plan from the current spec",
                 )
             plan = saved_plan  # exactly what was reviewed; a topology change still needs its confirmation
+        stale_steps = dict(state.steps)  # an earlier run's (a "running" one of a killed apply is not this run's)
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
                     "topology": "a topology change" if plan.requires_confirmation else "a first deployment"}[plan.cls]
@@ -307,7 +308,7 @@ def apply(
         except KeyboardInterrupt:
             # Ctrl-C, or SIGTERM through the CLI, from the plan on: the journal keeps any target (a re-run
             # converges), the step that ran is marked interrupted, and a --json stream ends with an event too
-            _interrupted(j, state, plan, sink)
+            _interrupted(j, state, plan, sink, stale=stale_steps)
             raise
 
 
@@ -437,10 +438,13 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     }
 
 
-def _interrupted(j: Journal, state, plan: Plan, sink) -> None:  # noqa: ANN001
+def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None) -> None:  # noqa: ANN001
+    # *stale*: the steps as the run found them: before it journals its own target (the port checks), a "running"
+    # step there is a killed earlier apply's, not where this one stopped
     from pdctl.statemachine.events import Event
 
-    step = next((name for name, rec in state.steps.items() if rec.status == "running"), None)
+    step = None if state.steps == stale else \
+        next((name for name, rec in state.steps.items() if rec.status == "running"), None)
     if step is not None:
         state.steps[step].status = "interrupted"
         state.steps[step].finished_at = time.time()

@@ -207,17 +207,22 @@ def _preflight_ports(ctx: Context, name: str, wanted: set[int], main_pid: int | 
         )
 
 
-def _unit_markers(manager: Any, units: set[str]) -> list[str]:
-    """What marks a process as started for one of *units* by *manager* itself (:func:`ports.started_by`): under
-    pdctl's process supervisor the unit's folder in its state directory (``<state>/services/<unit>``, on the
-    watchdog's command line), so that the same deployment applied with another state directory is not taken for
-    this one; under systemd the unit's cgroup (``…/<unit>``), one per service manager."""
+def _started_here(ctx: Context, units: set[str]) -> Callable[[int], bool]:
+    """Whether a PID was started for one of *units* by this context's service manager itself
+    (:func:`ports.started_as`): under pdctl's process supervisor, the watchdog's argument is the unit's folder in
+    its state directory (``<state>/services/<unit>``), so that the same deployment applied with another state
+    directory is not taken for this one; under systemd, the unit's cgroup in this manager's scope (``…/system.slice/
+    <unit>`` for the system manager; a user manager's elsewhere)."""
     import posixpath
 
-    state_dir = getattr(manager, "state_dir", None)
+    state_dir = getattr(ctx.manager, "state_dir", None)
     if state_dir:
-        return [posixpath.join(state_dir, "services", u) for u in sorted(units)]
-    return [f"/{u}" for u in sorted(units)]
+        folders = [posixpath.join(state_dir, "services", u) for u in sorted(units)]
+        return lambda pid: ports.started_as(ctx.host, pid, args=folders)
+    system = [f"/system.slice/{u}" for u in sorted(units)]
+    if getattr(ctx.manager, "scope", "system") == "system":
+        return lambda pid: ports.started_as(ctx.host, pid, cgroups=system)
+    return lambda pid: ports.started_as(ctx.host, pid, cgroups=[f"/{u}" for u in sorted(units)], not_cgroups=system)
 
 
 def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
@@ -236,8 +241,8 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     # A process started for one of this deployment's own units but no longer its main process: a server its
     # supervisor is still stopping (an interrupted apply's restart; a server slow to exit on SIGTERM). Its unit ends
     # it within TimeoutStopSec: wait that long, saying so, rather than call it another deployment's.
-    mine = _unit_markers(ctx.manager, own_units)
-    leftover = [x for x in held if x.pid is not None and ports.started_by(ctx.host, x.pid, mine)]
+    mine = _started_here(ctx, own_units)
+    leftover = [x for x in held if x.pid is not None and mine(x.pid)]
     if leftover:
         stop_s = max((s.timeout_stop_s for s in ctx.units.services), default=120) + 15
         ctx.say(f"waiting up to {stop_s:g} s for this deployment's previous processes to exit: "
@@ -246,7 +251,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         while leftover and time.monotonic() < deadline:
             time.sleep(min(ctx.timeouts.poll, 0.5))
             held = ports.held_outside(ctx.host, set(wanted), ours)
-            leftover = [x for x in held if x.pid is not None and ports.started_by(ctx.host, x.pid, mine)]
+            leftover = [x for x in held if x.pid is not None and mine(x.pid)]
         if leftover:
             raise ApplyFailed(
                 "this deployment's own previous processes still hold its ports after "
@@ -279,15 +284,13 @@ for a in sys.argv[1:]:
         continue
     why = None
     for family, _t, _p, _c, addr in infos:
-        s = socket.socket(family, socket.SOCK_STREAM)
         try:
-            s.bind(addr)
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind(addr)
             why = None
             break
-        except OSError as e:
+        except OSError as e:  # (socket() itself fails for a family the host lacks: IPv6 disabled)
             why = "cannot be bound on this host (" + (e.strerror or str(e)) + ")"
-        finally:
-            s.close()
     if why:
         out[a] = why
 print(json.dumps(out))
@@ -302,22 +305,25 @@ def bind_addresses_unusable(ctx: Context) -> None:
     each field and why; a host where the probe cannot run at all is left to the steps."""
     from pdctl.statemachine.launch import python_for
 
+    from pdctl.statemachine.rules import _role_field
+
     topo = ctx.topology
-    where: dict[str, list[tuple[str, str]]] = {}  # address -> [(what, step)]
+    field_of = {name: _role_field(ctx.dep, role) for name, _kind, role in ctx.dep.roles()}  # prefill[0]
+    where: dict[str, list[tuple[str, str]]] = {}  # address -> [(spec field, step)]
     for r in topo.roles:
-        where.setdefault(r.http_host, []).append((f"{r.name} http_host", f"{r.kind}_up"))
+        where.setdefault(r.http_host, []).append((f"{field_of.get(r.name, r.name)}.http_host", f"{r.kind}_up"))
     if topo.router is not None:
-        where.setdefault(topo.router.host, []).append(("router host", "router_exposed"))
+        where.setdefault(topo.router.host, []).append(("router.host", "router_exposed"))
         prom = str(topo.router.settings.get("prometheus_host") or "")
         if prom:
-            where.setdefault(prom, []).append(("router prometheus_host", "router_exposed"))
+            where.setdefault(prom, []).append(("router.prometheus_host", "router_exposed"))
     try:
         res = ctx.host.run([python_for(ctx.dep), "-c", _BIND_PROBE, *where], timeout=30, check=False)
         bad = json.loads(res.stdout) if res.ok else {}
     except (OSError, ValueError):
         return
     if bad:
-        said = "; ".join(f"{what} {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])
+        said = "; ".join(f"{what} = {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])
         raise ApplyFailed(
             f"bind addresses unusable, nothing was started or changed: {said}",
             step=where[next(iter(bad))][0][1],

@@ -72,3 +72,29 @@ def test_the_console_without_a_terminal_refuses_at_once(argv, tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 64 and "the console needs a terminal" in r.stderr and "pdctl status" in r.stderr, r.stderr
     assert r.stdout == "" and not (tmp_path / "st").exists()
+
+
+def test_the_console_refuses_when_its_stderr_is_no_terminal_and_runs_with_stdout_redirected(tmp_path):
+    # Textual draws on stderr: `pdctl console SPEC 2>err.log` at a terminal wrote the UI into err.log and waited on
+    # keys; `pdctl console SPEC > out.txt` draws fine on the terminal's stderr
+    import os
+    import pty
+
+    main_fd, tty = pty.openpty()
+    try:
+        with open(tmp_path / "err.log", "w") as err:
+            r = subprocess.run([sys.executable, "-m", "pdctl", "console", str(DEMO), "--state-dir", str(tmp_path / "st")],
+                               stdin=tty, stdout=tty, stderr=err, timeout=60, cwd=ROOT)
+        assert r.returncode == 64
+        assert "the console needs a terminal (stdin and stderr)" in (tmp_path / "err.log").read_text()
+        p = subprocess.Popen([sys.executable, "-m", "pdctl", "console", str(DEMO), "--state-dir", str(tmp_path / "st2")],
+                             stdin=tty, stdout=subprocess.DEVNULL, stderr=tty, cwd=ROOT)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):  # the console runs (drawing on the pty) until told to quit
+                p.wait(5)
+        finally:
+            p.kill()
+            p.wait(10)
+    finally:
+        os.close(main_fd)
+        os.close(tty)

@@ -780,7 +780,8 @@ def test_an_engine_bound_to_every_interface_behind_a_router_is_warned():
 
 
 @pytest.mark.parametrize("where, key", [(("engine", "env"), "HF_TOKEN"), (("prefill", 0, "env"), "OPENAI_API_KEY"),
-                                        (("router", "env"), "db_password")])
+                                        (("router", "env"), "db_password"), (("engine", "env"), "SECRET_KEY"),
+                                        (("engine", "env"), "AZURE_OPENAI_KEY"), (("engine", "env"), "HF_TOKEN_READONLY")])
 def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
     d = seed_dict()
     node = d
@@ -795,8 +796,9 @@ def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
 
 
 @pytest.mark.parametrize("key, value", [("TOKENIZERS_PARALLELISM", "false"), ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"),
-                                        ("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1"), ("NCCL_IB_SECRET_MODE", "strict"),
-                                        ("PASSTHROUGH", "yes-please")])
+                                        ("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1"), ("GOOGLE_CREDENTIALS_FILE", "/etc/gcp.json"),
+                                        ("PASSTHROUGH", "yes-please"), ("SSL_KEY_PATH", "/etc/tls/key.pem"),
+                                        ("KEYBOARD", "us")])
 def test_settings_that_only_mention_a_secret_word_are_not_warned(key, value):
     d = seed_dict()
     d.setdefault("engine", {}).setdefault("env", {})[key] = value
@@ -831,9 +833,20 @@ def test_a_tool_call_parser_that_does_not_fit_the_deepseek_model_is_warned(path,
 
 @pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4-Flash", "deepseekv41"),
                                           ("deepseek-ai/DeepSeek-V3.2-Speciale", "deepseekv32"),
-                                          ("Qwen/Qwen3-8B", "deepseekv3"), ("/models/my-finetune", "qwen")])
+                                          ("Qwen/Qwen3-8B", "deepseekv3"), ("/models/my-finetune", "qwen"),
+                                          ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen")])
 def test_a_fitting_or_unknown_model_parser_pair_is_not_warned(path, parser):
     d = seed_dict()
     d["model"]["path"] = path
     d["parsers"]["tool_call_parser"] = parser
     assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
+
+
+def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has():
+    # SGLang 0.5.6 has no deepseekv4: no warning to write one
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv3"}
+    assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
+    d["model"]["path"] = "deepseek-ai/DeepSeek-V3.2"  # which 0.5.6 does parse: deepseekv32
+    _one(d, "parsers.tool_call_parser", "DeepSeek-V3.2 model", 'tool_call_parser = "deepseekv32"', level="warning")

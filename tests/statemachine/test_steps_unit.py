@@ -346,3 +346,24 @@ def test_a_saved_plan_without_its_spec_is_an_error_not_a_usage_mistake(tmp_path,
     last = _json_lines(captured.out)[-1]
     assert last["kind"] == "apply_failed" and "names no spec file" in last["message"], last
     assert "pdctl plan SPEC -o FILE" in captured.err
+
+
+def test_an_interrupt_before_the_run_journals_its_target_names_no_earlier_runs_step(tmp_path):
+    # Ctrl-C during the port checks: the journal still holds a killed earlier apply's "running" decode_up, which is
+    # not where this run stopped
+    from pdctl.statemachine.events import ListSink
+    from pdctl.statemachine.journal import Journal, JournalState, StepRecord
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.service import _interrupted
+
+    topo = topology_of(parse_spec(seed_dict()))
+    j = Journal(tmp_path, topo.name)
+    state = j.write(JournalState(name=topo.name, target=topo, steps={"decode_up": StepRecord(status="running")}))
+    plan = make_plan(None, topo)
+    sink = ListSink()
+    _interrupted(j, state, plan, sink, stale=dict(state.steps))
+    assert sink.events[-1].step is None and "during" not in sink.events[-1].message
+    assert j.read().steps["decode_up"].status == "running" and j.audit_records()[-1]["step"] is None
+    state.steps = {"prefill_up": StepRecord(status="running")}  # this run's own step: named
+    _interrupted(j, state, plan, sink, stale={"decode_up": StepRecord(status="running")})
+    assert sink.events[-1].step == "prefill_up" and j.read().steps["prefill_up"].status == "interrupted"
