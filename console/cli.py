@@ -133,8 +133,10 @@ def plan(
     from pdctl.statemachine.service import load, plan_spec
     from pdctl.statemachine.topology import topology_of
 
-    if out is not None and (out.is_dir() or not out.parent.is_dir()):  # refused before anything is read or written
-        _err(f"error: -o {out}: " + ("is a directory" if out.is_dir() else f"folder {out.parent} does not exist")
+    odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
+    if out is not None and (odd or not out.parent.is_dir()):  # refused before anything is read or written
+        _err(f"error: -o {out}: " + ("is a directory" if out.is_dir() else "is not a regular file (a device or link), "
+                                     "which saving would replace" if odd else f"folder {out.parent} does not exist")
              + "\nhint: give a file path in an existing folder, e.g. -o plan.json")
         raise typer.Exit(ExitCode.USAGE)
     loaded = load(spec, state_dir=state_dir, discover=True)

@@ -20,6 +20,7 @@ State directory: ``--state-dir``, else ``$PDCTL_STATE_DIR``, else ``/var/lib/pdc
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import getpass
 import json
@@ -52,7 +53,12 @@ def default_state_dir(name: str, service_manager: str, *, override: str | os.Pat
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace *path* with *data* atomically (same-directory temp file, fsync, rename, dir fsync)."""
+    """Replace *path* with *data* atomically (same-directory temp file, fsync, rename, dir fsync). Raises
+    :class:`IsADirectoryError` (an ``OSError``) when *path* exists and is no regular file: the rename would replace a
+    device (``/dev/null``), a link or a folder instead of writing to it."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise IsADirectoryError(errno.EISDIR, "not a regular file (a device, link or folder): nothing was written",
+                                str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)

@@ -212,11 +212,22 @@ def kernels_env(dep: Deployment, kind: str) -> dict[str, str]:
 
 
 def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """``[secrets]`` with ``env:NAME`` values read from pdctl's environment (unset → ``""``)."""
+    """``[secrets]`` with ``env:NAME`` values read from pdctl's environment. Raises :class:`PdctlError` naming each
+    ``secrets.KEY`` whose variable is unset (it went out as an empty value: a model download failing much later)."""
+    from pdctl.statemachine.errors import PdctlError
+
     environ = os.environ if environ is None else environ
     out = {}
+    unset = []
     for k, v in dep.secrets.items():
-        out[k] = environ.get(v[4:], "") if v.startswith("env:") else v
+        if v.startswith("env:") and v[4:] not in environ:
+            unset.append(f"secrets.{k} = {v!r}")
+            continue
+        out[k] = environ[v[4:]] if v.startswith("env:") else v
+    if unset:
+        names = " ".join(sorted({x.split("'env:", 1)[1].rstrip("'") for x in unset}))
+        raise PdctlError(f"{'; '.join(unset)}: not set in pdctl's environment; nothing was changed",
+                        hint=f"export {names} where pdctl runs (the value is written 0600 for the units only)")
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -281,7 +282,9 @@ def topology_of(dep: Deployment) -> Topology:
         "service_manager": dep.service_manager,
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
-        "secrets": {k: _fingerprint(v) for k, v in sorted(dep.secrets.items())},
+        # the value the units get (an env:NAME read where pdctl runs): a rotated secret restarts the roles
+        "secrets": {k: _fingerprint(os.environ.get(v[4:], v) if v.startswith("env:") else v)
+                    for k, v in sorted(dep.secrets.items())},
         # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
         "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},
     }

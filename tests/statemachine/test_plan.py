@@ -376,16 +376,28 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "missing" / "p.json"))
     assert r.returncode == 64 and "folder" in r.stderr and "does not exist" in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
+    # a link, or a device such as /dev/null (as root the rename replaced it with a file): refused, left as it was
+    (tmp_path / "target.json").write_text("kept")
+    (tmp_path / "link").symlink_to(tmp_path / "target.json")
+    for odd in (tmp_path / "link", "/dev/null"):
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(odd))
+        assert r.returncode == 64 and "is not a regular file" in r.stderr, r.stderr
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target.json").read_text() == "kept"
+    import stat
+
+    assert stat.S_ISCHR(__import__("os").stat("/dev/null").st_mode)
 
 
 def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path):
     from pdctl.statemachine.journal import atomic_write
 
     (tmp_path / "taken").mkdir()
-    try:
-        atomic_write(tmp_path / "taken", b"{}")
-    except OSError:
-        pass
-    else:
-        raise AssertionError("a directory was replaced by a file")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    (tmp_path / "link").symlink_to(tmp_path / "taken")
+    for target in ("taken", "link"):
+        try:
+            atomic_write(tmp_path / target, b"{}")
+        except OSError:
+            pass
+        else:
+            raise AssertionError(f"{target} was replaced by a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "taken"] and (tmp_path / "link").is_symlink()

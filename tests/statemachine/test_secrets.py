@@ -44,3 +44,36 @@ def test_units_into_a_directory_with_a_foreign_file_is_refused_cleanly(tmp_path)
     assert r.returncode == 1
     assert "not written by pdctl" in r.stderr and "Traceback" not in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["pdctl-dsv4-flash-prefill.service"]
+
+
+def test_a_secret_whose_variable_is_unset_is_refused_by_name(monkeypatch):
+    # (it went to the units as HF_TOKEN='', and the model download failed long after a "successful" apply)
+    import pytest
+
+    from pdctl.statemachine.errors import PdctlError
+
+    monkeypatch.delenv("PDCTL_TEST_UNSET", raising=False)
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_UNSET"}
+    with pytest.raises(PdctlError, match=r"secrets.HF_TOKEN = 'env:PDCTL_TEST_UNSET': not set in pdctl's environment") as e:
+        services_for(parse_spec(d))
+    assert "export PDCTL_TEST_UNSET" in e.value.hint
+    monkeypatch.setenv("PDCTL_TEST_UNSET", "")  # set, even empty: taken as given
+    assert all(dict(s.secrets) == {"HF_TOKEN": ""} for s in services_for(parse_spec(d)))
+
+
+def test_a_rotated_secret_is_a_change_that_restarts_the_roles(monkeypatch):
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.topology import topology_of
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_old")
+    before = topology_of(parse_spec(d))
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_new")
+    after = topology_of(parse_spec(d))
+    p = make_plan(before, after)
+    assert p.cls == "disruptive" and p.has_changes
+    assert "hf_old" not in p.model_dump_json() and "hf_new" not in p.model_dump_json()
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_old")
+    assert not make_plan(before, topology_of(parse_spec(d))).has_changes
