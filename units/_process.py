@@ -372,6 +372,7 @@ class ProcessSupervisor(ServiceManager):
         if mpid and self._group_members(mpid, name):
             # The watchdog is gone (killed) but the role's group lives on: stop it directly.
             self.host.signal(mpid, signal.SIGTERM, group=True)
+            self.host.signal(mpid, signal.SIGCONT, group=True)  # as systemd does: a stopped group can act on it
             if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), min(t, 30)):
                 self.host.signal(mpid, signal.SIGKILL, group=True)
                 if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), 5):

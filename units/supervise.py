@@ -150,6 +150,7 @@ class Watchdog:
         pgid = self.proc.pid
         try:
             os.killpg(pgid, signal.SIGTERM)
+            os.killpg(pgid, signal.SIGCONT)  # as systemd does after SIGTERM: a stopped process can act on it
         except ProcessLookupError:
             pass
         end = time.monotonic() + timeout

@@ -228,3 +228,20 @@ def test_log_lines_lose_terminal_colours():
     text = "a\n\x1b[2m2026-11-29\x1b[0m \x1b[32m INFO\x1b[0m ready\nlast"
     assert clean_log_lines(text, 2) == ["2026-11-29  INFO ready", "last"]
     assert clean_log_lines(text, 0) == []
+
+
+def test_a_stopped_role_gets_sigcont_after_sigterm_and_exits_on_its_own_like_under_systemd(tmp_path, cleanup):
+    # A server under kill -STOP (a debugger, an operator) holds SIGTERM until continued: systemd sends SIGCONT after
+    # SIGTERM; without it the role sat out its whole TimeoutStopSec and was SIGKILLed (132 s for a decode server)
+    marker = tmp_path / "termed"
+    script = f"trap 'echo termed > {marker}; exit 0' TERM; while :; do sleep 0.1; done"
+    s = svc("stopped", ("/bin/sh", "-c", script), timeout_stop_s=5)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    pid = wait_for(lambda: m.status(s.name).main_pid, what="main pid")
+    wait_for(lambda: m.status(s.name).state == "active", what="active")
+    os.kill(pid, signal.SIGSTOP)
+    m.stop(s.name)
+    assert marker.read_text().strip() == "termed"  # its TERM handler ran: not SIGKILLed after the timeout
+    assert not pid_alive(pid)
