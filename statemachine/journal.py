@@ -155,12 +155,20 @@ class Journal:
 
     # -- journal --------------------------------------------------------------------------------
     def read(self) -> JournalState:
-        """The journal's state; an empty one when nothing was ever deployed here."""
+        """The journal's state; an empty one when nothing was ever deployed here. Raises :class:`PdctlError` when the
+        file is not a journal (pdctl writes it atomically, so only a hand edit or a damaged disk leaves it so)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return JournalState(name=self.name)
-        return JournalState.from_json(json.loads(raw))
+        try:
+            return JournalState.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError, a missing field, a wrong type
+            raise PdctlError(
+                f"journal {self.path} is not a readable pdctl journal ({type(exc).__name__}: {exc}); nothing was changed",
+                hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed; "
+                     f"the audit log {self.audit_path} says what ran)",
+            ) from None
 
     def write(self, state: JournalState) -> JournalState:
         """Write *state* atomically with the next serial; returns it."""

@@ -401,3 +401,13 @@ def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path):
         else:
             raise AssertionError(f"{target} was replaced by a file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "taken"] and (tmp_path / "link").is_symlink()
+
+
+def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path):
+    sd = tmp_path / "state"
+    sd.mkdir()
+    (sd / "journal.json").write_text('{"format": 1, "name": "dsv4-fl')  # cut short
+    for cmd in ("plan", "status"):
+        r = _pdctl(cmd, str(SEED), "--state-dir", str(sd))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "is not a readable pdctl journal (JSONDecodeError" in r.stderr and "move it aside" in r.stderr
