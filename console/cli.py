@@ -131,7 +131,6 @@ def plan(
     running server that only fails its health probe (busy?) is a note on stderr, not exit 2."""
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
-    from pdctl.statemachine.topology import topology_of
 
     odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
     if out is not None and (odd or not out.parent.is_dir()):  # refused before anything is read or written
@@ -145,7 +144,7 @@ def plan(
     pending = loaded.journal.read().target
     unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
     if pending is not None:
-        other = pending != topology_of(loaded.deployment)
+        other = pending != p.to_topology
         unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
                      "may be partly what it was applying")
         _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")

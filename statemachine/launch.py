@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from pdctl.statemachine.hosts import Host as HostType
-from pdctl.statemachine.spec import Deployment, ServerRole
+from pdctl.statemachine.spec import Deployment, ServerRole, secret_value
 from pdctl.statemachine.topology import dial_host, numa_binding, topology_of
 from pdctl.units import (
     ForeignUnit,
@@ -220,10 +220,11 @@ def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> d
     out = {}
     unset = []
     for k, v in dep.secrets.items():
-        if v.startswith("env:") and v[4:] not in environ:
+        value = secret_value(v, environ)
+        if value is None:
             unset.append(f"secrets.{k} = {v!r}")
-            continue
-        out[k] = environ[v[4:]] if v.startswith("env:") else v
+        else:
+            out[k] = value
     if unset:
         names = " ".join(sorted({x.split("'env:", 1)[1].rstrip("'") for x in unset}))
         raise PdctlError(f"{'; '.join(unset)}: not set in pdctl's environment; nothing was changed",

@@ -17,7 +17,7 @@ so that an SSH host answers the same way. The parsers are pure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
@@ -82,15 +82,18 @@ def _parent(host, pid: int) -> int | None:  # noqa: ANN001
         return None
 
 
-def is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
-    """Whether *pid* is *ancestor* or below it in the process tree of *host* (at most 64 parents up)."""
+def _lineage(host, pid: int) -> Iterator[int]:  # noqa: ANN001
+    """*pid*, then its parents up to (not including) init, at most 64 of them (a bounded walk whatever /proc says)."""
     seen = 0
     while pid and pid > 1 and seen < 64:
-        if pid == ancestor:
-            return True
+        yield pid
         pid = _parent(host, pid) or 0
         seen += 1
-    return pid == ancestor
+
+
+def is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
+    """Whether *pid* is *ancestor* or below it in the process tree of *host* (at most 64 parents up)."""
+    return pid == ancestor or any(p == ancestor for p in _lineage(host, pid))
 
 
 def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
@@ -109,13 +112,10 @@ def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: A
     ``… -m pdctl.units.supervise <state>/services/<unit>``, and systemd puts a unit's processes in ``…/<unit>``
     (``/proc/<pid>/cgroup``). Arguments are joined by spaces."""
     markers = tuple(markers)
-    seen = 0
-    while pid and pid > 1 and seen < 64:
-        for text in (_read(host, f"/proc/{pid}/cmdline").replace("\0", " "), _read(host, f"/proc/{pid}/cgroup")):
+    for p in _lineage(host, pid):
+        for text in (_read(host, f"/proc/{p}/cmdline").replace("\0", " "), _read(host, f"/proc/{p}/cgroup")):
             if any(m in text for m in markers):
                 return text.strip()
-        pid = _parent(host, pid) or 0
-        seen += 1
     return None
 
 
@@ -126,16 +126,12 @@ def started_as(host, pid: int, *, args: Iterable[str] = (), cgroups: Iterable[st
     form of :func:`started_by`, which one state directory or service manager's unit needs (``/a/st`` must not match
     ``/b/a/st``, a user manager's unit not the system manager's of the same name)."""
     args, cgroups, not_cgroups = set(args), tuple(cgroups), tuple(not_cgroups)
-    seen = 0
-    while pid and pid > 1 and seen < 64:
-        if args and args & set(_read(host, f"/proc/{pid}/cmdline").split("\0")):
+    for p in _lineage(host, pid):
+        if args and args & set(_read(host, f"/proc/{p}/cmdline").split("\0")):
             return True
-        if cgroups:
-            for line in _read(host, f"/proc/{pid}/cgroup").splitlines():
-                if line.endswith(cgroups) and not (not_cgroups and line.endswith(not_cgroups)):
-                    return True
-        pid = _parent(host, pid) or 0
-        seen += 1
+        if cgroups and any(line.endswith(cgroups) and not (not_cgroups and line.endswith(not_cgroups))
+                           for line in _read(host, f"/proc/{p}/cgroup").splitlines()):
+            return True
     return False
 
 

@@ -25,7 +25,7 @@ import ipaddress
 import re
 import tomllib
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -184,6 +184,12 @@ def _address(v: str, info: ValidationInfo) -> str:
                          "letters, digits and '-' (and '_', which ssh aliases and container names use) joined by '.', "
                          "e.g. gpu1.example.com")
     return v
+
+
+def secret_value(value: str, environ: Mapping[str, str]) -> str | None:
+    """A ``[secrets]`` value as the units get it: ``env:NAME`` read from *environ* (None when unset), anything else
+    as written."""
+    return environ.get(value[4:]) if value.startswith("env:") else value
 
 
 Address = Annotated[str, AfterValidator(_address)]

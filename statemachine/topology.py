@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from pdctl.statemachine.spec import Deployment, ServerRole
+from pdctl.statemachine.spec import Deployment, ServerRole, secret_value
 
 __all__ = ["KVLink", "RoleTopology", "RouterTopology", "Topology", "dial_host", "is_wildcard", "topology_of",
            "url_host"]
@@ -283,7 +283,8 @@ def topology_of(dep: Deployment) -> Topology:
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
         # the value the units get (an env:NAME read where pdctl runs): a rotated secret restarts the roles
-        "secrets": {k: _fingerprint(os.environ.get(v[4:], v) if v.startswith("env:") else v)
+        # (unset: the reference itself, which apply then refuses by name)
+        "secrets": {k: _fingerprint(v if (got := secret_value(v, os.environ)) is None else got)
                     for k, v in sorted(dep.secrets.items())},
         # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
         "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},
