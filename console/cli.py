@@ -68,8 +68,9 @@ class _PipeSafe:
     an apply or down must not stop half-way because nobody reads its progress any more. Everything else is the
     wrapped stream's."""
 
-    def __init__(self, stream) -> None:  # noqa: ANN001
+    def __init__(self, stream, label: str = "<stdout>") -> None:  # noqa: ANN001
         self._stream = stream
+        self._label = label  # names the stream in any other OSError (ENOSPC on /dev/full), which still raises
         self.gone = False
 
     def write(self, text: str) -> int:
@@ -78,7 +79,14 @@ class _PipeSafe:
                 return self._stream.write(text)
             except BrokenPipeError:
                 self._mute()
+            except OSError as exc:
+                exc.filename = exc.filename or self._label
+                raise
         return len(text)
+
+    def writelines(self, lines) -> None:  # noqa: ANN001
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
         if not self.gone:
@@ -86,6 +94,9 @@ class _PipeSafe:
                 self._stream.flush()
             except BrokenPipeError:
                 self._mute()
+            except OSError as exc:
+                exc.filename = exc.filename or self._label
+                raise
 
     def _mute(self) -> None:
         self.gone = True
@@ -99,7 +110,10 @@ class _PipeSafe:
 
 
 def _err(msg: str) -> None:
-    sys.stderr.write(msg.rstrip("\n") + "\n")
+    try:
+        sys.stderr.write(msg.rstrip("\n") + "\n")
+    except OSError:  # stderr itself fails (a full disk): the exit code still says it
+        pass
 
 
 def _warnings(loaded) -> None:  # noqa: ANN001
@@ -132,6 +146,8 @@ def plan(
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
 
+    if out is not None and str(out) == "-":  # the usual spelling of stdout
+        out, as_json = None, True
     odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
     if out is not None and (odd or not out.parent.is_dir()):  # refused before anything is read or written
         _err(f"error: -o {out}: " + ("is a directory" if out.is_dir() else "is not a regular file (a device or link), "
@@ -142,8 +158,14 @@ def plan(
     _warnings(loaded)
     p = plan_spec(loaded)
     pending = loaded.journal.read().target
+    holder = loaded.journal.held_by()
     unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
-    if pending is not None:
+    if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
+        what = f"`pdctl {holder.get('purpose') or 'apply'}`"
+        unsettled = (f"a {what} is running now (pid {holder.get('pid', '?')}, {holder.get('user', '?')}@"
+                     f"{holder.get('host', '?')}, since {holder.get('since', '?')}), so what runs is changing")
+        _err(f"note: a {what} of this deployment is running now; plan again when it has finished")
+    elif pending is not None:
         other = pending != p.to_topology
         unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
                      "may be partly what it was applying")
@@ -157,6 +179,8 @@ def plan(
                  f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
                  "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
                                 "whether it lasts" if answers else ""))
+    if unsettled:
+        p = p.model_copy(update={"unsettled": unsettled})
     if out is not None:
         p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
@@ -405,6 +429,9 @@ def _status_text(st: dict) -> str:
             f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
         )
+    for u in st.get("leftover") or ():
+        lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
+                     f"which the unfinished apply drops: applying either spec again, or `pdctl down`, removes it]")
     if st["steps"]:
         lines.append("  steps:")
         for name, s in st["steps"].items():
@@ -574,40 +601,49 @@ def main(argv: list[str] | None = None) -> None:
     global _interrupted_step
     _interrupted_step = None
     if not isinstance(sys.stdout, _PipeSafe):
-        sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
+        sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
     args = _rewrite(list(sys.argv[1:] if argv is None else argv))
     try:
         rc = app(args=args, prog_name="pdctl", standalone_mode=False)
+        sys.stdout.flush()  # a full disk or a dead terminal is this command's failure, not an error at exit
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        rc = e.exit_code
     except exit_kinds as e:
-        sys.exit(e.exit_code)
+        rc = e.exit_code
     except usage_kinds as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # that one has already printed the help
             e.show(file=sys.stderr)
-        sys.exit(ExitCode.USAGE)
+        rc = ExitCode.USAGE
     except abort_kinds:
         rc = ExitCode.INTERRUPTED
     except PdctlError as e:
         _err(f"error: {e}")
-        sys.exit(exit_code_for(e))
+        rc = exit_code_for(e)
     except UnitsError as e:  # pdctl.units has its own root (it imports nothing of pdctl)
         _err(f"error: {e}")
-        sys.exit(exit_code_for(e))
-    except OSError as e:  # the state directory or a spec path the OS refused
-        where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        _err(f"error:{where}: {e.strerror or e}")
-        _err("  hint: check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)")
-        sys.exit(ExitCode.ERROR)
+        rc = exit_code_for(e)
+    except OSError as e:  # the state directory or a spec path the OS refused, or where the output goes
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        _err(f"error: {where}{e.strerror or e}")
+        _err("  hint: " + ("check where the output goes (a full disk, a closed terminal)" if e.filename in _STREAMS
+                           else "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per "
+                                "service scope)"))
+        rc = ExitCode.ERROR
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
         during = f" during {_interrupted_step}" if _interrupted_step else ""
         _err(("terminated (SIGTERM); " if _terminated else "") + _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1))
         rc = ExitCode.TERMINATED if _terminated else rc
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        _err(f"error: <stdout>: {e.strerror or e}")
+        rc = rc or ExitCode.ERROR
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 
 
+_STREAMS = ("<stdout>", "<stderr>")
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")

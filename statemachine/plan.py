@@ -85,6 +85,10 @@ class Plan(_Frozen):
     topology_changes: tuple[str, ...]
     spec_path: str | None = None
     """The spec the plan was made from (``pdctl apply PLANFILE`` re-reads it); not part of the id."""
+    unsettled: str | None = None
+    """Why ``pdctl apply`` has work although the plan may have no changes: an apply that did not finish or is running,
+    or a unit that does not serve as proven (``pdctl plan`` fills it from the journal and ``status``); not part of
+    the id. None: what runs is what was recorded."""
 
     @property
     def has_changes(self) -> bool:

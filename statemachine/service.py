@@ -341,7 +341,9 @@ def _remove_gone_roles(ctx, state, earlier, sink) -> None:  # noqa: ANN001
 
 
 def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
-    """Each role's unit state, health and last proof (with its age), and the router's view.
+    """Each role's unit state, health and last proof (with its age), and the router's view; ``leftover``: the
+    recorded deployment's units that an unfinished apply's target drops, while installed or running (name, unit,
+    state, main_pid).
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -382,6 +384,16 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
             }
         )
+    # An apply that did not finish toward another topology (PD collapsed to one server, or back) leaves the recorded
+    # deployment's units that its target drops still running: shown, so that status never hides a running server
+    leftover = []
+    if state.target is not None and state.deployed is not None:
+        for name, unit in unit_names(state.deployed).items():
+            if unit in names.values():
+                continue
+            st = manager.status(unit)
+            if st.state != "inactive" or manager.installed_text(unit) is not None:
+                leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
     router = None
     if topo.router is not None:
         st = manager.status(names["router"])
@@ -434,6 +446,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "healthy": all_healthy,
         "roles": roles,
         "router": router,
+        "leftover": leftover,
         "steps": steps,
     }
 

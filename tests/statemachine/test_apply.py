@@ -760,6 +760,32 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
     assert len(demo.pids()) == 3
 
 
+def test_status_shows_the_servers_an_interrupted_collapse_had_not_removed_yet(demo):
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    r = demo.cli("plan", str(collapse))
+    plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(collapse), "--confirm-topology", plan_id, "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "role_removed":  # the router is gone, prefill and decode not yet
+                os.kill(p.pid, signal.SIGKILL)
+                break
+    finally:
+        p.wait(30)
+    left = {u["name"]: u for u in json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["leftover"]}
+    assert set(left) == {"prefill", "decode"}, left
+    assert left["prefill"]["state"] == left["decode"]["state"] == "active"
+    assert {left[n]["main_pid"] for n in left} <= set(demo.pids())
+    text = demo.cli("status", str(collapse)).stdout
+    assert sum("which the unfinished apply drops" in line for line in text.splitlines()) == 2, text
+    assert demo.cli("apply", str(demo.spec)).returncode == 0
+    assert json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["leftover"] == []
+
+
 def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     r = demo.cli("status", str(demo.spec))
     assert r.returncode == 1

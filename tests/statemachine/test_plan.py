@@ -315,8 +315,9 @@ def test_a_plan_is_unaffected_by_toml_key_order(order):
 # --- CLI -----------------------------------------------------------------------------------------
 
 
-def _pdctl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=60, env=env)
+def _pdctl(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=cwd)
 
 
 def test_cli_plan_exit_codes_and_json(tmp_path):
@@ -332,6 +333,7 @@ def test_cli_plan_exit_codes_and_json(tmp_path):
     assert r.returncode == 2 and "no longer serves as proven: prefill inactive" in r.stderr, r.stderr
     data = json.loads(r.stdout)
     assert data["changes"] == [] and data["from_serial"] == 1
+    assert "no longer serves as proven: prefill inactive" in data["unsettled"]  # why exit 2, for scripts too
     # the journal's side and the spec's print alike (the journal sorts keys; so does the topology now)
     assert json.dumps(data["from_topology"]) == json.dumps(data["to_topology"])
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
@@ -346,6 +348,32 @@ def test_cli_plan_exit_codes_and_json(tmp_path):
     assert "PD disaggregation → single server" in r.stdout
     saved = Plan.model_validate_json(out.read_text())
     assert saved.plan_id in r.stdout
+
+
+def test_cli_plan_out_dash_is_stdout_and_a_plan_during_an_apply_says_one_runs(tmp_path):
+    sd = tmp_path / "state"
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "-", cwd=tmp_path)
+    assert r.returncode == 2 and not (tmp_path / "-").exists()
+    assert json.loads(r.stdout)["to_topology"]["name"] == "dsv4-flash" and json.loads(r.stdout)["unsettled"] is None
+    j = Journal(sd, "dsv4-flash")
+    state = JournalState(name="dsv4-flash", deployed=topo(seed_dict()))
+    state.target = topo(seed_dict())
+    j.write(state)
+    with j.lock("apply"):  # this process is the running apply
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+        assert r.returncode == 2 and "a `pdctl apply` is running now" in r.stdout, r.stdout
+        assert "did not finish" not in r.stdout + r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json")
+    assert r.returncode == 2 and "did not finish" in json.loads(r.stdout)["unsettled"]
+
+
+def test_a_full_disk_on_stdout_is_a_named_error_with_exit_1(tmp_path):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "pdctl", "validate", str(SEED)], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: <stdout>: No space left on device\n"), r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
 
 
 def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
