@@ -17,10 +17,11 @@ so that an SSH host answers the same way. The parsers are pure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Listener", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
+__all__ = ["Listener", "applied_with", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
            "parse_proc_net_tcp", "started_as", "started_by"]
 
 
@@ -116,6 +117,19 @@ def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: A
         for text in (_read(host, f"/proc/{p}/cmdline").replace("\0", " "), _read(host, f"/proc/{p}/cgroup")):
             if any(m in text for m in markers):
                 return text.strip()
+    return None
+
+
+def applied_with(started: str) -> str | None:
+    """How a deployment whose process :func:`started_by` returned *started* was applied, in words, or None where it
+    does not tell: the process supervisor's folder names the state directory; the cgroup names the systemd manager
+    (``user@UID.service``: a user's; ``system.slice``: the system's)."""
+    if m := re.search(r"(\S+)/supervisor/services/pdctl-", started):
+        return f"state directory {m.group(1)} (process supervisor)"
+    if m := re.search(r"user@(\d+)\.service", started):
+        return f"the systemd user manager of UID {m.group(1)}"
+    if "system.slice" in started:
+        return "the systemd system manager"
     return None
 
 

@@ -109,10 +109,12 @@ _KERNEL_PAGE_SIZE = 64
 _MEM_FRACTION_WARN = 0.95
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY,
-# SECRET_KEY, DB_PASSWORD…): one of these whole _-separated words anywhere, or a name ending in _KEY, so that
+# SECRET_KEY, DB_PASSWORD, GITHUB_PAT (a personal access token)…): one of these whole _-separated words anywhere,
+# or a name ending in _KEY, so that
 # TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not taken for one; a name ending in _PATH,
 # _FILE or _DIR holds where a secret is, not the secret; a switch value (HF_HUB_DISABLE_IMPLICIT_TOKEN=1) none.
-_SECRET_NAME = re.compile(r"((^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)(_|$))|(^|_)KEY$", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"((^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|PAT|CREDENTIALS?|APIKEY)(_|$))|(^|_)KEY$",
+                          re.IGNORECASE)
 _SECRET_NAME_NOT = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
 _SWITCH_VALUE = re.compile(r"0|1|true|false|yes|no|on|off", re.IGNORECASE)
 

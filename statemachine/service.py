@@ -8,7 +8,6 @@ The headless CLI and the Textual console are thin shells over them.
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,16 +523,7 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
     held = ports.listeners(host, set(wanted))
     started = {x: ports.started_by(host, x.pid, units) for x in held if x.pid is not None}
     ours = [x for x, how in started.items() if how]
-    # How it was applied, where the holders tell: the supervisor's folder names the state directory; the cgroup
-    # names the systemd manager (user@UID.service: a user's, system.slice: the system's)
-    applied: set[str] = set()
-    for how in filter(None, started.values()):
-        if m := re.search(r"(\S+)/supervisor/services/pdctl-", how):
-            applied.add(f"state directory {m.group(1)} (process supervisor)")
-        elif m := re.search(r"user@(\d+)\.service", how):
-            applied.add(f"the systemd user manager of UID {m.group(1)}")
-        elif "system.slice" in how:
-            applied.add("the systemd system manager")
+    applied = {a for how in started.values() if how and (a := ports.applied_with(how))}  # where the holders tell
     unseen = sorted({x.port for x in held if x.pid is None})
     if unseen and not ours:
         from pdctl.statemachine.events import Event

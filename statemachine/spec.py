@@ -23,6 +23,7 @@ import copy
 import difflib
 import ipaddress
 import re
+import socket
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -176,6 +177,13 @@ def _address(v: str, info: ValidationInfo) -> str:
             raise ValueError(f"{v!r} is not an IPv4 address ({exc}): write four numbers 0-255, e.g. 127.0.0.1") \
                 from None
     labels = name.split(".")
+    if all(re.fullmatch(r"0[xX][0-9a-fA-F]+|[0-9]+", label) for label in labels):  # 0x7f000001, 0x7f.1: inet_aton's
+        try:                                                                        # shorthands, not host names
+            means = f" (inet_aton reads it as {ipaddress.IPv4Address(socket.inet_aton(name))})"
+        except OSError:
+            means = ""
+        raise ValueError(f"{v!r} is an IPv4 address in hexadecimal shorthand{means}, which not every resolver and "
+                         "tool reads alike: write four decimal numbers 0-255, e.g. 127.0.0.1")
     if len(labels) == 4 and sum(label.isdigit() for label in labels) == 3:  # 127.0.0.l, 10.O.0.1: a typo'd IPv4
         raise ValueError(f"{v!r} looks like an IPv4 address with a typo in it (three of its four labels are numbers): "
                          "write four numbers 0-255, e.g. 127.0.0.1")

@@ -264,6 +264,18 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
         where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
                           f"({x.command or 'unknown'})" for x in held)
+        # This deployment's own roles, applied another way (another --state-dir, user or service manager), say which
+        markers = {f"pdctl-{topo.name}-{role}.service" for role in step_of}
+        started = [ports.started_by(ctx.host, x.pid, markers) for x in held if x.pid is not None]
+        applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
+        if any(started):
+            raise ApplyFailed(
+                f"ports taken by this deployment's own processes, applied another way, nothing was started or "
+                f"changed: {where}" + (f"; it runs under {' and '.join(applied)}" if applied else ""),
+                step=wanted[first.port][1],
+                hint="manage it the way it was applied (the same user, service_manager and --state-dir or "
+                     "XDG_STATE_HOME), or `pdctl down` it that way before applying here",
+            )
         raise ApplyFailed(
             f"ports taken by processes outside this deployment, nothing was started or changed: {where}",
             step=wanted[first.port][1],

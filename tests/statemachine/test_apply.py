@@ -418,8 +418,10 @@ def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_callin
 
     other = service.load(demo.spec, state_dir=demo.tmp / "other-state")
     sink = ListSink()
-    with pytest.raises(ApplyFailed, match="ports taken by processes outside this deployment"):
+    with pytest.raises(ApplyFailed, match="ports taken by this deployment's own processes, applied another way") as e:
         service.apply(other, sink=sink, timeouts=demo.timeouts())
+    assert f"it runs under state directory {demo.state} (process supervisor)" in str(e.value), str(e.value)
+    assert "--state-dir" in e.value.hint
     assert not [e for e in sink.events if "previous processes" in e.message]
 
 

@@ -665,6 +665,8 @@ def test_ip_literals_are_kept_in_the_form_the_loopback_and_wildcard_checks_compa
     (("hosts", "local", "address"), "ssh://gpu1:2222", 'write address = "gpu1" and ssh_port = 2222'),
     (("prefill", 0, "http_host"), "127.0.0.l", "'127.0.0.l' looks like an IPv4 address with a typo in it"),
     (("router", "host"), "10.O.0.1", "write four numbers 0-255"),
+    (("prefill", 0, "http_host"), "0x7f000001", "hexadecimal shorthand (inet_aton reads it as 127.0.0.1)"),
+    (("hosts", "local", "address"), "0x7f.1", "(inet_aton reads it as 127.0.0.1), which not every resolver"),
     (("router", "host"), "-gpu1", "'-gpu1' is neither an IP address nor a host name"),
     (("router", "host"), "::g", "'::g' is not an IPv6 address"),
     (("router", "host"), "", "router.host: must not be empty"),
@@ -781,7 +783,8 @@ def test_an_engine_bound_to_every_interface_behind_a_router_is_warned():
 
 @pytest.mark.parametrize("where, key", [(("engine", "env"), "HF_TOKEN"), (("prefill", 0, "env"), "OPENAI_API_KEY"),
                                         (("router", "env"), "db_password"), (("engine", "env"), "SECRET_KEY"),
-                                        (("engine", "env"), "AZURE_OPENAI_KEY"), (("engine", "env"), "HF_TOKEN_READONLY")])
+                                        (("engine", "env"), "AZURE_OPENAI_KEY"), (("engine", "env"), "HF_TOKEN_READONLY"),
+                                        (("engine", "env"), "GITHUB_PAT"), (("router", "env"), "WANDB_APIKEY")])
 def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
     d = seed_dict()
     node = d
@@ -798,7 +801,7 @@ def test_a_secret_looking_env_value_is_warned_toward_secrets(where, key):
 @pytest.mark.parametrize("key, value", [("TOKENIZERS_PARALLELISM", "false"), ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"),
                                         ("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1"), ("GOOGLE_CREDENTIALS_FILE", "/etc/gcp.json"),
                                         ("PASSTHROUGH", "yes-please"), ("SSL_KEY_PATH", "/etc/tls/key.pem"),
-                                        ("KEYBOARD", "us")])
+                                        ("KEYBOARD", "us"), ("PATH_PREFIX", "/opt/x"), ("SGLANG_PATCH", "x1")])
 def test_settings_that_only_mention_a_secret_word_are_not_warned(key, value):
     d = seed_dict()
     d.setdefault("engine", {}).setdefault("env", {})[key] = value
