@@ -144,6 +144,31 @@ def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | Non
     return None
 
 
+# DeepSeek checkpoints by name -> (family, SGLang reasoning parsers whose detector fits its thinking markup). Sources:
+# SGLang docs/advanced_features/separate_reasoning.md (R1 series incl. R1-0528 -> deepseek-r1; V3.1/V3.2 ->
+# deepseek-v3, the `thinking` request parameter) and 0.5.23 sglang/srt/parser/reasoning_parser.py (deepseek-v4 and
+# deepseek-v41: DeepSeekV4Detector, the same <think> tokens with explicit thinking, like deepseek-v3). V3 (no
+# thinking), Speciale and the R1 distills are not matched. First match wins.
+_EXPLICIT_THINKING = ("deepseek-v4", "deepseek-v41", "deepseek-v3")
+_DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (r"v4", "DeepSeek-V4", _EXPLICIT_THINKING),
+    (r"v3[._-]?[12]", "DeepSeek-V3.1/V3.2", ("deepseek-v3", "deepseek-v4", "deepseek-v41")),
+    (r"r1", "DeepSeek-R1", ("deepseek-r1",)),
+)
+
+
+def _deepseek_reasoning_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(family, reasoning parsers)`` for a DeepSeek checkpoint named as DeepSeek publishes them, None for any other
+    name (V3 without thinking, Speciale and the R1 distills included)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    if "deepseek" not in name or "speciale" in name or "distill" in name:
+        return None
+    for pattern, family, parsers in _DEEPSEEK_REASONING_PARSERS:
+        if re.search(pattern, name):
+            return family, parsers
+    return None
+
+
 @dataclass(frozen=True)
 class Finding:
     """One rule's verdict. ``field`` is the spec path, ``fix`` what to change."""
@@ -553,6 +578,20 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 f"{' or '.join(expected[1])}: {base.tool_call_parser!r} would leave its tool-call markup in the "
                 "content (parsers_configured then fails, after both servers restarted)",
                 f'write tool_call_parser = "{expected[1][0]}" (or keep it, for a checkpoint with another format)',
+            )
+
+        thinks = _deepseek_reasoning_parsers(dep.model.path)
+        if thinks:
+            have = tuple(x for x in thinks[1] if x in facts.reasoning_parsers)
+            thinks = (thinks[0], have) if have else None
+        if (thinks and base.reasoning_parser is not None and base.reasoning_parser in facts.reasoning_parsers
+                and base.reasoning_parser not in thinks[1]):
+            warn(
+                "parsers.reasoning_parser",
+                f"{dep.model.path!r} is a {thinks[0]} model, whose thinking SGLang separates with "
+                f"{' or '.join(thinks[1])}: {base.reasoning_parser!r} would leave its reasoning in the content or take "
+                "its answer for reasoning (parsers_configured then fails, after both servers restarted)",
+                f'write reasoning_parser = "{thinks[1][0]}" (or keep it, for a checkpoint with another format)',
             )
 
     # --- extra args / env -----------------------------------------------------------------------

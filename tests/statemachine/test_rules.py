@@ -845,6 +845,34 @@ def test_a_fitting_or_unknown_model_parser_pair_is_not_warned(path, parser):
     assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
 
 
+@pytest.mark.parametrize("path, parser, fix", [
+    ("deepseek-ai/DeepSeek-V4-Flash", "qwen3", 'reasoning_parser = "deepseek-v4"'),
+    ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-r1", 'reasoning_parser = "deepseek-v4"'),
+    ("deepseek-ai/DeepSeek-V3.2", "kimi", 'reasoning_parser = "deepseek-v3"'),
+    ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", 'reasoning_parser = "deepseek-r1"'),
+])
+def test_a_reasoning_parser_that_does_not_fit_the_deepseek_model_is_warned(path, parser, fix):
+    # (validate was clean; apply restarted both servers, then parsers_configured found no reasoning_content)
+    d = seed_dict()
+    d["model"]["path"] = path
+    d["parsers"]["reasoning_parser"] = parser
+    f = _one(d, "parsers.reasoning_parser", "would leave its reasoning in the content", fix, level="warning")
+    assert path in f.message
+
+
+@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v3"),
+                                          ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v41"),
+                                          ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek-v3"),
+                                          ("deepseek-ai/DeepSeek-V3-0324", "qwen3"),
+                                          ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen3"),
+                                          ("Qwen/Qwen3-8B", "qwen3")])
+def test_a_fitting_or_unknown_model_reasoning_parser_is_not_warned(path, parser):
+    d = seed_dict()
+    d["model"]["path"] = path
+    d["parsers"]["reasoning_parser"] = parser
+    assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.reasoning_parser"]
+
+
 def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has():
     # SGLang 0.5.6 has no deepseekv4: no warning to write one
     d = seed_dict()
@@ -853,3 +881,7 @@ def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has()
     assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
     d["model"]["path"] = "deepseek-ai/DeepSeek-V3.2"  # which 0.5.6 does parse: deepseekv32
     _one(d, "parsers.tool_call_parser", "DeepSeek-V3.2 model", 'tool_call_parser = "deepseekv32"', level="warning")
+    d["parsers"]["reasoning_parser"] = "qwen3"  # 0.5.6 has no deepseek-v4: only deepseek-v3 is suggested
+    f = _one(d, "parsers.reasoning_parser", "separates with deepseek-v3:", 'reasoning_parser = "deepseek-v3"',
+             level="warning")
+    assert "deepseek-v4" not in f.message + f.fix
