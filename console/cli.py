@@ -403,6 +403,17 @@ def _applying_text(st: dict) -> str:
     return " [an apply was interrupted: apply again to converge, or `pdctl down` to stop it]"
 
 
+def _state_word(unit: dict) -> str:
+    """A unit's state, and for a failed one why (the process backend's sub-state, systemd's Result)."""
+    why = unit.get("sub_state") or ""
+    return f"{unit['state']} ({why})" if unit["state"] == "failed" and why not in ("", "failed", "dead") else unit["state"]
+
+
+_START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why (the console's log "
+                "panel, journalctl, or output.log in the state directory's supervisor folder); `pdctl apply` starts it "
+                "after the fix]")
+
+
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
 
 
@@ -418,16 +429,17 @@ def _status_text(st: dict) -> str:
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
             health += " (from another process on its port)"
         lines.append(
-            f"  {r['name']:<10} {r['state']:<11} pid {r['main_pid'] or '-':<8} health {health} "
+            f"  {r['name']:<10} {_state_word(r):<11} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
+            + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
         )
     rt = st.get("router")
     if rt:
         stats = rt.get("stats") or {}
         lines.append(
-            f"  {'router':<10} {rt['state']:<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
+            f"  {'router':<10} {_state_word(rt):<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
             f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
-            + _UNSUPERVISED * (not rt.get("supervised", True))
+            + _UNSUPERVISED * (not rt.get("supervised", True)) + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )
     for u in st.get("leftover") or ():
         lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "

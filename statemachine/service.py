@@ -376,6 +376,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "state": st.state,
                 "main_pid": st.main_pid,
                 "restarts": st.restarts,
+                "sub_state": st.sub_state,
                 "url": r.url,
                 "health": code,
                 "port_owned": owned,
@@ -398,7 +399,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         st = manager.status(names["router"])
         url = topo.router.url
         router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
-                  "supervised": st.supervised, "restarts": st.restarts}
+                  "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state}
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code

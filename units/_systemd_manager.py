@@ -249,12 +249,22 @@ class SystemdManager(ServiceManager):
 
     def status(self, name: str) -> ServiceStatus:
         self._require_systemctl()
-        res = self._ctl("show", "-p", "ActiveState,SubState,MainPID,NRestarts,LoadState", "--", name, check=False)
+        res = self._ctl("show", "-p", "ActiveState,SubState,MainPID,NRestarts,LoadState,Result,StartLimitBurst", "--",
+                        name, check=False)
         info = parse_show(res.stdout)
         pid = int(info.get("MainPID") or 0) or None
         restarts = int(info.get("NRestarts") or 0) if (info.get("NRestarts") or "").isdigit() else 0
-        return ServiceStatus(name=name, state=info.get("ActiveState") or "inactive", main_pid=pid,
-                             restarts=restarts, sub_state=info.get("SubState", ""))
+        burst = int(info["StartLimitBurst"]) if (info.get("StartLimitBurst") or "").isdigit() else 0
+        state = info.get("ActiveState") or "inactive"
+        # A failed unit's SubState is "failed" too; say why, as the process backend's sub-state does: its Result
+        # (exit-code, timeout, signal…), except that an automatic restart refused by the start limit keeps the
+        # failure's Result (exit-code: seen with systemd 252, tests/units/test_real_systemd.py), so restarts up to
+        # StartLimitBurst say start-limit-hit
+        if state == "failed":
+            sub = "start-limit-hit" if burst and restarts >= burst else info.get("Result") or ""
+        else:
+            sub = info.get("SubState", "")
+        return ServiceStatus(name=name, state=state, main_pid=pid, restarts=restarts, sub_state=sub)
 
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
         text = self.installed_text(name) or ""

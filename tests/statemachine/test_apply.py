@@ -297,6 +297,21 @@ def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
         pytest.fail(f"the router did not come back: {rt}")
     assert rt["restarts"] == 1
     assert "restarts 1" in demo.cli("status", str(demo.spec)).stdout.split("router", 1)[1]
+    # A router that keeps dying stops at its start limit, and status says so rather than only "failed"
+    killed = {rt["main_pid"]}
+    os.kill(rt["main_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        rt = demo.status()["router"]
+        if rt["state"] == "failed":
+            break
+        if rt["main_pid"] and rt["main_pid"] not in killed:
+            killed.add(rt["main_pid"])
+            os.kill(rt["main_pid"], signal.SIGKILL)
+        time.sleep(0.1)
+    assert (rt["state"], rt["sub_state"]) == ("failed", "start-limit-hit"), rt
+    line = demo.cli("status", str(demo.spec)).stdout.split("router", 1)[1].splitlines()[0]
+    assert line.split()[0] == "failed" and "(start-limit-hit)" in line and "its log says why" in line, line
 
 
 # --- kill -9 at five points, then re-run ---------------------------------------------------------

@@ -121,6 +121,7 @@ def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path
     assert m.status(svc.name).restarts == 3
     time.sleep(1.0)  # five restart delays: it stays down
     assert (m.status(svc.name).state, m.status(svc.name).restarts) == ("failed", 3)
+    assert m.status(svc.name).sub_state == "start-limit-hit"  # systemd's Result: why, as the process backend says
 
 
 def test_a_refused_command_line_is_not_restarted(clean_user_systemd, tmp_path):
