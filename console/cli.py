@@ -156,6 +156,7 @@ def plan(
         raise typer.Exit(ExitCode.USAGE)
     loaded = load(spec, state_dir=state_dir, discover=True)
     _warnings(loaded)
+    _unset_secrets_note(loaded.deployment)
     p = plan_spec(loaded)
     pending = loaded.journal.read().target
     holder = loaded.journal.held_by()
@@ -196,6 +197,17 @@ def plan(
     else:
         sys.stdout.write(render_text(p) + "\n")
     raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
+
+
+def _unset_secrets_note(dep) -> None:  # noqa: ANN001
+    """A ``[secrets]`` entry ``env:NAME`` whose variable pdctl's environment lacks: the plan fingerprints the reference
+    instead of the value, so it shows the roles' secrets as changed, and apply refuses it by name; say both."""
+    from pdctl.statemachine.spec import secret_value
+
+    for key, value in sorted(dep.secrets.items()):
+        if secret_value(value, os.environ) is None:
+            _err(f"note: secrets.{key} = {value!r}: {value[4:]} is not set here, so the plan cannot compare the secret "
+                 "with the deployed one and shows it as changed; `pdctl apply` refuses until it is set")
 
 
 def _runtime_drift(loaded) -> tuple[list[str], list[str]]:  # noqa: ANN001

@@ -376,6 +376,23 @@ def test_a_full_disk_on_stdout_is_a_named_error_with_exit_1(tmp_path):
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
 
 
+def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_path):
+    import os
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF_TOKEN"}
+    spec = tmp_path / "s.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    sd = tmp_path / "state"
+    with_it = {**os.environ, "PDCTL_TEST_HF_TOKEN": "hf_abc"}
+    Journal(sd, "dsv4-flash").write(JournalState(name="dsv4-flash", deployed=topology_of(parse_spec(d))))
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), env={k: v for k, v in with_it.items() if k != "PDCTL_TEST_HF_TOKEN"})
+    assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
+    assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=with_it)
+    assert "is not set here" not in r.stderr
+
+
 def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
     spec = tmp_path / "ok.toml"
     spec.write_text(_toml_dump(seed_dict(), list(range(8))))
