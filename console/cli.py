@@ -487,8 +487,8 @@ def down_cmd(
             raise typer.Exit(ExitCode.OK)
     with _signals_as_interrupt():
         names = down(loaded, sink=_Reporter(False))
-    if names:
-        _err(f"stopped and removed {len(names)} unit(s) of {loaded.deployment.name!r}")
+    if names:  # the lines above say which were running (stopped) and which were not
+        _err(f"removed {len(names)} unit(s) of {loaded.deployment.name!r}")
     else:
         _err(f"nothing of {loaded.deployment.name!r} is installed here (service manager "
              f"{loaded.deployment.service_manager}, state directory {loaded.journal.dir}): nothing to stop")

@@ -404,6 +404,24 @@ def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_su
         assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
 
 
+def test_down_says_which_units_it_stopped_and_which_were_not_running(demo):
+    # (it said "stopped and removed 3 unit(s)" of a deployment whose decode was not running)
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.service import deployment_host, unit_names
+    from pdctl.statemachine.topology import topology_of
+
+    demo.apply()
+    loaded = demo.load()
+    names = unit_names(topology_of(loaded.deployment))
+    launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state)).stop(names["decode"])
+    r = demo.cli("down", str(demo.spec), "--yes")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert f"· {names['decode']} was not running (inactive)" in lines
+    assert f"· stopped {names['router']}" in lines and f"· stopped {names['prefill']}" in lines
+    assert lines[-1] == f"removed 3 unit(s) of {loaded.deployment.name!r}", lines
+
+
 def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_calling_it_foreign(demo):
     # A server its unit is still stopping (slow to exit on SIGTERM, or an interrupted apply's restart) holds the port:
     # it was refused as "ports taken by processes outside this deployment ... (another deployment?)"
