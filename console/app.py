@@ -58,8 +58,8 @@ TABS = ("topology", "gpu", "throughput", "logs", "proof", "plan")
 
 
 class ApplyCancelled(Exception):
-    """Raised by the console's sink to halt an apply at the next event (the engine journals it
-    as a failure of the step in progress; what already runs stays as it was)."""
+    """Raised by the console's sink to halt an apply at the next event or long wait's poll (the engine journals the
+    step in progress as interrupted; what already runs stays as it was)."""
 
 
 class _PostingSink:
@@ -80,6 +80,12 @@ class _PostingSink:
         # (not on progress said inside a step, "info": a role restarted and the next not yet would be left half-done)
         if self.cancel.is_set() and event.kind not in ("apply_failed", "apply_done", "apply_interrupted", "step_failed",
                                                        "info"):
+            raise ApplyCancelled("apply cancelled from the console")
+
+    def checkpoint(self) -> None:
+        """The engine's long waits (a model loading, a port still held) call this every poll: cancel halts them
+        there, leaving what was started to finish starting, as a cancel at a step event does."""
+        if self.cancel.is_set():
             raise ApplyCancelled("apply cancelled from the console")
 
 

@@ -51,6 +51,9 @@ class Event:
 
 
 class EventSink(Protocol):
+    """Where events go. A sink may also have ``checkpoint()``, which the engine calls every poll of a wait that can
+    last minutes (a model loading, a port still held): raising there halts the run like raising in ``emit``."""
+
     def emit(self, event: Event) -> None: ...
 
 

@@ -295,7 +295,16 @@ def apply(
                 _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
                 machine = run_steps(ctx, steps_for(desired), sink)
             except Exception as exc:
-                j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None), error=str(exc))
+                # A failed step is journalled already; a halt from the sink (the console's cancel, at an event or a
+                # long wait's checkpoint) leaves its step "running": it was interrupted, not proven failed
+                running = [name for name, rec in state.steps.items() if rec.status == "running"]
+                for name in running:
+                    state.steps[name].status = "interrupted"
+                    state.steps[name].finished_at = time.time()
+                if running:
+                    j.write(state)
+                j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None) or next(iter(running), None),
+                        error=str(exc))
                 sink.emit(Event.apply_failed(exc))
                 raise
             state.deployed = desired

@@ -112,6 +112,13 @@ class Context:
 
             self.sink.emit(Event("info", message, step=step, data=data))
 
+    def checkpoint(self) -> None:
+        """Called every poll of a long wait: the sink's ``checkpoint()`` (the console's cancel) may raise to halt the
+        run there, as it may at any event, instead of only after a wait of minutes."""
+        check = getattr(self.sink, "checkpoint", None)
+        if check is not None:
+            check()
+
     def restart_unit(self, unit: str, *, step: str) -> None:
         """Restart *unit*, saying first how long stopping it may take (its ``TimeoutStopSec``): a server that does
         not exit on SIGTERM is waited for that long, with nothing else to show."""
@@ -141,11 +148,15 @@ class Context:
         return r.url
 
 
-def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str) -> T:
-    """Call *fn* until it returns a value (not None) or *deadline_s* passes (StepTimeout)."""
+def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str,
+          checkpoint: Callable[[], None] | None = None) -> T:
+    """Call *fn* until it returns a value (not None) or *deadline_s* passes (StepTimeout); *checkpoint* before each
+    try (``Context.checkpoint``: it may raise to halt the run)."""
     end = time.monotonic() + deadline_s
     last_exc: Exception | None = None
     while True:
+        if checkpoint is not None:
+            checkpoint()
         try:
             v = fn()
             if v is not None:
@@ -249,6 +260,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                 + "; ".join(f"port {x.port} held by PID {x.pid}" for x in leftover), step="ports")
         deadline = time.monotonic() + stop_s
         while leftover and time.monotonic() < deadline:
+            ctx.checkpoint()
             time.sleep(min(ctx.timeouts.poll, 0.5))
             held = ports.held_outside(ctx.host, set(wanted), ours)
             leftover = [x for x in held if x.pid is not None and mine(x.pid)]
@@ -519,7 +531,8 @@ class ServersUp(Step):
             return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None
 
         try:
-            _wait(f"{role.name} active and healthy at {role.url}/health", bound, ready, poll=ctx.timeouts.poll, step=self.name)
+            _wait(f"{role.name} active and healthy at {role.url}/health", bound, ready, poll=ctx.timeouts.poll,
+                  step=self.name, checkpoint=ctx.checkpoint)
         except StepTimeout as exc:
             logs = "\n    ".join(ctx.manager.logs(unit, lines=10))
             raise StepTimeout(
@@ -628,6 +641,7 @@ class KVLinkVerified(Step):
                         route,
                         poll=0.5,
                         step=self.name,
+                        checkpoint=ctx.checkpoint,
                     )
                 except StepTimeout as exc:
                     raise VerifyFailed(
@@ -798,7 +812,8 @@ class RouterExposed(Step):
                 return None
 
         try:
-            return _wait("router ready with the expected workers", bound, attempt, poll=0.5, step=self.name)
+            return _wait("router ready with the expected workers", bound, attempt, poll=0.5, step=self.name,
+                         checkpoint=ctx.checkpoint)
         except StepTimeout as exc:
             raise VerifyFailed(f"{exc.message}; last: {last[0] if last else '?'}", step=self.name, hint=self.hint) from None
 

@@ -380,3 +380,17 @@ async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(co
         if holder.poll() is None:
             holder.kill()
             holder.wait(5)
+
+
+def test_the_consoles_sink_halts_a_long_wait_at_its_checkpoint_once_cancel_is_asked():
+    # the engine polls Context.checkpoint during waits of minutes (a model loading): cancel must not wait them out
+    import threading
+
+    from pdctl.console.app import _PostingSink
+
+    cancel = threading.Event()
+    sink = _PostingSink(app=None, cancel=cancel)
+    sink.checkpoint()  # nothing asked: the wait goes on
+    cancel.set()
+    with pytest.raises(ApplyCancelled):
+        sink.checkpoint()

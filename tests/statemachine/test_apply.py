@@ -182,6 +182,48 @@ def test_prefill_never_healthy_times_out_bounded(make_demo):
     os.kill(role["main_pid"], 0)  # alive
 
 
+class _Cancelled(Exception):
+    pass
+
+
+class _CancelDuring:
+    """A sink like the console's: once *step* has started, its checkpoint halts the run."""
+
+    def __init__(self, step: str) -> None:
+        self.step, self.armed, self.at = step, False, None
+
+    def emit(self, event) -> None:  # noqa: ANN001
+        self.armed = self.armed or (event.kind == "step_started" and event.step == self.step)
+
+    def checkpoint(self) -> None:
+        if self.armed:
+            self.at = time.monotonic()
+            raise _Cancelled("cancelled")
+
+
+def test_a_cancel_halts_a_long_wait_for_a_loading_server_at_its_next_poll(make_demo):
+    # (the console's cancel acted only at the next step event: minutes later, while a real model loads)
+    def slow(d):
+        d["prefill"][0]["env"] = {"PDCTL_SIM_LOAD_SECONDS": "600"}
+        d["prefill"][0]["expected_cold_start_s"] = 100
+
+    demo = make_demo(slow)
+    sink = _CancelDuring("prefill_up")
+    t0 = time.monotonic()
+    with pytest.raises(_Cancelled):
+        demo.apply(sink=sink)
+    assert time.monotonic() - t0 < 60 and sink.at is not None
+    state = demo.load().journal.read()
+    assert state.steps["prefill_up"].status == "interrupted" and state.target is not None
+    deadline = time.monotonic() + 20  # what was started keeps starting
+    while time.monotonic() < deadline and not (role := demo.status()["roles"][0])["main_pid"]:
+        time.sleep(0.1)
+    assert role["state"] in ("activating", "active") and role["main_pid"], role
+    text = demo.cli("status", str(demo.spec)).stdout
+    assert ["prefill_up", "interrupted"] in [line.split()[:2] for line in text.splitlines()], text
+    assert "[an apply was interrupted: apply again to converge" in text.splitlines()[0]
+
+
 def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
     def bad(d):
         d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects
