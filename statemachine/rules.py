@@ -110,9 +110,9 @@ _MEM_FRACTION_WARN = 0.95
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Environment variable names that carry credentials by convention (HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY,
 # SECRET_KEY, DB_PASSWORD, GITHUB_PAT (a personal access token)…): one of these whole _-separated words anywhere,
-# or a name ending in _KEY, so that
-# TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not taken for one; a name ending in _PATH,
-# _FILE or _DIR holds where a secret is, not the secret; a switch value (HF_HUB_DISABLE_IMPLICIT_TOKEN=1) none.
+# or a name ending in _KEY, so that TOKENIZERS_PARALLELISM or SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION are not taken
+# for one; a name ending in _PATH, _FILE or _DIR holds where a secret is, not the secret; a switch value
+# (HF_HUB_DISABLE_IMPLICIT_TOKEN=1) none.
 _SECRET_NAME = re.compile(r"((^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|PAT|CREDENTIALS?|APIKEY)(_|$))|(^|_)KEY$",
                           re.IGNORECASE)
 _SECRET_NAME_NOT = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
@@ -149,9 +149,8 @@ def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | Non
 # deepseek-v3, the `thinking` request parameter) and 0.5.23 sglang/srt/parser/reasoning_parser.py (deepseek-v4 and
 # deepseek-v41: DeepSeekV4Detector, the same <think> tokens with explicit thinking, like deepseek-v3). V3 (no
 # thinking), Speciale and the R1 distills are not matched. First match wins.
-_EXPLICIT_THINKING = ("deepseek-v4", "deepseek-v41", "deepseek-v3")
 _DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    (r"v4", "DeepSeek-V4", _EXPLICIT_THINKING),
+    (r"v4", "DeepSeek-V4", ("deepseek-v4", "deepseek-v41", "deepseek-v3")),
     (r"v3[._-]?[12]", "DeepSeek-V3.1/V3.2", ("deepseek-v3", "deepseek-v4", "deepseek-v41")),
     (r"r1", "DeepSeek-R1", ("deepseek-r1",)),
 )

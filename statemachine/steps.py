@@ -278,9 +278,9 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                           f"({x.command or 'unknown'})" for x in held)
         # This deployment's own roles, applied another way (another --state-dir, user or service manager), say which
         markers = {f"pdctl-{topo.name}-{role}.service" for role in step_of}
-        started = [ports.started_by(ctx.host, x.pid, markers) for x in held if x.pid is not None]
+        started = [ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None for x in held]
         applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
-        if any(started):
+        if all(started):
             raise ApplyFailed(
                 f"ports taken by this deployment's own processes, applied another way, nothing was started or "
                 f"changed: {where}" + (f"; it runs under {' and '.join(applied)}" if applied else ""),
@@ -288,8 +288,11 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                 hint="manage it the way it was applied (the same user, service_manager and --state-dir or "
                      "XDG_STATE_HOME), or `pdctl down` it that way before applying here",
             )
+        ours = sum(1 for how in started if how)
         raise ApplyFailed(
-            f"ports taken by processes outside this deployment, nothing was started or changed: {where}",
+            f"ports taken by processes outside this deployment, nothing was started or changed: {where}"
+            + (f" ({ours} of them this deployment's own, applied another way"
+               + (f": it runs under {' and '.join(applied)})" if applied else ")") if ours else ""),
             step=wanted[first.port][1],
             hint="stop those processes (another deployment?) or give the roles other ports in the spec",
         )
