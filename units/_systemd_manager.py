@@ -242,8 +242,11 @@ class SystemdManager(ServiceManager):
         self._ctl("stop", "--", name, *members, timeout=t)
 
     def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
-        self._require_manager()
-        self._ctl("restart", "--no-block", "--", name)
+        # Stop, waited for, then start, as the base class and the process backend do: `systemctl restart --no-block`
+        # returned with the restart job queued (behind the stop of every unit that Requires= this one, the router),
+        # and the old process, still active, answered the probes that were to prove the new one
+        self.stop(name)
+        self._ctl("start", "--no-block", "--", name)
         if wait:
             self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)
 

@@ -44,6 +44,20 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
             msg = chat_probe(c, f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
         assert msg["reasoning_content"] and msg["tool_calls"]
         assert demo.status()["healthy"]
+        # A change that restarts both servers converges in one apply, proven on the new processes: systemd's restart
+        # of a server the router Requires= restarts the router too, and the old processes kept answering meanwhile
+        before = {r["name"]: r["main_pid"] for r in demo.status()["roles"]}
+        import copy
+
+        d = copy.deepcopy(demo.dict)
+        d["model"]["context_length"] = 65536
+        result = demo.apply(demo.write(d, "ctx.toml"))
+        assert result.state == "parsers_configured"
+        st = service.status(demo.load(demo.tmp / "ctx.toml"))
+        assert st["healthy"] and all(r["main_pid"] != before[r["name"]] for r in st["roles"]), (before, st["roles"])
+        with httpx.Client(trust_env=False) as c:
+            for r in st["roles"]:
+                assert c.get(f"{r['url']}/server_info").json()["context_length"] == 65536
         service.down(demo.load())
         assert demo.pids() == []
         for unit in names.values():
