@@ -216,15 +216,17 @@ def _runtime_drift(loaded) -> tuple[list[str], list[str]]:  # noqa: ANN001
     *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
     while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
     serve or nothing is deployed."""
-    from pdctl.statemachine.errors import PdctlError
     from pdctl.statemachine.service import status
 
+    if loaded.journal.read().deployed is None:
+        return [], []
+    # A host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script that
+    # gates apply on plan that nothing needs doing (raises HostError, ManagerUnavailable…)
     try:
         st = status(loaded)
-    except PdctlError:
-        return [], []
-    if not st.get("deployed"):
-        return [], []
+    except (PdctlError, UnitsError):
+        _err("note: the plan cannot tell whether what was deployed still runs:")
+        raise
     lasting: list[str] = []
     answers: list[str] = []
     for r in st["roles"]:

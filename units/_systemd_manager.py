@@ -251,7 +251,9 @@ class SystemdManager(ServiceManager):
             self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)
 
     def status(self, name: str) -> ServiceStatus:
-        self._require_systemctl()
+        # the manager, not only systemctl: without one (XDG_RUNTIME_DIR unset, no user manager) `systemctl show`
+        # prints nothing, which read as "inactive" and made the deployment's own servers "another process"
+        self._require_manager()
         res = self._ctl("show", "-p", "ActiveState,SubState,MainPID,NRestarts,LoadState,Result,StartLimitBurst", "--",
                         name, check=False)
         info = parse_show(res.stdout)

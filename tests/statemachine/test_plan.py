@@ -393,6 +393,26 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     assert "is not set here" not in r.stderr
 
 
+def test_plan_of_a_deployment_on_a_host_it_cannot_reach_is_an_error_not_no_changes(tmp_path):
+    # (sshd stopped, or a typo'd ssh_port: "No changes. Deployment matches the spec", exit 0)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    d = seed_dict()
+    d["hosts"]["local"].update(address="127.0.0.1", connect="ssh", ssh_port=closed)
+    spec = tmp_path / "s.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    sd = tmp_path / "state"
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd))
+    assert r.returncode == 2, r.stderr  # nothing deployed: planning needs no host
+    Journal(sd, "dsv4-flash").write(JournalState(name="dsv4-flash", deployed=topo(d)))
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd))
+    assert r.returncode == 1 and "No changes" not in r.stdout, r.stdout
+    assert "cannot tell whether what was deployed still runs" in r.stderr and f":{closed}" in r.stderr, r.stderr
+
+
 def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
     spec = tmp_path / "ok.toml"
     spec.write_text(_toml_dump(seed_dict(), list(range(8))))

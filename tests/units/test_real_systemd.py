@@ -124,6 +124,21 @@ def test_a_failing_service_stops_at_the_start_limit(clean_user_systemd, tmp_path
     assert m.status(svc.name).sub_state == "start-limit-hit"  # systemd's Result: why, as the process backend says
 
 
+def test_status_without_a_reachable_manager_is_an_error_not_inactive(clean_user_systemd, tmp_path):
+    # (XDG_RUNTIME_DIR unset, as after sudo -i: `systemctl --user show` printed nothing, read as "inactive", and the
+    # deployment's own servers became "another process on its port")
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.units import SystemdManager
+    from pdctl.units.errors import ManagerUnavailable
+
+    (tmp_path / "xdg").mkdir(mode=0o700)
+    lost = SystemdManager(LocalHost(), scope="user", unit_dir=str(clean_user_systemd.unit_dir),
+                          env={**clean_user_systemd.env, "XDG_RUNTIME_DIR": str(tmp_path / "xdg")})
+    with pytest.raises(ManagerUnavailable, match="no systemd user manager answers"):
+        lost.status("pdctl-any-prefill.service")
+    assert clean_user_systemd.manager().status("pdctl-any-prefill.service").state == "inactive"  # reachable: unknown
+
+
 def test_a_refused_command_line_is_not_restarted(clean_user_systemd, tmp_path):
     """RestartPreventExitStatus=2 (argparse's exit code for a refused command line): one start, failed, no restart; the
     process supervisor does the same (test_supervisor)."""
