@@ -231,7 +231,7 @@ def apply(
     from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
     from pdctl.statemachine.machine import run_steps
-    from pdctl.statemachine.steps import bind_addresses_unusable, ports_taken_elsewhere, steps_for
+    from pdctl.statemachine.steps import bind_addresses_unusable, numa_nodes_missing, ports_taken_elsewhere, steps_for
 
     sink = sink or NullSink()
     j = loaded.journal
@@ -277,6 +277,7 @@ def apply(
             own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
             try:
                 bind_addresses_unusable(ctx)
+                numa_nodes_missing(ctx)
                 ports_taken_elsewhere(ctx, own)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))

@@ -25,7 +25,7 @@ from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, Veri
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
 from pdctl.statemachine.spec import Deployment
-from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology
+from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
 from pdctl.units import SUPERVISOR_LINE
 
 __all__ = ["Context", "Timeouts", "steps_for"]
@@ -322,6 +322,38 @@ for a in sys.argv[1:]:
         out[a] = why
 print(json.dumps(out))
 """
+
+
+def numa_nodes_missing(ctx: Context) -> None:
+    """Before anything starts or stops: the NUMA node each role's unit binds its memory to (``NUMAMask=``; the process
+    supervisor's ``set_mempolicy(2)``) must exist on the host, ``/sys/devices/system/node/node<N>`` (sysfs-devices-node
+    ABI). systemd fails such a unit before exec (exit 242, NUMA) with nothing in the role's log, after its predecessor
+    was stopped. A host without that folder (a kernel without NUMA) is not checked. Raises :class:`ApplyFailed`
+    naming each spec field, its node and the nodes the host has."""
+    base = "/sys/devices/system/node"
+    if not ctx.host.exists(base):
+        return
+    missing: list[tuple[str, int, str]] = []
+    for kind in ("prefill", "decode", "server"):
+        for i, role in enumerate(getattr(ctx.dep, kind)):
+            node, _cpus = numa_binding(ctx.dep, role)
+            if node is not None and not ctx.host.exists(f"{base}/node{node}"):
+                field = f"{kind}[{i}].numa_node" if role.numa_node is not None else f"hosts.{role.host}.gpu_numa"
+                missing.append((field, node, f"{kind}_up"))
+    if not missing:
+        return
+    try:
+        online = ctx.host.read_file(f"{base}/online").decode().strip()
+    except Exception:  # noqa: BLE001 - the nodes it has are a courtesy in the message
+        online = "?"
+    said = "; ".join(f"{field} = {node}" for field, node, _ in missing)
+    raise ApplyFailed(
+        f"NUMA node(s) the host {ctx.host.name} does not have (its nodes: {online}), nothing was started or changed: "
+        f"{said}",
+        step=missing[0][2],
+        hint=f"write a node the host has ({online}; `lscpu` or /sys/devices/system/node lists them), or leave "
+             "numa_node unset to bind none",
+    )
 
 
 def bind_addresses_unusable(ctx: Context) -> None:

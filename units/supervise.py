@@ -11,6 +11,7 @@ directly — it *is* the host-side agent — and writes its state atomically to 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGN
 
 PR_SET_CHILD_SUBREAPER = 36
 MPOL_BIND = 2
+EXIT_NUMA_POLICY = 242  # systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")
 SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 
@@ -98,13 +100,22 @@ class Watchdog:
                     pass
 
     def bind_memory(self, node: int) -> None:
-        """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec; ignored where unsupported."""
+        """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec; ignored where the architecture or kernel lacks
+        it (ENOSYS). A node the kernel refuses (EINVAL: no such node) ends the child before exec with exit status 242,
+        as systemd's ``NUMAPolicy=`` does (EXIT_NUMA_POLICY), saying why in the role's log."""
         nr = SYS_SET_MEMPOLICY.get(os.uname().machine)
-        if nr is None or not 0 <= node < 1024:
+        if nr is None:
             return
         mask = (ctypes.c_ulong * 16)()
-        mask[node // 64] = 1 << (node % 64)
-        self.libc.syscall(nr, MPOL_BIND, mask, ctypes.c_ulong(1024 + 1))
+        if 0 <= node < 1024:
+            mask[node // 64] = 1 << (node % 64)
+        if self.libc.syscall(nr, MPOL_BIND, mask, ctypes.c_ulong(1024 + 1)) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSYS:
+                return
+            os.write(2, f"pdctl supervise: set_mempolicy(MPOL_BIND, NUMA node {node}) failed: {os.strerror(err)}; "
+                        "the node does not exist on this host?\n".encode())
+            os._exit(EXIT_NUMA_POLICY)
 
     def spawn(self) -> None:
         cwd = self.spec.working_dir or str(self.dir)

@@ -518,6 +518,16 @@ def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
     assert e.value.step == "prefill_up" and "ip addr" in e.value.hint
     assert demo.pids() == pids and demo.status()["healthy"]  # nothing stopped
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-refused"
+    # A NUMA node the host lacks: systemd fails the unit before exec (242) with an empty log, after the stop
+    if os.path.isdir("/sys/devices/system/node") and not os.path.isdir("/sys/devices/system/node/node63"):
+        d = copy.deepcopy(demo.dict)
+        d["decode"][0]["numa_node"] = 63
+        with pytest.raises(ApplyFailed, match=r"NUMA node\(s\) the host \S+ does not have \(its nodes: [0-9,-]+\), "
+                                              r"nothing was started or changed: decode\[0\].numa_node = 63") as e:
+            numa = demo.write(d, "numa.toml")
+            demo.apply(numa, confirm=service.plan_spec(demo.load(numa)).plan_id)  # moving a role's node is topology
+        assert e.value.step == "decode_up" and "leave numa_node unset" in e.value.hint
+        assert demo.pids() == pids and demo.status()["healthy"]
 
 
 def test_down_with_nothing_installed_notes_ports_held_by_processes_it_cannot_see(demo, monkeypatch):

@@ -203,6 +203,21 @@ def test_cpu_affinity_numa_binding_and_memlock_are_applied(tmp_path, cleanup):
         assert "bind:0" in Path(f"/proc/{pid}/numa_maps").read_text()
 
 
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64") or not Path("/sys/devices/system/node").exists(),
+                    reason="set_mempolicy(2) numbers known for x86_64 and aarch64 only; a kernel without NUMA")
+def test_a_numa_node_the_host_lacks_fails_the_role_with_systemds_exit_242_and_says_why(tmp_path, cleanup):
+    # (the syscall's failure was ignored: the role ran unbound and apply called it proven, while systemd failed it)
+    s = svc("numa", ("/bin/sleep", "300"), numa_node=63, start_limit_burst=1, start_limit_interval_s=60)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
+    assert st_.main_pid is None
+    log = m.logs(s.name, lines=20)
+    assert any("set_mempolicy(MPOL_BIND, NUMA node 63) failed: Invalid argument" in line for line in log), log
+    assert any("exited, code=242" in line for line in log), log
+
+
 def test_restart_gives_a_new_main_pid_and_unknown_units_are_inactive(tmp_path, cleanup):
     s = svc("rs", ("/bin/sleep", "300"))
     m = install(tmp_path, s)
