@@ -121,10 +121,12 @@ _SWITCH_VALUE = re.compile(r"0|1|true|false|yes|no|on|off", re.IGNORECASE)
 
 # DeepSeek checkpoints by name -> (family, SGLang tool-call parsers for its markup). Sources: SGLang
 # docs/basic_usage/deepseek_v32.md (V3.2 -> deepseekv32; V3.2-Exp -> deepseekv31), 0.5.23
-# sglang/srt/function_call/deepseekv4_detector.py (V4's DSML tool_calls; deepseekv41 the V4.1 variant),
-# deepseekv31_detector.py (V3.1) and deepseekv3_detector.py (V3, R1). First match wins.
+# sglang/srt/function_call/deepseekv4_detector.py (V4's DSML <｜DSML｜tool_calls>; deepseekv41 parses V4.1's other
+# markup, <｜DSML｜ calls>, which a V4 checkpoint never emits), deepseekv31_detector.py (V3.1) and
+# deepseekv3_detector.py (V3, R1). First match wins.
 _DEEPSEEK_TOOL_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    (r"v4", "DeepSeek-V4", ("deepseekv4", "deepseekv41")),
+    (r"v4[._-]?1", "DeepSeek-V4.1", ("deepseekv41",)),
+    (r"v4", "DeepSeek-V4", ("deepseekv4",)),
     (r"v3[._-]?2[._-]?exp", "DeepSeek-V3.2-Exp", ("deepseekv31",)),
     (r"v3[._-]?2", "DeepSeek-V3.2", ("deepseekv32",)),
     (r"v3[._-]?1", "DeepSeek-V3.1", ("deepseekv31",)),
@@ -150,6 +152,7 @@ def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | Non
 # deepseek-v41: DeepSeekV4Detector, the same <think> tokens with explicit thinking, like deepseek-v3). V3 (no
 # thinking), Speciale and the R1 distills are not matched. First match wins.
 _DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (r"v4[._-]?1", "DeepSeek-V4.1", ("deepseek-v41", "deepseek-v4", "deepseek-v3")),
     (r"v4", "DeepSeek-V4", ("deepseek-v4", "deepseek-v41", "deepseek-v3")),
     (r"v3[._-]?[12]", "DeepSeek-V3.1/V3.2", ("deepseek-v3", "deepseek-v4", "deepseek-v41")),
     (r"r1", "DeepSeek-R1", ("deepseek-r1",)),
@@ -569,6 +572,13 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if expected:  # only what this SGLang version has (0.5.6 has no deepseekv4)
             have = tuple(x for x in expected[1] if x in facts.tool_call_parsers)
             expected = (expected[0], have) if have else None
+        if expected and base.tool_call_parser is None:
+            warn(
+                "parsers.tool_call_parser",
+                f"{dep.model.path!r} is a {expected[0]} model and no tool-call parser is set: its tool calls stay "
+                "raw markup in the content (parsers_configured then fails, after both servers restarted)",
+                f'write [parsers] tool_call_parser = "{expected[1][0]}"',
+            )
         if (expected and base.tool_call_parser is not None and base.tool_call_parser in facts.tool_call_parsers
                 and base.tool_call_parser not in expected[1]):
             warn(
@@ -583,6 +593,13 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if thinks:
             have = tuple(x for x in thinks[1] if x in facts.reasoning_parsers)
             thinks = (thinks[0], have) if have else None
+        if thinks and base.reasoning_parser is None:
+            warn(
+                "parsers.reasoning_parser",
+                f"{dep.model.path!r} is a {thinks[0]} model and no reasoning parser is set: its thinking stays in the "
+                "content, with no reasoning_content (parsers_configured then fails, after both servers restarted)",
+                f'write [parsers] reasoning_parser = "{thinks[1][0]}"',
+            )
         if (thinks and base.reasoning_parser is not None and base.reasoning_parser in facts.reasoning_parsers
                 and base.reasoning_parser not in thinks[1]):
             warn(

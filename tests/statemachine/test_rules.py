@@ -822,6 +822,8 @@ def test_an_undeclared_host_is_reported_once_where_it_is_written():
 
 @pytest.mark.parametrize("path, parser, fix", [
     ("deepseek-ai/DeepSeek-V4-Flash", "deepseekv3", 'tool_call_parser = "deepseekv4"'),
+    ("deepseek-ai/DeepSeek-V4-Flash", "deepseekv41", 'tool_call_parser = "deepseekv4"'),  # V4.1's markup, not V4's
+    ("deepseek-ai/DeepSeek-V4.1", "deepseekv4", 'tool_call_parser = "deepseekv41"'),
     ("deepseek-ai/DeepSeek-V3.2", "deepseekv31", 'tool_call_parser = "deepseekv32"'),
     ("/models/DeepSeek-V3.2-Exp/", "deepseekv32", 'tool_call_parser = "deepseekv31"'),
 ])
@@ -834,7 +836,7 @@ def test_a_tool_call_parser_that_does_not_fit_the_deepseek_model_is_warned(path,
     assert path in f.message
 
 
-@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4-Flash", "deepseekv41"),
+@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4.1-Flash", "deepseekv41"),
                                           ("deepseek-ai/DeepSeek-V3.2-Speciale", "deepseekv32"),
                                           ("Qwen/Qwen3-8B", "deepseekv3"), ("/models/my-finetune", "qwen"),
                                           ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen")])
@@ -871,6 +873,20 @@ def test_a_fitting_or_unknown_model_reasoning_parser_is_not_warned(path, parser)
     d["model"]["path"] = path
     d["parsers"]["reasoning_parser"] = parser
     assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.reasoning_parser"]
+
+
+def test_a_deepseek_model_without_parsers_is_warned_for_each_missing_one():
+    # (plan and validate were clean; apply restarted both servers, then parsers_configured found raw markup)
+    d = seed_dict()
+    del d["parsers"]
+    found = {f.field: f for f in validate(parse_spec(d)) if f.field.startswith("parsers.")}
+    assert set(found) == {"parsers.tool_call_parser", "parsers.reasoning_parser"}, found
+    assert found["parsers.tool_call_parser"].level == "warning"
+    assert "no tool-call parser is set" in found["parsers.tool_call_parser"].message
+    assert found["parsers.tool_call_parser"].fix == 'write [parsers] tool_call_parser = "deepseekv4"'
+    assert found["parsers.reasoning_parser"].fix == 'write [parsers] reasoning_parser = "deepseek-v4"'
+    d["model"]["path"] = "/models/my-finetune"  # not a checkpoint name pdctl knows: nothing said
+    assert not [f for f in validate(parse_spec(d)) if f.field.startswith("parsers.")]
 
 
 def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has():
