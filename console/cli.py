@@ -158,7 +158,12 @@ def plan(
     _warnings(loaded)
     _unset_secrets_note(loaded.deployment)
     p = plan_spec(loaded)
-    pending = loaded.journal.read().target
+    recorded = loaded.journal.read()
+    pending = recorded.target
+    if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
+        from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
+
+        refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
     holder = loaded.journal.held_by()
     unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
     if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure

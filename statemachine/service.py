@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdctl.statemachine.errors import HostError
 from pdctl.statemachine.journal import Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
@@ -154,9 +155,14 @@ def deployment_host(dep: Deployment):  # noqa: ANN201
     Raises HostError before anything changes when the roles span several hosts: one run of pdctl drives one
     host (the KV link and the router then cross machines, which the steps' proofs do not cover yet).
     """
-    from pdctl.statemachine.errors import HostError
     from pdctl.statemachine.hosts import host_for
 
+    key = _host_key(dep)
+    return host_for(dep.hosts.get(key) if key else None, name=key)
+
+
+def _host_key(dep: Deployment) -> str | None:
+    """The ``[hosts.NAME]`` every role of *dep* runs on (None: none named). Raises HostError when they span several."""
     used = sorted({r.host for _n, _k, r in dep.roles()} | ({dep.router.on} if dep.router and dep.router.on else set()))
     if len(used) > 1:
         raise HostError(
@@ -164,8 +170,7 @@ def deployment_host(dep: Deployment):  # noqa: ANN201
             host=used[0],
             hint="put prefill, decode and the router on one [hosts.*] entry",
         )
-    key = used[0] if used else None
-    return host_for(dep.hosts.get(key) if key else None, name=key)
+    return used[0] if used else None
 
 
 def _client_for(host, client):  # noqa: ANN001, ANN202
@@ -270,6 +275,12 @@ def apply(
             # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
             host = deployment_host(loaded.deployment)
             host.run(["true"], timeout=30)
+            here = machine_of(host)
+            try:
+                refuse_another_machine(loaded, state, here, "applying")
+            except HostError as exc:
+                j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
+                raise
             ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
                                 host=host)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
@@ -289,6 +300,7 @@ def apply(
             # Journal the target before touching anything: a kill from here on re-runs to the same end.
             state.target = desired
             state.plan_id = plan.plan_id
+            state.machine = here or state.machine
             state.steps = {}  # this run re-proves every step of the new topology
             j.write(state)
             ctx.journal_state = state
@@ -366,6 +378,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     state = loaded.journal.read()
     topo = state.target or state.deployed or topology_of(loaded.deployment)
     host = deployment_host(loaded.deployment)
+    if state.machine:  # another machine's units would all read "inactive"
+        refuse_another_machine(loaded, state, machine_of(host), "reading its status")
     manager = launch.manager_for(loaded.deployment, host, state_dir=str(loaded.journal.dir))
     names = unit_names(topo)
     client = _client_for(host, client)
@@ -478,6 +492,47 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
                     data={"plan_id": plan.plan_id}))
 
 
+def machine_of(host) -> dict[str, str] | None:  # noqa: ANN001
+    """The machine *host* reaches: ``machine_id`` (machine-id(5): ``/etc/machine-id``, else the D-Bus copy),
+    ``hostname`` and ``reached_as`` (local, or ssh user@address:port); None where the host has no machine id."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            mid = host.read_file(path).decode(errors="replace").strip()
+        except Exception:  # noqa: BLE001 - absent or unreadable: try the next
+            continue
+        if mid:
+            break
+    else:
+        return None
+    try:
+        hostname = host.read_file("/proc/sys/kernel/hostname").decode(errors="replace").strip()
+    except Exception:  # noqa: BLE001 - the hostname only names the machine in messages
+        hostname = "?"
+    over_ssh = hasattr(host, "address") and hasattr(host, "port")  # an SshHost (importing it would load asyncssh)
+    reached = f"ssh {host.user + '@' if host.user else ''}{host.address}:{host.port}" if over_ssh else "local"
+    return {"machine_id": mid, "hostname": hostname, "reached_as": reached}
+
+
+def refuse_another_machine(loaded: Loaded, state, here: dict[str, str] | None, action: str) -> None:  # noqa: ANN001
+    """Raise HostError when the spec's host now reaches another machine than the one the recorded deployment runs on
+    (an address, ``connect`` or ``ssh_port`` pointing elsewhere, an SSH tunnel): *action* there would start a second
+    copy (apply) or record the running one as stopped (down), leaving it running. Nothing recorded, or no machine id
+    on either side: nothing to compare."""
+    was = state.machine
+    if not was or not here or (state.deployed is None and state.target is None) or was["machine_id"] == here["machine_id"]:
+        return
+    host = _host_key(loaded.deployment) or "local"
+    raise HostError(
+        f"the spec's host {host!r} now reaches machine {here['hostname']} ({here['reached_as']}, machine-id "
+        f"{here['machine_id'][:12]}…), but deployment {loaded.deployment.name!r} runs on {was['hostname']} "
+        f"({was.get('reached_as', '?')}, machine-id {was['machine_id'][:12]}…): {action} there would leave what runs "
+        "on the first machine running; nothing was changed",
+        host=host,
+        hint=f"restore hosts.{host} (address, connect, ssh_port) to reach {was['hostname']} again; to move the "
+             "deployment, `pdctl down` it with those settings first, then apply with the new ones",
+    )
+
+
 def _lock_holder(loaded: Loaded) -> dict[str, Any] | None:
     # Who holds the deployment's lock now (an apply or down running in another process), as the lock file names it.
     try:
@@ -503,6 +558,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         return []
     with j.lock("down"):
         state = j.read()
+        refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
         j.audit("down-started", serial=state.serial)
         try:
             return _down_locked(loaded, j, state, sink, manager)
@@ -586,6 +642,7 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
     state.target = None
     state.steps = {}
     state.units = {}  # nothing runs: no definition is proven any more
+    state.machine = None  # nothing runs anywhere: the next apply may start it on any machine
     j.write(state)
     j.audit("down-done", units=names)
     return names

@@ -873,6 +873,39 @@ def test_status_shows_the_servers_an_interrupted_collapse_had_not_removed_yet(de
     assert json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["leftover"] == []
 
 
+def test_a_spec_whose_host_reaches_another_machine_is_refused_by_apply_down_plan_and_status(demo):
+    # (connect, address or ssh_port changed, or an SSH tunnel: apply would start a second copy on the machine reached
+    # and leave the first running, and down would record the running one as stopped)
+    from pdctl.statemachine.errors import HostError
+
+    if not os.path.exists("/etc/machine-id"):
+        pytest.skip("no /etc/machine-id here: machines cannot be told apart, and nothing is compared")
+    demo.apply()
+    j = demo.load().journal
+    state = j.read()
+    assert state.machine["machine_id"] == open("/etc/machine-id").read().strip()
+    assert state.machine["reached_as"] == "local"
+    pids = demo.pids()
+    state.machine = {**state.machine, "machine_id": "0" * 32, "hostname": "gpu-old"}  # recorded on another machine
+    j.write(state)
+    for action, call in (("applying", lambda: demo.apply()), ("stopping it", lambda: service.down(demo.load())),
+                         ("reading its status", lambda: demo.status())):
+        with pytest.raises(HostError, match=rf"now reaches machine .*, but deployment '{demo.name}' runs on gpu-old "
+                                            rf".*: {action} there would leave") as e:
+            call()
+        assert "restore hosts.local" in e.value.hint
+    r = demo.cli("plan", str(demo.spec))
+    assert r.returncode == 1 and "runs on gpu-old" in r.stderr, r.stderr
+    assert demo.pids() == pids and j.read().deployed is not None  # nothing stopped, nothing forgotten
+    state = j.read()
+    state.machine = None  # a journal from before machines were recorded: nothing to compare, and apply records it
+    j.write(state)
+    demo.apply()
+    assert j.read().machine["machine_id"] == open("/etc/machine-id").read().strip()
+    service.down(demo.load())
+    assert j.read().machine is None
+
+
 def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     r = demo.cli("status", str(demo.spec))
     assert r.returncode == 1
