@@ -274,7 +274,7 @@ def apply(
                 raise
             # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
             host = deployment_host(loaded.deployment)
-            host.run(["true"], timeout=30)
+            _can_run_commands(loaded.deployment, host)
             here = machine_of(host)
             try:
                 refuse_another_machine(loaded, state, here, "applying")
@@ -490,6 +490,25 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
     sink.emit(Event("apply_interrupted", f"interrupted{f' during {step}' if step else ''}: what already runs stays "
                     "as it is; apply again to converge, or `pdctl down` to stop it", step=step,
                     data={"plan_id": plan.plan_id}))
+
+
+def _can_run_commands(dep: Deployment, host) -> None:  # noqa: ANN001
+    """Prove *host* answers and runs a command (``true``). An SSH account that logs in but cannot run one (a
+    nologin shell: "This account is currently not available") is named by its spec field; raises HostError."""
+    from pdctl.statemachine.errors import CommandFailed
+
+    try:
+        host.run(["true"], timeout=30)
+    except CommandFailed as exc:
+        key = _host_key(dep) or "local"
+        said = (exc.stderr or "").strip().splitlines()
+        raise HostError(
+            f"host {key!r} logs in but cannot run commands (`true` exited {exc.returncode}: "
+            f"{' / '.join(said[-2:]) or 'no output'}); nothing was changed",
+            host=key,
+            hint=f"hosts.{key}.ssh_user must be an account with a login shell (nologin and false refuse every "
+                 "command) that may run the engine and the service manager",
+        ) from None
 
 
 def machine_of(host) -> dict[str, str] | None:  # noqa: ANN001

@@ -145,7 +145,10 @@ class SshHost(Host):
             raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
                             hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only)") from None
         except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
-            raise HostError(f"ssh {where}: cannot connect: {exc}", host=self.name,
+            # a port that accepts but never speaks SSH times out with an empty message: say what did not happen
+            why = str(exc) or (f"no SSH greeting within {self.connect_timeout:g} s (is it an sshd?)"
+                               if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else type(exc).__name__)
+            raise HostError(f"ssh {where}: cannot connect: {why}", host=self.name,
                             hint=f"is sshd running there, and hosts.{self.name}.address / ssh_port right?") from None
         return self._conn
 

@@ -376,10 +376,30 @@ def bind_addresses_unusable(ctx: Context) -> None:
         prom = str(topo.router.settings.get("prometheus_host") or "")
         if prom:
             where.setdefault(prom, []).append(("router.prometheus_host", "router_exposed"))
+    python = python_for(ctx.dep)
     try:
-        res = ctx.host.run([python_for(ctx.dep), "-c", _BIND_PROBE, *where], timeout=30, check=False)
+        res = ctx.host.run([python, "-c", _BIND_PROBE, *where], timeout=30, check=False)
         bad = json.loads(res.stdout) if res.ok else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        res, bad = None, {}
+        why = getattr(exc, "message", None) or str(exc)
+    else:
+        why = (res.stderr or res.stdout).strip()[-300:]
+    if res is None or res.returncode in (126, 127):  # the units' interpreter cannot run: every role would fail
+        try:
+            missing = ctx.dep.engine.python is not None and not ctx.host.exists(python)
+        except OSError:
+            missing = False
+        if missing or (res is not None and res.returncode in (126, 127)):
+            first = topo.roles[0]
+            raise ApplyFailed(
+                f"engine.python = {python!r} " + ("does not exist" if missing else "cannot run") + f" on host "
+                f"{ctx.host.name} ({why or 'exit ' + str(res.returncode if res else '?')}), nothing was started or "
+                "changed",
+                step=f"{first.kind}_up",
+                hint="write the Python of the SGLang environment on that host (e.g. /opt/sglang/.venv/bin/python: "
+                     "`which python` inside it says)",
+            )
         return
     if bad:
         said = "; ".join(f"{what} = {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])

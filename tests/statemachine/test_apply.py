@@ -224,6 +224,18 @@ def test_a_cancel_halts_a_long_wait_for_a_loading_server_at_its_next_poll(make_d
     assert "[an apply was interrupted: apply again to converge" in text.splitlines()[0]
 
 
+def test_an_engine_python_the_host_lacks_is_refused_before_anything_starts(make_demo):
+    # (validate passed it; apply failed at prefill_up with the GPU / model path hint)
+    from pdctl.statemachine.errors import ApplyFailed
+
+    demo = make_demo(lambda d: d["engine"].update(python="/opt/nowhere/.venv/bin/python"))
+    with pytest.raises(ApplyFailed, match=r"engine.python = '/opt/nowhere/.venv/bin/python' does not exist on host "
+                                          r"\S+ .*nothing was started or changed") as e:
+        demo.apply()
+    assert e.value.step == "prefill_up" and "SGLang environment" in e.value.hint
+    assert demo.pids() == [] and demo.load().journal.read().target is None
+
+
 def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
     def bad(d):
         d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects

@@ -329,3 +329,48 @@ def test_a_connection_lost_mid_apply_is_reported_as_such(sshd, make_demo, monkey
     assert e.value.step == "prefill_up"
     assert "lost the connection to host local" in e.value.message
     assert e.value.message.count("hint") == 0 and "writable state directory" not in (e.value.hint or "")
+
+
+def test_a_port_that_accepts_but_never_speaks_ssh_is_named_as_such(tmp_path):
+    # (after the connect timeout the error read "cannot connect: " with nothing after it)
+    from pdctl.statemachine.ssh import SshHost
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        h = SshHost("127.0.0.1", name="gpu1", port=port, user="root", connect_timeout=1.0)
+        try:
+            with pytest.raises(HostError, match=r"cannot connect: no SSH greeting within 1 s \(is it an sshd\?\)") as e:
+                h.run(["true"])
+        finally:
+            h.close()
+    assert "hosts.gpu1.address / ssh_port" in (e.value.hint or "")
+
+
+
+def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field():
+    # (apply said "true on gpu1 exited 1: Could not chdir to home directory /nonexistent", naming no field; a locked
+    # account such as nobody cannot be logged into here, so the host's answer is the one OpenSSH gives a nologin shell)
+    from pdctl.statemachine.errors import CommandFailed
+    from pdctl.statemachine.service import _can_run_commands
+    from pdctl.statemachine.spec import parse_spec
+
+    from .specs import seed_dict
+
+    class NoLogin:
+        name = "gpu1"
+
+        def run(self, argv, **kw):  # noqa: ANN001, ANN003, ANN202
+            raise CommandFailed("true on gpu1 exited 1", host="gpu1", argv=argv, returncode=1,
+                                stderr="Could not chdir to home directory /nonexistent: No such file or directory\n"
+                                       "This account is currently not available.\n")
+
+    d = seed_dict()
+    for group in ("prefill", "decode"):
+        d[group][0]["host"] = "gpu1"
+    d["hosts"] = {"gpu1": {"address": "gpu1.example.com", "ssh_user": "nobody"}}
+    with pytest.raises(HostError, match=r"host 'gpu1' logs in but cannot run commands \(`true` exited 1: Could not "
+                                        r"chdir .* / This account is currently not available.\)") as e:
+        _can_run_commands(parse_spec(d), NoLogin())
+    assert "hosts.gpu1.ssh_user must be an account with a login shell" in e.value.hint
