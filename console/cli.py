@@ -191,10 +191,10 @@ def plan(
         p = p.model_copy(update={"spec_path": str(spec.resolve())})
         from pdctl.statemachine.journal import atomic_write
 
-        atomic_write(out, p.model_dump_json(indent=1).encode())
+        atomic_write(out, p.to_json().encode())
         _err(f"plan saved to {out}")
     if as_json:
-        sys.stdout.write(p.model_dump_json(indent=1) + "\n")
+        sys.stdout.write(p.to_json() + "\n")
     elif unsettled and not p.has_changes:
         sys.stdout.write(f"No changes to what was recorded as deployed for {p.deployment!r}, but {unsettled}.\n"
                          f"`pdctl apply` re-proves every step and restarts what does not serve as specified.\n"

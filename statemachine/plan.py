@@ -25,7 +25,7 @@ import ipaddress
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from pdctl.statemachine.topology import RoleTopology, Topology, is_wildcard
 
@@ -39,6 +39,9 @@ SYMBOL = {"create": "+", "update": "~", "replace": "-/+", "delete": "-"}
 # RoleTopology attributes that are the deployment's shape.
 _ROLE_TOPOLOGY_ATTRS = ("kind", "host", "address", "gpus", "numa_node", "tp", "attn_dp", "ep")
 _ROLE_DISRUPTIVE_ATTRS = ("http_host", "port", "bootstrap_port", "nccl_port")
+
+
+_DERIVED = ("class", "counts")  # keys Plan.to_json adds
 
 
 class _Frozen(BaseModel):
@@ -89,6 +92,18 @@ class Plan(_Frozen):
     """Why ``pdctl apply`` has work although the plan may have no changes: an apply that did not finish or is running,
     or a unit that does not serve as proven (``pdctl plan`` fills it from the journal and ``status``); not part of
     the id. None: what runs is what was recorded."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_out(cls, data: Any) -> Any:
+        # what :meth:`to_json` adds is derived from the rest: a plan printed with it reads back without it
+        return {k: v for k, v in data.items() if k not in _DERIVED} if isinstance(data, dict) else data
+
+    def to_json(self) -> str:
+        """The plan as JSON (``pdctl plan --json`` / ``-o``): the fields, and the derived ``class`` (the most severe
+        change class, null: no change; as apply's ``plan`` event says it) and ``counts`` (to add, change, destroy).
+        ``Plan.model_validate_json`` reads it back."""
+        return json.dumps({**self.model_dump(mode="json"), "class": self.cls, "counts": list(self.counts())}, indent=1)
 
     @property
     def has_changes(self) -> bool:

@@ -322,32 +322,47 @@ def _pdctl(*args, env=None, cwd=None):
 
 def test_cli_plan_exit_codes_and_json(tmp_path):
     sd = tmp_path / "state"
-    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    d = seed_dict()
+    d["service_manager"] = "process"  # a manager this machine has, so that plan can ask what runs
+    seed = tmp_path / "seed.toml"
+    seed.write_text(_toml_dump(d, list(range(8))))
+    r = _pdctl("plan", str(seed), "--state-dir", str(sd))
     assert r.returncode == 2, r.stderr
     assert "Plan: 4 to add, 0 to change, 0 to destroy." in r.stdout
     # Record the seed as deployed, then plan the same spec: no changes, but nothing of it runs here, so apply has
     # work all the same: exit 2, said on stdout (and as a note on stderr)
     j = Journal(sd, "dsv4-flash")
-    j.write(JournalState(name="dsv4-flash", deployed=topo(seed_dict())))
-    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json")
+    j.write(JournalState(name="dsv4-flash", deployed=topo(d)))
+    r = _pdctl("plan", str(seed), "--state-dir", str(sd), "--json")
     assert r.returncode == 2 and "no longer serves as proven: prefill inactive" in r.stderr, r.stderr
     data = json.loads(r.stdout)
     assert data["changes"] == [] and data["from_serial"] == 1
     assert "no longer serves as proven: prefill inactive" in data["unsettled"]  # why exit 2, for scripts too
     # the journal's side and the spec's print alike (the journal sorts keys; so does the topology now)
     assert json.dumps(data["from_topology"]) == json.dumps(data["to_topology"])
-    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    r = _pdctl("plan", str(seed), "--state-dir", str(sd))
     assert r.returncode == 2 and "No changes to what was recorded as deployed" in r.stdout
     assert "router inactive" in r.stdout and "matches the spec" not in r.stdout
+    # the seed's systemd system manager, which this machine lacks: plan cannot tell what runs, and says so (exit 1)
+    sd2 = tmp_path / "state2"
+    Journal(sd2, "dsv4-flash").write(JournalState(name="dsv4-flash", deployed=topo(seed_dict())))
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd2))
+    assert r.returncode in (1, 2), r.stderr
+    if r.returncode == 1:  # (a machine with a system manager answers instead: its units are inactive, exit 2)
+        assert "cannot tell whether what was deployed still runs" in r.stderr and "systemd system manager" in r.stderr
     # The collapse, saved with -o.
     spec = tmp_path / "collapse.toml"
-    spec.write_text(_toml_dump(collapsed(seed_dict()), list(range(8))))
+    spec.write_text(_toml_dump(collapsed(d), list(range(8))))
     out = tmp_path / "plan.json"
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(out))
     assert r.returncode == 2
     assert "PD disaggregation → single server" in r.stdout
     saved = Plan.model_validate_json(out.read_text())
     assert saved.plan_id in r.stdout
+    raw = json.loads(out.read_text())  # the derived class and counts too, as apply's plan event says them
+    assert raw["class"] == "topology" == saved.cls and raw["counts"] == list(saved.counts())
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), "--json")
+    assert Plan.model_validate_json(r.stdout) == saved.model_copy(update={"spec_path": None})
 
 
 def test_cli_plan_out_dash_is_stdout_and_a_plan_during_an_apply_says_one_runs(tmp_path):
