@@ -134,13 +134,15 @@ _DEEPSEEK_TOOL_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _deepseek_tool_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | None:
-    """``(family, tool-call parsers)`` for a DeepSeek checkpoint named as DeepSeek publishes them
-    (``deepseek-ai/DeepSeek-V4-Flash``), None for any other name (Speciale, which has no tool calling, included)."""
+def _deepseek_family(model_path: str,
+                     table: tuple[tuple[str, str, tuple[str, ...]], ...]) -> tuple[str, tuple[str, ...]] | None:
+    """``(family, parsers)`` from *table* for a DeepSeek checkpoint named as DeepSeek publishes them
+    (``deepseek-ai/DeepSeek-V4-Flash``), None for any other name (Speciale, which has no tool calling, and the R1
+    distills, which take their base model's markup, included)."""
     name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
-    if "deepseek" not in name or "speciale" in name or "distill" in name:  # R1-Distill-Qwen/Llama: their base's markup
+    if "deepseek" not in name or "speciale" in name or "distill" in name:
         return None
-    for pattern, family, parsers in _DEEPSEEK_TOOL_PARSERS:
+    for pattern, family, parsers in table:
         if re.search(pattern, name):
             return family, parsers
     return None
@@ -159,16 +161,16 @@ _DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _deepseek_reasoning_parsers(model_path: str) -> tuple[str, tuple[str, ...]] | None:
-    """``(family, reasoning parsers)`` for a DeepSeek checkpoint named as DeepSeek publishes them, None for any other
-    name (V3 without thinking, Speciale and the R1 distills included)."""
-    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
-    if "deepseek" not in name or "speciale" in name or "distill" in name:
-        return None
-    for pattern, family, parsers in _DEEPSEEK_REASONING_PARSERS:
-        if re.search(pattern, name):
-            return family, parsers
-    return None
+_FAILS_LATE = "(parsers_configured then fails, after both servers restarted)"
+# (field, table, SGLang facts' list, the parser in words, what it parses, its verb, unset: what is left, misfit: what
+# a parser for other markup does)
+_DEEPSEEK_PARSER_FIT = (
+    ("tool_call_parser", _DEEPSEEK_TOOL_PARSERS, "tool_call_parsers", "tool-call parser", "tool calls", "parses with",
+     "its tool calls stay raw markup in the content", "would leave its tool-call markup in the content"),
+    ("reasoning_parser", _DEEPSEEK_REASONING_PARSERS, "reasoning_parsers", "reasoning parser", "thinking",
+     "separates with", "its thinking stays in the content, with no reasoning_content",
+     "would leave its reasoning in the content or take its answer for reasoning"),
+)
 
 
 @dataclass(frozen=True)
@@ -568,47 +570,23 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 _closest("tool-call parser", base.tool_call_parser, facts.tool_call_parsers),
             )
 
-        expected = _deepseek_tool_parsers(dep.model.path)
-        if expected:  # only what this SGLang version has (0.5.6 has no deepseekv4)
-            have = tuple(x for x in expected[1] if x in facts.tool_call_parsers)
-            expected = (expected[0], have) if have else None
-        if expected and base.tool_call_parser is None:
-            warn(
-                "parsers.tool_call_parser",
-                f"{dep.model.path!r} is a {expected[0]} model and no tool-call parser is set: its tool calls stay "
-                "raw markup in the content (parsers_configured then fails, after both servers restarted)",
-                f'write [parsers] tool_call_parser = "{expected[1][0]}"',
-            )
-        if (expected and base.tool_call_parser is not None and base.tool_call_parser in facts.tool_call_parsers
-                and base.tool_call_parser not in expected[1]):
-            warn(
-                "parsers.tool_call_parser",
-                f"{dep.model.path!r} is a {expected[0]} model, whose tool calls SGLang parses with "
-                f"{' or '.join(expected[1])}: {base.tool_call_parser!r} would leave its tool-call markup in the "
-                "content (parsers_configured then fails, after both servers restarted)",
-                f'write tool_call_parser = "{expected[1][0]}" (or keep it, for a checkpoint with another format)',
-            )
-
-        thinks = _deepseek_reasoning_parsers(dep.model.path)
-        if thinks:
-            have = tuple(x for x in thinks[1] if x in facts.reasoning_parsers)
-            thinks = (thinks[0], have) if have else None
-        if thinks and base.reasoning_parser is None:
-            warn(
-                "parsers.reasoning_parser",
-                f"{dep.model.path!r} is a {thinks[0]} model and no reasoning parser is set: its thinking stays in the "
-                "content, with no reasoning_content (parsers_configured then fails, after both servers restarted)",
-                f'write [parsers] reasoning_parser = "{thinks[1][0]}"',
-            )
-        if (thinks and base.reasoning_parser is not None and base.reasoning_parser in facts.reasoning_parsers
-                and base.reasoning_parser not in thinks[1]):
-            warn(
-                "parsers.reasoning_parser",
-                f"{dep.model.path!r} is a {thinks[0]} model, whose thinking SGLang separates with "
-                f"{' or '.join(thinks[1])}: {base.reasoning_parser!r} would leave its reasoning in the content or take "
-                "its answer for reasoning (parsers_configured then fails, after both servers restarted)",
-                f'write reasoning_parser = "{thinks[1][0]}" (or keep it, for a checkpoint with another format)',
-            )
+        # A DeepSeek checkpoint's parsers: set, and fitting its markup (only what this SGLang version has: 0.5.6
+        # has no deepseekv4), or parsers_configured fails after both servers restarted
+        for fld, table, known, word, thing, verb, unset, misfit in _DEEPSEEK_PARSER_FIT:
+            fit = _deepseek_family(dep.model.path, table)
+            have = tuple(x for x in fit[1] if x in getattr(facts, known)) if fit else ()
+            mine = getattr(base, fld)
+            if not have:
+                continue
+            if mine is None:
+                warn(f"parsers.{fld}",
+                     f"{dep.model.path!r} is a {fit[0]} model and no {word} is set: {unset} {_FAILS_LATE}",
+                     f'write [parsers] {fld} = "{have[0]}"')
+            elif mine in getattr(facts, known) and mine not in have:
+                warn(f"parsers.{fld}",
+                     f"{dep.model.path!r} is a {fit[0]} model, whose {thing} SGLang {verb} {' or '.join(have)}: "
+                     f"{mine!r} {misfit} {_FAILS_LATE}",
+                     f'write {fld} = "{have[0]}" (or keep it, for a checkpoint with another format)')
 
     # --- extra args / env -----------------------------------------------------------------------
     for name, _kind, role in roles:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -832,8 +833,9 @@ def test_an_apply_whose_reader_goes_away_still_completes(demo):
     assert demo.status()["healthy"]
 
 
-def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
-    demo.apply()
+def _collapse_killed_at(demo, when) -> Path:  # noqa: ANN001
+    """Apply the confirmed collapse of the demo into one server in a child process and SIGKILL it at the first event
+    for which *when* is true; returns the collapse spec."""
     collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
     r = demo.cli("plan", str(collapse))
     plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
@@ -842,12 +844,18 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         for line in p.stdout:
-            ev = json.loads(line)
-            if ev["kind"] == "step_applied" and ev["step"] == "server_up":
-                os.kill(p.pid, signal.SIGKILL)  # the single server runs; the journal still says PD
+            if when(json.loads(line)):
+                os.kill(p.pid, signal.SIGKILL)
                 break
     finally:
         p.wait(30)
+    return collapse
+
+
+def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo):
+    demo.apply()
+    # killed once the single server runs; the journal still says PD
+    _collapse_killed_at(demo, lambda ev: ev["kind"] == "step_applied" and ev["step"] == "server_up")
     # The journal still records PD, which the spec asks: the plan must not say it matches while a server runs
     plan = demo.cli("plan", str(demo.spec))
     assert plan.returncode == 2 and "an earlier apply toward another spec did not finish" in plan.stdout, plan.stdout
@@ -861,20 +869,7 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
 
 def test_status_shows_the_servers_an_interrupted_collapse_had_not_removed_yet(demo):
     demo.apply()
-    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
-    r = demo.cli("plan", str(collapse))
-    plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
-    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
-    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(collapse), "--confirm-topology", plan_id, "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    try:
-        for line in p.stdout:
-            ev = json.loads(line)
-            if ev["kind"] == "role_removed":  # the router is gone, prefill and decode not yet
-                os.kill(p.pid, signal.SIGKILL)
-                break
-    finally:
-        p.wait(30)
+    collapse = _collapse_killed_at(demo, lambda ev: ev["kind"] == "role_removed")  # the router gone, the servers not
     left = {u["name"]: u for u in json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["leftover"]}
     assert set(left) == {"prefill", "decode"}, left
     assert left["prefill"]["state"] == left["decode"]["state"] == "active"
