@@ -820,59 +820,49 @@ def test_an_undeclared_host_is_reported_once_where_it_is_written():
     _one(d, "router.on", "host 'gpu2' is not declared", "[hosts.gpu2]")
 
 
-@pytest.mark.parametrize("path, parser, fix", [
-    ("deepseek-ai/DeepSeek-V4-Flash", "deepseekv3", 'tool_call_parser = "deepseekv4"'),
-    ("deepseek-ai/DeepSeek-V4-Flash", "deepseekv41", 'tool_call_parser = "deepseekv4"'),  # V4.1's markup, not V4's
-    ("deepseek-ai/DeepSeek-V4.1", "deepseekv4", 'tool_call_parser = "deepseekv41"'),
-    ("deepseek-ai/DeepSeek-V3.2", "deepseekv31", 'tool_call_parser = "deepseekv32"'),
-    ("/models/DeepSeek-V3.2-Exp/", "deepseekv32", 'tool_call_parser = "deepseekv31"'),
+_TOOL_MISFIT = "would leave its tool-call markup in the content"
+_THINK_MISFIT = "would leave its reasoning in the content"
+
+
+@pytest.mark.parametrize("path, field, parser, words, fix", [
+    ("deepseek-ai/DeepSeek-V4-Flash", "tool_call_parser", "deepseekv3", _TOOL_MISFIT, 'tool_call_parser = "deepseekv4"'),
+    # V4.1's markup, not V4's
+    ("deepseek-ai/DeepSeek-V4-Flash", "tool_call_parser", "deepseekv41", _TOOL_MISFIT, 'tool_call_parser = "deepseekv4"'),
+    ("deepseek-ai/DeepSeek-V4.1", "tool_call_parser", "deepseekv4", _TOOL_MISFIT, 'tool_call_parser = "deepseekv41"'),
+    ("deepseek-ai/DeepSeek-V3.2", "tool_call_parser", "deepseekv31", _TOOL_MISFIT, 'tool_call_parser = "deepseekv32"'),
+    ("/models/DeepSeek-V3.2-Exp/", "tool_call_parser", "deepseekv32", _TOOL_MISFIT, 'tool_call_parser = "deepseekv31"'),
+    ("deepseek-ai/DeepSeek-V4-Flash", "reasoning_parser", "qwen3", _THINK_MISFIT, 'reasoning_parser = "deepseek-v4"'),
+    ("deepseek-ai/DeepSeek-V4-Flash", "reasoning_parser", "deepseek-r1", _THINK_MISFIT, 'reasoning_parser = "deepseek-v4"'),
+    ("deepseek-ai/DeepSeek-V3.2", "reasoning_parser", "kimi", _THINK_MISFIT, 'reasoning_parser = "deepseek-v3"'),
+    ("deepseek-ai/DeepSeek-R1-0528", "reasoning_parser", "deepseek-v3", _THINK_MISFIT, 'reasoning_parser = "deepseek-r1"'),
 ])
-def test_a_tool_call_parser_that_does_not_fit_the_deepseek_model_is_warned(path, parser, fix):
-    # (validate and plan were clean; apply restarted both servers, then parsers_configured found raw markup)
+def test_a_parser_that_does_not_fit_the_deepseek_model_is_warned(path, field, parser, words, fix):
+    # (validate and plan were clean; apply restarted both servers, then parsers_configured found raw markup, or no
+    # reasoning_content)
     d = seed_dict()
     d["model"]["path"] = path
-    d["parsers"]["tool_call_parser"] = parser
-    f = _one(d, "parsers.tool_call_parser", "leave its tool-call markup in the content", fix, level="warning")
+    d["parsers"][field] = parser
+    f = _one(d, f"parsers.{field}", words, fix, level="warning")
     assert path in f.message
 
 
-@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4.1-Flash", "deepseekv41"),
-                                          ("deepseek-ai/DeepSeek-V3.2-Speciale", "deepseekv32"),
-                                          ("Qwen/Qwen3-8B", "deepseekv3"), ("/models/my-finetune", "qwen"),
-                                          ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen")])
-def test_a_fitting_or_unknown_model_parser_pair_is_not_warned(path, parser):
-    d = seed_dict()
-    d["model"]["path"] = path
-    d["parsers"]["tool_call_parser"] = parser
-    assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.tool_call_parser"]
-
-
-@pytest.mark.parametrize("path, parser, fix", [
-    ("deepseek-ai/DeepSeek-V4-Flash", "qwen3", 'reasoning_parser = "deepseek-v4"'),
-    ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-r1", 'reasoning_parser = "deepseek-v4"'),
-    ("deepseek-ai/DeepSeek-V3.2", "kimi", 'reasoning_parser = "deepseek-v3"'),
-    ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", 'reasoning_parser = "deepseek-r1"'),
+@pytest.mark.parametrize("path, field, parser", [
+    ("deepseek-ai/DeepSeek-V4.1-Flash", "tool_call_parser", "deepseekv41"),
+    ("deepseek-ai/DeepSeek-V3.2-Speciale", "tool_call_parser", "deepseekv32"),
+    ("Qwen/Qwen3-8B", "tool_call_parser", "deepseekv3"), ("/models/my-finetune", "tool_call_parser", "qwen"),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "tool_call_parser", "qwen"),
+    ("deepseek-ai/DeepSeek-V4-Flash", "reasoning_parser", "deepseek-v3"),
+    ("deepseek-ai/DeepSeek-V4-Flash", "reasoning_parser", "deepseek-v41"),
+    ("deepseek-ai/DeepSeek-V3.1-Terminus", "reasoning_parser", "deepseek-v3"),
+    ("deepseek-ai/DeepSeek-V3-0324", "reasoning_parser", "qwen3"),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "reasoning_parser", "qwen3"),
+    ("Qwen/Qwen3-8B", "reasoning_parser", "qwen3"),
 ])
-def test_a_reasoning_parser_that_does_not_fit_the_deepseek_model_is_warned(path, parser, fix):
-    # (validate was clean; apply restarted both servers, then parsers_configured found no reasoning_content)
+def test_a_fitting_or_unknown_model_parser_pair_is_not_warned(path, field, parser):
     d = seed_dict()
     d["model"]["path"] = path
-    d["parsers"]["reasoning_parser"] = parser
-    f = _one(d, "parsers.reasoning_parser", "would leave its reasoning in the content", fix, level="warning")
-    assert path in f.message
-
-
-@pytest.mark.parametrize("path, parser", [("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v3"),
-                                          ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v41"),
-                                          ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek-v3"),
-                                          ("deepseek-ai/DeepSeek-V3-0324", "qwen3"),
-                                          ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen3"),
-                                          ("Qwen/Qwen3-8B", "qwen3")])
-def test_a_fitting_or_unknown_model_reasoning_parser_is_not_warned(path, parser):
-    d = seed_dict()
-    d["model"]["path"] = path
-    d["parsers"]["reasoning_parser"] = parser
-    assert not [f for f in validate(parse_spec(d)) if f.field == "parsers.reasoning_parser"]
+    d["parsers"][field] = parser
+    assert not [f for f in validate(parse_spec(d)) if f.field == f"parsers.{field}"]
 
 
 def test_a_deepseek_model_without_parsers_is_warned_for_each_missing_one():
