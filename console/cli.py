@@ -425,12 +425,14 @@ def _applying_text(st: dict) -> str:
 def _state_word(unit: dict) -> str:
     """A unit's state, and for a failed one why (the process backend's sub-state, systemd's Result)."""
     why = unit.get("sub_state") or ""
-    return f"{unit['state']} ({why})" if unit["state"] == "failed" and why not in ("", "failed", "dead") else unit["state"]
+    if unit["state"] == "failed" and why not in ("", "failed", "dead"):
+        return f"{unit['state']} ({why})"
+    return unit["state"]
 
 
-_START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why (the console's log "
-                "panel, journalctl, or output.log in the state directory's supervisor folder); `pdctl apply` starts it "
-                "after the fix]")
+_START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why (the "
+                "console's log panel, journalctl, or output.log in the state directory's supervisor folder); "
+                "`pdctl apply` starts it after the fix]")
 
 
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
@@ -458,7 +460,8 @@ def _status_text(st: dict) -> str:
         lines.append(
             f"  {'router':<10} {_state_word(rt):<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
             f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
-            + _UNSUPERVISED * (not rt.get("supervised", True)) + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
+            + _UNSUPERVISED * (not rt.get("supervised", True))
+            + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )
     for u in st.get("leftover") or ():
         lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "

@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Listener", "applied_with", "foreign_listeners", "held_outside", "is_descendant", "listeners", "listener_belongs",
-           "parse_proc_net_tcp", "started_as", "started_by"]
+__all__ = ["Listener", "applied_with", "foreign_listeners", "held_outside", "is_descendant", "listeners",
+           "listener_belongs", "parse_proc_net_tcp", "started_as", "started_by"]
 
 
 @dataclass(frozen=True)

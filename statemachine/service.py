@@ -316,8 +316,8 @@ def apply(
                     state.steps[name].finished_at = time.time()
                 if running:
                     j.write(state)
-                j.audit("apply-failed", plan_id=plan.plan_id, step=getattr(exc, "step", None) or next(iter(running), None),
-                        error=str(exc))
+                j.audit("apply-failed", plan_id=plan.plan_id,
+                        step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
                 sink.emit(Event.apply_failed(exc))
                 raise
             state.deployed = desired
@@ -538,7 +538,9 @@ def refuse_another_machine(loaded: Loaded, state, here: dict[str, str] | None, a
     copy (apply) or record the running one as stopped (down), leaving it running. Nothing recorded, or no machine id
     on either side: nothing to compare."""
     was = state.machine
-    if not was or not here or (state.deployed is None and state.target is None) or was["machine_id"] == here["machine_id"]:
+    if not was or not here or (state.deployed is None and state.target is None):
+        return
+    if was["machine_id"] == here["machine_id"]:
         return
     host = _host_key(loaded.deployment) or "local"
     raise HostError(

@@ -31,7 +31,8 @@ BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGN
 
 PR_SET_CHILD_SUBREAPER = 36
 MPOL_BIND = 2
-EXIT_NUMA_POLICY = 242  # systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")
+EXIT_NUMA_POLICY = 242
+"""systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")."""
 SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 

@@ -468,7 +468,8 @@ def test_down_says_which_units_it_stopped_and_which_were_not_running(demo):
     demo.apply()
     loaded = demo.load()
     names = unit_names(topology_of(loaded.deployment))
-    launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state)).stop(names["decode"])
+    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state))
+    manager.stop(names["decode"])
     r = demo.cli("down", str(demo.spec), "--yes")
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()

@@ -401,7 +401,8 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     sd = tmp_path / "state"
     with_it = {**os.environ, "PDCTL_TEST_HF_TOKEN": "hf_abc"}
     Journal(sd, "dsv4-flash").write(JournalState(name="dsv4-flash", deployed=topology_of(parse_spec(d))))
-    r = _pdctl("plan", str(spec), "--state-dir", str(sd), env={k: v for k, v in with_it.items() if k != "PDCTL_TEST_HF_TOKEN"})
+    without = {k: v for k, v in with_it.items() if k != "PDCTL_TEST_HF_TOKEN"}
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=without)
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
     assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=with_it)
