@@ -82,6 +82,10 @@ class Timeouts:
     poll: float = 0.25
 
 
+RESTARTING = "restarting"
+"""A unit's journal record while its new definition is installed and its restart not yet proven (no fingerprint)."""
+
+
 @dataclass
 class Context:
     """Everything a step needs. ``manager`` is a :class:`pdctl.units.ServiceManager`."""
@@ -137,6 +141,13 @@ class Context:
         """Drop *unit*'s proven fingerprint from the journal (atomically) before touching it."""
         if self.journal_state.units.pop(unit, None) is not None:
             self.journal.write(self.journal_state)
+
+    def mark_restarting(self, unit: str) -> None:
+        """Record (atomically) that *unit* is about to get a new definition and a restart: until its step proves it
+        again, it is neither proven (observe never skips it) nor a server loading what this apply wants (a resumed
+        apply restarts it rather than wait for a process started from the old definition)."""
+        self.journal_state.units[unit] = RESTARTING
+        self.journal.write(self.journal_state)
 
     def definition_changed(self, unit: str) -> bool:
         """True when *unit*'s desired definition differs from the one last proven running."""
@@ -549,16 +560,26 @@ class ServersUp(Step):
             _vacate_for(ctx, r.name, _role_ports(r))
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
             stale = r.name in ctx.restart or ctx.definition_changed(unit) or not self._serves_as_specified(ctx, r)
-            actions[unit] = ("restart" if stale else None) if running else "start"
+            # A server still starting (loading its weights: an interrupted apply's, resumed) that no recorded proof
+            # says differs is waited for, not restarted, once install shows its definition is the one desired
+            recorded = ctx.journal_state.units.get(unit)
+            loading = (st.state == "activating" and r.name not in ctx.restart
+                       and (recorded is None or recorded == ctx.fingerprint(unit)))
+            actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
         for unit, action in actions.items():
-            if action:  # a kill from here on must never let observe skip this unit as proven
+            if action == "restart":  # installed next, restarted after: a kill between must not make it "loading"
+                ctx.mark_restarting(unit)
+            elif action:  # a kill from here on must never let observe skip this unit as proven
                 ctx.forget(unit)
         changed = set(ctx.manager.install(ctx.units))
         for unit, action in actions.items():
-            if action is None and unit in changed:
+            if action in (None, "wait") and unit in changed:
                 ctx.forget(unit)
                 action = "restart"
-            if action == "restart":
+            if action == "wait":
+                ctx.say(f"{unit} is still starting with the definition this apply wants: waiting for it, not "
+                        "restarting it", step=self.name, unit=unit)
+            elif action == "restart":
                 ctx.restart_unit(unit, step=self.name)
             elif action == "start":
                 ctx.manager.start(unit)

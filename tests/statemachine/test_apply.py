@@ -225,6 +225,54 @@ def test_a_cancel_halts_a_long_wait_for_a_loading_server_at_its_next_poll(make_d
     assert "[an apply was interrupted: apply again to converge" in text.splitlines()[0]
 
 
+def _interrupted_while_prefill_loads(make_demo) -> tuple:  # noqa: ANN001
+    """A demo whose prefill loads for 6 s, and an apply interrupted (SIGINT) while it loads: (demo, prefill's status)."""
+    demo = make_demo(lambda d: d["prefill"][0].update(env={"PDCTL_SIM_LOAD_SECONDS": "6"}))
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "step_started" and ev["step"] == "prefill_up":
+                break
+        deadline = time.monotonic() + 20  # the unit started, its server loading
+        while time.monotonic() < deadline and not demo.status()["roles"][0]["main_pid"]:
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGINT)
+    finally:
+        assert p.wait(30) == 130
+    loading = demo.status()["roles"][0]
+    assert loading["state"] == "activating" and loading["main_pid"], loading
+    return demo, loading
+
+
+def test_a_resumed_apply_waits_for_a_server_still_loading_instead_of_restarting_it(make_demo):
+    # (each Ctrl-C and resume cost a whole weight load: the loading server was restarted)
+    demo, loading = _interrupted_while_prefill_loads(make_demo)
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "is still starting with the definition this apply wants: waiting for it" in r.stderr, r.stderr
+    assert "restarting" not in r.stderr.replace("not restarting it", "")
+    assert demo.status()["roles"][0]["main_pid"] == loading["main_pid"]  # the same process, loaded once
+
+
+def test_a_resume_after_a_kill_between_install_and_restart_restarts_the_loading_process(make_demo):
+    # the unit file already holds the new definition while the process still runs the old one: never waited for
+    from pdctl.statemachine.steps import RESTARTING
+
+    demo, loading = _interrupted_while_prefill_loads(make_demo)
+    j = demo.load().journal
+    state = j.read()
+    unit = f"pdctl-{demo.name}-prefill.service"
+    state.units[unit] = RESTARTING  # as mark_restarting leaves it when the kill comes before the restart
+    j.write(state)
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert f"restarting {unit}" in r.stderr and "waiting for it" not in r.stderr, r.stderr
+    assert demo.status()["roles"][0]["main_pid"] != loading["main_pid"]
+
+
 def test_an_engine_python_the_host_lacks_is_refused_before_anything_starts(make_demo):
     # (validate passed it; apply failed at prefill_up with the GPU / model path hint)
     from pdctl.statemachine.errors import ApplyFailed
