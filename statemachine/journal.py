@@ -167,13 +167,28 @@ class Journal:
         except FileNotFoundError:
             return JournalState(name=self.name)
         try:
-            return JournalState.from_json(json.loads(raw))
-        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError, a missing field, a wrong type
+            data = json.loads(raw)
+            state = JournalState.from_json(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, a missing field, a wrong type
             raise PdctlError(
                 f"journal {self.path} is not a readable pdctl journal ({type(exc).__name__}: {exc}); nothing was changed",
                 hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed; "
                      f"the audit log {self.audit_path} says what ran)",
             ) from None
+        if data.get("format", 1) != 1:
+            raise PdctlError(f"journal {self.path} has format {data.get('format')!r}, which this pdctl does not know "
+                             "(a newer pdctl wrote it?); nothing was changed",
+                             hint="use the pdctl that wrote it, or a newer one")
+        if state.name != self.name:
+            # one --state-dir / PDCTL_STATE_DIR shared by two specs, or a renamed deployment: the other deployment's
+            # record would be planned against this spec, its units removed as "gone roles" without a confirmation
+            raise PdctlError(
+                f"state directory {self.dir} holds the journal of deployment {state.name!r}, not {self.name!r}; "
+                "nothing was changed",
+                hint="give each deployment its own --state-dir (PDCTL_STATE_DIR names one deployment's directory, not "
+                     f"a base like XDG_STATE_HOME); to rename {state.name!r}, `pdctl down` it under its old name first",
+            )
+        return state
 
     def write(self, state: JournalState) -> JournalState:
         """Write *state* atomically with the next serial; returns it."""

@@ -492,3 +492,23 @@ def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path):
         r = _pdctl(cmd, str(SEED), "--state-dir", str(sd))
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert "is not a readable pdctl journal (JSONDecodeError" in r.stderr and "move it aside" in r.stderr
+    # steps of the wrong shape ('str' object has no attribute 'items' was a traceback)
+    (sd / "journal.json").write_text('{"format": 1, "name": "dsv4-flash", "steps": "oops"}')
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "not a readable pdctl journal" in r.stderr, r.stderr
+    (sd / "journal.json").write_text('{"format": 999, "name": "dsv4-flash"}')
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    assert r.returncode == 1 and "has format 999, which this pdctl does not know" in r.stderr, r.stderr
+
+
+def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_command(tmp_path):
+    # (a renamed deployment, or one PDCTL_STATE_DIR for two specs: "No changes", then apply removed the other
+    # deployment's units as gone roles without a confirmation)
+    sd = tmp_path / "state"
+    Journal(sd, "other").write(JournalState(name="other", deployed=topo(seed_dict())))
+    for cmd in (("plan",), ("status",), ("apply",), ("down", "--yes")):
+        r = _pdctl(*cmd[:1], str(SEED), "--state-dir", str(sd), *cmd[1:])
+        assert r.returncode == 1, (cmd, r.stderr)
+        assert f"state directory {sd} holds the journal of deployment 'other', not 'dsv4-flash'" in r.stderr, r.stderr
+        assert "PDCTL_STATE_DIR names one deployment's directory" in r.stderr
+    assert Journal(sd, "other").read().deployed is not None  # left as it was
