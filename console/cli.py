@@ -440,8 +440,11 @@ _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be r
 
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
+    unrecorded = nothing and any(r["state"] != "inactive" for r in st["roles"])
     lines = [f"deployment {st['deployment']} ({st['mode']}): "
-             + ("not deployed (`pdctl plan` shows what apply would start)" if nothing
+             + ("not deployed, yet units of it run (no journal here records them: `pdctl apply` restarts them to "
+                "prove them)" if unrecorded else
+                "not deployed (`pdctl plan` shows what apply would start)" if nothing
                 else "healthy" if st["healthy"] else "NOT healthy")
              + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
              + (f", reached {st['reached']}" if st["reached"] else "") + _applying_text(st)]

@@ -455,6 +455,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         all(r["healthy"] for r in roles)
         and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
+        and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
     )
     spec_topo = topology_of(loaded.deployment)
     return {

@@ -966,6 +966,13 @@ def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     r = demo.cli("status", str(demo.spec))
     assert r.returncode == 1
     assert "not deployed" in r.stdout and "differs" not in r.stdout and "NOT healthy" not in r.stdout
+    # its units running with no journal recording them (the journal moved aside, as a damaged one's hint says):
+    # not healthy, exit 1, and said (it was "not deployed" with exit 0 and "healthy": true)
+    demo.apply()
+    (demo.state / "journal.json").rename(demo.state / "journal.aside")
+    r = demo.cli("status", str(demo.spec))
+    assert r.returncode == 1 and "not deployed, yet units of it run" in r.stdout, r.stdout
+    assert json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["healthy"] is False
 
 
 def _gone(pid: int) -> bool:
