@@ -44,6 +44,7 @@ from pdctl.console._throughput import ThroughputPanel
 from pdctl.console._topology import TopologyPanel
 from pdctl.console.collect import Collector, Snapshot, current_topology, log_sources
 from pdctl.console.views import StepView, expected_states, step_views
+from pdctl.statemachine.errors import RunCancelled
 from pdctl.statemachine.events import Event
 from pdctl.statemachine.plan import Plan
 
@@ -57,7 +58,7 @@ MUTATING_ACTIONS = frozenset({"apply", "cancel_apply"})
 TABS = ("topology", "gpu", "throughput", "logs", "proof", "plan")
 
 
-class ApplyCancelled(Exception):
+class ApplyCancelled(RunCancelled):
     """Raised by the console's sink to halt an apply at the next event or long wait's poll (the engine journals the
     step in progress as interrupted; what already runs stays as it was)."""
 
@@ -236,6 +237,18 @@ class ConsoleApp(App[int]):
         return self._main.query_one(cls)
 
     def on_mount(self) -> None:
+        # SIGTERM, and SIGHUP (the SSH session dropped), end the console as quitting does: a running apply is
+        # cancelled at its next event or poll (journalled and audited as interrupted) and the terminal restored
+        import asyncio
+        import signal
+
+        self._signals: list[int] = []
+        for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129)):
+            try:
+                asyncio.get_running_loop().add_signal_handler(sig, self.terminate, code)
+                self._signals.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal
+                pass
         self._main = self.screen
         self._panels_ready = True
         self.title = f"pdctl · {self.loaded.deployment.name}"
@@ -248,6 +261,10 @@ class ConsoleApp(App[int]):
             self.poll_telemetry()
 
     def on_unmount(self) -> None:
+        import asyncio
+
+        for sig in getattr(self, "_signals", ()):  # the loop may outlive the app (tests run several)
+            asyncio.get_running_loop().remove_signal_handler(sig)
         self._panels_ready = False
         self._wake.set()
 
@@ -379,6 +396,11 @@ class ConsoleApp(App[int]):
         if self.applying and not self.readonly:
             self._cancel.set()
             self.notify("Cancelling at the next step event…")
+
+    def terminate(self, code: int) -> None:
+        """End on a signal (*code*: 128 + its number): cancel a running apply, then exit with *code*."""
+        self._cancel.set()
+        self.exit(code)
 
     async def action_quit(self) -> None:
         """Quit; while an apply runs, ask first, then cancel it at its next step event."""
@@ -563,5 +585,5 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
     if app.applying:
         import sys
 
-        sys.stderr.write("pdctl: the apply stops at its next step event; waiting for it…\n")
+        sys.stderr.write("pdctl: the apply stops at its next step event or poll; waiting for it…\n")
     return int(rc or 0)

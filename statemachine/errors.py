@@ -35,6 +35,7 @@ __all__ = [
     "PdctlError",
     "PlanError",
     "ProbeError",
+    "RunCancelled",
     "SpecError",
     "StalePlanError",
     "StepError",
@@ -43,6 +44,12 @@ __all__ = [
     "UndoFailed",
     "VerifyFailed",
 ]
+
+
+class RunCancelled(Exception):
+    """Raised by an event sink (in ``emit`` or ``checkpoint``) to halt a run, as the console's cancel and its SIGTERM
+    do: the engine marks the step in progress interrupted and audits ``apply-interrupted``, as for Ctrl-C. Not a
+    :class:`PdctlError`: nothing failed."""
 
 
 class PdctlError(Exception):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdctl.statemachine.errors import HostError
+from pdctl.statemachine.errors import HostError, RunCancelled
 from pdctl.statemachine.journal import Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
@@ -307,9 +307,12 @@ def apply(
             try:
                 _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
                 machine = run_steps(ctx, steps_for(desired), sink)
+            except RunCancelled:  # the console's cancel (or its SIGTERM): an interruption, as Ctrl-C is
+                _interrupted(j, state, plan, sink)
+                raise
             except Exception as exc:
-                # A failed step is journalled already; a halt from the sink (the console's cancel, at an event or a
-                # long wait's checkpoint) leaves its step "running": it was interrupted, not proven failed
+                # A failed step is journalled already; anything else (a bug) leaves its step "running": it was
+                # interrupted, not proven failed
                 running = [name for name, rec in state.steps.items() if rec.status == "running"]
                 for name in running:
                     state.steps[name].status = "interrupted"

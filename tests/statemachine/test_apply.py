@@ -19,7 +19,7 @@ import pytest
 from harness import skip_or_fail
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
-from pdctl.statemachine.errors import ApplyFailed, LockHeld, StepTimeout, VerifyFailed
+from pdctl.statemachine.errors import ApplyFailed, LockHeld, RunCancelled, StepTimeout, VerifyFailed
 from pdctl.statemachine.events import ListSink
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES, run_steps
@@ -183,7 +183,7 @@ def test_prefill_never_healthy_times_out_bounded(make_demo):
     os.kill(role["main_pid"], 0)  # alive
 
 
-class _Cancelled(Exception):
+class _Cancelled(RunCancelled):
     pass
 
 
@@ -216,6 +216,8 @@ def test_a_cancel_halts_a_long_wait_for_a_loading_server_at_its_next_poll(make_d
     assert time.monotonic() - t0 < 60 and sink.at is not None
     state = demo.load().journal.read()
     assert state.steps["prefill_up"].status == "interrupted" and state.target is not None
+    last = demo.load().journal.audit_records()[-1]
+    assert (last["event"], last["step"]) == ("apply-interrupted", "prefill_up"), last
     deadline = time.monotonic() + 20  # what was started keeps starting
     while time.monotonic() < deadline and not (role := demo.status()["roles"][0])["main_pid"]:
         time.sleep(0.1)
