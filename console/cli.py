@@ -348,7 +348,7 @@ def apply_cmd(
     saved = None
     with _signals_as_interrupt():
         try:
-            if spec.suffix == ".json":
+            if _is_saved_plan(spec):
                 saved = load_saved_plan(spec)
                 spec = Path(saved.spec_path)
             loaded = load(spec, state_dir=state_dir, discover=True)
@@ -381,6 +381,18 @@ def apply_cmd(
             raise
     if not as_json:
         _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")
+
+
+def _is_saved_plan(path: Path) -> bool:
+    """A plan saved with ``plan -o`` (JSON, whatever its file name: ``-o /tmp/c.plan``), not a TOML spec: the first
+    character that is not white space is ``{``, which no TOML document starts with."""
+    if path.suffix == ".json":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4096).lstrip().startswith(b"{")
+    except OSError:  # load() names the path and why
+        return False
 
 
 @app.command("status")

@@ -113,7 +113,7 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
 
 
 def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
-    out = demo.tmp / "plan.json"
+    out = demo.tmp / "first.plan"  # any file name: it was read as TOML unless it ended in .json
     r = demo.cli("plan", str(demo.spec), "-o", str(out))
     assert r.returncode == 2
     stale_base = demo.tmp / "plan2.json"
