@@ -572,7 +572,15 @@ class ConsoleApp(App[int]):
                     else:
                         break
                 failed = [s.name for s in snap.steps if s.status == "failed"]
-                bits.append(f"failed at {failed[0]}" if failed else f"reached {reached}" if reached else "not deployed")
+                stopped = [s.name for s in snap.steps if s.status == "interrupted"]
+                running = [v.role for v in snap.services.values() if v.state in ("active", "activating", "deactivating")]
+                bits.append(f"failed at {failed[0]}" if failed else f"interrupted at {stopped[0]}" if stopped
+                            else f"reached {reached}" if reached
+                            else "not deployed, yet units run" if running else "not deployed")
+                # what reached its step may have gone down since: the header says so, not only the panels
+                down = [v.role for v in snap.services.values() if v.state != "active" or not v.supervised]
+                if reached and reached != "kernels_built" and down:
+                    bits.append(f"NOT serving: {', '.join(down)}")
             if self.plan is not None and self.plan.has_changes:
                 bits.append(f"pending: {self.plan.cls}")
         return " · ".join(bits)

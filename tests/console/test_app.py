@@ -410,3 +410,27 @@ def test_the_consoles_sink_halts_a_long_wait_at_its_checkpoint_once_cancel_is_as
     cancel.set()
     with pytest.raises(ApplyCancelled):
         sink.checkpoint()
+
+
+async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_units_run_unrecorded(console_demo):
+    # (decode killed: the header still read "reached parsers_configured"; a journal moved aside, or a cancelled
+    # collapse: "not deployed" while servers ran)
+    import time
+
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+
+    manager = FakeManager()  # every unit active
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "not deployed, yet units run" in app.sub_title)
+    now = time.time()
+    Journal(console_demo.state, console_demo.name).write(JournalState(
+        name=console_demo.name, deployed=topology_of(console_demo.load().deployment),
+        steps={s: StepRecord(status="done", started_at=now, finished_at=now) for s in PD_STATES}))
+    manager.down = {"decode"}
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "reached parsers_configured · NOT serving: decode" in app.sub_title)
+        manager.down = set()
+        await wait_for(pilot, lambda: "NOT serving" not in app.sub_title and "reached parsers_configured" in app.sub_title)
