@@ -154,7 +154,12 @@ def plan(
                                      "which saving would replace" if odd else f"folder {out.parent} does not exist")
              + "\nhint: give a file path in an existing folder, e.g. -o plan.json")
         raise typer.Exit(ExitCode.USAGE)
-    loaded = load(spec, state_dir=state_dir, discover=True)
+    try:
+        loaded = load(spec, state_dir=state_dir, discover=True)
+    except PdctlError as exc:
+        if as_json:  # scripts still get an object, as from status --json
+            sys.stdout.write(json.dumps({"error": exc.message, "hint": exc.hint}, indent=1) + "\n")
+        raise
     _warnings(loaded)
     _unset_secrets_note(loaded.deployment)
     p = plan_spec(loaded)
@@ -299,11 +304,15 @@ _terminated = False
 
 
 def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
-    # A --json stream that ends without a terminal event gets one: apply_failed naming the error.
+    # A --json stream that ends without a terminal event gets one: apply_failed naming the error (and, for an OSError,
+    # the hint the text output gives).
     if rep.as_json and not rep.ended:
         from pdctl.statemachine.events import Event
 
-        rep.emit(Event.apply_failed(exc))
+        ev = Event.apply_failed(exc)
+        if isinstance(exc, OSError) and not isinstance(exc, PdctlError) and not ev.data.get("hint"):
+            ev = Event(ev.kind, ev.message, step=ev.step, data={**ev.data, "hint": os_error_hint(exc)})
+        rep.emit(ev)
 
 
 @contextlib.contextmanager
@@ -675,9 +684,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:  # the state directory or a spec path the OS refused, or where the output goes
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _err(f"error: {where}{e.strerror or e}")
-        _err("  hint: " + ("check where the output goes (a full disk, a closed terminal)" if e.filename in _STREAMS
-                           else "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per "
-                                "service scope)"))
+        _err(f"  hint: {os_error_hint(e)}")
         rc = ExitCode.ERROR
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
@@ -694,5 +701,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 _STREAMS = ("<stdout>", "<stderr>")
+
+
+def os_error_hint(e: OSError) -> str:
+    """What to do about an OSError the CLI reports: where output goes, a state directory it may not write, a path."""
+    import errno
+
+    if e.filename in _STREAMS:
+        return "check where the output goes (a full disk, a closed terminal)"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return ("that path is not writable here (a read-only file system, or another user's): give a writable "
+                "--state-dir / PDCTL_STATE_DIR, or run as the user that owns it")
+    return "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")

@@ -512,3 +512,22 @@ def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_comman
         assert f"state directory {sd} holds the journal of deployment 'other', not 'dsv4-flash'" in r.stderr, r.stderr
         assert "PDCTL_STATE_DIR names one deployment's directory" in r.stderr
     assert Journal(sd, "other").read().deployed is not None  # left as it was
+
+
+def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitting_hint(tmp_path):
+    import errno
+
+    from pdctl.console.cli import os_error_hint
+
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [0, 1, 2, 3]  # overlaps prefill
+    spec = tmp_path / "bad.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    r = _pdctl("plan", str(spec), "--json")
+    assert r.returncode == 1
+    out = json.loads(r.stdout)  # (it printed nothing, while status --json and apply --json give an object)
+    assert "decode[0].gpus" in out["error"] and set(out) == {"error", "hint"}
+    # a read-only state directory (a ro mount, another user's): "check the path" did not help
+    assert "not writable here" in os_error_hint(OSError(errno.EROFS, "Read-only file system", "/srv/state/journal.json"))
+    assert "not writable here" in os_error_hint(PermissionError(errno.EACCES, "Permission denied", "/srv/state"))
+    assert "check the path" in os_error_hint(FileNotFoundError(errno.ENOENT, "No such file", "/srv/x.toml"))
