@@ -297,6 +297,7 @@ class _Reporter:
 
 
 _interrupted_step: str | None = None
+_interrupted_hint: str | None = None  # a command's own words for an interruption (down's), instead of _INTERRUPTED
 """The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
 _terminated = False
@@ -519,6 +520,9 @@ def down_cmd(
         if answer.strip().lower() not in ("y", "yes"):
             _err("nothing stopped")
             raise typer.Exit(ExitCode.OK)
+    global _interrupted_hint
+    _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `pdctl down {spec} --yes` again to "
+                         f"finish (`pdctl status {spec}` shows what still runs)")
     with _signals_as_interrupt():
         names = down(loaded, sink=_Reporter(False))
     if names:  # the lines above say which were running (stopped) and which were not
@@ -548,10 +552,13 @@ def chat_cmd(
     spec: SpecArg,
     message: Annotated[str, typer.Argument(help="The user message")] = "What is the weather in Paris? Use the tool.",
     state_dir: StateDirOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=1, max=3600,
+                                           help="How long to wait for the answer")] = 120,
 ) -> None:
     """Send one chat completion (with a tool and thinking on) through the deployment's router (or its single server).
 
-    The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: any other status, or no connection.
+    The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: any other status, no connection, or no answer within
+    --timeout (120 s: a busy or frozen server).
     """
     import httpx
 
@@ -583,9 +590,11 @@ def chat_cmd(
         raise typer.Exit(ExitCode.ERROR) from None
     try:  # through the deployment's host: an SSH forward when the router listens on a remote machine
         with httpx.Client(trust_env=False, transport=dhost.http_transport()) as client:
-            r = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            r = client.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
     except (httpx.HTTPError, PdctlError) as exc:
-        hint = f"; is the deployment up? `pdctl status {spec}` shows it" if isinstance(exc, httpx.ConnectError) else ""
+        hint = (f"; is the deployment up? `pdctl status {spec}` shows it" if isinstance(exc, httpx.ConnectError) else
+                f": no answer within {timeout:g} s (--timeout); `pdctl status {spec}` shows whether a server is stuck"
+                if isinstance(exc, httpx.TimeoutException) else "")
         _err(f"error: POST {url}/v1/chat/completions: {exc}{hint}")
         raise typer.Exit(ExitCode.ERROR) from None
     finally:
@@ -656,8 +665,8 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    global _interrupted_step
-    _interrupted_step = None
+    global _interrupted_step, _interrupted_hint
+    _interrupted_step = _interrupted_hint = None
     if not isinstance(sys.stdout, _PipeSafe):
         sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
@@ -690,7 +699,8 @@ def main(argv: list[str] | None = None) -> None:
         rc = ExitCode.INTERRUPTED
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
         during = f" during {_interrupted_step}" if _interrupted_step else ""
-        _err(("terminated (SIGTERM); " if _terminated else "") + _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1))
+        said = _interrupted_hint or _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1)
+        _err(("terminated (SIGTERM); " if _terminated else "") + said)
         rc = ExitCode.TERMINATED if _terminated else rc
     try:
         sys.stdout.flush()

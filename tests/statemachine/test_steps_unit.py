@@ -326,6 +326,26 @@ def test_an_interrupted_down_is_audited(tmp_path, monkeypatch):
     assert [r["event"] for r in loaded.journal.audit_records()][-2:] == ["down-started", "down-interrupted"]
 
 
+def test_an_interrupted_down_says_to_run_down_again_not_apply(tmp_path, monkeypatch, capsys):
+    # ("run the same command again … or `pdctl down SPEC --yes`": the same command, said twice)
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    def stopped(*a, **k):  # noqa: ANN002, ANN003
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "_down_locked", stopped)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["down", str(DEMO), "--yes", "--state-dir", str(tmp_path)])
+    assert e.value.code == ExitCode.INTERRUPTED
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"interrupted: what is already stopped stays stopped; run `pdctl down {DEMO} --yes` again")
+    assert "run the same command" not in err
+
+
 def test_a_saved_plan_without_its_spec_is_an_error_not_a_usage_mistake(tmp_path, capsys):
     from pdctl.console import cli
     from pdctl.console.exit_codes import ExitCode
