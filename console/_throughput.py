@@ -29,10 +29,15 @@ def _ms(v: float | None) -> str:
     return f"{v * 1000:.0f}" if v * 1000 >= 10 else f"{v * 1000:.1f}"
 
 
-def _pct(vals: tuple[float | None, ...], unit_ms: bool = True) -> str:
+def _pct(vals: tuple[float | None, ...], unit_ms: bool = True, first: float | None = None) -> str:
+    """Percentiles joined by "/"; with *first* (the histogram's first bucket bound), one inside it reads "≤bound" (its
+    interpolated value says nothing), and all of them inside it read "≤bound" once."""
     if all(v is None for v in vals):
         return "—"
-    return "/".join(_ms(v) if unit_ms else _f(v) for v in vals)
+    inside = [first is not None and v is not None and v <= first for v in vals]
+    if all(inside):
+        return f"≤{_ms(first)}"
+    return "/".join(f"≤{_ms(first)}" if ins else _ms(v) if unit_ms else _f(v) for v, ins in zip(vals, inside))
 
 
 def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) -> RenderableType:
@@ -78,9 +83,9 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
             l2.append(f"5xx {_f(s.errors, '{:.0f}')}  4xx {_f(s.client_errors, '{:.0f}')} (since start)  {s.url}", style="dim")
         else:
             star = "*" if s.pct_all_time else ""
-            l2.append(f"TTFT {_pct(s.ttft_s)}ms ")
+            l2.append(f"TTFT {_pct(s.ttft_s, first=s.ttft_first_bound_s)}ms ")
             if s.kind != "prefill":
-                l2.append(f"ITL {_pct(s.itl_s)}ms ")
+                l2.append(f"ITL {_pct(s.itl_s, first=s.itl_first_bound_s)}ms ")
             if s.kv_xfer_ms != (None, None) or s.kind == "prefill":
                 l2.append(f"KVxfer {_pct(s.kv_xfer_ms, unit_ms=False)}ms ")
             fails = s.kv_xfer_failed

@@ -73,6 +73,14 @@ class Histogram:
         return Histogram(tuple((le, c - o.get(le, 0.0)) for le, c in self.buckets), self.sum - older.sum, self.count - older.count)
 
 
+def first_bound(h: Histogram | None) -> float | None:
+    """The first bucket's upper bound: a quantile at or below it only says "no more than this" (interpolating from 0
+    inside it, as ``histogram_quantile`` does, reads 50/90/99 ms for any TTFT under SGLang's first 100 ms bound)."""
+    if h is None:
+        return None
+    return next((le for le, _c in h.buckets if not math.isinf(le)), None)
+
+
 def quantile(q: float, h: Histogram | None) -> float | None:
     """The *q*-quantile (0..1) of *h* as Prometheus's ``histogram_quantile`` estimates it:
     linear interpolation inside the bucket holding rank ``q × count`` (the first bucket starts
@@ -296,7 +304,10 @@ class ThroughputSample:
     kv_total_tokens: float | None = None
     ttft_s: tuple[float | None, float | None, float | None] = (None, None, None)
     """p50, p90, p99."""
+    ttft_first_bound_s: float | None = None
+    """The TTFT histogram's first bucket bound (:func:`first_bound`): percentiles at or below it are "≤ this"."""
     itl_s: tuple[float | None, float | None, float | None] = (None, None, None)
+    itl_first_bound_s: float | None = None
     kv_xfer_ms: tuple[float | None, float | None] = (None, None)
     """p50, p99 of ``sglang:kv_transfer_latency_ms``."""
     kv_xfer_failed: float | None = None
@@ -448,7 +459,9 @@ class ThroughputTracker:
             kv_used_tokens=new.total("sglang:kv_used_tokens") if new.has("sglang:kv_used_tokens") else new.total("sglang:num_used_tokens"),
             kv_total_tokens=new.total("sglang:max_total_num_tokens"),
             ttft_s=_pcts(ttft, (0.5, 0.9, 0.99)),  # type: ignore[arg-type]
+            ttft_first_bound_s=first_bound(ttft),
             itl_s=_pcts(itl, (0.5, 0.9, 0.99)),  # type: ignore[arg-type]
+            itl_first_bound_s=first_bound(itl),
             kv_xfer_ms=_pcts(kvx, (0.5, 0.99)),  # type: ignore[arg-type]
             kv_xfer_failed=failed,
             kv_xfer_failed_s=rate("sglang:num_transfer_failed_reqs_total"),

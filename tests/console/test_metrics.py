@@ -206,3 +206,17 @@ def test_sparkline_scales_pads_and_resamples():
     assert sparkline([None, 4], 3) == "  █"
     line = sparkline([1.0] * 50 + [8.0] + [1.0] * 49, 10)
     assert len(line) == 10 and "█" in line  # a burst survives resampling
+
+
+def test_percentiles_inside_the_first_bucket_read_as_at_most_its_bound():
+    # (any TTFT under SGLang's first 100 ms bound read "TTFT 50/90/99ms": interpolation from 0 inside the bucket)
+    tr = ThroughputTracker(smooth_s=2.0, window_s=10.0)
+    tr.observe("prefill", "prefill", "u", 100.0, parse_scrape(_server_text(0, 0, {0.1: 0, 0.2: 0, math.inf: 0}), 100.0))
+    s = tr.observe("prefill", "prefill", "u", 102.0, parse_scrape(_server_text(10, 0, {0.1: 6, 0.2: 6, math.inf: 6}), 102.0))
+    assert s.ttft_s[0] == pytest.approx(0.05) and s.ttft_first_bound_s == pytest.approx(0.1)  # the estimate is kept
+    text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
+    assert "TTFT ≤100ms" in text and "50/90/99" not in text, text
+    # the median inside the first bucket, the tail beyond it: each said as it is known
+    s = tr.observe("prefill", "prefill", "u", 104.0, parse_scrape(_server_text(20, 0, {0.1: 12, 0.2: 16, math.inf: 16}), 104.0))
+    text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
+    assert "TTFT ≤100/160/196ms" in text, text  # window: 6 of 10 in (0, 0.1], 4 in (0.1, 0.2]
