@@ -142,12 +142,23 @@ class Context:
         if self.journal_state.units.pop(unit, None) is not None:
             self.journal.write(self.journal_state)
 
-    def mark_restarting(self, unit: str) -> None:
-        """Record (atomically) that *unit* is about to get a new definition and a restart: until its step proves it
-        again, it is neither proven (observe never skips it) nor a server loading what this apply wants (a resumed
-        apply restarts it rather than wait for a process started from the old definition)."""
-        self.journal_state.units[unit] = RESTARTING
-        self.journal.write(self.journal_state)
+    def mark_restarting(self, *units: str) -> None:
+        """Record (atomically) that *units* get a new definition and need a restart: until a step proves them again,
+        they are neither proven (observe never skips them) nor servers loading what this apply wants (a resumed
+        apply restarts them rather than wait for, or prove, a process started from the old definition)."""
+        if units:
+            self.journal_state.units.update(dict.fromkeys(units, RESTARTING))
+            self.journal.write(self.journal_state)
+
+    def install_units(self) -> set[str]:
+        """``manager.install`` of every unit, returning the names it changed. First, every running unit whose
+        definition (file or secrets) it is about to change is journalled as restarting: whichever step restarts it,
+        and whenever a kill comes, nothing waits for or proves the process still running the old one."""
+        services = set(self.unit_of.values())
+        pending = [u for u in self.manager.pending_changes(self.units) if u in services]
+        self.mark_restarting(*[u for u in pending
+                               if self.manager.status(u).state in ("active", "activating", "deactivating")])
+        return set(self.manager.install(self.units))
 
     def definition_changed(self, unit: str) -> bool:
         """True when *unit*'s desired definition differs from the one last proven running."""
@@ -566,15 +577,14 @@ class ServersUp(Step):
             loading = (st.state == "activating" and r.name not in ctx.restart
                        and (recorded is None or recorded == ctx.fingerprint(unit)))
             actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
+        # restarted below: a kill before it must not leave the unit looking like a server loading what is wanted
+        ctx.mark_restarting(*[unit for unit, action in actions.items() if action == "restart"])
         for unit, action in actions.items():
-            if action == "restart":  # installed next, restarted after: a kill between must not make it "loading"
-                ctx.mark_restarting(unit)
-            elif action:  # a kill from here on must never let observe skip this unit as proven
+            if action == "start":  # a kill from here on must never let observe skip this unit as proven
                 ctx.forget(unit)
-        changed = set(ctx.manager.install(ctx.units))
+        changed = ctx.install_units()  # (journals any running unit whose definition it changes as restarting)
         for unit, action in actions.items():
             if action in (None, "wait") and unit in changed:
-                ctx.forget(unit)
                 action = "restart"
             if action == "wait":
                 ctx.say(f"{unit} is still starting with the definition this apply wants: waiting for it, not "
@@ -834,7 +844,7 @@ class RouterExposed(Step):
         wanted = _router_ports(r)
         _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)
         ctx.forget(unit)
-        ctx.manager.install(ctx.units)
+        ctx.install_units()
         st = ctx.manager.status(unit)
         if st.state in ("active", "activating"):
             ctx.restart_unit(unit, step=self.name)

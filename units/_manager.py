@@ -68,6 +68,11 @@ class ServiceManager(ABC):
         that cannot be rendered)."""
 
     @abstractmethod
+    def pending_changes(self, units: UnitSet) -> list[str]:
+        """The units whose definition :meth:`install` would change now: the unit's file, or a service's secrets file
+        (read once, at its start). Writes nothing. A running one of them keeps its old definition until restarted."""
+
+    @abstractmethod
     def remove(self, names: Sequence[str]) -> None:
         """Stop and delete the named units (and their secrets files). Missing ones are skipped;
         a foreign one raises ForeignUnit before anything is removed."""

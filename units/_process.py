@@ -255,18 +255,7 @@ class ProcessSupervisor(ServiceManager):
         except OSError as exc:
             raise UnitDirNotWritable(f"cannot write supervisor state to {root} on host {self.host.name}: {exc}",
                                      hint="choose a writable state directory") from None
-        bodies: dict[str, dict] = {}
-        for s in units.services:
-            spec = s.to_json()
-            spec["secrets"] = []  # values go to the 0600 secrets file only
-            if s.secrets:
-                spec["secrets_file"] = s.secrets_file or posixpath.join(self._dir(s.name), "secrets.env")
-            bodies[s.name] = {"managed_by": "pdctl", "kind": "service", "service": spec,
-                              "secret_keys": [k for k, _ in s.secrets]}
-        t = units.target
-        bodies[t.name] = {"managed_by": "pdctl", "kind": "target",
-                          "target": {"name": t.name, "description": t.description,
-                                     "deployment": t.deployment, "wants": list(t.wants)}}
+        bodies = self._bodies(units)
         for name in bodies:
             existing = self._read_json(posixpath.join(self._dir(name), "unit.json"))
             path = posixpath.join(self._dir(name), "unit.json")
@@ -286,6 +275,38 @@ class ProcessSupervisor(ServiceManager):
                 self.host.write_file(path, text.encode(), mode=0o600)
                 changed.append(name)
         return changed
+
+    def _bodies(self, units: UnitSet) -> dict[str, dict]:
+        """What install() writes as each unit's ``unit.json`` (secret values go to the 0600 secrets file only)."""
+        bodies: dict[str, dict] = {}
+        for s in units.services:
+            spec = s.to_json()
+            spec["secrets"] = []
+            if s.secrets:
+                spec["secrets_file"] = s.secrets_file or posixpath.join(self._dir(s.name), "secrets.env")
+            bodies[s.name] = {"managed_by": "pdctl", "kind": "service", "service": spec,
+                              "secret_keys": [k for k, _ in s.secrets]}
+        t = units.target
+        bodies[t.name] = {"managed_by": "pdctl", "kind": "target",
+                          "target": {"name": t.name, "description": t.description,
+                                     "deployment": t.deployment, "wants": list(t.wants)}}
+        return bodies
+
+    def pending_changes(self, units: UnitSet) -> list[str]:
+        bodies = self._bodies(units)
+        out = []
+        for name, body in bodies.items():
+            path = posixpath.join(self._dir(name), "unit.json")
+            old = self.host.read_file(path).decode() if self.host.exists(path) else None
+            if old != json.dumps(body, indent=1, sort_keys=True) + "\n":
+                out.append(name)
+        for s in units.services:
+            path = bodies[s.name]["service"].get("secrets_file")
+            if path and s.name not in out:
+                old = self.host.read_file(path).decode() if self.host.exists(path) else None
+                if old != render_env_file(s.secrets, deployment=s.deployment):
+                    out.append(s.name)
+        return out
 
     def remove(self, names: Sequence[str]) -> None:
         present = []

@@ -180,6 +180,19 @@ class SystemdManager(ServiceManager):
             self._ctl("daemon-reload")
         return changed
 
+    def pending_changes(self, units: UnitSet) -> list[str]:
+        out = []
+        for name, text in unit_files(units, scope=self.scope).items():
+            path = self._unit_path(name)
+            if (self.host.read_file(path).decode() if self.host.exists(path) else None) != text:
+                out.append(name)
+        for s in units.services:
+            if s.secrets and s.secrets_file and s.name not in out:
+                want = render_env_file(s.secrets, deployment=s.deployment)
+                if (self.host.read_file(s.secrets_file).decode() if self.host.exists(s.secrets_file) else None) != want:
+                    out.append(s.name)
+        return out
+
     def remove(self, names: Sequence[str]) -> None:
         self._require_manager()
         present = [n for n in names if self.host.exists(self._unit_path(n))]

@@ -259,20 +259,34 @@ def test_a_resumed_apply_waits_for_a_server_still_loading_instead_of_restarting_
     assert demo.status()["roles"][0]["main_pid"] == loading["main_pid"]  # the same process, loaded once
 
 
-def test_a_resume_after_a_kill_between_install_and_restart_restarts_the_loading_process(make_demo):
-    # the unit file already holds the new definition while the process still runs the old one: never waited for
-    from pdctl.statemachine.steps import RESTARTING
+def test_a_resume_after_a_kill_between_install_and_restart_restarts_the_loading_process(make_demo, monkeypatch):
+    # The spec changed (an env value /server_info does not show) while prefill still loads the old one; the apply
+    # dies right after installing the new definition, before the restart. The resumed apply must restart it, not
+    # wait for and prove the process running the old environment (it did: the journal had no record of the unit)
+    from pdctl.statemachine import steps
 
     demo, loading = _interrupted_while_prefill_loads(make_demo)
-    j = demo.load().journal
-    state = j.read()
-    unit = f"pdctl-{demo.name}-prefill.service"
-    state.units[unit] = RESTARTING  # as mark_restarting leaves it when the kill comes before the restart
-    j.write(state)
-    r = demo.cli("apply", str(demo.spec))
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0]["env"] = {**d["prefill"][0]["env"], "PDCTL_TEST_MARK": "new"}
+    changed = demo.write(d, "changed.toml")
+
+    class Killed(BaseException):
+        pass
+
+    def killed(self, unit, *, step):  # noqa: ANN001, ANN202
+        raise Killed  # as kill -9 between install and restart: nothing after it runs
+
+    monkeypatch.setattr(steps.Context, "restart_unit", killed)
+    with pytest.raises(Killed):
+        demo.apply(changed)
+    monkeypatch.undo()
+    assert demo.status()["roles"][0]["main_pid"] == loading["main_pid"]  # still the old process, still loading
+    r = demo.cli("apply", str(changed))
     assert r.returncode == 0, r.stderr
-    assert f"restarting {unit}" in r.stderr and "waiting for it" not in r.stderr, r.stderr
-    assert demo.status()["roles"][0]["main_pid"] != loading["main_pid"]
+    assert "waiting for it" not in r.stderr and f"restarting pdctl-{demo.name}-prefill.service" in r.stderr, r.stderr
+    pid = demo.status()["roles"][0]["main_pid"]
+    assert pid != loading["main_pid"]
+    assert b"PDCTL_TEST_MARK=new" in open(f"/proc/{pid}/environ", "rb").read()
 
 
 def test_an_engine_python_the_host_lacks_is_refused_before_anything_starts(make_demo):

@@ -3,6 +3,7 @@ clean environment, dependency and readiness semantics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -260,3 +261,18 @@ def test_a_stopped_role_gets_sigcont_after_sigterm_and_exits_on_its_own_like_und
     m.stop(s.name)
     assert marker.read_text().strip() == "termed"  # its TERM handler ran: not SIGKILLed after the timeout
     assert not pid_alive(pid)
+
+
+def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_writes_nothing(tmp_path, cleanup):
+    s = svc("pc", ("/bin/sleep", "300"), secrets=(("HF_TOKEN", "hf_a"),), secrets_file=str(tmp_path / "pc.env"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    units = UnitSet(target=TargetSpec(name="pdctl-sv.target", description="sv", deployment="sv", wants=(s.name,)),
+                    services=(s,))
+    assert m.pending_changes(units) == []
+    rotated = UnitSet(target=units.target, services=(dataclasses.replace(s, secrets=(("HF_TOKEN", "hf_b"),)),))
+    edited = UnitSet(target=units.target, services=(dataclasses.replace(s, argv=("/bin/sleep", "301")),))
+    before = m.installed_text(s.name)
+    assert m.pending_changes(rotated) == [s.name] and m.pending_changes(edited) == [s.name]
+    assert m.installed_text(s.name) == before  # nothing written
+    assert m.install(edited) == [s.name] and m.pending_changes(edited) == []
