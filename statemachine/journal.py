@@ -168,17 +168,20 @@ class Journal:
             return JournalState(name=self.name)
         try:
             data = json.loads(raw)
-            state = JournalState.from_json(data)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, a missing field, a wrong type
-            raise PdctlError(
-                f"journal {self.path} is not a readable pdctl journal ({type(exc).__name__}: {exc}); nothing was changed",
-                hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed; "
-                     f"the audit log {self.audit_path} says what ran)",
-            ) from None
-        if data.get("format", 1) != 1:
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        except (ValueError, TypeError) as exc:  # not JSON (JSONDecodeError), not an object
+            raise self._unreadable(exc) from None
+        if data.get("format", 1) != 1:  # before parsing: a newer pdctl's journal is not damaged; keep it
             raise PdctlError(f"journal {self.path} has format {data.get('format')!r}, which this pdctl does not know "
                              "(a newer pdctl wrote it?); nothing was changed",
-                             hint="use the pdctl that wrote it, or a newer one")
+                             hint="use the pdctl that wrote it, or a newer one; keep the file as it is")
+        try:
+            state = JournalState.from_json(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a missing field, a wrong type
+            raise self._unreadable(exc) from None
+        if state.name != self.name and not (state.deployed or state.target or state.units):
+            state.name = self.name  # another deployment's, taken down: nothing of it runs, so this one may start here
         if state.name != self.name:
             # one --state-dir / PDCTL_STATE_DIR shared by two specs, or a renamed deployment: the other deployment's
             # record would be planned against this spec, its units removed as "gone roles" without a confirmation
@@ -189,6 +192,13 @@ class Journal:
                      f"a base like XDG_STATE_HOME); to rename {state.name!r}, `pdctl down` it under its old name first",
             )
         return state
+
+    def _unreadable(self, exc: Exception) -> PdctlError:
+        return PdctlError(
+            f"journal {self.path} is not a readable pdctl journal ({type(exc).__name__}: {exc}); nothing was changed",
+            hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed; "
+                 f"the audit log {self.audit_path} says what ran)",
+        )
 
     def write(self, state: JournalState) -> JournalState:
         """Write *state* atomically with the next serial; returns it."""

@@ -101,9 +101,11 @@ class Watchdog:
                     pass
 
     def bind_memory(self, node: int) -> None:
-        """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec; ignored where the architecture or kernel lacks
-        it (ENOSYS). A node the kernel refuses (EINVAL: no such node) ends the child before exec with exit status 242,
-        as systemd's ``NUMAPolicy=`` does (EXIT_NUMA_POLICY), saying why in the role's log."""
+        """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec. A node the kernel refuses (EINVAL: no such
+        node) ends the child before exec with exit status 242, as systemd's ``NUMAPolicy=`` does (EXIT_NUMA_POLICY),
+        saying why in the role's log. Any other failure — ENOSYS (no NUMA in the kernel), EPERM (Docker's and
+        containerd's default seccomp profiles allow the call only with CAP_SYS_NICE) — is said in the log and the
+        role runs unbound, as it did before binding was enforced."""
         nr = SYS_SET_MEMPOLICY.get(os.uname().machine)
         if nr is None:
             return
@@ -112,10 +114,11 @@ class Watchdog:
             mask[node // 64] = 1 << (node % 64)
         if self.libc.syscall(nr, MPOL_BIND, mask, ctypes.c_ulong(1024 + 1)) != 0:
             err = ctypes.get_errno()
-            if err == errno.ENOSYS:
+            said = f"pdctl supervise: set_mempolicy(MPOL_BIND, NUMA node {node}) failed: {os.strerror(err)}"
+            if err != errno.EINVAL:
+                os.write(2, f"{said}; running without the memory binding\n".encode())
                 return
-            os.write(2, f"pdctl supervise: set_mempolicy(MPOL_BIND, NUMA node {node}) failed: {os.strerror(err)}; "
-                        "the node does not exist on this host?\n".encode())
+            os.write(2, f"{said}; the node does not exist on this host?\n".encode())
             os._exit(EXIT_NUMA_POLICY)
 
     def spawn(self) -> None:

@@ -496,9 +496,11 @@ def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path):
     (sd / "journal.json").write_text('{"format": 1, "name": "dsv4-flash", "steps": "oops"}')
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "not a readable pdctl journal" in r.stderr, r.stderr
-    (sd / "journal.json").write_text('{"format": 999, "name": "dsv4-flash"}')
+    # a newer pdctl's journal, whose fields this one cannot parse: not "damaged, move it aside"
+    (sd / "journal.json").write_text('{"format": 2, "name": "dsv4-flash", "steps": {"x": {"attempt": 1}}}')
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
-    assert r.returncode == 1 and "has format 999, which this pdctl does not know" in r.stderr, r.stderr
+    assert r.returncode == 1 and "has format 2, which this pdctl does not know" in r.stderr, r.stderr
+    assert "move it aside" not in r.stderr and "keep the file as it is" in r.stderr
 
 
 def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_command(tmp_path):
@@ -512,6 +514,10 @@ def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_comman
         assert f"state directory {sd} holds the journal of deployment 'other', not 'dsv4-flash'" in r.stderr, r.stderr
         assert "PDCTL_STATE_DIR names one deployment's directory" in r.stderr
     assert Journal(sd, "other").read().deployed is not None  # left as it was
+    # once 'other' is taken down (nothing deployed, nothing proven), the directory is free for this spec
+    Journal(sd, "other").write(JournalState(name="other"))
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
+    assert r.returncode == 2 and "holds the journal" not in r.stderr, r.stderr
 
 
 def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitting_hint(tmp_path):

@@ -276,3 +276,23 @@ def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_wri
     assert m.pending_changes(rotated) == [s.name] and m.pending_changes(edited) == [s.name]
     assert m.installed_text(s.name) == before  # nothing written
     assert m.install(edited) == [s.name] and m.pending_changes(edited) == []
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="set_mempolicy(2) numbers known there only")
+def test_a_numa_binding_refused_for_permission_runs_unbound_and_says_so(capfd):
+    # Docker's and containerd's default seccomp profiles answer set_mempolicy with EPERM without CAP_SYS_NICE: that is
+    # no missing node, and the role must not die with 242 (only EINVAL does)
+    import ctypes
+    import errno as errno_
+
+    from pdctl.units.supervise import Watchdog
+
+    class DeniedLibc:
+        def syscall(self, *args):  # noqa: ANN002, ANN202
+            ctypes.set_errno(errno_.EPERM)
+            return -1
+
+    fake = type("W", (), {"libc": DeniedLibc()})()
+    Watchdog.bind_memory(fake, 0)  # returns: no os._exit
+    err = capfd.readouterr().err
+    assert "set_mempolicy(MPOL_BIND, NUMA node 0) failed: Operation not permitted; running without the memory binding" in err
