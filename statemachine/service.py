@@ -536,25 +536,37 @@ def machine_of(host) -> dict[str, str] | None:  # noqa: ANN001
     return {"machine_id": mid, "hostname": hostname, "reached_as": reached}
 
 
+_ON_ANOTHER_MACHINE = {
+    "applying": "applying there would start a second copy and leave the first running",
+    "stopping it": "stopping it there would record the running copy as stopped",
+    "reading its status": "what is read there says nothing of the copy that runs",
+}
+
+
 def refuse_another_machine(loaded: Loaded, state, here: dict[str, str] | None, action: str) -> None:  # noqa: ANN001
     """Raise HostError when the spec's host now reaches another machine than the one the recorded deployment runs on
-    (an address, ``connect`` or ``ssh_port`` pointing elsewhere, an SSH tunnel): *action* there would start a second
-    copy (apply) or record the running one as stopped (down), leaving it running. Nothing recorded, or no machine id
-    on either side: nothing to compare."""
+    (an address, ``connect`` or ``ssh_port`` pointing elsewhere, an SSH tunnel): *action* (a key of
+    ``_ON_ANOTHER_MACHINE``) there would start a second copy (apply) or record the running one as stopped (down).
+    Nothing recorded, or no machine id on either side: nothing to compare. The same hostname reached the same way
+    is taken for the same machine whose machine-id changed (regenerated at boot from an empty /etc/machine-id, or
+    by systemd-machine-id-setup): not refused; apply records the new id."""
     was = state.machine
     if not was or not here or (state.deployed is None and state.target is None):
         return
     if was["machine_id"] == here["machine_id"]:
         return
+    if (was.get("hostname"), was.get("reached_as")) == (here["hostname"], here["reached_as"]):
+        return
     host = _host_key(loaded.deployment) or "local"
     raise HostError(
         f"the spec's host {host!r} now reaches machine {here['hostname']} ({here['reached_as']}, machine-id "
         f"{here['machine_id'][:12]}…), but deployment {loaded.deployment.name!r} runs on {was['hostname']} "
-        f"({was.get('reached_as', '?')}, machine-id {was['machine_id'][:12]}…): {action} there would leave what runs "
-        "on the first machine running; nothing was changed",
+        f"({was.get('reached_as', '?')}, machine-id {was['machine_id'][:12]}…): {_ON_ANOTHER_MACHINE[action]}; "
+        "nothing was changed",
         host=host,
         hint=f"restore hosts.{host} (address, connect, ssh_port) to reach {was['hostname']} again; to move the "
-             "deployment, `pdctl down` it with those settings first, then apply with the new ones",
+             "deployment, `pdctl down` it with those settings first, then apply with the new ones; if "
+             f"{was['hostname']} is gone for good, move {loaded.journal.path} aside (nothing then counts as deployed)",
     )
 
 

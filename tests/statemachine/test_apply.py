@@ -960,15 +960,23 @@ def test_a_spec_whose_host_reaches_another_machine_is_refused_by_apply_down_plan
     pids = demo.pids()
     state.machine = {**state.machine, "machine_id": "0" * 32, "hostname": "gpu-old"}  # recorded on another machine
     j.write(state)
-    for action, call in (("applying", lambda: demo.apply()), ("stopping it", lambda: service.down(demo.load())),
-                         ("reading its status", lambda: demo.status())):
+    for said, call in (("applying there would start a second copy", lambda: demo.apply()),
+                       ("stopping it there would record the running copy as stopped", lambda: service.down(demo.load())),
+                       ("what is read there says nothing of the copy that runs", lambda: demo.status())):
         with pytest.raises(HostError, match=rf"now reaches machine .*, but deployment '{demo.name}' runs on gpu-old "
-                                            rf".*: {action} there would leave") as e:
+                                            rf".*: {said}") as e:
             call()
-        assert "restore hosts.local" in e.value.hint
+        assert "restore hosts.local" in e.value.hint and "journal.json aside" in e.value.hint
     r = demo.cli("plan", str(demo.spec))
     assert r.returncode == 1 and "runs on gpu-old" in r.stderr, r.stderr
     assert demo.pids() == pids and j.read().deployed is not None  # nothing stopped, nothing forgotten
+    # the same hostname reached the same way with a new machine-id (regenerated at boot): the same machine
+    state = j.read()
+    state.machine = {**state.machine, "hostname": open("/proc/sys/kernel/hostname").read().strip()}
+    j.write(state)
+    assert demo.status()["healthy"]
+    demo.apply()
+    assert j.read().machine["machine_id"] == open("/etc/machine-id").read().strip()  # recorded anew
     state = j.read()
     state.machine = None  # a journal from before machines were recorded: nothing to compare, and apply records it
     j.write(state)
