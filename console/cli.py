@@ -146,7 +146,8 @@ def plan(
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec
 
-    if out is not None and str(out) == "-":  # the usual spelling of stdout
+    to_stdout = out is not None and str(out) == "-"  # the usual spelling of stdout
+    if to_stdout:
         out, as_json = None, True
     odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
     if out is not None and (odd or not out.parent.is_dir()):  # refused before anything is read or written
@@ -156,57 +157,58 @@ def plan(
         raise typer.Exit(ExitCode.USAGE)
     try:
         loaded = load(spec, state_dir=state_dir, discover=True)
-    except PdctlError as exc:
-        if as_json:  # scripts still get an object, as from status --json
-            sys.stdout.write(json.dumps({"error": exc.message, "hint": exc.hint}, indent=1) + "\n")
+        _warnings(loaded)
+        _unset_secrets_note(loaded.deployment)
+        p = plan_spec(loaded)
+        recorded = loaded.journal.read()
+        pending = recorded.target
+        if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
+            from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
+
+            refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
+        holder = loaded.journal.held_by()
+        unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
+        if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
+            what = f"`pdctl {holder.get('purpose') or 'apply'}`"
+            unsettled = (f"a {what} is running now (pid {holder.get('pid', '?')}, {holder.get('user', '?')}@"
+                         f"{holder.get('host', '?')}, since {holder.get('since', '?')}), so what runs is changing")
+            _err(f"note: a {what} of this deployment is running now; plan again when it has finished")
+        elif pending is not None:
+            other = pending != p.to_topology
+            unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
+                         "may be partly what it was applying")
+            _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
+        else:
+            drift, answers = _runtime_drift(loaded)
+            if drift:
+                unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
+            if drift or answers:
+                _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
+                     f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
+                     "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
+                                    "whether it lasts" if answers else ""))
+        if unsettled:
+            p = p.model_copy(update={"unsettled": unsettled})
+        if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
+            p = p.model_copy(update={"spec_path": str(spec.resolve())})
+        if out is not None:
+            from pdctl.statemachine.journal import atomic_write
+
+            atomic_write(out, p.to_json().encode())
+            _err(f"plan saved to {out}")
+        if as_json:
+            sys.stdout.write(p.to_json() + "\n")
+        elif unsettled and not p.has_changes:
+            sys.stdout.write(f"No changes to what was recorded as deployed for {p.deployment!r}, but {unsettled}.\n"
+                             f"`pdctl apply` re-proves every step and restarts what does not serve as specified.\n"
+                             f"plan id: {p.plan_id}\n")
+        else:
+            sys.stdout.write(render_text(p) + "\n")
+        raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
+    except (PdctlError, UnitsError) as exc:
+        if as_json:  # scripts still get an object, as from status --json, whatever refused the plan
+            sys.stdout.write(json.dumps({"error": getattr(exc, "message", str(exc)), "hint": exc.hint}, indent=1) + "\n")
         raise
-    _warnings(loaded)
-    _unset_secrets_note(loaded.deployment)
-    p = plan_spec(loaded)
-    recorded = loaded.journal.read()
-    pending = recorded.target
-    if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
-        from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
-
-        refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
-    holder = loaded.journal.held_by()
-    unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
-    if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
-        what = f"`pdctl {holder.get('purpose') or 'apply'}`"
-        unsettled = (f"a {what} is running now (pid {holder.get('pid', '?')}, {holder.get('user', '?')}@"
-                     f"{holder.get('host', '?')}, since {holder.get('since', '?')}), so what runs is changing")
-        _err(f"note: a {what} of this deployment is running now; plan again when it has finished")
-    elif pending is not None:
-        other = pending != p.to_topology
-        unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
-                     "may be partly what it was applying")
-        _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
-    else:
-        drift, answers = _runtime_drift(loaded)
-        if drift:
-            unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
-        if drift or answers:
-            _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
-                 f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
-                 "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
-                                "whether it lasts" if answers else ""))
-    if unsettled:
-        p = p.model_copy(update={"unsettled": unsettled})
-    if out is not None:
-        p = p.model_copy(update={"spec_path": str(spec.resolve())})
-        from pdctl.statemachine.journal import atomic_write
-
-        atomic_write(out, p.to_json().encode())
-        _err(f"plan saved to {out}")
-    if as_json:
-        sys.stdout.write(p.to_json() + "\n")
-    elif unsettled and not p.has_changes:
-        sys.stdout.write(f"No changes to what was recorded as deployed for {p.deployment!r}, but {unsettled}.\n"
-                         f"`pdctl apply` re-proves every step and restarts what does not serve as specified.\n"
-                         f"plan id: {p.plan_id}\n")
-    else:
-        sys.stdout.write(render_text(p) + "\n")
-    raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001

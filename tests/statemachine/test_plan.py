@@ -370,6 +370,7 @@ def test_cli_plan_out_dash_is_stdout_and_a_plan_during_an_apply_says_one_runs(tm
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "-", cwd=tmp_path)
     assert r.returncode == 2 and not (tmp_path / "-").exists()
     assert json.loads(r.stdout)["to_topology"]["name"] == "dsv4-flash" and json.loads(r.stdout)["unsettled"] is None
+    assert json.loads(r.stdout)["spec_path"] == str(SEED.resolve())  # `apply` of what -o - printed finds its spec
     j = Journal(sd, "dsv4-flash")
     state = JournalState(name="dsv4-flash", deployed=topo(seed_dict()))
     state.target = topo(seed_dict())
@@ -513,6 +514,8 @@ def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_comman
         assert r.returncode == 1, (cmd, r.stderr)
         assert f"state directory {sd} holds the journal of deployment 'other', not 'dsv4-flash'" in r.stderr, r.stderr
         assert "PDCTL_STATE_DIR names one deployment's directory" in r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json")  # refused after the spec loaded: an object too
+    assert r.returncode == 1 and "holds the journal of deployment 'other'" in json.loads(r.stdout)["error"]
     assert Journal(sd, "other").read().deployed is not None  # left as it was
     # once 'other' is taken down (nothing deployed, nothing proven), the directory is free for this spec
     Journal(sd, "other").write(JournalState(name="other"))
