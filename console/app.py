@@ -593,5 +593,8 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
     if app.applying:
         import sys
 
-        sys.stderr.write("pdctl: the apply stops at its next step event or poll; waiting for it…\n")
+        try:  # (after SIGHUP the terminal is gone: EIO)
+            sys.stderr.write("pdctl: the apply stops at its next step event or poll; waiting for it…\n")
+        except OSError:
+            pass
     return int(rc or 0)

@@ -307,8 +307,7 @@ def apply(
             try:
                 _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
                 machine = run_steps(ctx, steps_for(desired), sink)
-            except RunCancelled:  # the console's cancel (or its SIGTERM): an interruption, as Ctrl-C is
-                _interrupted(j, state, plan, sink)
+            except RunCancelled:  # the console's cancel (or its SIGTERM): an interruption, handled as Ctrl-C below
                 raise
             except Exception as exc:
                 # A failed step is journalled already; anything else (a bug) leaves its step "running": it was
@@ -329,9 +328,10 @@ def apply(
             j.audit("apply-done", plan_id=plan.plan_id, state=machine.state)
             sink.emit(Event("apply_done", f"deployment {desired.name!r} reached {machine.state}", data={"plan_id": plan.plan_id}))
             return ApplyResult(plan, machine.state, {k: v.to_json() for k, v in state.steps.items()})
-        except KeyboardInterrupt:
-            # Ctrl-C, or SIGTERM through the CLI, from the plan on: the journal keeps any target (a re-run
-            # converges), the step that ran is marked interrupted, and a --json stream ends with an event too
+        except (KeyboardInterrupt, RunCancelled):
+            # Ctrl-C, or SIGTERM through the CLI, or the console's cancel (at any event or a preflight's wait), from
+            # the plan on: the journal keeps any target (a re-run converges), the step that ran is marked
+            # interrupted, and a --json stream ends with an event too
             _interrupted(j, state, plan, sink, stale=stale_steps)
             raise
 

@@ -408,8 +408,9 @@ def bind_addresses_unusable(ctx: Context) -> None:
     else:
         why = (res.stderr or res.stdout).strip()[-300:]
     if res is None or res.returncode in (126, 127):  # the units' interpreter cannot run: every role would fail
-        try:
-            missing = ctx.dep.engine.python is not None and not ctx.host.exists(python)
+        try:  # (a bare name such as python3 is looked up on the host's PATH, as the units' exec does)
+            missing = ctx.dep.engine.python is not None and not (
+                ctx.host.exists(python) if python.startswith("/") else ctx.host.which(python) is not None)
         except OSError:
             missing = False
         if missing or (res is not None and res.returncode in (126, 127)):

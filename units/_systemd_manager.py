@@ -259,6 +259,7 @@ class SystemdManager(ServiceManager):
         # returned with the restart job queued (behind the stop of every unit that Requires= this one, the router),
         # and the old process, still active, answered the probes that were to prove the new one
         self.stop(name)
+        self._ctl("reset-failed", "--", name, check=False)  # as start() does: a unit past its start limit starts again
         self._ctl("start", "--no-block", "--", name)
         if wait:
             self.wait_active(name, timeout=timeout or self._timeout_of(name, "TimeoutStartSec", 3600) + 30)

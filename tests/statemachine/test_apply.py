@@ -289,6 +289,21 @@ def test_a_resume_after_a_kill_between_install_and_restart_restarts_the_loading_
     assert b"PDCTL_TEST_MARK=new" in open(f"/proc/{pid}/environ", "rb").read()
 
 
+def test_a_cancel_before_the_first_step_is_audited_as_an_interruption(make_demo):
+    # (a RunCancelled raised at the plan event, or in a preflight's wait, bypassed both handlers: no audit record)
+    class CancelAtPlan:
+        def emit(self, event) -> None:  # noqa: ANN001
+            if event.kind == "plan":
+                raise _Cancelled("cancelled")
+
+    demo = make_demo()
+    with pytest.raises(_Cancelled):
+        demo.apply(sink=CancelAtPlan())
+    last = demo.load().journal.audit_records()[-1]
+    assert last["event"] == "apply-interrupted" and last["step"] is None and last["plan_id"]
+    assert demo.pids() == []
+
+
 def test_an_engine_python_the_host_lacks_is_refused_before_anything_starts(make_demo):
     # (validate passed it; apply failed at prefill_up with the GPU / model path hint)
     from pdctl.statemachine.errors import ApplyFailed
