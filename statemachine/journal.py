@@ -112,6 +112,9 @@ class JournalState:
     steps: dict[str, StepRecord] = field(default_factory=dict)
     units: dict[str, str] = field(default_factory=dict)
     """Unit name → fingerprint of the service definition last proven running."""
+    removing: list[str] = field(default_factory=list)
+    """Units of roles an apply drops (its earlier topologies had them, its target has not), journalled with the target
+    and cleared as each is removed: a kill before they are gone loses the topology that named them, not them."""
     machine: dict[str, str] | None = None
     """The machine the deployment's units were installed on, as an apply found it: ``machine_id``
     (``/etc/machine-id``), ``hostname``, ``reached_as`` (how the spec reached it); None: not recorded."""
@@ -127,6 +130,7 @@ class JournalState:
             "plan_id": self.plan_id,
             "steps": {k: v.to_json() for k, v in self.steps.items()},
             "units": dict(self.units),
+            "removing": list(self.removing),
             "machine": dict(self.machine) if self.machine else None,
             "updated_at": self.updated_at,
         }
@@ -141,6 +145,7 @@ class JournalState:
             plan_id=data.get("plan_id"),
             steps={k: StepRecord(**v) for k, v in (data.get("steps") or {}).items()},
             units=dict(data.get("units") or {}),
+            removing=[str(u) for u in data.get("removing") or []],
             machine=dict(data["machine"]) if isinstance(data.get("machine"), dict) else None,
             updated_at=data.get("updated_at"),
         )

@@ -286,6 +286,7 @@ def apply(
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
+            own |= set(state.removing)  # an earlier apply's dropped roles not yet removed
             try:
                 bind_addresses_unusable(ctx)
                 numa_nodes_missing(ctx)
@@ -297,7 +298,12 @@ def apply(
             j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
             sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
 
-            # Journal the target before touching anything: a kill from here on re-runs to the same end.
+            # Journal the target before touching anything: a kill from here on re-runs to the same end. With it, the
+            # units of roles it drops: the interrupted target that names them is overwritten now
+            keep = set(unit_names(desired).values())
+            state.removing = sorted({u for u in state.removing if u not in keep}
+                                    | {u for t in (state.deployed, unfinished) if t is not None
+                                       for u in unit_names(t).values() if u not in keep})
             state.target = desired
             state.plan_id = plan.plan_id
             state.machine = here or state.machine
@@ -305,7 +311,7 @@ def apply(
             j.write(state)
             ctx.journal_state = state
             try:
-                _remove_gone_roles(ctx, state, (state.deployed, unfinished), sink)
+                _remove_gone_roles(ctx, state, sink)
                 machine = run_steps(ctx, steps_for(desired), sink)
             except RunCancelled:  # the console's cancel (or its SIGTERM): an interruption, handled as Ctrl-C below
                 raise
@@ -336,29 +342,21 @@ def apply(
             raise
 
 
-def _remove_gone_roles(ctx, state, earlier, sink) -> None:  # noqa: ANN001
-    """Stop and remove the units of roles that *earlier* topologies (the deployed one, an
-    interrupted apply's target) had but the desired one has not."""
+def _remove_gone_roles(ctx, state, sink) -> None:  # noqa: ANN001
+    """Stop and remove the units journalled in ``state.removing`` (roles the deployed topology, an interrupted
+    apply's target or an earlier apply's drop list had, and the desired one has not), each crossed off the journal
+    once it is gone."""
     from pdctl.statemachine.events import Event
 
-    wanted = set(ctx.unit_of.values())
-    previous: list[str] = []
-    for topo in earlier:
-        if topo is None:
-            continue
-        for name in unit_names(topo).values():
-            if name not in wanted and name not in previous:
-                previous.append(name)
     # Router first, then decode, then prefill/servers: the reverse of bring-up.
-    previous.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
-    for name in previous:
-        if state.units.pop(name, None) is not None:
-            ctx.journal.write(state)
-        if ctx.manager.installed_text(name) is None:
-            continue
-        ctx.manager.stop(name)
-        ctx.manager.remove([name])
-        sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
+    for name in sorted(state.removing, key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2)):
+        state.units.pop(name, None)
+        if ctx.manager.installed_text(name) is not None:
+            ctx.manager.stop(name)
+            ctx.manager.remove([name])
+            sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
+        state.removing.remove(name)
+        ctx.journal.write(state)
 
 
 # --- status and down -----------------------------------------------------------------------------
@@ -414,13 +412,14 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     # An apply that did not finish toward another topology (PD collapsed to one server, or back) leaves the recorded
     # deployment's units that its target drops still running: shown, so that status never hides a running server
     leftover = []
-    if state.target is not None and state.deployed is not None:
-        for name, unit in unit_names(state.deployed).items():
-            if unit in names.values():
-                continue
-            st = manager.status(unit)
-            if st.state != "inactive" or manager.installed_text(unit) is not None:
-                leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
+    dropped = dict(unit_names(state.deployed)) if state.target is not None and state.deployed is not None else {}
+    dropped |= {u.removeprefix(f"pdctl-{topo.name}-").removesuffix(".service"): u for u in state.removing}
+    for name, unit in dropped.items():
+        if unit in names.values() or any(u["unit"] == unit for u in leftover):
+            continue
+        st = manager.status(unit)
+        if st.state != "inactive" or manager.installed_text(unit) is not None:
+            leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
     router = None
     if topo.router is not None:
         st = manager.status(names["router"])
@@ -651,7 +650,7 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
 def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
     """The deployment's units (of what the journal records and what the spec asks) that *manager* has installed,
     in stopping order: router, decode, the rest."""
-    names: list[str] = []
+    names: list[str] = list(dict.fromkeys(state.removing))  # an interrupted apply's dropped roles not yet removed
     for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
         if topo is None:
             continue
@@ -679,6 +678,7 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
     state.target = None
     state.steps = {}
     state.units = {}  # nothing runs: no definition is proven any more
+    state.removing = []
     state.machine = None  # nothing runs anywhere: the next apply may start it on any machine
     j.write(state)
     j.audit("down-done", units=names)

@@ -947,6 +947,33 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
     assert len(demo.pids()) == 3
 
 
+def test_a_dropped_role_survives_no_second_interruption_unnamed(demo, monkeypatch):
+    # A collapse killed once its single server runs, then the PD apply killed before it removed that server: the
+    # collapse target that named it was already overwritten, so status hid it, apply called it foreign and down said
+    # nothing was installed. The drop list is journalled with the target now.
+    demo.apply()
+    _collapse_killed_at(demo, lambda ev: ev["kind"] == "step_applied" and ev["step"] == "server_up")
+    server = f"pdctl-{demo.name}-server.service"
+
+    class Killed(BaseException):
+        pass
+
+    def killed(ctx, state, sink):  # noqa: ANN001, ANN202
+        raise Killed
+
+    monkeypatch.setattr(service, "_remove_gone_roles", killed)
+    with pytest.raises(Killed):
+        demo.apply()
+    monkeypatch.undo()
+    assert demo.load().journal.read().removing == [server]
+    left = {u["unit"]: u for u in demo.status()["leftover"]}
+    assert left[server]["state"] == "active", left
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert f"stopped and removed {server}" in r.stderr
+    assert demo.status()["healthy"] and demo.load().journal.read().removing == []
+
+
 def test_status_shows_the_servers_an_interrupted_collapse_had_not_removed_yet(demo):
     demo.apply()
     collapse = _collapse_killed_at(demo, lambda ev: ev["kind"] == "role_removed")  # the router gone, the servers not
