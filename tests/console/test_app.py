@@ -281,17 +281,22 @@ async def test_console_applies_the_demo_to_parsers_configured(console_demo):
     assert state.steps["parsers_configured"].status == "done"
 
 
+async def _first_apply_running(pilot, app) -> None:  # noqa: ANN001
+    """Start the first deployment from the console (a, then y) and wait until its apply runs."""
+    await wait_for(pilot, lambda: app.plan is not None)
+    await pilot.press("a")
+    await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+    await pilot.press("y")
+    await wait_for(pilot, lambda: app.applying)
+
+
 async def test_sigterm_or_sighup_during_an_apply_cancels_it_and_exits_with_their_code(console_demo):
     # (SIGTERM or an SSH drop's SIGHUP killed the console at once: no interruption audited, the terminal left on the
     # alternate screen)
     fake = BlockingApply()
     app = make_app(console_demo, apply_fn=fake)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.applying)
+        await _first_apply_running(pilot, app)
         app.terminate(129)  # what the SIGHUP handler calls
         await wait_for(pilot, lambda: fake.error is not None, timeout=5)
     assert isinstance(fake.error, ApplyCancelled) and app.return_value == 129  # run_console returns it
@@ -301,11 +306,7 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
     fake = BlockingApply()
     app = make_app(console_demo, apply_fn=fake)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.applying)
+        await _first_apply_running(pilot, app)
         await pilot.press("q")
         await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
         await pilot.press("n")
