@@ -740,6 +740,9 @@ def test_status_during_an_apply_takes_a_loading_server_for_its_own(make_demo):
     # on its port", as status said
     def slow(d):
         d["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "4"
+        # the window this test looks into: up and answering 503 while warming up, its unit still activating (0.1 s
+        # by default here, which a status poll on a loaded 2-core machine could miss; a real warm-up takes seconds)
+        d["engine"]["env"]["PDCTL_SIM_WARMUP_SECONDS"] = "3"
 
     demo = make_demo(slow)
     env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
