@@ -342,14 +342,18 @@ def apply(
             raise
 
 
+def _stop_order(unit: str) -> int:
+    """Router first, then decode, then prefill and single servers: the reverse of bring-up."""
+    return 0 if unit.endswith("-router.service") else 1 if "-decode" in unit else 2
+
+
 def _remove_gone_roles(ctx, state, sink) -> None:  # noqa: ANN001
     """Stop and remove the units journalled in ``state.removing`` (roles the deployed topology, an interrupted
     apply's target or an earlier apply's drop list had, and the desired one has not), each crossed off the journal
     once it is gone."""
     from pdctl.statemachine.events import Event
 
-    # Router first, then decode, then prefill/servers: the reverse of bring-up.
-    for name in sorted(state.removing, key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2)):
+    for name in sorted(state.removing, key=_stop_order):
         state.units.pop(name, None)
         if ctx.manager.installed_text(name) is not None:
             ctx.manager.stop(name)
@@ -657,7 +661,7 @@ def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN0
         for n in unit_names(topo).values():
             if n not in names:
                 names.append(n)
-    names.sort(key=lambda n: (0 if n.endswith("-router.service") else 1 if "-decode" in n else 2))
+    names.sort(key=_stop_order)
     return [n for n in names if manager.installed_text(n) is not None]
 
 

@@ -299,7 +299,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
                           f"({x.command or 'unknown'})" for x in held)
         # This deployment's own roles, applied another way (another --state-dir, user or service manager), say which
-        markers = {f"pdctl-{topo.name}-{role}.service" for role in step_of}
+        markers = set(ctx.unit_of.values())
         started = [ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None for x in held]
         applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
         if all(started):
@@ -355,13 +355,15 @@ def numa_nodes_missing(ctx: Context) -> None:
     base = "/sys/devices/system/node"
     if not ctx.host.exists(base):
         return
+    from pdctl.statemachine.rules import _role_field
+
     missing: list[tuple[str, int, str]] = []
-    for kind in ("prefill", "decode", "server"):
-        for i, role in enumerate(getattr(ctx.dep, kind)):
-            node, _cpus = numa_binding(ctx.dep, role)
-            if node is not None and not ctx.host.exists(f"{base}/node{node}"):
-                field = f"{kind}[{i}].numa_node" if role.numa_node is not None else f"hosts.{role.host}.gpu_numa"
-                missing.append((field, node, f"{kind}_up"))
+    for _name, kind, role in ctx.dep.roles():
+        node, _cpus = numa_binding(ctx.dep, role)
+        if node is not None and not ctx.host.exists(f"{base}/node{node}"):
+            field = (f"{_role_field(ctx.dep, role)}.numa_node" if role.numa_node is not None
+                     else f"hosts.{role.host}.gpu_numa")
+            missing.append((field, node, f"{kind}_up"))
     if not missing:
         return
     try:

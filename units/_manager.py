@@ -32,6 +32,11 @@ def clean_log_lines(text: str, lines: int) -> list[str]:
     return [_ANSI.sub("", line) for line in text.splitlines()[-lines:]] if lines > 0 else []
 
 
+def current_text(host: HostLike, path: str) -> str | None:
+    """*path*'s text on *host* now, None when it is absent (what install() compares its rendering with)."""
+    return host.read_file(path).decode() if host.exists(path) else None
+
+
 def probe_writable(host: HostLike, directory: str) -> None:
     """Raise ``OSError`` unless *directory* could be written — without creating it: the probe
     (a file written then removed) goes into the nearest ancestor that exists, so a refusal

@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, probe_writable
+from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable
 from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
@@ -130,6 +130,11 @@ def _proc_starttime(stat: bytes) -> int:
     With the PID it names one process for good: a reused PID gets a later start time."""
     fields = stat[stat.rfind(b")") + 2:].split()
     return int(fields[19]) if len(fields) > 19 else -1
+
+
+def _unit_text(body: dict) -> str:
+    """A unit's ``unit.json`` as written."""
+    return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
 
 class ProcessSupervisor(ServiceManager):
@@ -267,10 +272,9 @@ class ProcessSupervisor(ServiceManager):
                 path = bodies[s.name]["service"]["secrets_file"]
                 self.host.write_file(path, render_env_file(s.secrets, deployment=s.deployment).encode(), mode=0o600)
         for name, body in bodies.items():
-            text = json.dumps(body, indent=1, sort_keys=True) + "\n"
+            text = _unit_text(body)
             path = posixpath.join(self._dir(name), "unit.json")
-            old = self.host.read_file(path).decode() if self.host.exists(path) else None
-            if old != text:
+            if current_text(self.host, path) != text:
                 self.host.make_dirs(self._dir(name))
                 self.host.write_file(path, text.encode(), mode=0o600)
                 changed.append(name)
@@ -296,16 +300,13 @@ class ProcessSupervisor(ServiceManager):
         bodies = self._bodies(units)
         out = []
         for name, body in bodies.items():
-            path = posixpath.join(self._dir(name), "unit.json")
-            old = self.host.read_file(path).decode() if self.host.exists(path) else None
-            if old != json.dumps(body, indent=1, sort_keys=True) + "\n":
+            if current_text(self.host, posixpath.join(self._dir(name), "unit.json")) != _unit_text(body):
                 out.append(name)
         for s in units.services:
             path = bodies[s.name]["service"].get("secrets_file")
-            if path and s.name not in out:
-                old = self.host.read_file(path).decode() if self.host.exists(path) else None
-                if old != render_env_file(s.secrets, deployment=s.deployment):
-                    out.append(s.name)
+            if path and s.name not in out and current_text(self.host, path) != render_env_file(
+                    s.secrets, deployment=s.deployment):
+                out.append(s.name)
         return out
 
     def remove(self, names: Sequence[str]) -> None:

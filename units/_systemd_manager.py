@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, probe_writable
+from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable
 from ._systemd import is_pdctl_unit, render_env_file, unit_files
 from ._types import ServiceStatus, UnitSet
 from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
@@ -172,8 +172,7 @@ class SystemdManager(ServiceManager):
         changed = []
         for name, text in files.items():
             path = self._unit_path(name)
-            current = self.host.read_file(path).decode() if self.host.exists(path) else None
-            if current != text:
+            if current_text(self.host, path) != text:
                 self.host.write_file(path, text.encode(), mode=0o644)
                 changed.append(name)
         if changed:
@@ -183,14 +182,12 @@ class SystemdManager(ServiceManager):
     def pending_changes(self, units: UnitSet) -> list[str]:
         out = []
         for name, text in unit_files(units, scope=self.scope).items():
-            path = self._unit_path(name)
-            if (self.host.read_file(path).decode() if self.host.exists(path) else None) != text:
+            if current_text(self.host, self._unit_path(name)) != text:
                 out.append(name)
         for s in units.services:
-            if s.secrets and s.secrets_file and s.name not in out:
-                want = render_env_file(s.secrets, deployment=s.deployment)
-                if (self.host.read_file(s.secrets_file).decode() if self.host.exists(s.secrets_file) else None) != want:
-                    out.append(s.name)
+            if s.secrets and s.secrets_file and s.name not in out and current_text(
+                    self.host, s.secrets_file) != render_env_file(s.secrets, deployment=s.deployment):
+                out.append(s.name)
         return out
 
     def remove(self, names: Sequence[str]) -> None:
