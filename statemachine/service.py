@@ -390,10 +390,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     client = _client_for(host, client)
     now = _time.time()
     roles = []
-    found = ports.listeners(host, {r.port for r in topo.roles})  # one scan of the host's sockets for every role
-    for r in topo.roles:
-        st = manager.status(names[r.name])
-        code = probes.health(client, r.url, timeout=2.0)
+    seen = [(r, manager.status(names[r.name]), probes.health(client, r.url, timeout=2.0)) for r in topo.roles]
+    # one scan of the host's sockets for every role, after the probes: a server that began listening between a scan
+    # and its probe would answer while no listener was on record, and be called another process's
+    found = ports.listeners(host, {r.port for r in topo.roles})
+    for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
         owned = bool(code) and st.main_pid is not None and ports.listener_belongs(host, r.port, st.main_pid, found)[0]

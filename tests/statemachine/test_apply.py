@@ -5,6 +5,7 @@ stand-in under pdctl's process supervisor and the real smg router."""
 from __future__ import annotations
 
 import copy
+import socket as _socket
 import json
 import os
 import signal
@@ -678,7 +679,6 @@ def test_roles_spread_over_two_hosts_are_refused_before_anything_changes(make_de
 
 @pytest.mark.parametrize("role,step", [("decode", "decode_up"), ("router", "router_exposed")])
 def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(demo, role, step):
-    import socket as _socket
 
     squatter = _socket.socket()
     squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
@@ -715,7 +715,6 @@ def test_two_roles_swapping_ports_apply_in_one_go(demo):
 
 
 def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
-    import socket as _socket
 
     squatter = _socket.socket()
     squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
@@ -766,6 +765,52 @@ def test_status_during_an_apply_takes_a_loading_server_for_its_own(make_demo):
             p.wait(10)
     assert seen is not None, "prefill never seen activating and answering"
     assert seen["port_owned"] is True and seen["healthy"] is False, seen
+
+
+def test_status_scans_listeners_after_its_probes(make_demo):
+    # status read the host's listening sockets once, before probing: a server that began listening in between
+    # answered its probe while no listener was on record, and was called another process's (port_owned False; a
+    # clean-clone CI run failed the test above on it). Here the prefill probe waits until the server listens, which
+    # is that interleaving made certain.
+    def slow(d):
+        d["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "3"
+        d["engine"]["env"]["PDCTL_SIM_WARMUP_SECONDS"] = "5"
+
+    demo = make_demo(slow)
+    url = f"http://127.0.0.1:{demo.ports['prefill']}"
+
+    class WaitsForPrefill(httpx.Client):
+        def get(self, u, **kw):  # noqa: ANN001, ANN003, ANN202
+            deadline = time.monotonic() + 30
+            while u.startswith(url) and time.monotonic() < deadline:
+                with _socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", demo.ports["prefill"])) == 0:
+                        break
+                time.sleep(0.05)
+            return super().get(u, **kw)
+
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        pre: dict = {}
+        while time.monotonic() < deadline and p.poll() is None and not pre.get("main_pid"):
+            try:  # the unit started, its server still loading (not listening)
+                pre = next(r for r in demo.status()["roles"] if r["name"] == "prefill")
+            except Exception:  # noqa: BLE001 - the journal or units mid-write: look again
+                pre = {}
+            time.sleep(0.1)
+        assert pre.get("main_pid") and not pre["health"], pre
+        with WaitsForPrefill(trust_env=False) as client:
+            st = service.status(demo.load(), client=client)
+        pre = next(r for r in st["roles"] if r["name"] == "prefill")
+        assert pre["health"] == 503 and pre["port_owned"] is True and pre["healthy"] is False, pre
+        assert p.wait(120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
 
 
 def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
