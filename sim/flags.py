@@ -209,6 +209,11 @@ def resolve(args: argparse.Namespace, argv: list[str], default_page_size: int = 
         d["page_size"] = default_page_size
     if d.get("context_length") is None:
         d["context_length"] = 163840
+    if d.get("disaggregation_transfer_backend") == "mooncake_tcp":
+        # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation (0.5.15+): "mooncake_tcp" is mooncake with
+        # MC_FORCE_TCP=1; server_args says "mooncake" from then on, and the ib devices are dropped
+        d["disaggregation_transfer_backend"] = "mooncake"
+        d["disaggregation_ib_device"] = None
     if d.get("disaggregation_mode") == "decode":
         # "Radix cache is disabled for decode server" unless decode radix cache is enabled.
         if not d.get("disaggregation_decode_enable_radix_cache"):

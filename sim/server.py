@@ -154,6 +154,12 @@ class Sim:
         self.args, self.resolved = parse(argv, mdl.DEFAULT_PAGE_SIZE[self.family])
         a = self.resolved
         self._startup_warnings: list[str] = []
+        self._startup_info: list[str] = []
+        if self.args.disaggregation_transfer_backend == "mooncake_tcp":
+            # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation: mooncake with the TCP transport forced
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+            self._startup_info.append("disaggregation transfer backend 'mooncake_tcp' -> mooncake with "
+                                      "MC_FORCE_TCP=1 (TCP transport, no RDMA)")
         if self.family == "deepseek-v32":
             # overrides._dsa_kv_cache_dtype_default (an H200-class SM90 device: auto -> bfloat16)
             kv = a["kv_cache_dtype"]
@@ -209,8 +215,10 @@ class Sim:
 
     @property
     def kv_cache_dtype_str(self) -> str:
-        d = self.resolved.get("kv_cache_dtype") or "auto"
-        return {"auto": "bfloat16", "bf16": "bfloat16"}.get(d, d)
+        """``server_args.kv_cache_dtype`` as the server holds it after its overrides: what a prefill registers
+        on its bootstrap server and a decode compares with its own (0.5.23 ``disaggregation/common/conn.py``,
+        ``register_to_bootstrap`` / ``try_ensure_parallel_info``); ``auto`` stays ``auto`` outside DeepSeek DSA."""
+        return str(self.resolved.get("kv_cache_dtype") or "auto")
 
     @property
     def page_size(self) -> int:
@@ -690,6 +698,8 @@ class Sim:
                  f"tp_size={a['tp_size']}, host={host!r}, port={port}}}")
         if self.args.page_size is None and self.page_size != 1:
             log.warning(f"Setting page size to {self.page_size} for {self.model_info()['architectures'][0]}.")
+        for w in self._startup_info:
+            log.info(w)
         for w in self._startup_warnings:
             log.warning(w)
         if self.mode == "prefill":

@@ -493,14 +493,23 @@ def expected_server_info(role: RoleTopology, topo: Topology) -> dict[str, Any]:
     if role.kind == "prefill":
         exp["disaggregation_bootstrap_port"] = role.bootstrap_port
     if role.kind in ("prefill", "decode") and topo.kv_link is not None:
-        exp["disaggregation_transfer_backend"] = topo.kv_link.backend
+        # "mooncake_tcp" is mooncake with MC_FORCE_TCP=1: SGLang rewrites the argument to "mooncake" before it
+        # serves it (0.5.23 arg_groups/pd_disaggregation_hook.py, handle_pd_disaggregation)
+        backend = topo.kv_link.backend
+        exp["disaggregation_transfer_backend"] = "mooncake" if backend == "mooncake_tcp" else backend
     return exp
+
+
+_SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}}
+"""Aliases SGLang may report either way: the DeepSeek DSA override normalises ``bf16`` to ``bfloat16``
+(0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``); other models keep what was passed."""
 
 
 def server_info_mismatches(info: dict[str, Any], exp: dict[str, Any]) -> list[str]:
     out = []
     for k, v in exp.items():
-        if info.get(k) != v:
+        alias = _SAME_VALUE.get(k, {})
+        if alias.get(info.get(k), info.get(k)) != alias.get(v, v):
             out.append(f"{k} is {info.get(k)!r}, expected {v!r}")
     return out
 

@@ -122,3 +122,17 @@ def test_dsa_kv_cache_dtype_resolution():
     proc = run_sim("--model-path", "deepseek-ai/DeepSeek-V3.2", "--kv-cache-dtype", "fp8_e5m2")
     assert proc.returncode != 0
     assert "DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3 kv_cache_dtype" in proc.stderr
+
+
+def test_mooncake_tcp_is_served_as_mooncake():
+    # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation: MC_FORCE_TCP=1, backend "mooncake", no ib devices
+    argv = ["--model-path", "m", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+            "mooncake_tcp", "--disaggregation-ib-device", "mlx5_0"]
+    args, _ = flags.parse(argv)
+    resolved = flags.resolve(args, argv)
+    assert resolved["disaggregation_transfer_backend"] == "mooncake"
+    assert resolved["disaggregation_ib_device"] is None
+    argv[5] = "nixl"
+    args, _ = flags.parse(argv)
+    resolved = flags.resolve(args, argv)
+    assert resolved["disaggregation_transfer_backend"] == "nixl" and resolved["disaggregation_ib_device"] == "mlx5_0"

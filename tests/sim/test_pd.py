@@ -64,6 +64,23 @@ def test_bootstrap_server_routes(pair):
     assert http_get(p.bootstrap_url + "/nothing")[0] == 404
 
 
+def test_route_registers_the_kv_cache_dtype_as_server_args_hold_it():
+    # register_to_bootstrap sends server_args.kv_cache_dtype: "auto" for a model without the DSA override (the
+    # stand-in had reported "bfloat16" there, which no /server_info of the decode showed)
+    p, d = pd_pair(["--model-path", "deepseek-ai/DeepSeek-V3"], FAST_FAIL)
+    try:
+        info = json.loads(http_get(p.bootstrap_url + ROUTE_Q)[1])
+        dinfo = json.loads(http_get(d.url + "/server_info")[1])
+        assert info["kv_cache_dtype"] == dinfo["kv_cache_dtype"] == "auto"
+        code, _ = paired(p, d, {"text": "hi", "sampling_params": {"max_new_tokens": 4},
+                                "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
+                                "bootstrap_room": 7})[1]
+        assert code == 200
+    finally:
+        p.stop()
+        d.stop()
+
+
 def test_bootstrap_503_until_ranks_registered_then_200():
     bport = free_port()
     p = start_sim(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),

@@ -81,6 +81,25 @@ def test_server_info_mismatch_names_each_field():
     assert exp["disaggregation_mode"] == "decode" and exp["tp_size"] == 4
 
 
+def test_server_info_expected_as_sglang_reports_its_aliases():
+    # SGLang serves "mooncake" for the mooncake_tcp backend (the hook rewrites it, with MC_FORCE_TCP=1) and may
+    # report bf16 as bfloat16 (DeepSeek DSA); expecting the spec's words failed prefill_up on every real host
+    d = seed_dict()
+    d["kv_transfer"]["backend"] = "mooncake_tcp"
+    d["model"]["kv_cache_dtype"] = "bf16"
+    topo = topology_of(parse_spec(d))
+    for name in ("prefill", "decode"):
+        exp = expected_server_info(topo.role(name), topo)
+        assert exp["disaggregation_transfer_backend"] == "mooncake"
+        served = dict(exp, kv_cache_dtype="bfloat16")
+        assert server_info_mismatches(served, exp) == []
+        assert server_info_mismatches(dict(exp), exp) == []  # a model that keeps "bf16"
+        assert server_info_mismatches(dict(exp, kv_cache_dtype="fp8_e4m3"), exp) == [
+            "kv_cache_dtype is 'fp8_e4m3', expected 'bf16'"]
+        assert server_info_mismatches(dict(exp, disaggregation_transfer_backend="mooncake_tcp"), exp) == [
+            "disaggregation_transfer_backend is 'mooncake_tcp', expected 'mooncake'"]
+
+
 PARSERS = {"reasoning_parser": "deepseek-v4", "tool_call_parser": "deepseekv4", "chat_template": None}
 
 
