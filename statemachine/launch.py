@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from pdctl.statemachine.hosts import Host as HostType
+from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole, secret_value
 from pdctl.statemachine.topology import dial_host, numa_binding, topology_of
 from pdctl.units import (
@@ -152,6 +153,10 @@ def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
 
 def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch:
     parsers = role.parsers or dep.parsers
+    try:  # how the target release spells what differs between releases (an unknown one: the rules refuse it)
+        facts = facts_for(dep.sglang_version)
+    except KeyError:
+        facts = facts_for(DEFAULT_SGLANG_VERSION)
     node, cpus = numa_binding(dep, role)  # as the plan records it
     kv = dep.kv_transfer
     pd = kind in ("prefill", "decode")
@@ -189,6 +194,8 @@ def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch
         cache_dir=_cache_dir(dep),
         env={**dep.engine.env, **kernels_env(dep, kind), **role.env},
         extra_args=tuple(role.extra_args),
+        sparse_attention_prefix=facts.sparse_attention_prefix,  # type: ignore[arg-type]
+        legacy_dp_attention=facts.legacy_dp_attention,
     )
 
 

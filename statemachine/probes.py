@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from pdctl.statemachine.errors import ProbeError
+from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, facts_for
 
 __all__ = [
     "BOOTSTRAP_ROUTE_QUERY",
@@ -47,13 +48,8 @@ __all__ = [
     "server_info",
 ]
 
-BOOTSTRAP_ROUTE_QUERY = {
-    "prefill_dp_rank": "-1",
-    "prefill_cp_rank": "-1",
-    "target_tp_rank": "-1",
-    "target_pp_rank": "-1",
-}
-"""The 0.5.23 query of the bootstrap ``/route`` (0.5.6 used ``engine_rank``/``target_dp_group``)."""
+BOOTSTRAP_ROUTE_QUERY = dict(facts_for(DEFAULT_SGLANG_VERSION).bootstrap_route_query)
+"""The 0.5.23 query of the bootstrap ``/route`` (other releases: ``SglangFacts.bootstrap_route_query``)."""
 
 
 def _get(client: httpx.Client, url: str, *, timeout: float = 5.0, params: dict | None = None) -> httpx.Response:
@@ -89,10 +85,12 @@ def server_info(client: httpx.Client, base_url: str, *, timeout: float = 5.0) ->
     return data
 
 
-def bootstrap_route(client: httpx.Client, host: str, port: int, *, timeout: float = 5.0) -> tuple[int, Any]:
-    """``(status, body)`` of the prefill bootstrap server's ``GET /route`` (0.5.23 query)."""
+def bootstrap_route(client: httpx.Client, host: str, port: int, *, timeout: float = 5.0,
+                    query: dict[str, str] | None = None) -> tuple[int, Any]:
+    """``(status, body)`` of the prefill bootstrap server's ``GET /route`` with *query* (the target release's,
+    ``SglangFacts.bootstrap_route_query``; default 0.5.23's)."""
     url = f"http://{host}:{port}/route"
-    r = _get(client, url, timeout=timeout, params=BOOTSTRAP_ROUTE_QUERY)
+    r = _get(client, url, timeout=timeout, params=BOOTSTRAP_ROUTE_QUERY if query is None else query)
     try:
         body: Any = r.json()
     except ValueError:

@@ -64,6 +64,8 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
     "--attention-backend": "model.attention_backend",
     "--dsa-prefill-backend": "model.dsa_prefill_backend",
     "--dsa-decode-backend": "model.dsa_decode_backend",
+    "--nsa-prefill-backend": "model.dsa_prefill_backend",  # the names up to 0.5.12 (pdctl spells them per release)
+    "--nsa-decode-backend": "model.dsa_decode_backend",
     "--enable-metrics": "(always on: pdctl passes it)",
 }
 _OWNED_ENV = {
@@ -557,6 +559,12 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                         f"remove {f}.parsers and set [parsers].{fld} once",
                     )
     if facts is not None:
+        for fld, value, known in (("model.dsa_prefill_backend", dep.model.dsa_prefill_backend, facts.dsa_backends[0]),
+                                  ("model.dsa_decode_backend", dep.model.dsa_decode_backend, facts.dsa_backends[1])):
+            if value is not None and value not in known:  # SGLang exits 2 at prefill_up ("invalid choice")
+                flag = f"{facts.sparse_attention_prefix}-{fld.split('_')[1]}-backend"
+                err(fld, f"{value!r} is not a {flag} choice of SGLang {facts.version}",
+                    _closest(f"{flag} choice", value, known))
         if base.reasoning_parser is not None and base.reasoning_parser not in facts.reasoning_parsers:
             err(
                 "parsers.reasoning_parser",

@@ -6,7 +6,9 @@ Sources (see ``shared/reference`` of the project):
   ``data/sglang-0.5.23-flags.json`` (531 arguments: option strings, dest, choices, defaults). The
   parser names are the ``choices`` of ``--reasoning-parser`` (``srt/parser/reasoning_parser_names.py``)
   and ``--tool-call-parser`` (``srt/function_call/parser_names.py``).
-* SGLang 0.5.6's parser lists, read from its ``server_args.py``.
+* SGLang 0.5.6's parser lists, its ``--nsa-*`` backend choices and its attention-DP spelling
+  (``--dp-size N --enable-dp-attention``), read from its ``server_args.py``; its bootstrap ``/route`` query
+  (``engine_rank``, ``target_dp_group``, ``target_pp_rank``) from ``disaggregation/common/conn.py``.
 * Removed/renamed flags: ``--disaggregation-decode-tp``, ``--disaggregation-decode-dp`` and
   ``--disaggregation-prefill-pp`` exist in 0.5.6/0.5.9 and are gone by 0.5.12; ``--nsa-*`` became
   ``--dsa-*`` (aliases in 0.5.15-0.5.18, gone in 0.5.20).
@@ -48,6 +50,9 @@ _TOOL_0_5_6 = (
     "mistral", "pythonic", "qwen", "qwen25", "qwen3_coder", "step3", "minimax-m2",
 )
 
+_NSA_BACKENDS_0_5_6 = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "fa3", "tilelang", "aiter")
+"""``--nsa-prefill-backend`` / ``--nsa-decode-backend`` choices of 0.5.6."""
+
 # flag -> (first version without it, replacement or None)
 _REMOVED_FLAGS: dict[str, tuple[str, str | None]] = {
     "--disaggregation-decode-tp": ("0.5.12", None),
@@ -77,6 +82,17 @@ class SglangFacts:
     flags: frozenset[str] | None
     """Every option string of ``launch_server`` when known (None: not recorded for this version)."""
     transfer_backends: frozenset[str]
+    dsa_backends: tuple[frozenset[str], frozenset[str]]
+    """The choices of the sparse-attention prefill and decode backends."""
+    sparse_attention_prefix: str = "--dsa"
+    """``--dsa`` (``--dsa-prefill-backend``…, 0.5.15+) or ``--nsa`` (0.5.6 – 0.5.12)."""
+    legacy_dp_attention: bool = False
+    """Attention-DP spelled ``--dp-size N --enable-dp-attention`` (≤ 0.5.20), not ``--attn-dp-size N``."""
+    bootstrap_route_query: tuple[tuple[str, str], ...] = (
+        ("prefill_dp_rank", "-1"), ("prefill_cp_rank", "-1"), ("target_tp_rank", "-1"), ("target_pp_rank", "-1"),
+    )
+    """The query of the prefill bootstrap server's ``GET /route`` that answers with its parallel info
+    (``disaggregation/common/conn.py``, ``try_ensure_parallel_info``)."""
 
     def removed_flag(self, flag: str) -> tuple[str, str | None] | None:
         """``(removed_in, replacement)`` when *flag* no longer exists in this version."""
@@ -115,6 +131,7 @@ def facts_for(version: str) -> SglangFacts:
             tool_call_parsers=_choices(dump, "--tool-call-parser"),
             flags=frozenset(f for arg in dump["arguments"] for f in arg["flags"]),
             transfer_backends=_choices(dump, "--disaggregation-transfer-backend"),
+            dsa_backends=(_choices(dump, "--dsa-prefill-backend"), _choices(dump, "--dsa-decode-backend")),
         )
     if version == "0.5.6":
         return SglangFacts(
@@ -123,6 +140,10 @@ def facts_for(version: str) -> SglangFacts:
             tool_call_parsers=frozenset(_TOOL_0_5_6),
             flags=None,
             transfer_backends=frozenset({"mooncake", "nixl", "ascend", "fake"}),
+            dsa_backends=(frozenset(_NSA_BACKENDS_0_5_6), frozenset(_NSA_BACKENDS_0_5_6)),
+            sparse_attention_prefix="--nsa",
+            legacy_dp_attention=True,
+            bootstrap_route_query=(("engine_rank", "-1"), ("target_dp_group", "-1"), ("target_pp_rank", "-1")),
         )
     raise KeyError(version)
 

@@ -24,6 +24,7 @@ from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
+from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
 from pdctl.units import SUPERVISOR_LINE
@@ -505,6 +506,11 @@ _SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}}
 (0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``); other models keep what was passed."""
 
 
+def _facts(topo: Topology) -> SglangFacts:
+    """The target release's facts (the rules refused an unknown release before any step ran)."""
+    return facts_for(topo.deployment.get("sglang_version", DEFAULT_SGLANG_VERSION))
+
+
 def server_info_mismatches(info: dict[str, Any], exp: dict[str, Any]) -> list[str]:
     out = []
     for k, v in exp.items():
@@ -723,13 +729,14 @@ class KVLinkVerified(Step):
         checks: list[str] = []
         evidence: dict[str, Any] = {"pairs": []}
         boot = {name: (h, p) for name, h, p in topo.kv_link.bootstrap}
+        query = dict(_facts(topo).bootstrap_route_query)
         for d in topo.roles_of("decode"):
             dinfo = probes.server_info(ctx.client, d.url)
             for p in topo.roles_of("prefill"):
                 bhost, bport = boot[p.name]
                 # 1. The bootstrap /route, from the decode side (this host is the decode host here).
                 def route() -> Any:
-                    status, body = probes.bootstrap_route(ctx.client, bhost, bport, timeout=3.0)
+                    status, body = probes.bootstrap_route(ctx.client, bhost, bport, timeout=3.0, query=query)
                     return body if status == 200 else None
 
                 try:

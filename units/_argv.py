@@ -8,6 +8,8 @@ Flags follow SGLang 0.5.23's ``launch_server`` parser and smg 1.13.0's ``launch`
   ``--base-gpu-id`` inside the visible set, so the two together can never point outside it.
 * ``--tp-size`` always (it is what ``/server_info`` is checked against); ``--attn-dp-size`` and
   ``--ep-size`` only above 1 (1 is SGLang's default and the flags stay short).
+* Older targets spell two things otherwise (``ServerLaunch.legacy_dp_attention``,
+  ``sparse_attention_prefix``): ``--dp-size N --enable-dp-attention`` up to 0.5.20, ``--nsa-*`` up to 0.5.12.
 * ``--disaggregation-mode`` for prefill and decode; a ``single`` server passes no
   ``--disaggregation-*`` flag at all.
 * ``--kv-cache-dtype auto`` is SGLang's default and is left out.
@@ -48,12 +50,12 @@ def server_argv(s: ServerLaunch) -> list[str]:
     if s.attention_backend:
         a += ["--attention-backend", s.attention_backend]
     if s.dsa_prefill_backend:
-        a += ["--dsa-prefill-backend", s.dsa_prefill_backend]
+        a += [f"{s.sparse_attention_prefix}-prefill-backend", s.dsa_prefill_backend]
     if s.dsa_decode_backend:
-        a += ["--dsa-decode-backend", s.dsa_decode_backend]
+        a += [f"{s.sparse_attention_prefix}-decode-backend", s.dsa_decode_backend]
     a += ["--tp-size", str(s.tp)]
     if s.attn_dp > 1:
-        a += ["--attn-dp-size", str(s.attn_dp)]
+        a += ["--dp-size", str(s.attn_dp), "--enable-dp-attention"] if s.legacy_dp_attention else ["--attn-dp-size", str(s.attn_dp)]
     if s.ep > 1:
         a += ["--ep-size", str(s.ep)]
     if s.gpu_ids:

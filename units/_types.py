@@ -147,6 +147,11 @@ class ServerLaunch:
     """``SGLANG_CACHE_DIR``."""
     env: Pairs = ()
     extra_args: tuple[str, ...] = ()
+    sparse_attention_prefix: Literal["--dsa", "--nsa"] = "--dsa"
+    """How the target SGLang spells the sparse-attention backend flags: ``--dsa-prefill-backend`` (0.5.15+) or
+    ``--nsa-prefill-backend`` (0.5.6 – 0.5.12)."""
+    legacy_dp_attention: bool = False
+    """Attention-DP as ``--dp-size N --enable-dp-attention`` (SGLang ≤ 0.5.20) instead of ``--attn-dp-size N``."""
 
     def __post_init__(self) -> None:
         _freeze(self)

@@ -231,6 +231,18 @@ def test_reasoning_parser_valid_in_new_version_is_invalid_for_an_old_target():
     _one(d, "parsers.reasoning_parser", "not a reasoning parser of SGLang 0.5.6")
 
 
+def test_sparse_attention_backends_are_checked_against_the_target_release():
+    d = seed_dict()
+    d["model"]["dsa_decode_backend"] = "flashmla_kvv"
+    f = _one(d, "model.dsa_decode_backend", "not a --dsa-decode-backend choice of SGLang 0.5.23", "'flashmla_kv'")
+    d["model"]["dsa_decode_backend"] = "flashmla_kv"
+    d["sglang_version"] = "0.5.6"  # triton_sparse_mla came after 0.5.6, whose flag is --nsa-prefill-backend
+    f = _one(d, "model.dsa_prefill_backend", "not a --nsa-prefill-backend choice of SGLang 0.5.6")
+    assert "flashmla_sparse" in f.fix
+    d["model"]["dsa_prefill_backend"] = "flashmla_sparse"
+    assert not [x for x in validate(parse_spec(d)) if x.field.startswith("model.dsa_")]
+
+
 def test_removed_flags_in_extra_args():
     d = seed_dict()
     d["prefill"][0]["extra_args"] = ["--disaggregation-decode-tp", "4"]

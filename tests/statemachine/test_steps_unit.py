@@ -100,6 +100,27 @@ def test_server_info_expected_as_sglang_reports_its_aliases():
             "disaggregation_transfer_backend is 'mooncake_tcp', expected 'mooncake'"]
 
 
+def test_kv_link_probe_asks_the_bootstrap_route_in_the_target_releases_query():
+    # 0.5.6's bootstrap server wants engine_rank/target_dp_group: the 0.5.23 query got 400 "Missing inputs" until
+    # kv_link_verified timed out
+    from pdctl.statemachine.steps import _facts
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(dict(request.url.params))
+        return httpx.Response(200, json={"page_size": 64})
+
+    c = httpx.Client(transport=httpx.MockTransport(handler))
+    for version, keys in (("0.5.6", {"engine_rank", "target_dp_group", "target_pp_rank"}),
+                          ("0.5.23", {"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"})):
+        d = seed_dict()
+        d["sglang_version"] = version
+        query = dict(_facts(topology_of(parse_spec(d))).bootstrap_route_query)
+        assert probes.bootstrap_route(c, "127.0.0.1", 8998, query=query) == (200, {"page_size": 64})
+        assert seen.pop() == dict.fromkeys(keys, "-1")
+
+
 PARSERS = {"reasoning_parser": "deepseek-v4", "tool_call_parser": "deepseekv4", "chat_template": None}
 
 

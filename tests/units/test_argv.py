@@ -222,6 +222,25 @@ def test_parallelism_flags_above_one_only_and_parse():
     parse_sglang(a)
 
 
+def test_an_older_target_gets_its_own_spelling(seed):
+    # SGLang 0.5.6 has no --attn-dp-size (≤ 0.5.20: --dp-size N --enable-dp-attention) and names the sparse
+    # attention backends --nsa-* (--dsa-* from 0.5.15); the 0.5.23 spelling made it exit 2 ("unrecognized arguments")
+    d = seed.model_dump(mode="json", exclude_none=True)
+    d["sglang_version"] = "0.5.6"
+    d["model"]["dsa_prefill_backend"] = "flashmla_sparse"
+    d["decode"][0]["attn_dp"] = 4
+    old = parse_spec(d)
+    pre, dec = server_argv(launch_for_role(old, "prefill")), server_argv(launch_for_role(old, "decode"))
+    assert pre[pre.index("--nsa-prefill-backend") + 1] == "flashmla_sparse"
+    assert dec[dec.index("--nsa-decode-backend") + 1] == "flashmla_kv"
+    assert dec[dec.index("--dp-size") + 1] == "4" and "--enable-dp-attention" in dec
+    assert not any(a.startswith("--dsa-") or a == "--attn-dp-size" for a in pre + dec)
+    d["sglang_version"] = "0.5.23"
+    dec = server_argv(launch_for_role(parse_spec(d), "decode"))
+    assert dec[dec.index("--attn-dp-size") + 1] == "4" and "--dp-size" not in dec and "--dsa-decode-backend" in dec
+    parse_sglang(dec)
+
+
 def test_no_gpu_ids_means_no_base_gpu_id_and_no_cuda_visible_devices():
     s = _server()
     assert "--base-gpu-id" not in server_argv(s)
