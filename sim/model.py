@@ -10,10 +10,16 @@ Markup is the model family's native format, as SGLang 0.5.23's parsers expect it
   template ends the prompt with ``<think>`` when ``chat_template_kwargs.thinking`` is true, else
   ``</think>``), reasoning ends with ``</think>``, tool calls in DSML ``<｜DSML｜function_calls>``
   markup (``sglang/srt/function_call/deepseekv32_detector.py``).
+* ``deepseek-v32-exp``: DeepSeek-V3.2-Exp, the same sparse-attention architecture, with V3.1's tool-call
+  markup (SGLang's docs/basic_usage/deepseek_v32.md: ``--tool-call-parser deepseekv31`` for V3.2-Exp).
 * ``deepseek-v4``: same thinking tokens, DSML ``<｜DSML｜tool_calls>`` markup
   (``function_call/deepseekv4_detector.py``).
+* ``deepseek-v41``: V4.1's DSML, whose tag names begin with a space (``<｜DSML｜ calls>``,
+  ``<｜DSML｜ invoke …>``, ``<｜DSML｜ parameter …>``; ``function_call/deepseekv41_detector.py``).
 * ``deepseek-v31``: ``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>{json}…`` markup
   (``function_call/deepseekv31_detector.py``).
+* ``deepseek-v3`` (V3) and ``deepseek-r1`` (R1, which always thinks): ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
+  and the arguments in a ```` ```json ```` block (``function_call/deepseekv3_detector.py``).
 
 The family follows the model (see ``model_family``); ``PDCTL_SIM_MODEL_FAMILY`` overrides it.
 """
@@ -28,11 +34,22 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("deepseek-v32", "deepseek-v4", "deepseek-v31")
+FAMILIES = ("deepseek-v32", "deepseek-v32-exp", "deepseek-v4", "deepseek-v41", "deepseek-v31", "deepseek-v3",
+            "deepseek-r1")
 DEFAULT_FAMILY = "deepseek-v32"
+#: Each family's architecture: (config.json model_type, architecture class); the DSA ones get SGLang's DSA overrides.
+ARCHITECTURE = {"deepseek-v32": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+                "deepseek-v32-exp": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+                "deepseek-v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+                "deepseek-v41": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+                "deepseek-v31": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                "deepseek-v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                "deepseek-r1": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+DSA_FAMILIES = frozenset(f for f, (mt, _) in ARCHITECTURE.items() if mt == "deepseek_v32")
+ALWAYS_THINKS = frozenset({"deepseek-r1"})
 #: What SGLang 0.5.23 resolves an unset --page-size to for the family on CUDA
 #: (model_overrides/deepseek_v2.py: DSA -> 64; deepseek_v4.py -> 256; V3/V3.1 -> 1).
-DEFAULT_PAGE_SIZE = {"deepseek-v32": 64, "deepseek-v4": 256, "deepseek-v31": 1}
+DEFAULT_PAGE_SIZE = {f: {"deepseek_v32": 64, "deepseek_v4": 256}.get(mt, 1) for f, (mt, _) in ARCHITECTURE.items()}
 VOCAB_SIZE = 129280  # DeepSeek-V3 family vocabulary size
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -50,17 +67,22 @@ _WORDS = (
 _TOKEN_RE = re.compile(r"<｜[^｜]*｜>|<｜DSML｜|</?think>|\w+|[^\w\s]|\s+")
 
 
-_MODEL_TYPES = {"deepseek_v32": "deepseek-v32", "deepseek_v4": "deepseek-v4", "deepseek_v41": "deepseek-v4",
-                "deepseek_v3": "deepseek-v31"}
+_MODEL_TYPES = {"deepseek_v32": "deepseek-v32", "deepseek_v4": "deepseek-v4", "deepseek_v3": "deepseek-v31"}
+# Checkpoint names as DeepSeek publishes them -> family; first match wins (a local config.json's model_type only
+# tells the architecture, so a name inside it still picks the markup).
+_NAMES = ((r"v4[._-]?1", "deepseek-v41"), (r"v4", "deepseek-v4"), (r"v3[._-]?2[._-]?exp", "deepseek-v32-exp"),
+          (r"v3[._-]?2", "deepseek-v32"), (r"v3[._-]?1", "deepseek-v31"), (r"r1", "deepseek-r1"),
+          (r"v3", "deepseek-v3"))
 
 
 def model_family(model_path: str | None = None) -> str:
     """The family whose markup the stand-in emits.
 
     ``PDCTL_SIM_MODEL_FAMILY`` wins; else, as SGLang reads the architecture from the checkpoint's
-    ``config.json``, a local ``MODEL_PATH/config.json`` ``model_type`` decides; else the model name
-    (``...V4...`` -> deepseek-v4, ``...V3.2...`` -> deepseek-v32, ``...V3.1``/``V3``/``R1`` ->
-    deepseek-v31); else deepseek-v32."""
+    ``config.json``, a local ``MODEL_PATH/config.json`` ``model_type`` decides the architecture (and the
+    name, within it, the markup); else the model name (``...V4.1...`` -> deepseek-v41, ``...V4...`` ->
+    deepseek-v4, ``...V3.2-Exp...`` -> deepseek-v32-exp, ``...V3.2...`` -> deepseek-v32, ``...V3.1...`` ->
+    deepseek-v31, ``...R1...`` -> deepseek-r1, ``...V3...`` -> deepseek-v3); else deepseek-v32."""
     fam = os.environ.get("PDCTL_SIM_MODEL_FAMILY", "").strip().lower()
     if fam:
         if fam not in FAMILIES:
@@ -68,23 +90,18 @@ def model_family(model_path: str | None = None) -> str:
         return fam
     if not model_path:
         return DEFAULT_FAMILY
+    name = os.path.basename(model_path.rstrip("/")).lower()
+    by_name = next((fam for pattern, fam in _NAMES if re.search(pattern, name)), None)
     cfg = os.path.join(model_path, "config.json")
     if os.path.isfile(cfg):
         try:
             with open(cfg, encoding="utf-8") as f:
                 mt = json.load(f).get("model_type")
             if mt in _MODEL_TYPES:
-                return _MODEL_TYPES[mt]
+                return by_name if by_name and ARCHITECTURE[by_name][0] == mt else _MODEL_TYPES[mt]
         except (OSError, ValueError, AttributeError):
             pass
-    name = os.path.basename(model_path.rstrip("/")).lower()
-    if re.search(r"v4", name):
-        return "deepseek-v4"
-    if re.search(r"v3[._-]?2", name):
-        return "deepseek-v32"
-    if re.search(r"v3([._-]?1)?|r1", name):
-        return "deepseek-v31"
-    return DEFAULT_FAMILY
+    return by_name or DEFAULT_FAMILY
 
 
 def tokenize(text: str) -> list[int]:
@@ -239,21 +256,26 @@ def example_for_schema(schema: Any, rng: _Rng, depth: int = 0) -> Any:
 
 def tool_call_markup(family: str, name: str, args: dict[str, Any]) -> list[str]:
     """The model-native markup for one tool call, as output pieces."""
-    if family == "deepseek-v31":
+    if family in ("deepseek-v31", "deepseek-v32-exp"):
         return ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", name, "<｜tool▁sep｜>",
                 json.dumps(args, ensure_ascii=False), "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
-    block = "function_calls" if family == "deepseek-v32" else "tool_calls"
-    pieces = [f"<｜DSML｜{block}>", "\n", f'<｜DSML｜invoke name="{name}">', "\n"]
+    if family in ("deepseek-v3", "deepseek-r1"):
+        return ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>", name, "\n```json\n",
+                json.dumps(args, ensure_ascii=False), "\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
+    block, invoke, param = {"deepseek-v32": ("function_calls", "invoke", "parameter"),
+                            "deepseek-v41": (" calls", " invoke", " parameter")}.get(
+                                family, ("tool_calls", "invoke", "parameter"))
+    pieces = [f"<｜DSML｜{block}>", "\n", f'<｜DSML｜{invoke} name="{name}">', "\n"]
     for k, v in args.items():
         if isinstance(v, str):
-            pieces.append(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>')
+            pieces.append(f'<｜DSML｜{param} name="{k}" string="true">{v}</｜DSML｜{param}>')
         else:
             pieces.append(
-                f'<｜DSML｜parameter name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}'
-                "</｜DSML｜parameter>"
+                f'<｜DSML｜{param} name="{k}" string="false">{json.dumps(v, ensure_ascii=False)}'
+                f"</｜DSML｜{param}>"
             )
         pieces.append("\n")
-    pieces += ["</｜DSML｜invoke>", "\n", f"</｜DSML｜{block}>"]
+    pieces += [f"</｜DSML｜{invoke}>", "\n", f"</｜DSML｜{block}>"]
     return pieces
 
 
@@ -262,7 +284,7 @@ def generate(digest: str, *, family: str, chat: bool, thinking: bool,
     """Everything the model emits for a prompt whose KV digest is ``digest`` (before max_tokens)."""
     rng = _Rng(digest)
     g = Generation()
-    if chat and thinking:
+    if chat and (thinking or family in ALWAYS_THINKS):
         # The template put <think> in the prompt; the model reasons, then closes the block.
         g.pieces += _sentence(rng, 8 + rng.next() % 5) + [" "] + _sentence(rng, 6)
         g.pieces.append(THINK_END)

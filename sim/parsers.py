@@ -9,14 +9,15 @@
   text up to ``</think>`` is reasoning, the rest (stripped) is content; no ``</think>`` while forced
   means all of it is reasoning (truncated).
 * ``sglang/srt/function_call/deepseekv32_detector.py`` (``<｜DSML｜function_calls>``),
-  ``deepseekv4_detector.py`` (``<｜DSML｜tool_calls>``), ``deepseekv31_detector.py``
-  (``<｜tool▁calls▁begin｜>``): ``detect_and_parse`` returns the text before the block (stripped) as
+  ``deepseekv4_detector.py`` (``<｜DSML｜tool_calls>``), ``deepseekv41_detector.py`` (``<｜DSML｜ calls>``: its
+  tag names begin with a space), ``deepseekv31_detector.py`` (``<｜tool▁calls▁begin｜>``) and
+  ``deepseekv3_detector.py`` (``function<｜tool▁sep｜>NAME`` and a ```` ```json ```` block): ``detect_and_parse`` returns the text before the block (stripped) as
   normal text and one call per invoke; parameters with ``string="true"`` stay strings, others are
   JSON-decoded; arguments are re-serialised with ``json.dumps(..., ensure_ascii=False)``.
 * ``sglang/srt/entrypoints/openai/serving_chat.py``: reasoning is split first (only with
   ``separate_reasoning``), then tool calls (only with tools given and ``tool_choice != "none"``); a
-  parsed call turns ``finish_reason`` into ``"tool_calls"``; ``content`` is ``""`` when empty and
-  ``reasoning_content`` is null when empty; tool call ids are ``call_<24 hex>``.
+  parsed call turns ``finish_reason`` into ``"tool_calls"``; ``content`` and
+  ``reasoning_content`` are null when empty (``content=text if text else None``); tool call ids are ``call_<24 hex>``.
 
 A parser name whose detector does not recognise the emitted markup leaves the raw text in ``content``,
 as SGLang does.
@@ -60,17 +61,17 @@ def split_reasoning(parser: str | None, text: str, forced: bool) -> tuple[str | 
     return reasoning, normal.strip()
 
 
-_DSML_BLOCKS = {"deepseekv32": "function_calls", "deepseekv4": "tool_calls"}
-_INVOKE_RE = re.compile(r'<｜DSML｜invoke\s+name="([^"]+)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
-_PARAM_RE = re.compile(
-    r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*?)</｜DSML｜parameter>', re.DOTALL
-)
+# parser -> its DSML tag names (block, invoke, parameter); deepseekv41's begin with a space
+_DSML_TAGS = {"deepseekv32": ("function_calls", "invoke", "parameter"),
+              "deepseekv4": ("tool_calls", "invoke", "parameter"),
+              "deepseekv41": (" calls", " invoke", " parameter")}
 _V31_BOT = "<｜tool▁calls▁begin｜>"
 _V31_CALL_RE = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
-TOOL_PARSERS = set(_DSML_BLOCKS) | {"deepseekv31"}
+_V3_CALL_RE = re.compile(r"<｜tool▁call▁begin｜>(.*)<｜tool▁sep｜>(.*)\n```json\n(.*)\n```<｜tool▁call▁end｜>", re.DOTALL)
+TOOL_PARSERS = set(_DSML_TAGS) | {"deepseekv31", "deepseekv3"}
 
 
-def _dsml_params(content: str) -> dict[str, Any]:
+def _dsml_params(content: str, param: str) -> dict[str, Any]:
     stripped = content.strip()
     if stripped.startswith("{") and stripped.endswith("}"):
         try:
@@ -80,7 +81,9 @@ def _dsml_params(content: str) -> dict[str, Any]:
         except ValueError:
             pass
     params: dict[str, Any] = {}
-    for name, is_str, value in _PARAM_RE.findall(content):
+    tag = re.escape(param)
+    for name, is_str, value in re.findall(
+            rf'<｜DSML｜{tag}\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*?)</｜DSML｜{tag}>', content, re.DOTALL):
         if is_str == "true":
             params[name] = value.strip()
         else:
@@ -98,8 +101,9 @@ def parse_tool_calls(parser: str | None, text: str,
         return text, []
     names = {t.get("function", t).get("name") for t in tools}
     calls: list[tuple[str, str]] = []
-    if parser in _DSML_BLOCKS:
-        bot = f"<｜DSML｜{_DSML_BLOCKS[parser]}>"
+    if parser in _DSML_TAGS:
+        block, invoke, param = _DSML_TAGS[parser]
+        bot = f"<｜DSML｜{block}>"
         idx = text.find(bot)
         if idx == -1:
             return text, []
@@ -107,9 +111,26 @@ def parse_tool_calls(parser: str | None, text: str,
         if not m:
             return text, []
         normal = text[:idx].strip()
-        for name, content in _INVOKE_RE.findall(m.group(1)):
+        tag = re.escape(invoke)
+        for name, content in re.findall(rf'<｜DSML｜{tag}\s+name="([^"]+)"\s*>(.*?)</｜DSML｜{tag}>', m.group(1),
+                                        re.DOTALL):
             if name in names:
-                calls.append((name, json.dumps(_dsml_params(content), ensure_ascii=False)))
+                calls.append((name, json.dumps(_dsml_params(content, param), ensure_ascii=False)))
+    elif parser == "deepseekv3":
+        # deepseekv3_detector.detect_and_parse: each <｜tool▁call▁begin｜>…<｜tool▁call▁end｜>, the name after
+        # <｜tool▁sep｜>, the arguments in the ```json block; one that does not parse returns the whole text
+        idx = text.find(_V31_BOT)
+        if idx == -1:
+            return text, []
+        normal = text[:idx].strip()
+        for block in re.findall(r"<｜tool▁call▁begin｜>.*?<｜tool▁call▁end｜>", text, re.DOTALL):
+            m3 = _V3_CALL_RE.search(block)
+            try:
+                name, args = m3.group(2), json.loads(m3.group(3))  # type: ignore[union-attr]
+            except (AttributeError, ValueError):
+                return text, []
+            if name in names:
+                calls.append((name, json.dumps(args, ensure_ascii=False)))
     elif parser == "deepseekv31":
         idx = text.find(_V31_BOT)
         if idx == -1:

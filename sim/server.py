@@ -160,7 +160,7 @@ class Sim:
             os.environ.setdefault("MC_FORCE_TCP", "1")
             self._startup_info.append("disaggregation transfer backend 'mooncake_tcp' -> mooncake with "
                                       "MC_FORCE_TCP=1 (TCP transport, no RDMA)")
-        if self.family == "deepseek-v32":
+        if self.family in mdl.DSA_FAMILIES:
             # overrides._dsa_kv_cache_dtype_default (an H200-class SM90 device: auto -> bfloat16)
             kv = a["kv_cache_dtype"]
             if kv == "auto":
@@ -250,9 +250,7 @@ class Sim:
         }
 
     def model_info(self) -> dict[str, Any]:
-        arch = {"deepseek-v32": ("deepseek_v32", "DeepseekV32ForCausalLM"),
-                "deepseek-v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
-                "deepseek-v31": ("deepseek_v3", "DeepseekV3ForCausalLM")}[self.family]
+        arch = mdl.ARCHITECTURE[self.family]
         a = self.resolved
         return {
             "model_path": a["model_path"],
@@ -742,7 +740,7 @@ class Sim:
         self.run("generate", warm)
         self.startup_time = time.time()
         self.status = "Up"
-        log.info(f"End of prefill warmup with status 200, resp: [{{}}]" if self.mode == "prefill"
+        log.info("End of prefill warmup with status 200, resp: [{}]" if self.mode == "prefill"
                  else "End of warmup with status 200")
         log.info("The server is fired up and ready to roll!")
         log.debug(f"startup took {time.monotonic() - t_start:.2f}s")
@@ -1193,7 +1191,8 @@ class ApiHandler(_Base):
             return self._end_stream()
         parsed = self._parse_chat(body, result)
         if not stream:
-            message = {"role": "assistant", "content": parsed["content"] or "",
+            # serving_chat: ChatMessage(content=text if text else None, ...)
+            message = {"role": "assistant", "content": parsed["content"] or None,
                        "reasoning_content": parsed["reasoning"] or None,
                        "tool_calls": parsed["tool_calls"] or None}
             return self._json(200, {

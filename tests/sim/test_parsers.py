@@ -52,15 +52,32 @@ def test_example_for_schema_satisfies_schema():
     assert len(v["xs"]) == 2 and all(isinstance(x, float) for x in v["xs"]) and v["o"] is None
 
 
-@pytest.mark.parametrize("family,parser", [("deepseek-v32", "deepseekv32"), ("deepseek-v4", "deepseekv4"),
-                                           ("deepseek-v31", "deepseekv31")])
+@pytest.mark.parametrize("family,parser", [
+    ("deepseek-v32", "deepseekv32"), ("deepseek-v32-exp", "deepseekv31"), ("deepseek-v4", "deepseekv4"),
+    ("deepseek-v41", "deepseekv41"), ("deepseek-v31", "deepseekv31"), ("deepseek-v3", "deepseekv3"),
+])
 def test_markup_round_trips_through_its_parser(family, parser):
     g = mdl.generate("ab" * 32, family=family, chat=True, thinking=False, tools=[WEATHER])
     normal, calls = parsers.parse_tool_calls(parser, g.text, [WEATHER])
     assert normal == "" and len(calls) == 1 and calls[0][0] == "get_weather"
     check_schema(json.loads(calls[0][1]))
-    for other in {"deepseekv32", "deepseekv4", "deepseekv31"} - {parser}:
+    for other in parsers.TOOL_PARSERS - {parser}:
         assert parsers.parse_tool_calls(other, g.text, [WEATHER]) == (g.text, [])
+
+
+def test_v41_and_v3_markup_are_sglangs_formats():
+    # deepseekv41_detector: the DSML tag names begin with a space; deepseekv3_detector: function<｜tool▁sep｜>NAME,
+    # then the arguments in a ```json block
+    v41 = mdl.generate("ef" * 32, family="deepseek-v41", chat=True, thinking=False, tools=[WEATHER]).text
+    assert v41.startswith('<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="')
+    assert v41.endswith("</｜DSML｜ invoke>\n</｜DSML｜ calls>")
+    v3 = mdl.generate("ef" * 32, family="deepseek-v3", chat=True, thinking=False, tools=[WEATHER]).text
+    assert v3.startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{")
+    assert v3.endswith("}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    # R1 reasons whatever the request says (its template opens <think>): deepseek-r1 takes it apart
+    r1 = mdl.generate("ef" * 32, family="deepseek-r1", chat=True, thinking=False, tools=[WEATHER]).text
+    reasoning, rest = parsers.split_reasoning("deepseek-r1", r1, parsers.reasoning_forced("deepseek-r1", None))
+    assert reasoning and parsers.parse_tool_calls("deepseekv3", rest, [WEATHER])[1][0][0] == "get_weather"
 
 
 def test_dsml_markup_is_sglang_v32_format():
@@ -91,7 +108,7 @@ def test_chat_with_parsers_gives_reasoning_and_tool_calls(with_parsers):
     msg = choice["message"]
     assert choice["finish_reason"] == "tool_calls"
     assert msg["reasoning_content"] and "</think>" not in msg["reasoning_content"]
-    assert msg["content"] == ""
+    assert msg["content"] is None  # serving_chat: ChatMessage(content=text if text else None)
     (tc,) = msg["tool_calls"]
     assert tc["type"] == "function" and tc["function"]["name"] == "get_weather"
     assert tc["id"].startswith("call_") and len(tc["id"]) == 29
@@ -169,9 +186,10 @@ def test_bad_family_env_refuses_to_start():
 
 
 @pytest.mark.parametrize("path,family", [
-    ("deepseek-ai/DeepSeek-V3.2", "deepseek-v32"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v32"),
-    ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v4"), ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek-v31"),
-    ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v31"), ("/models/some-model", "deepseek-v32"),
+    ("deepseek-ai/DeepSeek-V3.2", "deepseek-v32"), ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-v32-exp"),
+    ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-v4"), ("deepseek-ai/DeepSeek-V4.1-Flash", "deepseek-v41"),
+    ("deepseek-ai/DeepSeek-V3.1-Terminus", "deepseek-v31"), ("deepseek-ai/DeepSeek-R1-0528", "deepseek-r1"),
+    ("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3"), ("/models/some-model", "deepseek-v32"),
 ])
 def test_family_follows_the_model(path, family, monkeypatch):
     monkeypatch.delenv("PDCTL_SIM_MODEL_FAMILY", raising=False)
@@ -184,6 +202,21 @@ def test_family_from_local_config_json(tmp_path, monkeypatch):
     monkeypatch.delenv("PDCTL_SIM_MODEL_FAMILY", raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
     assert mdl.model_family(str(tmp_path)) == "deepseek-v4"
+    # the architecture comes from config.json; within it, the checkpoint's name picks the markup
+    r1 = tmp_path / "DeepSeek-R1-0528"
+    r1.mkdir()
+    (r1 / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    assert mdl.model_family(str(r1)) == "deepseek-r1"
+    (r1 / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))  # a name of another architecture
+    assert mdl.model_family(str(r1)) == "deepseek-v4"
+
+
+def test_v32_exp_is_a_dsa_model_with_v31_tool_calls():
+    from pdctl.sim.server import Sim
+
+    sim = Sim(["--model-path", "deepseek-ai/DeepSeek-V3.2-Exp"])
+    assert sim.page_size == 64 and sim.resolved["kv_cache_dtype"] == "bfloat16"  # the DSA overrides
+    assert sim.model_info()["architectures"] == ["DeepseekV32ForCausalLM"]
 
 
 def test_v4_model_path_with_v4_parsers_parses():
