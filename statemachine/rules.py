@@ -565,13 +565,22 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 flag = f"{facts.sparse_attention_prefix}-{fld.split('_')[1]}-backend"
                 err(fld, f"{value!r} is not a {flag} choice of SGLang {facts.version}",
                     _closest(f"{flag} choice", value, known))
-        if base.reasoning_parser is not None and base.reasoning_parser not in facts.reasoning_parsers:
+        for fld in ("reasoning_parser", "tool_call_parser"):
+            if getattr(base, fld) == "auto":  # one of SGLang's choices, which picks the parser at start-up
+                fit = _deepseek_family(dep.model.path, _DEEPSEEK_TOOL_PARSERS if fld == "tool_call_parser"
+                                       else _DEEPSEEK_REASONING_PARSERS)
+                err(f"parsers.{fld}",
+                    '"auto" leaves the choice to SGLang at start-up: pdctl needs the parser named, to check that '
+                    "it fits the checkpoint and that prefill, decode and /server_info agree on it",
+                    f'write {fld} = "{fit[1][0]}" ({fit[0]})' if fit else f"write the {fld.replace('_', '-')} "
+                    "your checkpoint's markup needs")
+        if base.reasoning_parser not in (None, "auto") and base.reasoning_parser not in facts.reasoning_parsers:
             err(
                 "parsers.reasoning_parser",
                 f"{base.reasoning_parser!r} is not a reasoning parser of SGLang {facts.version}",
                 _closest("reasoning parser", base.reasoning_parser, facts.reasoning_parsers),
             )
-        if base.tool_call_parser is not None and base.tool_call_parser not in facts.tool_call_parsers:
+        if base.tool_call_parser not in (None, "auto") and base.tool_call_parser not in facts.tool_call_parsers:
             err(
                 "parsers.tool_call_parser",
                 f"{base.tool_call_parser!r} is not a tool-call parser of SGLang {facts.version}",
@@ -618,6 +627,15 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{f}.extra_args",
                     f"{flag} is set by pdctl from {_OWNED_SERVER_FLAGS[flag]}",
                     f"remove {flag} from extra_args and set {_OWNED_SERVER_FLAGS[flag]} instead",
+                )
+                continue
+            if flag == "--api-key":
+                err(
+                    f"{f}.extra_args",
+                    "--api-key makes the server answer 401 to the requests pdctl's steps prove it with (/server_info, "
+                    "/generate, the chat check), which carry no key: prefill_up would fail after the servers "
+                    "restarted; and extra_args are written into the unit in plain text",
+                    "remove --api-key; keep the servers on a private address and expose only the router",
                 )
                 continue
             if facts is not None and facts.flags is not None and flag not in facts.flags:

@@ -243,6 +243,22 @@ def test_sparse_attention_backends_are_checked_against_the_target_release():
     assert not [x for x in validate(parse_spec(d)) if x.field.startswith("model.dsa_")]
 
 
+def test_auto_parsers_are_asked_to_be_named():
+    d = seed_dict()  # DeepSeek-V4: the fix names its parsers
+    d["parsers"]["reasoning_parser"] = "auto"
+    d["parsers"]["tool_call_parser"] = "auto"
+    f = _one(d, "parsers.tool_call_parser", '"auto" leaves the choice to SGLang', 'tool_call_parser = "deepseekv4"')
+    assert "not a tool-call parser" not in f.message
+    _one(d, "parsers.reasoning_parser", '"auto" leaves the choice', 'reasoning_parser = "deepseek-v4"')
+
+
+def test_an_api_key_in_extra_args_is_refused():
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--api-key", "sk-1"]
+    f = _one(d, "decode[0].extra_args", "--api-key", "401")
+    assert "private address" in f.fix
+
+
 def test_removed_flags_in_extra_args():
     d = seed_dict()
     d["prefill"][0]["extra_args"] = ["--disaggregation-decode-tp", "4"]
