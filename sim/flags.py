@@ -209,6 +209,9 @@ def resolve(args: argparse.Namespace, argv: list[str], default_page_size: int = 
         d["page_size"] = default_page_size
     if d.get("context_length") is None:
         d["context_length"] = 163840
+    deprecated = {"qwen25": "qwen", "glm45": "glm"}  # _handle_deprecated_args (with a warning)
+    if d.get("tool_call_parser") in deprecated:
+        d["tool_call_parser"] = deprecated[d["tool_call_parser"]]
     if d.get("disaggregation_transfer_backend") == "mooncake_tcp":
         # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation (0.5.15+): "mooncake_tcp" is mooncake with
         # MC_FORCE_TCP=1; server_args says "mooncake" from then on, and the ib devices are dropped

@@ -155,6 +155,9 @@ class Sim:
         a = self.resolved
         self._startup_warnings: list[str] = []
         self._startup_info: list[str] = []
+        if self.args.tool_call_parser != a.get("tool_call_parser"):  # server_args._handle_deprecated_args
+            self._startup_warnings.append(f"The tool_call_parser '{self.args.tool_call_parser}' is deprecated. "
+                                          f"Please use '{a['tool_call_parser']}' instead.")
         if self.args.disaggregation_transfer_backend == "mooncake_tcp":
             # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation: mooncake with the TCP transport forced
             os.environ.setdefault("MC_FORCE_TCP", "1")

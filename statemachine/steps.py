@@ -501,9 +501,11 @@ def expected_server_info(role: RoleTopology, topo: Topology) -> dict[str, Any]:
     return exp
 
 
-_SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}}
+_SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}, "tool_call_parser": {"qwen25": "qwen", "glm45": "glm"}}
 """Aliases SGLang may report either way: the DeepSeek DSA override normalises ``bf16`` to ``bfloat16``
-(0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``); other models keep what was passed."""
+(0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``; other models keep what was passed), and
+``_handle_deprecated_args`` rewrites the deprecated tool-call parsers ``qwen25`` and ``glm45`` (0.5.23; 0.5.6 kept
+them)."""
 
 
 def _facts(topo: Topology) -> SglangFacts:

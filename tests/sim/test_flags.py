@@ -124,6 +124,12 @@ def test_dsa_kv_cache_dtype_resolution():
     assert "DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3 kv_cache_dtype" in proc.stderr
 
 
+def test_deprecated_tool_call_parsers_are_served_under_their_new_names():
+    for old, new in (("qwen25", "qwen"), ("glm45", "glm"), ("deepseekv32", "deepseekv32")):
+        argv = ["--model-path", "m", "--tool-call-parser", old]
+        assert flags.resolve(flags.parse(argv)[0], argv)["tool_call_parser"] == new
+
+
 def test_mooncake_tcp_is_served_as_mooncake():
     # arg_groups/pd_disaggregation_hook.handle_pd_disaggregation: MC_FORCE_TCP=1, backend "mooncake", no ib devices
     argv = ["--model-path", "m", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
