@@ -37,6 +37,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from pdctl.statemachine.errors import PdctlError
 from pdctl.statemachine.hosts import Host as HostType
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole, secret_value
@@ -109,7 +110,11 @@ def router_executable(dep: Deployment) -> str:
         return python_for(dep)
     exe = dep.router.executable if dep.router else None
     if exe:
-        return exe if exe.startswith("/") else (shutil.which(exe) or exe)
+        found = exe if exe.startswith("/") else shutil.which(exe)
+        if found is None:
+            raise PdctlError(f"router.executable: {exe!r} is not on PATH where pdctl runs ({os.environ.get('PATH', '')})",
+                             hint="write its absolute path on the host, e.g. the venv's bin/smg")
+        return found
     beside = Path(sys.executable).parent / "smg"
     if beside.exists():
         return str(beside)

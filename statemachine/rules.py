@@ -651,6 +651,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if key in _OWNED_ENV:
             err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
 
+    # --- executables: the units' first argument is an absolute path ---------------------------------------
+    if dep.engine.python is not None and not dep.engine.python.startswith("/"):
+        err("engine.python", f"{dep.engine.python!r} is not an absolute path: the units start it as their first "
+            "argument, on the host, from no particular directory",
+            "write the interpreter's absolute path on the host (`command -v python3` there, or the venv's bin/python)")
+    exe = dep.router.executable if dep.router is not None else None
+    if exe is not None and "/" in exe and not exe.startswith("/"):
+        err("router.executable", f"{exe!r} is a relative path: the router's unit starts it from no particular "
+            "directory", "write its absolute path, or a bare name that is on PATH where pdctl runs (`smg`)")
+
     # --- memory -------------------------------------------------------------------------------
     for _name, _kind, role in roles:
         if role.mem_fraction is not None and role.mem_fraction >= _MEM_FRACTION_WARN:

@@ -632,6 +632,13 @@ class ServersUp(Step):
             if st.state == "failed":
                 msg = startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15))
                 raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))
+            if not st.supervised:  # its supervisor died: the unit would read "activating" until the bound ran out
+                raise ApplyFailed(
+                    f"{role.name}: the supervisor of {unit} is gone while it started (server PID {st.main_pid} runs "
+                    "unwatched)",
+                    step=self.name,
+                    hint="check the state directory's disk is not full and read the unit's supervise.log; "
+                         "apply again restarts the role under a new supervisor")
             if not st.is_active:  # the manager's readiness gate has not passed yet
                 return None
             return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None

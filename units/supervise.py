@@ -53,14 +53,21 @@ class Watchdog:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def say(self, msg: str) -> None:
-        self.log.write(f"{SUPERVISOR_TAG}[{os.getpid()}]: {msg}\n".encode())
+        try:
+            self.log.write(f"{SUPERVISOR_TAG}[{os.getpid()}]: {msg}\n".encode())
+        except OSError:  # a full disk loses the line, never the watchdog (its role would run unsupervised)
+            pass
 
     def status(self, state: str, sub: str) -> None:
         body = {"state": state, "sub": sub, "restarts": self.restarts, "updated": time.time(),
                 "watchdog_pid": os.getpid(), "main_pid": self.proc.pid if self.proc else None}
         tmp = self.dir / f".status.json.{os.getpid()}"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.dir / "status.json")
+        try:
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, self.dir / "status.json")
+        except OSError as exc:  # a full disk: the last status stays; the watchdog keeps watching and retries
+            self.say(f"cannot write status.json: {exc}")
+            tmp.unlink(missing_ok=True)
 
     def on_term(self, *_: object) -> None:
         self.stopping = True

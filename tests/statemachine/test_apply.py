@@ -1108,6 +1108,37 @@ def _kill_watchdog(demo, unit: str) -> int:
     return wd
 
 
+def test_an_apply_whose_role_loses_its_supervisor_while_starting_fails_at_once(make_demo):
+    # The unit stayed "activating" with nothing left to mark it active, and the apply waited out role_start (30 min
+    # by default) in silence; a full disk had killed the supervisor that way
+    def slow(d):
+        d["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "30"
+
+    demo = make_demo(slow)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    unit = f"pdctl-{demo.name}-prefill.service"
+    try:
+        pid_file = demo.state / "supervisor" / "services" / unit / "watchdog.pid"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None and not pid_file.exists():
+            time.sleep(0.1)
+        time.sleep(1)
+        t0 = time.monotonic()
+        _kill_watchdog(demo, unit)
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == ExitCode.STEP_FAILED, err
+    assert f"the supervisor of {unit} is gone while it started" in err and "disk is not full" in err, err
+    assert took < 30, took  # long before the server's 30 s load, let alone role_start
+    demo.cli("down", str(demo.spec), "--yes")
+
+
 def test_plan_notes_a_running_server_failing_its_probe_without_calling_it_changes(demo):
     # A busy SGLang server can fail /health (a one-token generation) for a while: plan says so on stderr, but its exit
     # (what a script gates apply on) stays 0, or apply would restart a busy, healthy server

@@ -259,6 +259,33 @@ def test_an_api_key_in_extra_args_is_refused():
     assert "private address" in f.fix
 
 
+def test_executables_must_be_absolute_paths():
+    # A relative or bare engine.python passed validate and plan, then apply and units crashed with a traceback
+    # ("argv[0] must be an absolute path")
+    d = seed_dict()
+    d["engine"]["python"] = "../venv/bin/python"
+    _one(d, "engine.python", "not an absolute path", "absolute path on the host")
+    d["engine"]["python"] = "python3"
+    _one(d, "engine.python", "not an absolute path")
+    d["engine"]["python"] = "/opt/sglang/.venv/bin/python"
+    d["router"]["executable"] = "../venv/bin/smg"
+    _one(d, "router.executable", "relative path")
+    d["router"]["executable"] = "smg"  # a bare name: looked up on PATH where pdctl runs
+    assert not [f for f in validate(parse_spec(d)) if f.field in ("engine.python", "router.executable")]
+
+
+def test_a_bare_router_executable_not_on_path_is_a_clear_error(monkeypatch):
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.launch import router_executable
+
+    d = seed_dict()
+    d["router"]["executable"] = "smg-nowhere"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(PdctlError) as e:
+        router_executable(parse_spec(d))
+    assert "router.executable: 'smg-nowhere' is not on PATH" in str(e.value) and "absolute path" in str(e.value)
+
+
 def test_removed_flags_in_extra_args():
     d = seed_dict()
     d["prefill"][0]["extra_args"] = ["--disaggregation-decode-tp", "4"]
