@@ -26,7 +26,7 @@ from pdctl.units.errors import UnitsError
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
     "plan (apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
-    "143 an apply or down stopped by SIGTERM."
+    "129 / 143 an apply or down stopped by SIGHUP / SIGTERM."
 )
 
 app = typer.Typer(
@@ -302,8 +302,9 @@ _interrupted_step: str | None = None
 _interrupted_hint: str | None = None  # a command's own words for an interruption (down's), instead of _INTERRUPTED
 """The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
-_terminated = False
-"""Set when SIGTERM stopped the command (``_signals_as_interrupt``): main() then exits 143, not 130."""
+_terminated: int | None = None
+"""The signal that stopped the command, SIGTERM or SIGHUP (``_signals_as_interrupt``): main() then exits 143 or 129,
+not 130."""
 
 
 def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
@@ -320,17 +321,21 @@ def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
 
 @contextlib.contextmanager
 def _signals_as_interrupt() -> Iterator[None]:
-    # SIGTERM (`timeout`, CI runners, process managers) stops a headless apply or down the way Ctrl-C does: the
-    # engine journals where it stopped (and ends a --json stream with apply_interrupted) instead of dying mid-write.
-    # Once either signal has come, repeats are ignored while that is reported; the previous handlers come back after.
+    # SIGTERM (`timeout`, CI runners, process managers) and SIGHUP (the SSH session of a remote admin dropped) stop a
+    # headless apply or down the way Ctrl-C does: the engine journals where it stopped (and ends a --json stream with
+    # apply_interrupted) instead of dying mid-write. Once a signal has come, repeats are ignored while that is
+    # reported; the previous handlers come back after.
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
     def on_signal(signum, frame) -> None:  # noqa: ANN001
         global _terminated
-        _terminated = _terminated or signum == signal.SIGTERM
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if _terminated is None and signum != signal.SIGINT:
+            _terminated = signum
+        for s in stops:
+            signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in stops}
     try:
         yield
     finally:
@@ -351,7 +356,7 @@ def apply_cmd(
 
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this exact plan. A saved plan applies only while the deployment still matches its "from" side.
 
-    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143: interrupted (Ctrl-C / SIGTERM), what runs stays as it is.
+    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import apply, load, load_saved_plan
@@ -702,8 +707,10 @@ def main(argv: list[str] | None = None) -> None:
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
         during = f" during {_interrupted_step}" if _interrupted_step else ""
         said = _interrupted_hint or _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1)
-        _err(("terminated (SIGTERM); " if _terminated else "") + said)
-        rc = ExitCode.TERMINATED if _terminated else rc
+        by = {signal.SIGTERM: ("terminated (SIGTERM); ", ExitCode.TERMINATED),
+              signal.SIGHUP: ("hung up (SIGHUP); ", ExitCode.HANGUP)}.get(_terminated, ("", rc))  # type: ignore[arg-type]
+        _err(by[0] + said)
+        rc = by[1]
     try:
         sys.stdout.flush()
     except OSError as e:

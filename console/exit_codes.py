@@ -13,6 +13,7 @@ code  name            meaning
                       first step (the step is named on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
+129   HANGUP          ``apply``, ``down``, the console: SIGHUP (the terminal or SSH session went away), handled like Ctrl-C
 130   INTERRUPTED     Ctrl-C
 143   TERMINATED      ``apply``, ``down``: SIGTERM (``timeout``, a CI runner, a process manager), handled like Ctrl-C
 ====  ==============  ==========================================================================
@@ -36,6 +37,7 @@ class ExitCode(IntEnum):
     STEP_FAILED = 3
     LOCKED = 4
     USAGE = 64
+    HANGUP = 129
     INTERRUPTED = 130
     TERMINATED = 143
 

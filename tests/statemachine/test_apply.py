@@ -889,10 +889,11 @@ def test_status_tells_an_apply_that_runs_from_one_that_was_interrupted(demo):
     assert demo.status()["healthy"]
 
 
-@pytest.mark.parametrize("sig,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
-    # Ctrl-C (SIGINT) or SIGTERM (`timeout`, CI runners) during a --json apply: the stream's last line says where it
-    # stopped (it ended on a step event; SIGTERM killed the process outright).
+    # Ctrl-C (SIGINT), SIGTERM (`timeout`, CI runners) or SIGHUP (a remote admin's SSH session dropped) during a --json
+    # apply: the stream's last line says where it stopped (it ended on a step event; SIGTERM and SIGHUP killed the
+    # process outright, leaving the step "running").
     env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
     p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
@@ -916,7 +917,8 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     audit = demo.load().journal.audit_records()[-1]
     assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
     assert demo.status()["steps"]["prefill_up"]["status"] == "interrupted"  # not left "running"
-    said = ("" if sig == signal.SIGINT else "terminated (SIGTERM); ") + "interrupted during prefill_up:"
+    said = {signal.SIGINT: "", signal.SIGTERM: "terminated (SIGTERM); ", signal.SIGHUP: "hung up (SIGHUP); "}[sig] + \
+        "interrupted during prefill_up:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
 
 
