@@ -225,18 +225,26 @@ def kernels_env(dep: Deployment, kind: str) -> dict[str, str]:
 
 def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> dict[str, str]:
     """``[secrets]`` with ``env:NAME`` values read from pdctl's environment. Raises :class:`PdctlError` naming each
-    ``secrets.KEY`` whose variable is unset (it went out as an empty value: a model download failing much later)."""
+    ``secrets.KEY`` whose variable is unset or whose value is empty (it went out as an empty value: a model download
+    failing much later; a CI system expands a missing secret to an empty string)."""
     from pdctl.statemachine.errors import PdctlError
 
     environ = os.environ if environ is None else environ
     out = {}
     unset = []
+    empty = []
     for k, v in dep.secrets.items():
         value = secret_value(v, environ)
         if value is None:
             unset.append(f"secrets.{k} = {v!r}")
+        elif not value:
+            empty.append(f"secrets.{k} = {v!r}")
         else:
             out[k] = value
+    if empty:
+        raise PdctlError(f"{'; '.join(empty)}: the value is empty; nothing was changed",
+                         hint="give the secret its value (a CI system's missing secret arrives as an empty string), "
+                              "or remove the key from [secrets]")
     if unset:
         names = " ".join(sorted({x.split("'env:", 1)[1].rstrip("'") for x in unset}))
         raise PdctlError(f"{'; '.join(unset)}: not set in pdctl's environment; nothing was changed",

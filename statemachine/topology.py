@@ -7,11 +7,12 @@ model so it round-trips through JSON unchanged (``Topology.model_validate_json``
 Every attribute belongs to one change class (see :mod:`pdctl.statemachine.plan`): the shape
 (roles, hosts, GPU sets, parallel sizes, NUMA nodes, the transfer backend, the router's exposure)
 is *topology*; what a role runs with (model, parsers, ports, env, flags) is *disruptive*; console
-settings are *in place*. Secrets appear only as a fingerprint (``sha256:…``), never in clear.
+settings are *in place*. Secrets appear only as a fingerprint (``scrypt:…``, :func:`_fingerprint`), never in clear.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import os
@@ -175,8 +176,13 @@ def _where(host: str, port: int) -> str:
     return f"{url_host(host)}:{port}" + (" (every interface)" if is_wildcard(host) else "")
 
 
-def _fingerprint(value: str) -> str:
-    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+@functools.lru_cache(maxsize=256)
+def _fingerprint(value: str, salt: str) -> str:
+    """What plans, journals and ``plan -o`` files hold of a secret: enough to see it rotate, not to recover it. scrypt
+    (RFC 7914; N = 2^14, r = 8: ~16 MiB and tens of ms a guess) salted with the deployment and the key, so a short
+    token cannot be looked up or brute-forced at hash speed the way its SHA-256 prefix could."""
+    digest = hashlib.scrypt(value.encode(), salt=f"pdctl secret {salt}".encode(), n=2**14, r=8, p=1, dklen=16)
+    return "scrypt:" + digest.hex()
 
 
 def numa_binding(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
@@ -284,7 +290,7 @@ def topology_of(dep: Deployment) -> Topology:
         "kernels": dep.kernels.model_dump(),
         # the value the units get (an env:NAME read where pdctl runs): a rotated secret restarts the roles
         # (unset: the reference itself, which apply then refuses by name)
-        "secrets": {k: _fingerprint(v if (got := secret_value(v, os.environ)) is None else got)
+        "secrets": {k: _fingerprint(v if (got := secret_value(v, os.environ)) is None else got, f"{dep.name}/{k}")
                     for k, v in sorted(dep.secrets.items())},
         # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
         "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},

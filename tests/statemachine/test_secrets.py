@@ -58,8 +58,33 @@ def test_a_secret_whose_variable_is_unset_is_refused_by_name(monkeypatch):
     with pytest.raises(PdctlError, match=r"secrets.HF_TOKEN = 'env:PDCTL_TEST_UNSET': not set in pdctl's environment") as e:
         services_for(parse_spec(d))
     assert "export PDCTL_TEST_UNSET" in e.value.hint
-    monkeypatch.setenv("PDCTL_TEST_UNSET", "")  # set, even empty: taken as given
-    assert all(dict(s.secrets) == {"HF_TOKEN": ""} for s in services_for(parse_spec(d)))
+    monkeypatch.setenv("PDCTL_TEST_UNSET", "")  # what a CI system makes of a missing secret: refused as well
+    with pytest.raises(PdctlError, match=r"secrets.HF_TOKEN = 'env:PDCTL_TEST_UNSET': the value is empty"):
+        services_for(parse_spec(d))
+    d["secrets"] = {"HF_TOKEN": ""}
+    with pytest.raises(PdctlError, match=r"secrets.HF_TOKEN = '': the value is empty"):
+        services_for(parse_spec(d))
+    monkeypatch.setenv("PDCTL_TEST_UNSET", "hf_x")
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_UNSET"}
+    assert all(dict(s.secrets) == {"HF_TOKEN": "hf_x"} for s in services_for(parse_spec(d)))
+
+
+def test_a_secrets_fingerprint_is_salted_and_slow_not_its_sha256():
+    # "sha256:" + the first 16 hex of SHA-256 let anyone reading a plan, a plan -o file or the journal look up or
+    # brute-force a short token at hash speed
+    import hashlib
+
+    from pdctl.statemachine.topology import topology_of
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "hunter2", "OTHER_TOKEN": "hunter2"}
+    fp = topology_of(parse_spec(d)).deployment["secrets"]
+    plain = hashlib.sha256(b"hunter2").hexdigest()
+    assert all(plain[:16] not in v and v.startswith("scrypt:") for v in fp.values()), fp
+    assert fp["HF_TOKEN"] != fp["OTHER_TOKEN"]  # salted per key (and per deployment)
+    assert fp == topology_of(parse_spec(d)).deployment["secrets"]  # stable: a rotation is still seen as one
+    d["secrets"]["HF_TOKEN"] = "hunter3"
+    assert topology_of(parse_spec(d)).deployment["secrets"]["HF_TOKEN"] != fp["HF_TOKEN"]
 
 
 def test_a_rotated_secret_is_a_change_that_restarts_the_roles(monkeypatch):
