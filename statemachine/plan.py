@@ -350,7 +350,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
                     summary=f"{nr.impl} on {nr.exposure}",
                 )
             )
-    # A router whose workers restart keeps its config; nothing more to do.
+    # A router whose workers restart keeps its config (under systemd it restarts with them: see below).
 
     # Where clients connect, when that moves other than by a router's own host or port (said above): PD collapsed
     # into a server on *:30001 says which server now listens where.
@@ -376,6 +376,15 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
             changes.append(
                 ResourceChange(address="console", action="update", cls="in_place", changes=tuple(ip), reason="no host is touched", summary="console settings")
             )
+
+    # Under systemd the router's unit Requires= the servers: stopping one to restart it stops the router as well
+    # (units/_systemd.py), so a change that restarts a server restarts the router too, and says so. The process
+    # supervisor has no such link: its router sees the worker come back.
+    if (desired.deployment.get("service_manager", "").startswith("systemd") and desired.router is not None
+            and deployed is not None and deployed.router is not None):
+        servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode")}
+        changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
+                   if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 
     return Plan(
         plan_id=plan_id_of(deployed, desired),

@@ -864,11 +864,33 @@ class RouterExposed(Step):
         except (VerifyFailed, ProbeError):
             return None
 
+    def _bound(self, ctx: Context) -> float:
+        interval = ctx.topology.router.settings.get("health_check_interval_s", 10) if ctx.topology.router else 10
+        return max(ctx.timeouts.router, 6 * float(interval))
+
     def apply(self, ctx: Context) -> None:
         unit = ctx.unit_of["router"]
         r = ctx.topology.router
         assert r is not None
         st = ctx.manager.status(unit)
+        if st.is_active and st.supervised and "router" not in ctx.restart and not ctx.definition_changed(unit):
+            # The same router, running: what it lacks is workers this apply restarted, which its health checks bring
+            # back (the plan said it would not restart). Wait for that, within verify's bound, before restarting it.
+            def sees_them() -> bool | None:
+                try:
+                    self._check(ctx)
+                    return True
+                except (VerifyFailed, ProbeError):
+                    return None
+
+            try:
+                _wait("router seeing its workers healthy again", self._bound(ctx), sees_them, poll=0.5,
+                      step=self.name, checkpoint=ctx.checkpoint)
+                ctx.say(f"{unit} unchanged: it sees its restarted workers healthy again, not restarted",
+                        step=self.name, unit=unit)
+                return
+            except StepTimeout:
+                pass  # restarted below, as any router that does not serve as proven
         wanted = _router_ports(r)
         _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)
         ctx.forget(unit)
@@ -905,8 +927,7 @@ class RouterExposed(Step):
         )
 
     def verify(self, ctx: Context) -> Proof:
-        interval = ctx.topology.router.settings.get("health_check_interval_s", 10) if ctx.topology.router else 10
-        bound = max(ctx.timeouts.router, 6 * float(interval))
+        bound = self._bound(ctx)
         last: list[str] = []
 
         def attempt() -> Proof | None:

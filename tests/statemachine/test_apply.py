@@ -701,6 +701,30 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
     assert demo.status()["healthy"]
 
 
+def test_a_server_change_keeps_the_process_supervisors_router(make_demo):
+    # The plan says a server change restarts prefill and decode; apply then also restarted the router, whose check
+    # failed while its workers came back: an outage of the front door that the plan never mentioned. The router here
+    # marks a worker down at its first failed check and takes three good ones (1 s apart) to take it back, so it
+    # still counts them down when router_exposed first looks.
+    def strict(d):
+        d["router"].update(health_check_interval_s=1, health_failure_threshold=1, health_success_threshold=3)
+
+    demo = make_demo(strict)
+    demo.apply()
+    router = demo.status()["router"]
+    changed = copy.deepcopy(demo.dict)
+    changed["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "3"  # a restart the router's checks cannot miss
+    spec = demo.write(changed, "changed.toml")
+    plan = demo.cli("plan", str(spec))
+    assert "restarts: decode, prefill\n" in plan.stdout, plan.stdout
+    r = demo.cli("apply", str(spec))
+    assert r.returncode == 0, r.stderr
+    assert f"restarting pdctl-{demo.name}-router.service" not in r.stderr, r.stderr
+    assert "it sees its restarted workers healthy again, not restarted" in r.stderr, r.stderr
+    st = service.status(demo.load(spec))
+    assert st["router"]["main_pid"] == router["main_pid"] and st["healthy"], st
+
+
 def test_two_roles_swapping_ports_apply_in_one_go(demo):
     demo.apply()
     swapped = copy.deepcopy(demo.dict)

@@ -126,10 +126,15 @@ def test_parser_only_change_is_disruptive_and_restarts_prefill_and_decode():
     other["parsers"]["tool_call_parser"] = "deepseekv32"
     p = make_plan(topo(seed), topo(other))
     assert p.cls == "disruptive" and not p.requires_confirmation
-    assert sorted(p.restarts()) == ["decode", "prefill"]
+    # the seed runs under systemd, where the router's unit Requires= the servers: it stops and starts with them
+    assert sorted(p.restarts()) == ["decode", "prefill", "router"]
     assert all(c.action == "update" for c in p.changes)
     paths = {a.path for c in p.changes for a in c.changes}
     assert paths == {"settings.parsers.tool_call_parser"}
+    assert "restarts: prefill, router" in render_text(p) or "restarts: decode, router" in render_text(p)
+    # the process supervisor has no such link: its router sees the workers come back, and is not restarted
+    seed["service_manager"] = other["service_manager"] = "process"
+    assert sorted(make_plan(topo(seed), topo(other)).restarts()) == ["decode", "prefill"]
 
 
 def test_a_numa_cpu_list_change_is_planned_as_the_restart_it_causes():
@@ -139,7 +144,7 @@ def test_a_numa_cpu_list_change_is_planned_as_the_restart_it_causes():
     other["hosts"]["local"]["numa_cpus"]["1"] = "32-63"
     p = make_plan(topo(seed), topo(other))
     assert p.cls == "disruptive" and not p.requires_confirmation
-    assert p.restarts() == ["decode"]
+    assert p.restarts() == ["decode", "router"]  # (systemd: the router's unit Requires= decode)
     [change] = p.changes
     assert [(a.path, a.before, a.after) for a in change.changes] == [
         ("settings.numa_binding.cpus", "32-63,96-127", "32-63")]
@@ -159,7 +164,7 @@ def test_a_gpu_numa_change_that_moves_a_role_to_another_node_is_planned():
     other = copy.deepcopy(seed)
     other["hosts"]["local"]["gpu_numa"] = [1, 1, 1, 1, 0, 0, 0, 0]
     p = make_plan(topo(seed), topo(other))
-    assert sorted(p.restarts()) == ["decode", "prefill"]
+    assert sorted(p.restarts()) == ["decode", "prefill", "router"]
     paths = {a.path for c in p.changes for a in c.changes}
     assert paths == {"settings.numa_binding.node", "settings.numa_binding.cpus"}
 
