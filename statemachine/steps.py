@@ -85,6 +85,9 @@ class Timeouts:
 
 RESTARTING = "restarting"
 """A unit's journal record while its new definition is installed and its restart not yet proven (no fingerprint)."""
+STARTED = "started:"
+"""Prefix of a unit's journal record once its restart was issued with the definition whose fingerprint follows, not
+yet proven: a resumed apply waits for that process while it loads instead of restarting it again."""
 
 
 @dataclass
@@ -130,6 +133,8 @@ class Context:
         stop_s = self.units.service(unit).timeout_stop_s
         self.say(f"restarting {unit} (stopping it may take up to {stop_s:g} s)", step=step, unit=unit)
         self.manager.restart(unit)
+        self.journal_state.units[unit] = STARTED + self.fingerprint(unit)
+        self.journal.write(self.journal_state)
 
     def fingerprint(self, unit: str) -> str:
         """Hash of the desired definition of *unit* (argv, env, limits…)."""
@@ -591,11 +596,13 @@ class ServersUp(Step):
             _vacate_for(ctx, r.name, _role_ports(r))
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
             stale = r.name in ctx.restart or ctx.definition_changed(unit) or not self._serves_as_specified(ctx, r)
-            # A server still starting (loading its weights: an interrupted apply's, resumed) that no recorded proof
-            # says differs is waited for, not restarted, once install shows its definition is the one desired
+            # A server still starting (loading its weights: an interrupted apply's, resumed) is waited for, not
+            # restarted, once install shows its definition is the one desired: when this apply's change restarted it
+            # with that definition (journalled as started), or when no recorded proof says it differs
             recorded = ctx.journal_state.units.get(unit)
-            loading = (st.state == "activating" and r.name not in ctx.restart
-                       and (recorded is None or recorded == ctx.fingerprint(unit)))
+            fp = ctx.fingerprint(unit)
+            loading = st.state == "activating" and (
+                recorded == STARTED + fp or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
             actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
         # restarted below: a kill before it must not leave the unit looking like a server loading what is wanted
         ctx.mark_restarting(*[unit for unit, action in actions.items() if action == "restart"])

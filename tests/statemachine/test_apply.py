@@ -290,6 +290,39 @@ def test_a_resume_after_a_kill_between_install_and_restart_restarts_the_loading_
     assert b"PDCTL_TEST_MARK=new" in open(f"/proc/{pid}/environ", "rb").read()
 
 
+def test_a_resumed_change_waits_for_the_server_its_restart_started(make_demo):
+    # A change restarts prefill; the apply is stopped while the new process loads. The resume restarted it again (the
+    # change still differs from what was deployed), costing a second weight load; it now waits for it
+    demo = make_demo()
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0]["env"] = {**d["prefill"][0].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "6"}
+    changed = demo.write(d, "changed.toml")
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(changed), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    unit = f"pdctl-{demo.name}-prefill.service"
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "info" and ev["message"].startswith(f"restarting {unit}"):
+                break
+        deadline = time.monotonic() + 20  # the new process started, still loading
+        while time.monotonic() < deadline and not (
+                demo.status()["roles"][0]["state"] == "activating" and demo.status()["roles"][0]["main_pid"]):
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGTERM)
+    finally:
+        assert p.wait(30) == 143
+    loading = demo.status()["roles"][0]
+    assert loading["state"] == "activating" and loading["main_pid"], loading
+    r = demo.cli("apply", str(changed))
+    assert r.returncode == 0, r.stderr
+    assert f"{unit} is still starting with the definition this apply wants: waiting for it" in r.stderr, r.stderr
+    assert f"restarting {unit}" not in r.stderr, r.stderr
+    assert demo.status()["roles"][0]["main_pid"] == loading["main_pid"]  # the same process, loaded once
+
+
 def test_a_cancel_before_the_first_step_is_audited_as_an_interruption(make_demo):
     # (a RunCancelled raised at the plan event, or in a preflight's wait, bypassed both handlers: no audit record)
     class CancelAtPlan:
