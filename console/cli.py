@@ -178,6 +178,9 @@ def plan(
             unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
                          "may be partly what it was applying")
             _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
+            if p.from_topology == pending != recorded.deployed:
+                _err("note: that apply had begun to change the topology (roles of its spec were started), so this plan "
+                     "starts from what it was applying: going back is a topology change too")
         else:
             drift, answers = _runtime_drift(loaded)
             if drift:
@@ -365,9 +368,16 @@ def apply_cmd(
     saved = None
     with _signals_as_interrupt():
         try:
+            plan_file = None
             if _is_saved_plan(spec):
                 saved = load_saved_plan(spec)
-                spec = Path(saved.spec_path)
+                plan_file, spec = spec, Path(saved.spec_path)
+            if plan_file is not None and not spec.is_file():  # a saved plan is applied from its spec, re-read
+                raise PdctlError(f"{plan_file}: the spec this plan was made from, {spec}, is not there any more "
+                                 "(a saved plan names its spec and apply reads it again, checking that it still "
+                                 "makes the plan's topology)",
+                                 hint=f"put the spec back at {spec}, or make the plan again where the spec is "
+                                      "(`pdctl plan SPEC -o FILE`)")
             loaded = load(spec, state_dir=state_dir, discover=True)
         except (PdctlError, UnitsError, OSError) as e:  # refused before planning
             _json_refusal(rep, e)

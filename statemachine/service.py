@@ -18,7 +18,7 @@ from pdctl.statemachine.journal import Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
-from pdctl.statemachine.topology import topology_of
+from pdctl.statemachine.topology import Topology, topology_of
 
 __all__ = ["Loaded", "journal_for", "load", "plan_spec"]
 
@@ -61,10 +61,28 @@ def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str]
     return Loaded(Path(spec_path), dep, warnings, journal_for(dep, state_dir))
 
 
+def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
+    """What a plan toward *desired* starts from: what the journal records as deployed, unless an interrupted apply
+    toward another topology (``state.target``) had begun and going from there to *desired* changes the topology
+    while going from the recorded deployment does not (PD half collapsed into one server, then the PD spec applied
+    again): once one of the target's own roles was started (its unit journalled), that return changes what runs, so
+    it is planned, named and confirmed from the interrupted target."""
+    deployed, target = state.deployed, state.target
+    if target is None or deployed is None or target == desired:
+        return deployed
+    names = unit_names(target)
+    began = any(names[r.name] in state.units for r in target.roles if r.name not in {x.name for x in desired.roles})
+    if began and make_plan(target, desired).requires_confirmation \
+            and not make_plan(deployed, desired).requires_confirmation:
+        return target
+    return deployed
+
+
 def plan_spec(loaded: Loaded) -> Plan:
-    """The plan from what the journal says is deployed to what the spec asks."""
+    """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks."""
     state = loaded.journal.read()
-    return make_plan(state.deployed, topology_of(loaded.deployment), from_serial=state.serial)
+    desired = topology_of(loaded.deployment)
+    return make_plan(plan_base(state, desired), desired, from_serial=state.serial)
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -243,9 +261,10 @@ def apply(
     with j.lock("apply"):
         state = j.read()
         desired = topology_of(loaded.deployment)
-        plan = make_plan(state.deployed, desired, from_serial=state.serial)
+        base = plan_base(state, desired)
+        plan = make_plan(base, desired, from_serial=state.serial)
         if saved_plan is not None:
-            if saved_plan.from_topology != state.deployed:
+            if saved_plan.from_topology != base:
                 raise StalePlanError(
                     f"saved plan {saved_plan.plan_id} changes a deployment other than the one recorded now (what it "
                     f"starts from is no longer what is deployed; made at journal serial {saved_plan.from_serial}, "

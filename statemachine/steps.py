@@ -133,6 +133,11 @@ class Context:
         stop_s = self.units.service(unit).timeout_stop_s
         self.say(f"restarting {unit} (stopping it may take up to {stop_s:g} s)", step=step, unit=unit)
         self.manager.restart(unit)
+        self.started(unit)
+
+    def started(self, unit: str) -> None:
+        """Journal (atomically) that *unit* was just started or restarted with its desired definition, not yet
+        proven (:data:`STARTED`)."""
         self.journal_state.units[unit] = STARTED + self.fingerprint(unit)
         self.journal.write(self.journal_state)
 
@@ -620,6 +625,7 @@ class ServersUp(Step):
                 ctx.restart_unit(unit, step=self.name)
             elif action == "start":
                 ctx.manager.start(unit)
+                ctx.started(unit)
         for r in roles:
             self._wait_healthy(ctx, r)
 

@@ -124,6 +124,15 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
     # The same saved plan again: its "from" side (nothing deployed) no longer holds.
     r = demo.cli("apply", str(stale_base))
     assert r.returncode == 2 and "changes a deployment other than the one recorded now" in r.stderr, r.stderr
+    # A plan whose spec moved away: said as such (it read "check the path (relative paths start where pdctl runs)")
+    moved = demo.tmp / "moved.toml"
+    moved.write_text(demo.spec.read_text())
+    later = demo.tmp / "later.plan"
+    demo.cli("plan", str(moved), "-o", str(later))
+    moved.unlink()
+    r = demo.cli("apply", str(later))
+    assert r.returncode == 1 and f"the spec this plan was made from, {moved}, is not there any more" in r.stderr
+    assert f"put the spec back at {moved}" in r.stderr and "relative paths" not in r.stderr, r.stderr
 
 
 def test_a_second_concurrent_apply_is_refused_naming_the_holder(demo):
@@ -1043,11 +1052,19 @@ def test_an_interrupted_collapse_leaves_no_orphan_when_pd_is_applied_again(demo)
     demo.apply()
     # killed once the single server runs; the journal still says PD
     _collapse_killed_at(demo, lambda ev: ev["kind"] == "step_applied" and ev["step"] == "server_up")
-    # The journal still records PD, which the spec asks: the plan must not say it matches while a server runs
+    # The journal still records PD, which the spec asks; but the single server runs, so going back to PD changes what
+    # runs: the plan is that topology change (it said "No changes", and apply went ahead unconfirmed)
     plan = demo.cli("plan", str(demo.spec))
-    assert plan.returncode == 2 and "an earlier apply toward another spec did not finish" in plan.stdout, plan.stdout
-    # Back to PD (the deployed spec): the half-started single server must go, PD must come back.
+    assert plan.returncode == 2 and "an earlier apply did not finish" in plan.stderr, plan.stderr
+    assert "plan starts from what it was applying: going back is a topology change too" in plan.stderr, plan.stderr
+    assert "single server → PD disaggregation" in plan.stdout, plan.stdout
+    plan_id = next(line.split()[2] for line in plan.stdout.splitlines() if line.startswith("plan id:"))
+    pids = demo.pids()
     r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr
+    assert demo.pids() == pids  # refused before anything changed
+    # Back to PD, confirmed: the half-started single server must go, PD must come back.
+    r = demo.cli("apply", str(demo.spec), "--confirm-topology", plan_id)
     assert r.returncode == 0, r.stderr
     assert "stopped and removed" in r.stderr and "-server.service" in r.stderr
     assert demo.status()["healthy"]
@@ -1069,13 +1086,14 @@ def test_a_dropped_role_survives_no_second_interruption_unnamed(demo, monkeypatc
         raise Killed
 
     monkeypatch.setattr(service, "_remove_gone_roles", killed)
+    confirm = service.plan_spec(demo.load()).plan_id  # back from the half-done collapse: a topology change
     with pytest.raises(Killed):
-        demo.apply()
+        demo.apply(confirm=confirm)
     monkeypatch.undo()
     assert demo.load().journal.read().removing == [server]
     left = {u["unit"]: u for u in demo.status()["leftover"]}
     assert left[server]["state"] == "active", left
-    r = demo.cli("apply", str(demo.spec))
+    r = demo.cli("apply", str(demo.spec))  # (the PD apply had begun: its target is the spec now)
     assert r.returncode == 0, r.stderr
     assert f"stopped and removed {server}" in r.stderr
     assert demo.status()["healthy"] and demo.load().journal.read().removing == []
