@@ -64,13 +64,20 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (a nearly full disk): never rename a truncated file in
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as exc:
         tmp.unlink(missing_ok=True)  # a failed write (full disk, a directory at *path*) leaves no temp file behind
+        if exc.filename is None:  # os.write and fsync name no file: "No space left on device" alone says not where
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
     dfd = os.open(path.parent, os.O_RDONLY)
     try:

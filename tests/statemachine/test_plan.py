@@ -490,6 +490,36 @@ def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "taken"] and (tmp_path / "link").is_symlink()
 
 
+def test_atomic_write_completes_short_writes_and_names_the_file_on_a_full_disk(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import pytest
+
+    from pdctl.statemachine import journal
+
+    real = os.write
+    calls = []
+
+    def short(fd, data):  # noqa: ANN001, ANN202 - what a nearly full disk may do: fewer bytes than asked
+        calls.append(len(data))
+        return real(fd, bytes(data[:3]))
+
+    monkeypatch.setattr(journal.os, "write", short)
+    journal.atomic_write(tmp_path / "j.json", b'{"serial": 12345}')
+    assert (tmp_path / "j.json").read_bytes() == b'{"serial": 12345}' and len(calls) > 1
+
+    def full(fd, data):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(journal.os, "write", full)
+    with pytest.raises(OSError) as e:
+        journal.atomic_write(tmp_path / "j.json", b"{}")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "j.json")
+    assert (tmp_path / "j.json").read_bytes() == b'{"serial": 12345}'  # the last good state stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.json"]
+
+
 def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path):
     sd = tmp_path / "state"
     sd.mkdir()
