@@ -9,6 +9,7 @@ Exit codes are documented in :mod:`pdctl.console.exit_codes` and in ``pdctl --he
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -77,11 +78,8 @@ class _PipeSafe:
         if not self.gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._mute()
             except OSError as exc:
-                exc.filename = exc.filename or self._label
-                raise
+                self._failed(exc)
         return len(text)
 
     def writelines(self, lines) -> None:  # noqa: ANN001
@@ -92,11 +90,17 @@ class _PipeSafe:
         if not self.gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._mute()
             except OSError as exc:
-                exc.filename = exc.filename or self._label
-                raise
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        # A closed pipe (`| head`) or a terminal that went away (EIO after SIGHUP) mutes the stream: the exit code
+        # still says how the command ended. Any other error (ENOSPC on /dev/full) names the stream and is raised.
+        if isinstance(exc, BrokenPipeError) or exc.errno == errno.EIO:
+            self._mute()
+            return
+        exc.filename = exc.filename or self._label
+        raise exc
 
     def _mute(self) -> None:
         self.gone = True
@@ -215,14 +219,19 @@ def plan(
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001
-    """A ``[secrets]`` entry ``env:NAME`` whose variable pdctl's environment lacks: the plan fingerprints the reference
-    instead of the value, so it shows the roles' secrets as changed, and apply refuses it by name; say both."""
+    """A ``[secrets]`` entry ``env:NAME`` whose variable pdctl's environment lacks, or any secret whose value is empty
+    (a CI system's missing secret): the plan shows the roles' secrets as changed, and apply refuses it by name; say
+    both."""
     from pdctl.statemachine.spec import secret_value
 
     for key, value in sorted(dep.secrets.items()):
-        if secret_value(value, os.environ) is None:
+        got = secret_value(value, os.environ)
+        if got is None:
             _err(f"note: secrets.{key} = {value!r}: {value[4:]} is not set here, so the plan cannot compare the secret "
                  "with the deployed one and shows it as changed; `pdctl apply` refuses until it is set")
+        elif not got:
+            _err(f"note: secrets.{key} = {value!r} is empty here, so the plan shows it as changed; `pdctl apply` "
+                 "refuses an empty secret")
 
 
 def _runtime_drift(loaded) -> tuple[list[str], list[str]]:  # noqa: ANN001
@@ -327,8 +336,9 @@ def _signals_as_interrupt() -> Iterator[None]:
     # SIGTERM (`timeout`, CI runners, process managers) and SIGHUP (the SSH session of a remote admin dropped) stop a
     # headless apply or down the way Ctrl-C does: the engine journals where it stopped (and ends a --json stream with
     # apply_interrupted) instead of dying mid-write. Once a signal has come, repeats are ignored while that is
-    # reported; the previous handlers come back after.
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # reported; the previous handlers come back after. A signal already ignored stays ignored: `nohup pdctl apply &`
+    # (SIGHUP) or a background job of a script (SIGINT) asked to run on whatever the terminal does.
+    stops = tuple(s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN)
 
     def on_signal(signum, frame) -> None:  # noqa: ANN001
         global _terminated
@@ -682,8 +692,8 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    global _interrupted_step, _interrupted_hint
-    _interrupted_step = _interrupted_hint = None
+    global _interrupted_step, _interrupted_hint, _terminated
+    _interrupted_step = _interrupted_hint = _terminated = None
     if not isinstance(sys.stdout, _PipeSafe):
         sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()

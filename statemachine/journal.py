@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,9 @@ class JournalState:
     plan_id: str | None = None
     steps: dict[str, StepRecord] = field(default_factory=dict)
     units: dict[str, str] = field(default_factory=dict)
-    """Unit name → fingerprint of the service definition last proven running."""
+    """Unit name → fingerprint of the service definition last proven running; or ``restarting`` (its new definition
+    installed, its restart not yet issued) or ``started:<fingerprint>`` (started or restarted with that definition,
+    not yet proven): ``pdctl.statemachine.steps`` ``RESTARTING`` and ``STARTED``."""
     removing: list[str] = field(default_factory=list)
     """Units of roles an apply drops (its earlier topologies had them, its target has not), journalled with the target
     and cleared as each is removed: a kill before they are gone loses the topology that named them, not them."""
@@ -169,6 +171,9 @@ class Journal:
         self.path = self.dir / "journal.json"
         self.audit_path = self.dir / "audit.log"
         self.lock_path = self.dir / "lock"
+        self.recorded_as: Callable[[Topology], Topology] | None = None
+        """Applied to the deployed and target topologies :meth:`read` returns: how records an older pdctl wrote
+        read today (``service.journal_for`` sets it; the file is rewritten in today's form at the next write)."""
 
     # -- journal --------------------------------------------------------------------------------
     def read(self) -> JournalState:
@@ -192,6 +197,9 @@ class Journal:
             state = JournalState.from_json(data)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a missing field, a wrong type
             raise self._unreadable(exc) from None
+        if self.recorded_as is not None:
+            state.deployed = self.recorded_as(state.deployed) if state.deployed is not None else None
+            state.target = self.recorded_as(state.target) if state.target is not None else None
         if state.name != self.name and not (state.deployed or state.target or state.units):
             state.name = self.name  # another deployment's, taken down: nothing of it runs, so this one may start here
         if state.name != self.name:

@@ -7,6 +7,7 @@ The headless CLI and the Textual console are thin shells over them.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pdctl.statemachine.journal import Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
-from pdctl.statemachine.topology import Topology, topology_of
+from pdctl.statemachine.topology import Topology, topology_of, with_legacy_secrets_bridged
 
 __all__ = ["Loaded", "journal_for", "load", "plan_spec"]
 
@@ -34,7 +35,9 @@ class Loaded:
 
 
 def journal_for(dep: Deployment, state_dir: str | os.PathLike[str] | None = None) -> Journal:
-    return Journal(default_state_dir(dep.name, dep.service_manager, override=state_dir), dep.name)
+    j = Journal(default_state_dir(dep.name, dep.service_manager, override=state_dir), dep.name)
+    j.recorded_as = functools.partial(with_legacy_secrets_bridged, dep=dep)
+    return j
 
 
 def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str] | None = None,
@@ -65,13 +68,17 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     """What a plan toward *desired* starts from: what the journal records as deployed, unless an interrupted apply
     toward another topology (``state.target``) had begun and going from there to *desired* changes the topology
     while going from the recorded deployment does not (PD half collapsed into one server, then the PD spec applied
-    again): once one of the target's own roles was started (its unit journalled), that return changes what runs, so
-    it is planned, named and confirmed from the interrupted target."""
+    again; or a role's TP or GPUs changed): once one of the target's roles was started for it (its unit journalled),
+    that return changes what runs, so it is planned, named and confirmed from the interrupted target."""
     deployed, target = state.deployed, state.target
     if target is None or deployed is None or target == desired:
         return deployed
-    names = unit_names(target)
-    began = any(names[r.name] in state.units for r in target.roles if r.name not in {x.name for x in desired.roles})
+    from pdctl.statemachine.steps import STARTED
+
+    names, wanted = unit_names(target), {x.name for x in desired.roles}
+    # a role of the target that desired lacks and that has a unit record, or one that was (re)started for the target
+    began = any((r.name not in wanted and names[r.name] in state.units)
+                or str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles)
     if began and make_plan(target, desired).requires_confirmation \
             and not make_plan(deployed, desired).requires_confirmation:
         return target

@@ -421,9 +421,8 @@ def bind_addresses_unusable(ctx: Context) -> None:
     else:
         why = (res.stderr or res.stdout).strip()[-300:]
     if res is None or res.returncode in (126, 127):  # the units' interpreter cannot run: every role would fail
-        try:  # (a bare name such as python3 is looked up on the host's PATH, as the units' exec does)
-            missing = ctx.dep.engine.python is not None and not (
-                ctx.host.exists(python) if python.startswith("/") else ctx.host.which(python) is not None)
+        try:  # (the rules refuse a relative engine.python; pdctl's own interpreter is absolute)
+            missing = ctx.dep.engine.python is not None and not ctx.host.exists(python)
         except OSError:
             missing = False
         if missing or (res is not None and res.returncode in (126, 127)):
@@ -511,11 +510,13 @@ def expected_server_info(role: RoleTopology, topo: Topology) -> dict[str, Any]:
     return exp
 
 
-_SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}, "tool_call_parser": {"qwen25": "qwen", "glm45": "glm"}}
+_SAME_VALUE = {"kv_cache_dtype": {"bf16": "bfloat16"}, "tool_call_parser": {"qwen25": "qwen", "glm45": "glm"},
+               "disaggregation_transfer_backend": {"mooncake_tcp": "mooncake"}}
 """Aliases SGLang may report either way: the DeepSeek DSA override normalises ``bf16`` to ``bfloat16``
-(0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``; other models keep what was passed), and
+(0.5.23 ``arg_groups/overrides.py``, ``_dsa_kv_cache_dtype_default``; other models keep what was passed),
 ``_handle_deprecated_args`` rewrites the deprecated tool-call parsers ``qwen25`` and ``glm45`` (0.5.23; 0.5.6 kept
-them)."""
+them), and ``handle_pd_disaggregation`` rewrites ``mooncake_tcp`` to ``mooncake`` (the upstream source; the shared
+reference only says it sets ``MC_FORCE_TCP=1``). Either word passes; any other value is a mismatch."""
 
 
 def _facts(topo: Topology) -> SglangFacts:
@@ -600,14 +601,17 @@ class ServersUp(Step):
             # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
             _vacate_for(ctx, r.name, _role_ports(r))
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
-            stale = r.name in ctx.restart or ctx.definition_changed(unit) or not self._serves_as_specified(ctx, r)
-            # A server still starting (loading its weights: an interrupted apply's, resumed) is waited for, not
-            # restarted, once install shows its definition is the one desired: when this apply's change restarted it
-            # with that definition (journalled as started), or when no recorded proof says it differs
+            # A server an interrupted apply started with the definition wanted now (journalled as started) is not
+            # restarted again on resume: waited for while it loads, proven as it stands once loaded. Otherwise a role
+            # the plan restarts, or whose definition changed, or that does not serve as specified, is restarted. A
+            # unit whose supervisor is gone is never waited for (nothing would mark it active): it is restarted.
             recorded = ctx.journal_state.units.get(unit)
             fp = ctx.fingerprint(unit)
-            loading = st.state == "activating" and (
-                recorded == STARTED + fp or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
+            ours = recorded == STARTED + fp and st.supervised
+            stale = not self._serves_as_specified(ctx, r) or (
+                not ours and (r.name in ctx.restart or ctx.definition_changed(unit)))
+            loading = st.state == "activating" and st.supervised and (
+                ours or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
             actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
         # restarted below: a kill before it must not leave the unit looking like a server loading what is wanted
         ctx.mark_restarting(*[unit for unit, action in actions.items() if action == "restart"])
@@ -886,14 +890,23 @@ class RouterExposed(Step):
         r = ctx.topology.router
         assert r is not None
         st = ctx.manager.status(unit)
-        if st.is_active and st.supervised and "router" not in ctx.restart and not ctx.definition_changed(unit):
+        unchanged = ctx.journal_state.units.get(unit) in (ctx.fingerprint(unit), STARTED + ctx.fingerprint(unit))
+        if st.is_active and st.supervised and "router" not in ctx.restart and unchanged:
             # The same router, running: what it lacks is workers this apply restarted, which its health checks bring
-            # back (the plan said it would not restart). Wait for that, within verify's bound, before restarting it.
+            # back (the plan said it would not restart). Wait for that, within verify's bound, before restarting it;
+            # a fault waiting cannot mend (another process on its port, swapped roles) restarts it at once.
+            class Unmendable(Exception):
+                pass
+
             def sees_them() -> bool | None:
                 try:
                     self._check(ctx)
                     return True
-                except (VerifyFailed, ProbeError):
+                except VerifyFailed as exc:
+                    if "does not hold its port" in exc.message or "swapped roles" in exc.message:
+                        raise Unmendable from exc
+                    return None
+                except ProbeError:
                     return None
 
             try:
@@ -902,7 +915,7 @@ class RouterExposed(Step):
                 ctx.say(f"{unit} unchanged: it sees its restarted workers healthy again, not restarted",
                         step=self.name, unit=unit)
                 return
-            except StepTimeout:
+            except (StepTimeout, Unmendable):
                 pass  # restarted below, as any router that does not serve as proven
         wanted = _router_ports(r)
         _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)

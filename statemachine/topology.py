@@ -185,6 +185,24 @@ def _fingerprint(value: str, salt: str) -> str:
     return "scrypt:" + digest.hex()
 
 
+def with_legacy_secrets_bridged(recorded: Topology, dep: Deployment) -> Topology:
+    """*recorded* (a journal's topology) with each secret fingerprint an older pdctl wrote (``sha256:`` and 16 hex
+    digits of the value's SHA-256) that matches the value *dep* gives the secret now replaced by today's
+    :func:`_fingerprint`: an unchanged secret is not taken for a rotation (which would restart every role) after an
+    upgrade; one whose value changed keeps the old record and is planned as the rotation it is."""
+    old = recorded.deployment.get("secrets") or {}
+    if not any(str(v).startswith("sha256:") for v in old.values()):
+        return recorded
+    new = dict(old)
+    for k, v in old.items():
+        if k in dep.secrets and str(v).startswith("sha256:"):
+            got = secret_value(dep.secrets[k], os.environ)
+            value = dep.secrets[k] if got is None else got
+            if v == "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]:
+                new[k] = _fingerprint(value, f"{dep.name}/{k}")
+    return recorded.model_copy(update={"deployment": {**recorded.deployment, "secrets": new}})
+
+
 def numa_binding(dep: Deployment, role: ServerRole) -> tuple[int | None, str | None]:
     """``(NUMA node, CPU list)`` a role's unit binds to (``NUMAMask=`` / ``CPUAffinity=``): its ``numa_node``, else
     the one node all its GPUs sit on (``hosts.<h>.gpu_numa``); the CPU list from ``hosts.<h>.numa_cpus``. None:

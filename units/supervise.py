@@ -45,6 +45,7 @@ class Watchdog:
         self.secrets_file = unit["service"].get("secrets_file")
         self.stopping = False
         self.restarts = 0
+        self.unwritten: tuple[str, str] | None = None
         self.proc: subprocess.Popen | None = None
         self.log = open(d / "output.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as the watchdog
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -59,15 +60,25 @@ class Watchdog:
             pass
 
     def status(self, state: str, sub: str) -> None:
+        """Write ``status.json`` atomically. On a full disk the last written status stays and this one is kept
+        (``unwritten``) for :meth:`retry_status`, which the loop calls at every poll: the role's state reaches its
+        readers once the disk has room, and the watchdog never dies of it."""
         body = {"state": state, "sub": sub, "restarts": self.restarts, "updated": time.time(),
                 "watchdog_pid": os.getpid(), "main_pid": self.proc.pid if self.proc else None}
         tmp = self.dir / f".status.json.{os.getpid()}"
         try:
             tmp.write_text(json.dumps(body))
             os.replace(tmp, self.dir / "status.json")
-        except OSError as exc:  # a full disk: the last status stays; the watchdog keeps watching and retries
-            self.say(f"cannot write status.json: {exc}")
+            self.unwritten = None
+        except OSError as exc:
+            if self.unwritten is None:
+                self.say(f"cannot write status.json: {exc}")
+            self.unwritten = (state, sub)
             tmp.unlink(missing_ok=True)
+
+    def retry_status(self) -> None:
+        if self.unwritten is not None:
+            self.status(*self.unwritten)
 
     def on_term(self, *_: object) -> None:
         self.stopping = True
@@ -139,10 +150,14 @@ class Watchdog:
             start = _proc_starttime(Path(f"/proc/{self.proc.pid}/stat").read_bytes())
         except OSError:  # already gone: the loop sees the exit
             start = -1
-        for f, text in (("main.start", f"{start}\n"), ("main.pid", f"{self.proc.pid}\n")):
-            tmp = self.dir / f".{f}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.dir / f)
+        try:
+            for f, text in (("main.start", f"{start}\n"), ("main.pid", f"{self.proc.pid}\n")):
+                tmp = self.dir / f".{f}.tmp"
+                tmp.write_text(text)
+                os.replace(tmp, self.dir / f)
+        except OSError:  # (a full disk) a main process no reader can find must not run: end it, then say why
+            self.kill_group(5.0)
+            raise
         self.say(f"started main process {self.proc.pid}: {' '.join(self.spec.argv)}")
 
     def ready(self) -> bool:
@@ -284,12 +299,14 @@ class Watchdog:
                 self.spawn()
             except OSError as exc:
                 self.say(f"cannot start {s.argv[0]}: {exc}")
+                self.kill_group(5.0)  # (spawn ends what it started; this is a no-op then, and if Popen itself failed)
                 self.proc = None
                 final = ("failed", "exec")
                 break
             self.status("activating", "start")
             ready, t0, rc, why = False, time.monotonic(), None, ""
             while not self.stopping:
+                self.retry_status()
                 rc = self.proc.poll()
                 if rc is not None:
                     why = f"exited, code={rc}" if rc >= 0 else f"killed, signal={-rc}"

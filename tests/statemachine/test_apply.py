@@ -332,6 +332,65 @@ def test_a_resumed_change_waits_for_the_server_its_restart_started(make_demo):
     assert demo.status()["roles"][0]["main_pid"] == loading["main_pid"]  # the same process, loaded once
 
 
+def test_a_resumed_change_proves_the_server_its_restart_started_once_it_loaded(make_demo):
+    # Stopped while the restarted server loads, resumed after it finished loading (the usual case: loads take
+    # minutes): it was restarted again; it is proven as it stands
+    demo = make_demo()
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0]["env"] = {**d["prefill"][0].get("env", {}), "PDCTL_SIM_LOAD_SECONDS": "3"}
+    changed = demo.write(d, "changed.toml")
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(changed), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    unit = f"pdctl-{demo.name}-prefill.service"
+    try:
+        for line in p.stdout:
+            ev = json.loads(line)
+            if ev["kind"] == "info" and ev["message"].startswith(f"restarting {unit}"):
+                break
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGTERM)
+    finally:
+        assert p.wait(30) == 143
+    deadline = time.monotonic() + 30  # loaded and serving before the resume
+    while time.monotonic() < deadline and demo.status()["roles"][0]["state"] != "active":
+        time.sleep(0.1)
+    loaded = demo.status()["roles"][0]
+    assert loaded["state"] == "active", loaded
+    r = demo.cli("apply", str(changed))
+    assert r.returncode == 0, r.stderr
+    assert f"restarting {unit}" not in r.stderr, r.stderr
+    assert demo.status()["roles"][0]["main_pid"] == loaded["main_pid"]
+
+
+def test_an_apply_again_after_a_supervisor_died_restarts_the_role(make_demo):
+    # The first apply fails at once naming the gone supervisor; the second must restart the role under a new one
+    # (it waited for the unsupervised unit, and failed the same way every time)
+    demo = make_demo(lambda d: d["engine"]["env"].update(PDCTL_SIM_LOAD_SECONDS="5"))
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    unit = f"pdctl-{demo.name}-prefill.service"
+    try:
+        pid_file = demo.state / "supervisor" / "services" / unit / "watchdog.pid"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None and not pid_file.exists():
+            time.sleep(0.1)
+        time.sleep(0.5)
+        _kill_watchdog(demo, unit)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == ExitCode.STEP_FAILED and "is gone while it started" in err, err
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert f"restarting {unit}" in r.stderr, r.stderr
+    assert demo.status()["healthy"]
+
+
 def test_a_cancel_before_the_first_step_is_audited_as_an_interruption(make_demo):
     # (a RunCancelled raised at the plan event, or in a preflight's wait, bypassed both handlers: no audit record)
     class CancelAtPlan:
@@ -986,6 +1045,27 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     said = {signal.SIGINT: "", signal.SIGTERM: "terminated (SIGTERM); ", signal.SIGHUP: "hung up (SIGHUP); "}[sig] + \
         "interrupted during prefill_up:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
+
+
+def test_an_apply_under_nohup_runs_through_a_hangup(demo):
+    # `nohup pdctl apply SPEC &`, then logging out: SIGHUP is ignored there, and stays so (pdctl's own handler had
+    # replaced nohup's SIG_IGN, and stopped the apply half-way)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        for line in p.stdout:
+            if json.loads(line)["kind"] == "step_started":
+                p.send_signal(signal.SIGHUP)
+                break
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == 0, err
+    assert demo.status()["healthy"]
 
 
 def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -412,7 +413,10 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
     assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=with_it)
-    assert "is not set here" not in r.stderr
+    assert "is not set here" not in r.stderr and "is empty here" not in r.stderr
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), env={**with_it, "PDCTL_TEST_HF_TOKEN": ""})
+    assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN' is empty here" in r.stderr, r.stderr
+    assert "refuses an empty secret" in r.stderr
 
 
 def test_plan_of_a_deployment_on_a_host_it_cannot_reach_is_an_error_not_no_changes(tmp_path):
@@ -592,3 +596,59 @@ def test_chat_gives_up_after_its_timeout_and_says_so(tmp_path):
         r = _pdctl("chat", str(spec), "--state-dir", str(tmp_path / "state"), "--timeout", "1")
     assert r.returncode == 1
     assert "no answer within 1 s (--timeout)" in r.stderr, r.stderr
+
+
+
+def test_a_terminal_gone_mutes_the_cli_streams_like_a_closed_pipe_and_other_errors_name_them():
+    # After SIGHUP the SSH terminal answers writes with EIO: it raised and turned the exit code 129 into 1
+    import errno
+
+    import pytest
+
+    from pdctl.console.cli import _PipeSafe
+
+    class Gone:
+        def __init__(self, err: int) -> None:
+            self.err = err
+
+        def write(self, text: str) -> int:
+            raise OSError(self.err, os.strerror(self.err))
+
+        flush = write
+
+        def fileno(self) -> int:
+            raise ValueError("no descriptor")
+
+    s = _PipeSafe(Gone(errno.EIO), "<stderr>")
+    assert s.write("interrupted\n") == len("interrupted\n") and s.gone
+    s.flush()
+    full = _PipeSafe(Gone(errno.ENOSPC), "<stdout>")
+    with pytest.raises(OSError) as e:
+        full.write("x")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == "<stdout>" and not full.gone
+
+
+
+def test_going_back_from_an_interrupted_reshape_is_planned_from_what_it_started():
+    # A confirmed change of a role's shape (TP 4 -> 8 on other GPUs) interrupted after it restarted that role, then
+    # the old spec applied again: that rebuilds the role, a topology change to confirm, not "no changes"
+    from pdctl.statemachine.service import plan_base, unit_names
+
+    seed = seed_dict()
+    deployed, target = topo(seed), topo(collapsed(seed))
+    state = JournalState(name=deployed.name, deployed=deployed, target=target)
+    assert plan_base(state, deployed) is deployed  # nothing of the target was started: back is no change
+    server = unit_names(target)["server"]
+    state.units[server] = "started:0123456789abcdef"
+    assert plan_base(state, deployed) is target
+    assert make_plan(plan_base(state, deployed), deployed).requires_confirmation
+    # a same-named role restarted for a target of another shape
+    reshaped = seed_dict()
+    reshaped["prefill"][0]["tp"] = 2
+    reshaped["prefill"][0]["gpus"] = [0, 1]
+    t2 = topo(reshaped)
+    assert make_plan(t2, deployed).requires_confirmation  # (a role's TP and GPUs are its topology)
+    state = JournalState(name=deployed.name, deployed=deployed, target=t2)
+    assert plan_base(state, deployed) is deployed
+    state.units[unit_names(t2)["prefill"]] = "started:0123456789abcdef"
+    assert plan_base(state, deployed) is t2

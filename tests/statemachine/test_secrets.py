@@ -102,3 +102,30 @@ def test_a_rotated_secret_is_a_change_that_restarts_the_roles(monkeypatch):
     assert "hf_old" not in p.model_dump_json() and "hf_new" not in p.model_dump_json()
     monkeypatch.setenv("PDCTL_TEST_HF", "hf_old")
     assert not make_plan(before, topology_of(parse_spec(d))).has_changes
+
+
+
+def test_an_upgrade_does_not_take_an_unchanged_secret_for_a_rotation(tmp_path, monkeypatch):
+    # A journal an older pdctl wrote holds "sha256:<16 hex>" fingerprints; compared as they are with today's scrypt
+    # ones, every deployment with a secret planned a rotation and restarted all its roles after the upgrade
+    import hashlib
+
+    from pdctl.statemachine.journal import JournalState
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.service import journal_for
+    from pdctl.statemachine.topology import topology_of
+
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_same")
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF", "OTHER_TOKEN": "literal"}
+    dep = parse_spec(d)
+    now = topology_of(dep)
+    legacy = {k: "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16]
+              for k, v in (("HF_TOKEN", "hf_same"), ("OTHER_TOKEN", "literal"))}
+    old = now.model_copy(update={"deployment": {**now.deployment, "secrets": legacy}})
+    j = journal_for(dep, tmp_path)
+    j.write(JournalState(name=dep.name, deployed=old))
+    assert not make_plan(j.read().deployed, now).has_changes
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_rotated")  # rotated since: still the rotation it is
+    p = make_plan(j.read().deployed, topology_of(dep))
+    assert [a.path for c in p.changes for a in c.changes] == ["deployment.secrets.HF_TOKEN"]

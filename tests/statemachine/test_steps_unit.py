@@ -96,8 +96,9 @@ def test_server_info_expected_as_sglang_reports_its_aliases():
         assert server_info_mismatches(dict(exp), exp) == []  # a model that keeps "bf16"
         assert server_info_mismatches(dict(exp, kv_cache_dtype="fp8_e4m3"), exp) == [
             "kv_cache_dtype is 'fp8_e4m3', expected 'bf16'"]
-        assert server_info_mismatches(dict(exp, disaggregation_transfer_backend="mooncake_tcp"), exp) == [
-            "disaggregation_transfer_backend is 'mooncake_tcp', expected 'mooncake'"]
+        assert server_info_mismatches(dict(exp, disaggregation_transfer_backend="mooncake_tcp"), exp) == []
+        assert server_info_mismatches(dict(exp, disaggregation_transfer_backend="nixl"), exp) == [
+            "disaggregation_transfer_backend is 'nixl', expected 'mooncake'"]
     exp = dict(exp, tool_call_parser="qwen25")  # a deprecated name SGLang 0.5.23 serves as its new one
     assert server_info_mismatches(dict(exp, tool_call_parser="qwen"), exp) == []
     assert server_info_mismatches(dict(exp, tool_call_parser="glm"), exp) == ["tool_call_parser is 'glm', expected 'qwen25'"]

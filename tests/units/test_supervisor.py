@@ -296,3 +296,35 @@ def test_a_numa_binding_refused_for_permission_runs_unbound_and_says_so(capfd):
     Watchdog.bind_memory(fake, 0)  # returns: no os._exit
     err = capfd.readouterr().err
     assert "set_mempolicy(MPOL_BIND, NUMA node 0) failed: Operation not permitted; running without the memory binding" in err
+
+
+def test_a_status_a_full_disk_refused_is_written_at_a_later_poll(tmp_path, monkeypatch):
+    # The watchdog died of ENOSPC; then it lived but kept the unit "activating" for good once the write of "active"
+    # failed (status is written only on changes), and an apply waited out role_start for a server long ready
+    import errno
+
+    from pdctl.units import supervise
+
+    wd = supervise.Watchdog.__new__(supervise.Watchdog)
+    wd.dir, wd.restarts, wd.proc, wd.unwritten = tmp_path, 0, None, None
+    wd.log = open(tmp_path / "output.log", "ab", buffering=0)  # noqa: SIM115
+    real = Path.write_text
+    full = False
+
+    def write_text(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if full and self.name.startswith(".status.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    read = lambda: json.loads((tmp_path / "status.json").read_text())["state"]  # noqa: E731
+    wd.status("activating", "start")
+    full = True
+    wd.status("active", "running")
+    wd.retry_status()
+    assert read() == "activating" and wd.unwritten == ("active", "running")
+    full = False
+    wd.retry_status()
+    assert read() == "active" and wd.unwritten is None
+    assert (tmp_path / "output.log").read_text().count("cannot write status.json") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["output.log", "status.json"]
