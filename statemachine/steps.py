@@ -304,6 +304,12 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                 step=wanted[leftover[0].port][1],
                 hint="see why they do not exit (e.g. a stopped process: kill -CONT or kill -9 PID), then apply again",
             )
+    # A listener no process owns is a socket being torn down (its process exiting: the one waited for above) or one
+    # of a process this user cannot see; the first is gone within moments: look again for up to 2 s.
+    deadline = time.monotonic() + 2.0
+    while any(x.pid is None for x in held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = ports.held_outside(ctx.host, set(wanted), ours)
     if held:
         order = [st.name for st in steps_for(topo)]
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))

@@ -695,6 +695,33 @@ def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_callin
     assert not [e for e in sink.events if "previous processes" in e.message]
 
 
+def test_a_listener_no_process_owns_any_more_is_looked_at_again_not_refused(demo, monkeypatch):
+    # The process waited for above exits; for a moment its socket is listed with no owning PID, and the apply was
+    # refused as "held by PID ? (unknown)" (a clean-clone CI run failed the test above on it)
+    from pdctl.statemachine import ports, steps
+
+    real = ports.held_outside
+    calls = []
+
+    def tearing_down(host, wanted, main_pids):  # noqa: ANN001, ANN202
+        calls.append(1)
+        if len(calls) <= 2:
+            return [ports.Listener(demo.ports["decode"], None)]
+        return real(host, wanted, main_pids)
+
+    monkeypatch.setattr(ports, "held_outside", tearing_down)
+    ctx = _ctx(demo)
+    steps.ports_taken_elsewhere(ctx, set(ctx.unit_of.values()))  # no refusal
+    assert len(calls) >= 3
+    monkeypatch.setattr(ports, "held_outside", lambda *a: [ports.Listener(demo.ports["decode"], None)])
+    from pdctl.statemachine.errors import ApplyFailed
+
+    t0 = time.monotonic()
+    with pytest.raises(ApplyFailed, match=r"held by PID \? \(unknown\)"):  # one that stays: refused, after 2 s
+        steps.ports_taken_elsewhere(ctx, set(ctx.unit_of.values()))
+    assert 1.5 < time.monotonic() - t0 < 10
+
+
 def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
     # 192.0.2.1 (TEST-NET-1) is on no interface; gpu-typo.invalid never resolves (RFC 6761): both pass the spec as an
     # address, and the server's own bind fails only after its predecessor was stopped
