@@ -80,7 +80,9 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
             age = "" if s.age_s is None else f", last good {s.age_s:.0f}s ago"
             l2.append(f"{s.error or 'no recent scrape'}{age}", style="red")
         elif s.kind == "router":
-            l2.append(f"5xx {_f(s.errors, '{:.0f}')}  4xx {_f(s.client_errors, '{:.0f}')} (since start)  {s.url}", style="dim")
+            probes = " incl. probes (no path labels)" if s.errors_include_probes else ""
+            l2.append(f"5xx {_f(s.errors, '{:.0f}')}  4xx {_f(s.client_errors, '{:.0f}')} (since start{probes})  {s.url}",
+                      style="dim")
         else:
             star = "*" if s.pct_all_time else ""
             l2.append(f"TTFT {_pct(s.ttft_s, first=s.ttft_first_bound_s)}ms ")

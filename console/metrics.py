@@ -323,6 +323,10 @@ class ThroughputSample:
     client_errors: float | None = None
     """Router: client-error responses (400–499, including smg's 499 for a client that closed first), lifetime:
     counted apart, since a bad request or an impatient client is not the deployment failing."""
+    errors_include_probes: bool = False
+    """Router: its responses carry no ``path`` label (sglang-router 0.3.2: ``{status_code,error_code}`` only,
+    shared/reference sglang-pd.md §2.3), so its probe answers (``/readiness`` 503 while workers start) cannot be told
+    from failed requests and are counted in ``err_s``/``errors``/``client_errors``."""
     workers_healthy: float | None = None
     workers_total: float | None = None
     pct_all_time: bool = False
@@ -437,9 +441,11 @@ class ThroughputTracker:
             if smooth is not None and errors is not None:
                 err = counter_rate(errors, smooth.total_where("smg_http_responses_total", _is_server_error), dt)
             health = new.samples.get("smg_worker_health", ())
+            responses = new.samples.get("smg_http_responses_total", ())
             return ThroughputSample(
                 source=source, kind=kind, url=url, state="ok", age_s=0.0,
                 req_s=req, err_s=err, errors=errors,
+                errors_include_probes=bool(responses) and not any("path" in dict(labels) for labels, _v in responses),
                 client_errors=new.total_where("smg_http_responses_total", _is_client_error),
                 running=new.total("smg_worker_requests_active"),
                 workers_healthy=sum(1 for _l, v in health if v >= 1) if health else None,

@@ -135,6 +135,22 @@ def test_router_server_errors_are_counted_apart_from_client_errors():
     assert "5xx 2.0/s" in text and "5xx 6  4xx 49" in text
 
 
+def test_a_router_without_path_labels_says_its_errors_include_probe_answers():
+    # sglang-router 0.3.2 labels responses {status_code,error_code} only (reference §2.3): its /readiness 503s while
+    # workers start cannot be told from failed requests, and were shown as the deployment's server errors unqualified
+    legacy = "\n".join(line.replace('path="/v1/chat/completions",', "").replace('path="/readiness",', "")
+                        .replace('path="/workers",', "") for line in _smg_responses(9, 6, 9, 40).splitlines()) + "\n"
+    tr = ThroughputTracker(smooth_s=2.0, window_s=10.0)
+    s = tr.observe("router", "router", "u", 100.0, parse_scrape(legacy, 100.0))
+    assert s.errors_include_probes and s.errors == 66  # 6 + the 60 probe 503s it cannot leave out
+    text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
+    assert "(since start incl. probes (no path labels))" in text, text
+    s = ThroughputTracker(smooth_s=2.0, window_s=10.0).observe("router", "router", "u", 100.0,
+                                                               parse_scrape(_smg_responses(9, 6, 9, 40), 100.0))
+    assert not s.errors_include_probes and "incl. probes" not in "\n".join(
+        t.plain for t in render_throughput((s,), 120).renderables)
+
+
 def _server_text(prompt: float, gen: float, ttft_counts: dict[float, int], failed: float = 0.0) -> str:
     lbl = 'engine_type="decode",model_name="m"'
     return (
