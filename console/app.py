@@ -243,7 +243,9 @@ class ConsoleApp(App[int]):
         import signal
 
         self._signals: list[int] = []
-        for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129)):
+        from pdctl.console.exit_codes import ExitCode
+
+        for sig, code in ((signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGHUP, ExitCode.HANGUP)):
             try:
                 asyncio.get_running_loop().add_signal_handler(sig, self.terminate, code)
                 self._signals.append(sig)

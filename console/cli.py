@@ -163,8 +163,8 @@ def plan(
         loaded = load(spec, state_dir=state_dir, discover=True)
         _warnings(loaded)
         _unset_secrets_note(loaded.deployment)
-        p = plan_spec(loaded)
         recorded = loaded.journal.read()
+        p = plan_spec(loaded, recorded)
         pending = recorded.target
         if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
             from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine

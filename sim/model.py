@@ -262,9 +262,10 @@ def tool_call_markup(family: str, name: str, args: dict[str, Any]) -> list[str]:
     if family in ("deepseek-v3", "deepseek-r1"):
         return ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>", name, "\n```json\n",
                 json.dumps(args, ensure_ascii=False), "\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
-    block, invoke, param = {"deepseek-v32": ("function_calls", "invoke", "parameter"),
-                            "deepseek-v41": (" calls", " invoke", " parameter")}.get(
-                                family, ("tool_calls", "invoke", "parameter"))
+    from pdctl.sim.parsers import DSML_TAGS
+
+    block, invoke, param = DSML_TAGS[{"deepseek-v32": "deepseekv32", "deepseek-v41": "deepseekv41"}.get(
+        family, "deepseekv4")]
     pieces = [f"<｜DSML｜{block}>", "\n", f'<｜DSML｜{invoke} name="{name}">', "\n"]
     for k, v in args.items():
         if isinstance(v, str):

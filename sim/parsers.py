@@ -62,13 +62,13 @@ def split_reasoning(parser: str | None, text: str, forced: bool) -> tuple[str | 
 
 
 # parser -> its DSML tag names (block, invoke, parameter); deepseekv41's begin with a space
-_DSML_TAGS = {"deepseekv32": ("function_calls", "invoke", "parameter"),
+DSML_TAGS = {"deepseekv32": ("function_calls", "invoke", "parameter"),
               "deepseekv4": ("tool_calls", "invoke", "parameter"),
               "deepseekv41": (" calls", " invoke", " parameter")}
 _V31_BOT = "<｜tool▁calls▁begin｜>"
 _V31_CALL_RE = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
 _V3_CALL_RE = re.compile(r"<｜tool▁call▁begin｜>(.*)<｜tool▁sep｜>(.*)\n```json\n(.*)\n```<｜tool▁call▁end｜>", re.DOTALL)
-TOOL_PARSERS = set(_DSML_TAGS) | {"deepseekv31", "deepseekv3"}
+TOOL_PARSERS = set(DSML_TAGS) | {"deepseekv31", "deepseekv3"}
 
 
 def _dsml_params(content: str, param: str) -> dict[str, Any]:
@@ -101,8 +101,8 @@ def parse_tool_calls(parser: str | None, text: str,
         return text, []
     names = {t.get("function", t).get("name") for t in tools}
     calls: list[tuple[str, str]] = []
-    if parser in _DSML_TAGS:
-        block, invoke, param = _DSML_TAGS[parser]
+    if parser in DSML_TAGS:
+        block, invoke, param = DSML_TAGS[parser]
         bot = f"<｜DSML｜{block}>"
         idx = text.find(bot)
         if idx == -1:

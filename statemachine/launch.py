@@ -227,8 +227,6 @@ def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> d
     """``[secrets]`` with ``env:NAME`` values read from pdctl's environment. Raises :class:`PdctlError` naming each
     ``secrets.KEY`` whose variable is unset or whose value is empty (it went out as an empty value: a model download
     failing much later; a CI system expands a missing secret to an empty string)."""
-    from pdctl.statemachine.errors import PdctlError
-
     environ = os.environ if environ is None else environ
     out = {}
     unset = []

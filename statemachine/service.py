@@ -85,9 +85,10 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     return deployed
 
 
-def plan_spec(loaded: Loaded) -> Plan:
-    """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks."""
-    state = loaded.journal.read()
+def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
+    """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks; *state*: the
+    journal's, when the caller has read it already."""
+    state = loaded.journal.read() if state is None else state
     desired = topology_of(loaded.deployment)
     return make_plan(plan_base(state, desired), desired, from_serial=state.serial)
 

@@ -185,6 +185,13 @@ def _fingerprint(value: str, salt: str) -> str:
     return "scrypt:" + digest.hex()
 
 
+def _secret_now(reference: str) -> str:
+    """The value the units get for a ``[secrets]`` entry (an ``env:NAME`` read where pdctl runs); unset: the reference
+    itself, which apply then refuses by name."""
+    got = secret_value(reference, os.environ)
+    return reference if got is None else got
+
+
 def with_legacy_secrets_bridged(recorded: Topology, dep: Deployment) -> Topology:
     """*recorded* (a journal's topology) with each secret fingerprint an older pdctl wrote (``sha256:`` and 16 hex
     digits of the value's SHA-256) that matches the value *dep* gives the secret now replaced by today's
@@ -196,8 +203,7 @@ def with_legacy_secrets_bridged(recorded: Topology, dep: Deployment) -> Topology
     new = dict(old)
     for k, v in old.items():
         if k in dep.secrets and str(v).startswith("sha256:"):
-            got = secret_value(dep.secrets[k], os.environ)
-            value = dep.secrets[k] if got is None else got
+            value = _secret_now(dep.secrets[k])
             if v == "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]:
                 new[k] = _fingerprint(value, f"{dep.name}/{k}")
     return recorded.model_copy(update={"deployment": {**recorded.deployment, "secrets": new}})
@@ -306,10 +312,8 @@ def topology_of(dep: Deployment) -> Topology:
         "service_manager": dep.service_manager,
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
-        # the value the units get (an env:NAME read where pdctl runs): a rotated secret restarts the roles
-        # (unset: the reference itself, which apply then refuses by name)
-        "secrets": {k: _fingerprint(v if (got := secret_value(v, os.environ)) is None else got, f"{dep.name}/{k}")
-                    for k, v in sorted(dep.secrets.items())},
+        # the value the units get: a rotated secret restarts the roles
+        "secrets": {k: _fingerprint(_secret_now(v), f"{dep.name}/{k}") for k, v in sorted(dep.secrets.items())},
         # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
         "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},
     }

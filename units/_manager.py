@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from ._host import HostLike
-from ._types import ServiceStatus, UnitSet
+from ._systemd import render_env_file
+from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ServiceFailed, ServiceTimeout
 
 __all__ = ["ServiceManager", "clean_log_lines", "probe_writable"]
@@ -35,6 +36,11 @@ def clean_log_lines(text: str, lines: int) -> list[str]:
 def current_text(host: HostLike, path: str) -> str | None:
     """*path*'s text on *host* now, None when it is absent (what install() compares its rendering with)."""
     return host.read_file(path).decode() if host.exists(path) else None
+
+
+def secrets_pending(host: HostLike, service: ServiceSpec, path: str | None) -> bool:
+    """Whether install() would rewrite *service*'s secrets file at *path* (None: it has none)."""
+    return bool(path) and current_text(host, path) != render_env_file(service.secrets, deployment=service.deployment)
 
 
 def probe_writable(host: HostLike, directory: str) -> None:

@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable
+from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable, secrets_pending
 from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
@@ -302,11 +302,8 @@ class ProcessSupervisor(ServiceManager):
         for name, body in bodies.items():
             if current_text(self.host, posixpath.join(self._dir(name), "unit.json")) != _unit_text(body):
                 out.append(name)
-        for s in units.services:
-            path = bodies[s.name]["service"].get("secrets_file")
-            if path and s.name not in out and current_text(self.host, path) != render_env_file(
-                    s.secrets, deployment=s.deployment):
-                out.append(s.name)
+        out += [s.name for s in units.services
+                if s.name not in out and secrets_pending(self.host, s, bodies[s.name]["service"].get("secrets_file"))]
         return out
 
     def remove(self, names: Sequence[str]) -> None:

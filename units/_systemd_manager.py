@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable
+from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable, secrets_pending
 from ._systemd import is_pdctl_unit, render_env_file, unit_files
 from ._types import ServiceStatus, UnitSet
 from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
@@ -184,10 +184,8 @@ class SystemdManager(ServiceManager):
         for name, text in unit_files(units, scope=self.scope).items():
             if current_text(self.host, self._unit_path(name)) != text:
                 out.append(name)
-        for s in units.services:
-            if s.secrets and s.secrets_file and s.name not in out and current_text(
-                    self.host, s.secrets_file) != render_env_file(s.secrets, deployment=s.deployment):
-                out.append(s.name)
+        out += [s.name for s in units.services
+                if s.secrets and s.name not in out and secrets_pending(self.host, s, s.secrets_file)]
         return out
 
     def remove(self, names: Sequence[str]) -> None:
