@@ -9,6 +9,12 @@ rotated), µs per call, for:
   (as 32-bit words) and write one sum: the dependent index → row DRAM round trips a 32-split decode's programs
   make; the same 2048 rows over 64 and 128 programs show how much of it is one SM's throughput, not latency;
 * ``split kernel only``: the decode's split kernel with the merge launch left out (outputs not checked);
+* ``--batch-gathers B ...``: the floor of any decode kernel at batch B, whatever its arithmetic: a grid that loads
+  each row's 2048 top-k indices and gathers those FP8 rows (656 B, as 32-bit words, 16 rows at a time per program,
+  the next chunk's loads issued while this one's are summed), writing one sum per program, with 16–128 rows per
+  program, plain and chained by programmatic dependent launch; printed beside the B rows' memory roofline (Q, O,
+  the gathered rows and the indices at the copy bandwidth given by ``--copy-gbps``) and 80 % of it (issue 6's goal
+  for h = 16 and 32 at B ≥ 8);
 * ``decode``: the whole call (split + merge, or merged in-kernel), checked against the fp32 reference first.
 
 Usage (device machine, repo root):
@@ -41,6 +47,17 @@ def _kernels():  # noqa: ANN202
         tl.store(x_ptr + p, v + 1)
 
     @triton.jit
+    def gather_rows_kernel(kv_ptr, idx_ptr, out_ptr, ROWS: tl.constexpr, CHUNK: tl.constexpr, GDC: tl.constexpr):
+        _gdc_enter(GDC)
+        p = tl.program_id(0)
+        w = tl.arange(0, 256)
+        acc = tl.zeros([CHUNK, 256], tl.int32)
+        for r0 in tl.range(0, ROWS, CHUNK, num_stages=3):
+            slot = tl.load(idx_ptr + p * ROWS + r0 + tl.arange(0, CHUNK)).to(tl.int64)
+            acc += tl.load(kv_ptr + slot[:, None] * 164 + w[None, :], mask=w[None, :] < 164, other=0)
+        tl.store(out_ptr + p, tl.sum(tl.sum(acc, 1), 0))
+
+    @triton.jit
     def gather_kernel(kv_ptr, idx_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
         p = tl.program_id(0)
         r = tl.arange(0, ROWS)
@@ -49,7 +66,7 @@ def _kernels():  # noqa: ANN202
         x = tl.load(kv_ptr + slot[:, None] * 164 + w[None, :], mask=w[None, :] < 164, other=0)
         tl.store(out_ptr + p, tl.sum(tl.sum(x, 1), 0))
 
-    return null_kernel, gather_kernel
+    return null_kernel, gather_kernel, gather_rows_kernel
 
 
 class _NoLaunch:
@@ -61,7 +78,10 @@ class _NoLaunch:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    ap.add_argument("--batch-gathers", nargs="*", type=int, default=[], metavar="B")
+    ap.add_argument("--heads", type=int, default=16, help="h for the --batch-gathers roofline (Q and O bytes)")
+    ap.add_argument("--copy-gbps", type=float, default=4250.0)
     args = ap.parse_args(argv)
     _bootstrap()
     import torch
@@ -71,13 +91,33 @@ def main(argv: list[str] | None = None) -> int:
     from pdctl.kernels._reference import reference_sparse_mla_decode
     from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
 
-    null_kernel, gather_kernel = _kernels()
+    null_kernel, gather_kernel, gather_rows_kernel = _kernels()
     xs = [torch.zeros(32, dtype=torch.int32, device="cuda") for _ in range(4)]
     pdl = {"GDC": 1, "launch_pdl": True} if _sparse_mla._pdl_supported(xs[0].device) else {"GDC": 0}
     plain = {"GDC": 0}
     for label, n, kw in (("null ×1", 1, plain), ("null ×2", 2, plain), ("null ×2 PDL", 2, pdl)):
         fns = [lambda x=x, n=n, kw=kw: [null_kernel[(32,)](x, **kw) for _ in range(n)] for x in xs]
         print(f"{label}: {graph_us_multi(fns):.2f} µs")
+    for b in args.batch_gathers:
+        kv = torch.randint(0, 256, (262144, 656), dtype=torch.uint8, device="cuda")
+        words = kv.view(torch.int32)
+        nrot = rotations(b * 2048 * 656)
+        idxs = [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(b)]).to(torch.int32)
+                for _ in range(nrot)]
+        nbytes = b * (2048 * (656 + 4) + args.heads * (576 + 512) * 2)
+        roof = nbytes / (args.copy_gbps * 1e3)
+        print(f"B={b}, h={args.heads}: roofline {roof:.2f} µs ({nbytes / 1e6:.2f} MB at {args.copy_gbps:.0f} GB/s), "
+              f"80 % of it {roof / 0.8:.2f} µs", flush=True)
+        for rows_p in (16, 32, 64, 128):
+            progs = b * 2048 // rows_p
+            sink = torch.empty(progs, dtype=torch.int32, device="cuda")
+            for name, kw in (("plain", plain), ("PDL", pdl)):
+                fns = [lambda i=i, p=progs, r=rows_p, kw=kw: gather_rows_kernel[(p,)](
+                    words, i, sink, ROWS=r, CHUNK=16, **kw) for i in idxs]
+                print(f"  gather B={b}: {progs} programs × {rows_p} rows, {name}: {graph_us_multi(fns):.2f} µs",
+                      flush=True)
+        del kv, words, idxs
+        torch.cuda.empty_cache()
     sm = 0.135234
     for case in args.cases:
         h, rows, gluon, bh, splits, pdl_mode, merge = (int(x) for x in case.split(","))
