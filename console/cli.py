@@ -457,12 +457,22 @@ def status_cmd(
     raise typer.Exit(ExitCode.OK if st["healthy"] else ExitCode.ERROR)
 
 
+_DOWN_UNFINISHED = {"down-interrupted": "a `pdctl down` was interrupted", "down-failed": "the last `pdctl down` failed",
+                    "down-started": "a `pdctl down` was killed before it finished"}
+
+
 def _applying_text(st: dict) -> str:
     # The lock first: a running apply keeps the previous run's failed steps in the journal until it starts its own.
     holder = st.get("locked_by")
     if holder:
         return (f" [{holder.get('purpose', 'apply')} in progress: PID {holder.get('pid', '?')} "
                 f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
+    down = st.get("unfinished_down")
+    if down:
+        error = f" ({down['error']})" if down.get("error") else ""
+        return (f" [{_DOWN_UNFINISHED.get(down['event'], 'a `pdctl down` did not finish')} at {down.get('ts') or '?'}"
+                f"{error}: what it stopped stays stopped; `pdctl down` again finishes it, `pdctl apply` brings the "
+                "deployment back]")
     if not st["applying"]:
         return ""
     failed = next((name for name, v in st.get("steps", {}).items() if v.get("status") == "failed"), None)

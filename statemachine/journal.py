@@ -28,7 +28,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +266,24 @@ class Journal:
             with contextlib.suppress(json.JSONDecodeError):  # a line torn by a kill mid-append
                 out.append(json.loads(line))
         return out
+
+    def last_audit(self, events: Iterable[str], *, tail_bytes: int = 1 << 16) -> dict[str, Any] | None:
+        """The newest audit record whose ``event`` is one of *events*, looked for in the log's last *tail_bytes*
+        (a status poll must not read a years-long log); None when there is none there or the log cannot be read."""
+        wanted = set(events)
+        try:
+            with self.audit_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - tail_bytes))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            with contextlib.suppress(json.JSONDecodeError):  # the first line cut by the seek, or torn by a kill
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") in wanted:
+                    return record
+        return None
 
     # -- lock -----------------------------------------------------------------------------------
     @contextlib.contextmanager

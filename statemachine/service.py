@@ -393,10 +393,17 @@ def _remove_gone_roles(ctx, state, sink) -> None:  # noqa: ANN001
 # --- status and down -----------------------------------------------------------------------------
 
 
+# The audit events that end or begin an apply or a down (a refused apply or a plan changes nothing)
+_LIFECYCLE = ("apply-started", "apply-done", "apply-failed", "apply-interrupted",
+              "down-started", "down-done", "down-failed", "down-interrupted")
+
+
 def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     """Each role's unit state, health and last proof (with its age), and the router's view; ``leftover``: the
     recorded deployment's units that an unfinished apply's target drops, while installed or running (name, unit,
-    state, main_pid).
+    state, main_pid); ``unfinished_down``: where the audit log's last apply or down event is a down that did not
+    finish (``event`` down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed)
+    while something of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -492,6 +499,15 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
     )
     spec_topo = topology_of(loaded.deployment)
+    unfinished_down = None
+    if locked_by is None and (state.deployed is not None or state.target is not None
+                              or any(r["state"] != "inactive" for r in roles)
+                              or (router is not None and router["state"] != "inactive") or leftover):
+        last = loaded.journal.last_audit(_LIFECYCLE)
+        if last is not None and last["event"] in ("down-started", "down-interrupted", "down-failed"):
+            # down-started as the last word with no lock held: that down was killed (SIGKILL, a reboot)
+            unfinished_down = {"event": last["event"], "ts": last.get("ts"), "pid": last.get("pid"),
+                               "error": last.get("error")}
     return {
         "deployment": topo.name,
         "mode": topo.mode,
@@ -500,6 +516,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "deployed": state.deployed is not None,
         "applying": state.target is not None,
         "locked_by": locked_by,
+        "unfinished_down": unfinished_down,
         "matches_spec": spec_topo == (state.target or state.deployed),
         "reached": reached,
         "healthy": all_healthy,

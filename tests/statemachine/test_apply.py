@@ -1370,3 +1370,56 @@ def test_chat_on_a_deployment_that_is_not_up_says_how_to_check(demo):
     assert f"127.0.0.1:{demo.ports['router']}/v1/chat/completions" in r.stderr
     assert "is the deployment up? `pdctl status" in r.stderr
     assert r.stdout == ""
+
+
+class _StopAfterFirstUnit:
+    """A down's sink that interrupts it (as Ctrl-C would) once it has stopped its first unit (the router)."""
+
+    def emit(self, event) -> None:  # noqa: ANN001
+        if event.kind == "info" and event.message.startswith("stopped "):
+            raise KeyboardInterrupt
+
+
+def test_status_tells_a_down_that_did_not_finish_and_what_finishes_it(demo):
+    # (status said only "NOT healthy" after an interrupted down: nothing said that a down had stopped half of it)
+    from pdctl.console.cli import _status_text
+    from pdctl.statemachine import service
+
+    demo.apply()
+    with pytest.raises(KeyboardInterrupt):
+        service.down(demo.load(), sink=_StopAfterFirstUnit())
+    st = demo.status()
+    assert st["router"]["state"] == "inactive" and all(r["state"] == "active" for r in st["roles"]), st
+    assert st["unfinished_down"]["event"] == "down-interrupted" and not st["healthy"]
+    head = _status_text(st).splitlines()[0]
+    assert "NOT healthy" in head and "[a `pdctl down` was interrupted at " in head, head
+    assert "`pdctl down` again finishes it, `pdctl apply` brings the deployment back]" in head
+    # An apply brings it back, and the note goes: the apply is the newer word
+    assert demo.cli("apply", str(demo.spec)).returncode == 0
+    st = demo.status()
+    assert st["healthy"] and st["unfinished_down"] is None and "pdctl down" not in _status_text(st).splitlines()[0]
+    # A down killed outright (SIGKILL, a reboot) leaves "down-started" last and no lock held
+    demo.load().journal.audit("down-started", serial=st["serial"])
+    head = _status_text(demo.status()).splitlines()[0]
+    assert "[a `pdctl down` was killed before it finished at " in head, head
+    # Finished by a second down: nothing recorded, nothing running, nothing to say about the first
+    assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
+    st = demo.status()
+    assert st["unfinished_down"] is None and not st["deployed"], st
+    assert _status_text(st).splitlines()[0].endswith("not deployed (`pdctl plan` shows what apply would start)")
+
+
+def test_the_last_audit_record_of_a_kind_is_read_from_the_logs_tail(tmp_path):
+    from pdctl.statemachine.journal import Journal
+
+    j = Journal(tmp_path, "d")
+    assert j.last_audit({"down-started"}) is None  # no log yet
+    j.audit("down-started")
+    for i in range(100):  # ~40 KB: past a 4 KB tail, inside the default 64 KB
+        j.audit("plan", n=i, pad="x" * 200)
+    assert j.last_audit({"down-started"}, tail_bytes=4096) is None
+    assert j.last_audit({"down-started"})["event"] == "down-started"
+    assert j.last_audit({"plan"}, tail_bytes=4096)["n"] == 99
+    with j.audit_path.open("a") as f:
+        f.write('{"event": "down-do')  # torn by a kill mid-append
+    assert j.last_audit({"plan", "down-done"})["n"] == 99
