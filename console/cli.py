@@ -731,7 +731,9 @@ def main(argv: list[str] | None = None) -> None:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _err(f"error: {where}{e.strerror or e}")
         _err(f"  hint: {os_error_hint(e)}")
-        rc = ExitCode.ERROR
+        # raised while the engine recorded an interruption (a full disk refusing the journal write): the command was
+        # still stopped by Ctrl-C / SIGTERM / SIGHUP, and says so in its exit code, which scripts and `timeout` read
+        rc = ExitCode.INTERRUPTED if _during_interrupt(e) else ExitCode.ERROR
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
@@ -747,6 +749,19 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"error: <stdout>: {e.strerror or e}")
         rc = rc or ExitCode.ERROR
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
+
+
+def _during_interrupt(exc: BaseException) -> bool:
+    """Whether *exc* was raised while a KeyboardInterrupt (Ctrl-C, or SIGTERM / SIGHUP through
+    ``_signals_as_interrupt``) was being handled: one is in its chain of contexts."""
+    seen: set[int] = set()
+    cur = exc.__context__
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__context__
+    return False
 
 
 _STREAMS = ("<stdout>", "<stderr>")

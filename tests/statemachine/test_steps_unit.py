@@ -431,3 +431,31 @@ def test_an_interrupt_before_the_run_journals_its_target_names_no_earlier_runs_s
     state.steps = {"prefill_up": StepRecord(status="running")}  # this run's own step: named
     _interrupted(j, state, plan, sink, stale={"decode_up": StepRecord(status="running")})
     assert sink.events[-1].step == "prefill_up" and j.read().steps["prefill_up"].status == "interrupted"
+
+
+def test_a_sigterm_whose_record_the_full_disk_refuses_still_exits_as_terminated(tmp_path, monkeypatch, capsys):
+    # (exited 1, as for any error: `timeout` and CI runners read 143 as "stopped by the signal I sent")
+    import errno
+    import os
+    import signal
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    def apply(*a, **k):  # noqa: ANN002, ANN003
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # through the CLI's handler: KeyboardInterrupt
+            signal.pause()  # (not reached: the handler raises before the signal is delivered twice)
+        except KeyboardInterrupt:  # the engine journals where it stopped, and the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "journal.json")) from None
+
+    monkeypatch.setattr(service, "apply", apply)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", str(DEMO), "--state-dir", str(tmp_path)])
+    assert e.value.code == ExitCode.TERMINATED
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'journal.json'}: {os.strerror(errno.ENOSPC)}" in err
+    assert "terminated (SIGTERM); " in err
