@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine call for the GPU acceptance runs that are not the kernels' own benchmark:
-# the kernels_built step of examples/seed.toml, then text captures of the console's GPU/NUMA panel.
+# the kernels_built step of examples/dsv32.toml, then text captures of the console's GPU/NUMA panel.
 # Usage (device tool, repo root, .whl carried): bash benchmarks/device_acceptance.sh [kernels|smi]
 set -u
 export PYTHONUNBUFFERED=1

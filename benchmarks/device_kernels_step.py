@@ -1,6 +1,6 @@
-"""Run the state machine's ``kernels_built`` step for ``examples/seed.toml`` on this host's GPU.
+"""Run the state machine's ``kernels_built`` step for ``examples/dsv32.toml`` on this host's GPU.
 
-The same code path as ``pdctl apply``: the seed's build command (``kernels_build_command``: heads =
+The same code path as ``pdctl apply``: the spec's build command (``kernels_build_command``: heads =
 128 / decode TP, FP8 KV, the model's context length) with this interpreter and a temporary cache
 dir, then ``KernelsBuilt.apply`` and ``KernelsBuilt.verify`` (which reads the manifest). Prints the
 proof. Needs a CUDA GPU, torch and triton. Run on the device machine (see device_acceptance.sh).
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
-    dep = load_spec(ROOT / "examples" / "seed.toml")
+    dep = load_spec(ROOT / "examples" / "dsv32.toml")
     cmd, manifest = kernels_build_command(dep)
     cache = tempfile.mkdtemp(prefix="sglang-cache-")
     old_cache = cmd[cmd.index("--cache-dir") + 1]
@@ -37,7 +37,7 @@ def main() -> int:
     ctx = SimpleNamespace(dep=dep, host=LocalHost(), kernels_command=cmd, kernels_manifest=manifest, timeouts=Timeouts())
     step = KernelsBuilt()
     print("command:", " ".join(cmd))
-    assert step.observe(ctx) is None, "kernels are enabled in the seed: observe must not skip"
+    assert step.observe(ctx) is None, "kernels are enabled in the spec: observe must not skip"
     t0 = time.monotonic()
     step.apply(ctx)  # type: ignore[arg-type]
     proof = step.verify(ctx)  # type: ignore[arg-type]

@@ -23,22 +23,27 @@ Known SGLang versions and the functions hooked (all ``HookType.AROUND``; read fr
 target (sglang 0.5.23)                                                                 routed to
 =====================================================================================  =========================
 ``sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode``   marks "in decode" only
-``…DeepseekSparseAttnBackend._forward_flashmla_sparse`` (bf16 KV; decode calls only)   :func:`sparse_mla_decode`
-``…DeepseekSparseAttnBackend._forward_flashmla_kv`` (FP8 656 B or bf16 KV)              :func:`sparse_mla_decode`
+``…DeepseekSparseAttnBackend._forward_flashmla_sparse`` (decode calls only)             :func:`sparse_mla_decode`
+``…DeepseekSparseAttnBackend._forward_flashmla_kv`` (decode calls only)                 :func:`sparse_mla_decode`
 ``sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged`` (decode only)  :func:`lightning_indexer`
 =====================================================================================  =========================
 
 Server flags: only the decode impls above are hooked, so the unit must select one of them —
 ``--dsa-decode-backend flashmla_kv`` with ``--kv-cache-dtype fp8_e4m3`` (656-byte FP8 rows) or
 ``--dsa-decode-backend flashmla_sparse`` (bf16 rows). SGLang's default decode impl on an H200 with bf16 KV is
-``fa3``, which is *not* hooked. The indexer hook applies whatever the decode impl. Not done: SGLang still computes
+``fa3``, which is *not* hooked. Both impls take the FP8 656-byte rows or bf16 576-element rows. The indexer hook
+applies whatever the decode impl, wherever SGLang calls ``_get_topk_paged``: its short-context CUDA-graph variants
+(``DSA_DENSE``, dsa_indexer.py) never call it, and run SGLang's own indexer. Not done: SGLang still computes
 FlashMLA's scheduling metadata for ``flashmla_kv`` in ``init_forward_metadata*`` (``_compute_flashmla_metadata``);
 on a GPU where SGLang's FlashMLA import/metadata fails (e.g. sm_120) that needs one more hook. The plugin has been
 exercised by unit tests with stand-in objects only, not inside a running SGLang server.
 
 What each hook keeps from SGLang: ``forward_decode`` still stores the new KV and builds ``page_table_1``
 (physical slots, −1 padded) before calling the impl; we replace only the attention kernel, passing
-``metadata.dsa_cache_seqlens_int32`` (valid index count per row) as ``topk_length``. Extend/prefill calls,
+``metadata.dsa_cache_seqlens_int32`` (valid index count per row) as ``topk_length``. The impls are routed only
+inside ``forward_decode``: ``forward_extend`` calls ``_forward_flashmla_kv`` too (prefill chunks whenever the prefill
+backend is ``flashmla_kv``, SGLang's default for FP8 KV on Hopper; MTP target-verify and draft-extend), and those
+shapes are not the ones ``kernels_built`` verified. Extend/prefill calls,
 attention sinks, target-verify/draft-extend indexer calls, models with ``index_init_tokens`` /
 ``index_local_tokens``, and non-64 index pages go to the original functions. The indexer hook emits physical slots
 exactly when SGLang's own top-k would (``SGLANG_DSA_FUSE_TOPK`` on and not ``force_unfused_topk``), logical
@@ -46,9 +51,17 @@ positions otherwise, and pads rows past the batch with −1 as the original does
 
 CUDA graphs: a manifest may choose ``DecodeConfig.merge`` (the split programs merge their own partials after a
 grid barrier), whose barrier counters are zeroed at the first such call on the device and must not first be
-reached inside a capture. SGLang's ``CudaGraphRunner.capture_one_batch_size``
-(``sglang/srt/model_executor/cuda_graph_runner.py``) runs each batch size twice eagerly before capturing it, so the
-decode hook's first call is always eager; a first call inside a capture is refused with a ``RuntimeError``.
+reached inside a capture. SGLang 0.5.23 runs each batch size twice eagerly before capturing it
+(``sglang/srt/model_executor/runner_backend/full_cuda_graph_backend.py``, called from
+``model_executor/runner/decode_cuda_graph_runner.py``), so the decode hook's first call is always eager; a first
+call inside a capture is refused with a ``RuntimeError``.
+
+Seeing it work: SGLang loads plugins before it configures logging, so the plugin says what it does at WARNING (the
+level Python's last-resort handler prints to stderr, i.e. the unit's journal): once when it registers (routes, PID,
+SGLang version, GPU), once per hooked function at its first routed call, and once per function and reason when a
+decode call goes to SGLang's own kernel (a shape or layout it does not take). It does nothing for DeepSeek-V4:
+SGLang serves V4 with its own ``dsv4`` attention backend (``arg_groups/model_overrides/deepseek_v4.py``), which
+calls none of the functions above, and pdctl's rules refuse ``kernels.enabled`` for a V4 checkpoint.
 
 Any other SGLang version (``importlib.metadata.version("sglang")``) is refused: the hooked functions' names
 and argument lists change between releases (``nsa_*`` → ``dsa_*`` rename in 0.5.15–0.5.20, see
@@ -120,6 +133,27 @@ def _bind(original, args, kwargs) -> dict[str, Any]:
     return ba.arguments
 
 
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_once(key: tuple[str, str], msg: str, *args: Any) -> None:
+    # WARNING: SGLang loads plugins before it configures logging (0.5.23 launch_server.py, scheduler.py), when only
+    # Python's last-resort handler prints, and it prints WARNING and above: an INFO line would never reach the log
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning(msg, *args)
+
+
+def _routed(target: str, shape: str) -> None:
+    """Say, once per hooked function and process, that a call of it ran on pdctl's kernels."""
+    _say_once((target, ""), "pdctl_kernels: first %s call routed to pdctl.kernels (%s)", target, shape)
+
+
+def _fell_back(target: str, why: str) -> None:
+    """Say, once per hooked function, reason and process, that a decode call went to SGLang's own kernel."""
+    _say_once((target, why), "pdctl_kernels: a decode call of %s went to SGLang's own kernel: %s", target, why)
+
+
 # --- hooks -----------------------------------------------------------------------------------------------------
 
 def _forward_decode_hook(original, *args, **kwargs):
@@ -151,27 +185,41 @@ def _latent_cache(kv_cache):
 
 
 def _flashmla_sparse_hook(original, *args, **kwargs):
+    if not _IN_DECODE.get():
+        return original(*args, **kwargs)
     a = _bind(original, args, kwargs)
     kv = _latent_cache(a["kv_cache"])
-    if not _IN_DECODE.get() or a["attn_sink"] is not None or a["v_head_dim"] != 512 or kv is None:
+    if a["attn_sink"] is not None or a["v_head_dim"] != 512 or kv is None:
+        _fell_back("_forward_flashmla_sparse", "an attention sink" if a["attn_sink"] is not None else
+                   f"v_head_dim {a['v_head_dim']}, kv cache {getattr(a['kv_cache'], 'dtype', '?')} "
+                   f"{tuple(getattr(a['kv_cache'], 'shape', ()))}")
         return original(*args, **kwargs)
     from pdctl.kernels._sparse_mla import sparse_mla_decode
 
     q = a["q_all"]
+    _routed("_forward_flashmla_sparse", f"{q.shape[0]} rows, {q.shape[1]} heads")
     o, _ = sparse_mla_decode(q, kv, a["page_table_1"], a["sm_scale"], _topk_length(a["topk_length"], q.shape[0]))
     return o
 
 
 def _flashmla_kv_hook(original, *args, **kwargs):
+    if not _IN_DECODE.get():
+        # forward_extend calls this impl too: prefill chunks when the prefill backend is flashmla_kv (the FP8 default
+        # on Hopper, 0.5.23 arg_groups/overrides.py), and MTP target-verify / draft-extend; those shapes are not
+        # the ones the kernels_built step verified
+        return original(*args, **kwargs)
     a = _bind(original, args, kwargs)
     kv = _latent_cache(a["kv_cache"])
     layer = a["layer"]
     if a["v_head_dim"] != 512 or kv is None or getattr(layer, "head_dim", 576) != 576:
+        _fell_back("_forward_flashmla_kv", f"v_head_dim {a['v_head_dim']}, head_dim {getattr(layer, 'head_dim', '?')}, "
+                   f"kv cache {getattr(a['kv_cache'], 'dtype', '?')} {tuple(getattr(a['kv_cache'], 'shape', ()))}")
         return original(*args, **kwargs)
     from pdctl.kernels._sparse_mla import sparse_mla_decode
 
     q = a["q_all"].reshape(-1, layer.tp_q_head_num, 576)
     tl_ = _topk_length(getattr(a["metadata"], "dsa_cache_seqlens_int32", None), q.shape[0])
+    _routed("_forward_flashmla_kv", f"{q.shape[0]} rows, {q.shape[1]} heads, {'FP8' if kv.element_size() == 1 else 'bf16'} KV")
     o, _ = sparse_mla_decode(q, kv, a["page_table_1"], a["sm_scale"], tl_)
     return o.unsqueeze(1)  # flash_mla_with_kvcache's [T, s_q = 1, h, 512]
 
@@ -182,27 +230,34 @@ def _get_topk_paged_hook(original, *args, **kwargs):
     a = _bind(original, args, kwargs)
     self, fb, metadata = a["self"], a["forward_batch"], a["metadata"]
     q8, weights = a["q_fp8"], a["weights"]
+    if not fb.forward_mode.is_decode():
+        return original(*args, **kwargs)
     if (
-        not fb.forward_mode.is_decode()
-        or getattr(self, "num_init_tokens", 0)
+        getattr(self, "num_init_tokens", 0)
         or getattr(self, "num_local_tokens", 0)
         or q8.dtype != torch.float8_e4m3fn
         or tuple(q8.shape[1:]) != (64, 128)
     ):
+        _fell_back("_get_topk_paged", f"q {q8.dtype} {tuple(q8.shape)}, init/local index tokens "
+                   f"{getattr(self, 'num_init_tokens', 0)}/{getattr(self, 'num_local_tokens', 0)}")
         return original(*args, **kwargs)
     mod = inspect.getmodule(original)
     pool = mod.get_token_to_kv_pool()
     if getattr(pool, "index_page_size", None) != 64:
+        _fell_back("_get_topk_paged", f"index page size {getattr(pool, 'index_page_size', None)}")
         return original(*args, **kwargs)
     cache = self._get_index_k_read_buffer(pool, a["layer_id"])
     if cache.element_size() != 1 or cache.numel() % 8448:
+        _fell_back("_get_topk_paged", f"index-K cache {cache.dtype} of {cache.numel()} elements (not 132 B per token)")
         return original(*args, **kwargs)
     from pdctl.kernels._indexer import lightning_indexer
+
 
     cache = cache.reshape(-1, 8448).view(torch.uint8)
     seq_lens = metadata.get_seqlens_int32()
     block_table = metadata.get_page_table_64()
     b, t = seq_lens.shape[0], q8.shape[0]
+    _routed("_get_topk_paged", f"{b} rows")
     envs = mod.envs
     physical = bool(envs.SGLANG_DSA_FUSE_TOPK.get()) and not getattr(metadata, "force_unfused_topk", False)
     out = torch.full((t, self.index_topk), -1, dtype=torch.int32, device=q8.device)
@@ -272,5 +327,5 @@ def register() -> None:
 
     for target, fn in plan.items():
         HookRegistry.register(target, fn, HookType.AROUND)
-    logger.info("pdctl_kernels: routing %s to pdctl.kernels (sglang %s, manifest built %s on %s)", ",".join(routes),
-                version, manifest.get("elapsed_s"), manifest["gpu"]["name"])
+    _say_once(("register", ""), "pdctl_kernels: routing %s to pdctl.kernels in PID %d (sglang %s, manifest built %s s "
+              "on %s)", ",".join(routes), os.getpid(), version, manifest.get("elapsed_s"), manifest["gpu"]["name"])

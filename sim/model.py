@@ -49,7 +49,9 @@ DSA_FAMILIES = frozenset(f for f, (mt, _) in ARCHITECTURE.items() if mt == "deep
 ALWAYS_THINKS = frozenset({"deepseek-r1"})
 #: What SGLang 0.5.23 resolves an unset --page-size to for the family on CUDA
 #: (model_overrides/deepseek_v2.py: DSA -> 64; deepseek_v4.py -> 256; V3/V3.1 -> 1).
-DEFAULT_PAGE_SIZE = {f: {"deepseek_v32": 64, "deepseek_v4": 256}.get(mt, 1) for f, (mt, _) in ARCHITECTURE.items()}
+DSV4_PAGE_SIZE = 256  # model_overrides/deepseek_v4.py on CUDA, whatever --page-size says
+DEFAULT_PAGE_SIZE = {f: {"deepseek_v32": 64, "deepseek_v4": DSV4_PAGE_SIZE}.get(mt, 1)
+                     for f, (mt, _) in ARCHITECTURE.items()}
 VOCAB_SIZE = 129280  # DeepSeek-V3 family vocabulary size
 
 BOS = "<｜begin▁of▁sentence｜>"

@@ -163,6 +163,13 @@ class Sim:
             os.environ.setdefault("MC_FORCE_TCP", "1")
             self._startup_info.append("disaggregation transfer backend 'mooncake_tcp' -> mooncake with "
                                       "MC_FORCE_TCP=1 (TCP transport, no RDMA)")
+        arch = mdl.ARCHITECTURE[self.family]
+        if arch[0] == "deepseek_v4":
+            # model_overrides/deepseek_v4.py declares these over the command line's values on CUDA (a declaration
+            # wins over a raw input: model_override_base.ResolvingConfig)
+            a["attention_backend"], a["page_size"] = "dsv4", mdl.DSV4_PAGE_SIZE
+            self._startup_info.append(f"Use dsv4 attention backend for {arch[1]}, setting page_size to "
+                                      f"{mdl.DSV4_PAGE_SIZE}.")
         if self.family in mdl.DSA_FAMILIES:
             # overrides._dsa_kv_cache_dtype_default (an H200-class SM90 device: auto -> bfloat16)
             kv = a["kv_cache_dtype"]
@@ -697,7 +704,7 @@ class Sim:
         t_start = time.monotonic()
         log.info(f"server_args={{disaggregation_mode={self.mode!r}, model_path={a['model_path']!r}, "
                  f"tp_size={a['tp_size']}, host={host!r}, port={port}}}")
-        if self.args.page_size is None and self.page_size != 1:
+        if self.args.page_size is None and self.page_size != 1 and mdl.ARCHITECTURE[self.family][0] != "deepseek_v4":
             log.warning(f"Setting page size to {self.page_size} for {self.model_info()['architectures'][0]}.")
         for w in self._startup_info:
             log.info(w)

@@ -163,6 +163,24 @@ _DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
+# DeepSeek checkpoints by name -> the attention path SGLang serves them on. Sources: SGLang 0.5.23
+# sglang/srt/arg_groups/model_overrides/deepseek_v4.py (DeepseekV4ForCausalLM: attention_backend "dsv4" and
+# page_size 256 on CUDA, declared over whatever --page-size says; models/deepseek_v4.py uses its own indexer, never
+# the dsa backend's) and model_overrides/deepseek_v2.py (DeepseekV32ForCausalLM, V3.2 and V3.2-Exp: the dsa backend,
+# 64-token pages). First match wins; other names are not judged.
+_DEEPSEEK_ATTENTION: tuple[tuple[str, str], ...] = ((r"v4", "dsv4"), (r"v3[._-]?2", "dsa"))
+_DSV4_PAGE_SIZE = 256
+
+
+def _deepseek_attention(model_path: str) -> str | None:
+    """``"dsv4"`` (DeepSeek-V4, V4.1), ``"dsa"`` (V3.2, V3.2-Exp, V3.2-Speciale) or None for *model_path* named as
+    DeepSeek publishes its checkpoints (``deepseek-ai/DeepSeek-V4-Flash``); None for any other name."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    if "deepseek" not in name or "distill" in name:
+        return None
+    return next((path for pattern, path in _DEEPSEEK_ATTENTION if re.search(pattern, name)), None)
+
+
 _FAILS_LATE = "(parsers_configured then fails, after both servers restarted)"
 # (field, table, SGLang facts' list, the parser in words, what it parses, its verb, unset: what is left, misfit: what
 # a parser for other markup does)
@@ -703,8 +721,42 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 f'write "env:{key}" and export {key} where pdctl runs',
             )
 
+    # --- DeepSeek-V4: SGLang's own dsv4 attention, whatever the dsa flags say ---------------------
+    v4 = _deepseek_attention(dep.model.path) == "dsv4"
+    if v4:
+        sized: set[str] = set()
+        for _name, _kind, role in roles:
+            field = f"{_role_field(dep, role)}.page_size" if role.page_size is not None else "model.page_size"
+            size = role.page_size if role.page_size is not None else dep.model.page_size
+            if size not in (None, _DSV4_PAGE_SIZE) and field not in sized:
+                sized.add(field)
+                err(
+                    field,
+                    f"page_size = {size} for {dep.model.path}: SGLang serves DeepSeek-V4 with its dsv4 attention "
+                    f"backend in {_DSV4_PAGE_SIZE}-token pages whatever --page-size says, and /server_info would "
+                    f"show {_DSV4_PAGE_SIZE} (prefill_up then fails on the real server)",
+                    f"leave {field} out, or set it to {_DSV4_PAGE_SIZE}",
+                )
+        for fld in ("dsa_prefill_backend", "dsa_decode_backend"):
+            if getattr(dep.model, fld) is not None:
+                warn(
+                    f"model.{fld}",
+                    f"SGLang serves {dep.model.path} (DeepSeek-V4) with its dsv4 attention backend, which never reads "
+                    f"--{fld.replace('_', '-')}",
+                    f"leave model.{fld} out (dsv4's own choices go in extra_args: --dsv4-attn-backend, "
+                    "--dsv4-prefill-backend)",
+                )
     # --- kernels --------------------------------------------------------------------------------
-    if dep.kernels.enabled:
+    if dep.kernels.enabled and v4:
+        err(
+            "kernels.enabled",
+            f"{dep.model.path} is a DeepSeek-V4 checkpoint, which SGLang serves with its own dsv4 attention "
+            "(512-dim rows of 584 bytes in 256-token pages, attention sinks, a sliding window); pdctl's kernels "
+            "compute DeepSeek-V3.2's sparse attention (576-dim latent rows, the 656-byte FP8 layout, 64-token pages) "
+            "and its SGLang plugin hooks only the dsa backend, so they would be built and never run",
+            "set kernels.enabled = false for this model; the kernels serve DeepSeek-V3.2 checkpoints",
+        )
+    elif dep.kernels.enabled:
         paged: set[str] = set()  # model.page_size is reported once, not once per role that inherits it
         for _name, _kind, role in roles:
             if role.page_size is not None and role.page_size != _KERNEL_PAGE_SIZE:
@@ -721,10 +773,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "656-byte latent KV and the indexer's 132 B/token index cache)",
                     f"set {field} = 64 (or leave it out), or set kernels.enabled = false",
                 )
-    if dep.kernels.enabled and not dep.kernels.which:
+    if dep.kernels.enabled and not v4 and not dep.kernels.which:
         err("kernels.which", "kernels are enabled but none is named: kernels_built would build nothing",
             'name them (which = ["sparse_mla_decode", "lightning_indexer"]), or set kernels.enabled = false')
-    if dep.kernels.enabled and "sparse_mla_decode" in dep.kernels.which:
+    if dep.kernels.enabled and not v4 and "sparse_mla_decode" in dep.kernels.which:
         if dep.model.dsa_decode_backend not in _PLUGIN_DECODE_BACKENDS:
             err(
                 "model.dsa_decode_backend",
@@ -733,7 +785,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 f"{' / '.join(_PLUGIN_DECODE_BACKENDS)} decode paths; with this backend the built kernel would never run",
                 'set model.dsa_decode_backend = "flashmla_kv" (FP8 KV) or "flashmla_sparse", or drop sparse_mla_decode from kernels.which',
             )
-    if dep.kernels.enabled and dep.sglang_version not in _PLUGIN_VERSIONS:
+    if dep.kernels.enabled and not v4 and dep.sglang_version not in _PLUGIN_VERSIONS:
         err(
             "kernels.enabled",
             f"pdctl's SGLang plugin knows SGLang {', '.join(_PLUGIN_VERSIONS)} only and refuses {dep.sglang_version}",

@@ -160,13 +160,14 @@ def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
 def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     """The command that builds and verifies pdctl's kernels for *dep* on its GPU host, and the
     manifest it writes (``<SGLANG_CACHE_DIR>/pdctl-kernels-manifest.json``). Shapes follow the
-    deployment: local MLA heads = 128 / TP of the decode group, the KV format from the
-    kv-cache dtype, the max context from the model's context length."""
+    deployment: local MLA heads = 128 / the decode group's attention-TP size (TP / attention-DP: SGLang 0.5.23
+    ``dsa_backend.py`` takes ``num_attention_heads // attn_tp_size``), the KV format from the kv-cache dtype, the max
+    context from the model's context length. Prefill runs SGLang's own kernels (the plugin routes decode only)."""
     from pdctl.statemachine import launch
 
     cache = launch._cache_dir(dep)
-    tps = sorted({r.tp for _n, k, r in dep.roles() if k in ("decode", "server")}) or [1]
-    heads = sorted({max(1, 128 // tp) for tp in tps})
+    attn_tps = sorted({max(1, r.tp // r.attn_dp) for _n, k, r in dep.roles() if k in ("decode", "server")}) or [1]
+    heads = sorted({max(1, 128 // t) for t in attn_tps})
     fmt = "fp8" if str(dep.model.kv_cache_dtype).startswith("fp8") else "bf16"
     cmd = [launch.python_for(dep), "-m", "pdctl.kernels", "build", "--cache-dir", cache, "--heads", *map(str, heads), "--kv-formats", fmt]
     if dep.model.context_length:

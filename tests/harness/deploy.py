@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.toml"
 SEED = ROOT / "examples" / "seed.toml"
 
-__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "dump_toml", "listening_pids", "seed_dict"]
+__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "dsv32_dict", "dump_toml", "listening_pids", "seed_dict"]
 
 
 def dump_toml(d: dict) -> str:
@@ -42,6 +42,20 @@ def demo_dict() -> dict:
 
 def seed_dict() -> dict:
     return tomllib.loads(SEED.read_text())
+
+
+def dsv32_dict() -> dict:
+    """The seed's shape serving DeepSeek-V3.2 with pdctl's kernels: the checkpoint whose sparse attention they compute
+    (SGLang's dsa backend, 64-token pages, the 656-byte FP8 rows), with the plugin's decode path and V3.2's parsers
+    (SGLang docs/basic_usage/deepseek_v32.md: deepseek-v3 and deepseekv32). For rules, argv and units only: the
+    weights would not fit one 4-GPU group of the seed's host."""
+    d = seed_dict()
+    d["name"] = "dsv32"
+    d["model"].update(path="deepseek-ai/DeepSeek-V3.2", served_name="deepseek-v3.2", page_size=64,
+                      dsa_prefill_backend="triton_sparse_mla", dsa_decode_backend="flashmla_kv")
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
+    d["kernels"] = {"enabled": True, "which": ["sparse_mla_decode", "lightning_indexer"]}
+    return d
 
 
 def listening_pids(ports: list[int]) -> list[int]:

@@ -93,14 +93,43 @@ def test_flashmla_kv_hook_computes_sparse_mla_on_the_fp8_cache():
     def original(self, q_all, kv_cache, v_head_dim, sm_scale, layer, metadata, page_table_1):
         raise AssertionError("must not fall back")
 
-    o = sglang_plugin._flashmla_kv_hook(
-        original, None, q_all=q.view(t, 1, h, 576), kv_cache=kv, v_head_dim=512, sm_scale=0.1,
-        layer=SimpleNamespace(tp_q_head_num=h, head_dim=576),
-        metadata=SimpleNamespace(dsa_cache_seqlens_int32=lens), page_table_1=idx,
-    )
+    def decode(self, *a, **k):  # DeepseekSparseAttnBackend.forward_decode, which calls the impl
+        return sglang_plugin._flashmla_kv_hook(
+            original, None, q_all=q.view(t, 1, h, 576), kv_cache=kv, v_head_dim=512, sm_scale=0.1,
+            layer=SimpleNamespace(tp_q_head_num=h, head_dim=576),
+            metadata=SimpleNamespace(dsa_cache_seqlens_int32=lens), page_table_1=idx,
+        )
+
+    o = sglang_plugin._forward_decode_hook(decode, None)
     ro, _ = reference_sparse_mla_decode(q, kv.view(-1, 656), idx, 0.1, lens)
     assert o.shape == (t, 1, h, 512)
     assert (o[:, 0].double() - ro).abs().max() < 1e-4
+
+
+def test_flashmla_kv_hook_leaves_extend_calls_to_sglang(caplog):
+    # forward_extend calls _forward_flashmla_kv too (prefill chunks with the FP8 default prefill backend, MTP
+    # verify): shapes the kernels_built step never verified. Only forward_decode's calls are routed.
+    calls = []
+
+    def original(self, q_all, kv_cache, v_head_dim, sm_scale, layer, metadata, page_table_1):
+        calls.append(q_all.shape)
+        return "original"
+
+    kv = torch.zeros(64, 1, 656, dtype=torch.uint8)
+    args = dict(q_all=torch.zeros(3, 1, 16, 576), kv_cache=kv, v_head_dim=512, sm_scale=0.1,
+                layer=SimpleNamespace(tp_q_head_num=16, head_dim=576), metadata=SimpleNamespace(),
+                page_table_1=torch.zeros(3, 64, dtype=torch.int32))
+    assert sglang_plugin._flashmla_kv_hook(original, None, **args) == "original"
+    # in decode, a layout it does not take (a 512-wide V for another head_dim) falls back and says so, once
+    sglang_plugin._SAID.clear()
+    bad = dict(args, layer=SimpleNamespace(tp_q_head_num=16, head_dim=512))
+    with caplog.at_level("WARNING", logger=sglang_plugin.__name__):
+        for _ in range(2):
+            assert sglang_plugin._forward_decode_hook(
+                lambda *a: sglang_plugin._flashmla_kv_hook(original, None, **bad), None) == "original"
+    said = [r.getMessage() for r in caplog.records if "went to SGLang's own kernel" in r.getMessage()]
+    assert len(said) == 1 and "_forward_flashmla_kv" in said[0] and "head_dim 512" in said[0], said
+    assert len(calls) == 3
 
 
 def test_flashmla_sparse_hook_only_routes_decode_calls():

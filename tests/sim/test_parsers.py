@@ -224,3 +224,16 @@ def test_v4_model_path_with_v4_parsers_parses():
                     "--tool-call-parser", "deepseekv4"]) as p:
         msg = http_post(p.url + "/v1/chat/completions", {**CHAT, "model": "x"})[1]["choices"][0]["message"]
         assert msg["reasoning_content"] and msg["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_v4_runs_on_dsv4_attention_in_256_token_pages_whatever_page_size_says():
+    # SGLang 0.5.23 model_overrides/deepseek_v4.py declares attention_backend "dsv4" and page_size 256 for
+    # DeepseekV4ForCausalLM, and a declaration wins over the command line (model_override_base.ResolvingConfig)
+    from pdctl.sim.server import Sim
+
+    for argv in ([], ["--page-size", "64"]):
+        sim = Sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", *argv])
+        assert sim.page_size == 256 and sim.resolved["attention_backend"] == "dsv4"
+        assert "Use dsv4 attention backend for DeepseekV4ForCausalLM, setting page_size to 256." in sim._startup_info
+    sim = Sim(["--model-path", "deepseek-ai/DeepSeek-V3.2", "--page-size", "64"])
+    assert sim.page_size == 64 and sim.resolved["attention_backend"] is None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from harness.deploy import DEMO, SEED, demo_dict, dump_toml, seed_dict
+from harness.deploy import DEMO, SEED, demo_dict, dsv32_dict, dump_toml, seed_dict
 
-__all__ = ["DEMO", "SEED", "collapsed", "demo_dict", "dump_toml", "seed_dict"]
+__all__ = ["DEMO", "SEED", "collapsed", "demo_dict", "dsv32_dict", "dump_toml", "seed_dict"]
 
 
 def collapsed(base: dict) -> dict:

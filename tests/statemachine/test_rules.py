@@ -10,7 +10,7 @@ from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.rules import Inventory, check, validate
 from pdctl.statemachine.spec import load_spec, parse_spec
 
-from .specs import DEMO, SEED, seed_dict
+from .specs import DEMO, SEED, dsv32_dict, seed_dict
 
 
 def _with(path: tuple, value) -> dict:  # noqa: ANN001
@@ -232,7 +232,7 @@ def test_reasoning_parser_valid_in_new_version_is_invalid_for_an_old_target():
 
 
 def test_sparse_attention_backends_are_checked_against_the_target_release():
-    d = seed_dict()
+    d = dsv32_dict()
     d["model"]["dsa_decode_backend"] = "flashmla_kvv"
     f = _one(d, "model.dsa_decode_backend", "not a --dsa-decode-backend choice of SGLang 0.5.23", "'flashmla_kv'")
     d["model"]["dsa_decode_backend"] = "flashmla_kv"
@@ -377,7 +377,7 @@ def test_unknown_target_version():
 
 
 def test_kernels_enabled_with_none_named_is_refused():
-    d = seed_dict()
+    d = dsv32_dict()
     d["kernels"] = {"enabled": True, "which": []}
     _one(d, "kernels.which", "none is named", "set kernels.enabled = false")
 
@@ -613,15 +613,14 @@ def test_validation_contacts_nothing_and_changes_nothing(tmp_path, monkeypatch):
 
 
 def test_kernels_need_a_decode_backend_the_plugin_hooks():
-    d = seed_dict()
+    d = dsv32_dict()
     d["model"]["dsa_decode_backend"] = "fa3"
     _one(d, "model.dsa_decode_backend", "would never run", "flashmla_kv")
 
 
 def test_kernels_need_a_target_version_the_plugin_knows():
-    d = seed_dict()
+    d = dsv32_dict()
     d["sglang_version"] = "0.5.6"
-    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
     _one(d, "kernels.enabled", "refuses 0.5.6")
 
 
@@ -766,7 +765,7 @@ def test_ipv6_addresses_are_bracketed_in_every_url_pdctl_builds():
 @pytest.mark.parametrize("where", ["model", "decode"])
 def test_a_page_size_other_than_64_with_kernels_enabled_is_refused(where):
     # pdctl's kernels read 64-token pages; a 32-token page size passed validate and failed only in the kernels
-    d = seed_dict()
+    d = dsv32_dict()
     if where == "model":
         d["model"]["page_size"] = 32
         field = "model.page_size"
@@ -781,7 +780,7 @@ def test_a_page_size_other_than_64_with_kernels_enabled_is_refused(where):
 
 
 def test_a_page_size_of_64_or_unset_with_kernels_passes():
-    d = seed_dict()
+    d = dsv32_dict()
     del d["model"]["page_size"]
     assert not [f for f in validate(parse_spec(d)) if "page_size" in f.field]
     d["model"]["page_size"] = 32  # overridden to 64 on every role: the kernels read 64-token pages
@@ -946,3 +945,48 @@ def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has()
     f = _one(d, "parsers.reasoning_parser", "separates with deepseek-v3:", 'reasoning_parser = "deepseek-v3"',
              level="warning")
     assert "deepseek-v4" not in f.message + f.fix
+
+
+def test_kernels_for_a_deepseek_v4_checkpoint_are_refused():
+    # SGLang serves V4 with its own dsv4 attention (584-byte rows, 256-token pages), which never calls the dsa
+    # backend's functions the plugin hooks: the seed once enabled them there, to be built and never run
+    d = seed_dict()
+    d["kernels"]["enabled"] = True
+    f = _one(d, "kernels.enabled", "DeepSeek-V4 checkpoint", "dsv4 attention", "hooks only the dsa backend",
+             "set kernels.enabled = false for this model")
+    assert [x.field for x in _errors(d)] == ["kernels.enabled"], _errors(d)  # no advice about dsa flags V4 ignores
+    d["model"]["path"] = "deepseek-ai/DeepSeek-V4.1-Pro"
+    assert f.field in [x.field for x in _errors(d)]
+    d["model"]["path"] = "deepseek-ai/DeepSeek-V3.2-Speciale"  # V3.2's attention: the kernels apply
+    assert "kernels.enabled" not in [x.field for x in _errors(d)]
+
+
+@pytest.mark.parametrize("where", ["model", "decode"])
+def test_a_deepseek_v4_page_size_other_than_256_is_refused(where):
+    # SGLang 0.5.23 declares 256-token pages for DeepseekV4ForCausalLM over --page-size; /server_info shows 256 and
+    # prefill_up, which compares it with the spec's, would fail on the real server (the seed once said 64)
+    d = seed_dict()
+    if where == "model":
+        d["model"]["page_size"] = 64
+        field = "model.page_size"
+    else:
+        d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = 64
+        field = "decode[0].page_size"
+    _one(d, field, "page_size = 64 for deepseek-ai/DeepSeek-V4-Flash", "256-token pages whatever --page-size says",
+         f"leave {field} out, or set it to 256")
+    for size in (256, None):
+        for role in ("prefill", "decode"):
+            d[role][0].pop("page_size", None)
+        d["model"].pop("page_size", None)
+        if size:
+            d["model"]["page_size"] = size
+        assert not [x for x in _errors(d) if "page_size" in x.field]
+
+
+def test_dsa_backends_for_a_deepseek_v4_checkpoint_are_warned_as_ignored():
+    d = seed_dict()
+    d["model"]["dsa_decode_backend"] = "flashmla_kv"
+    _one(d, "model.dsa_decode_backend", "dsv4 attention backend, which never reads --dsa-decode-backend",
+         "--dsv4-attn-backend", level="warning")
+    d = dsv32_dict()
+    assert not [x for x in validate(parse_spec(d)) if x.field.startswith("model.dsa_")]

@@ -74,10 +74,11 @@ def test_router_workers_of_another_shape_raise_a_probe_error():
 def test_server_info_mismatch_names_each_field():
     role = SEED_TOPO.role("decode")
     exp = expected_server_info(role, SEED_TOPO)
-    info = dict(exp, tool_call_parser=None, page_size=32)
+    info = dict(exp, tool_call_parser=None, context_length=65536, page_size=256)
     bad = server_info_mismatches(info, exp)
     assert "tool_call_parser is None, expected 'deepseekv4'" in bad
-    assert "page_size is 32, expected 64" in bad
+    assert "context_length is 65536, expected 131072" in bad
+    assert "page_size" not in exp and len(bad) == 2  # the seed leaves V4's pages to SGLang
     assert exp["disaggregation_mode"] == "decode" and exp["tp_size"] == 4
 
 
@@ -459,3 +460,22 @@ def test_a_sigterm_whose_record_the_full_disk_refuses_still_exits_as_terminated(
     err = capsys.readouterr().err
     assert f"error: {tmp_path / 'journal.json'}: {os.strerror(errno.ENOSPC)}" in err
     assert "terminated (SIGTERM); " in err
+
+
+def test_the_kernels_are_built_for_the_decode_ranks_local_heads():
+    # SGLang's local MLA heads are num_attention_heads // attn_tp_size: with attention-DP a TP8 decode rank holds
+    # all 128 heads, not 16 (the build verified a shape no rank ran)
+    from pdctl.statemachine.service import kernels_build_command
+    from pdctl.statemachine.spec import parse_spec
+
+    from .specs import dsv32_dict
+
+    d = dsv32_dict()
+    cmd, _ = kernels_build_command(parse_spec(d))
+    assert cmd[cmd.index("--heads") + 1:cmd.index("--kv-formats")] == ["32"]  # TP4, no attention-DP
+    d["decode"][0]["attn_dp"] = 4
+    cmd, _ = kernels_build_command(parse_spec(d))
+    assert cmd[cmd.index("--heads") + 1:cmd.index("--kv-formats")] == ["128"]
+    d["decode"][0]["attn_dp"] = 2
+    cmd, _ = kernels_build_command(parse_spec(d))
+    assert cmd[cmd.index("--heads") + 1:cmd.index("--kv-formats")] == ["64"]

@@ -2,12 +2,12 @@
 
 The expected argv below was written by hand from the seed and SGLang 0.5.23's flag reference
 (``launch_server --help``: ``--model-path``, ``--served-model-name``, ``--context-length``,
-``--page-size``, ``--kv-cache-dtype``, ``--trust-remote-code``, ``--dsa-prefill-backend``,
-``--dsa-decode-backend``, ``--tp-size``, ``--base-gpu-id``, ``--host``, ``--port``,
+``--kv-cache-dtype``, ``--trust-remote-code``, ``--tp-size``, ``--base-gpu-id``, ``--host``, ``--port``,
 ``--nccl-port``, ``--disaggregation-mode``, ``--disaggregation-transfer-backend``,
 ``--disaggregation-bootstrap-port``, ``--mem-fraction-static``, ``--reasoning-parser``,
 ``--tool-call-parser``, ``--enable-metrics``) and smg 1.13.0's ``launch --help``; not from the code
-under test. Each rendered argv is then also parsed by a parser built from SGLang 0.5.23's own
+under test; the DeepSeek-V3.2 variant with pdctl's kernels adds ``--page-size``, ``--dsa-prefill-backend``,
+``--dsa-decode-backend`` and the plugin's environment. Each rendered argv is then also parsed by a parser built from SGLang 0.5.23's own
 argparse dump (``statemachine/data/sglang-0.5.23-flags.json``) and by smg's real parser.
 """
 
@@ -25,6 +25,8 @@ from pdctl.statemachine.launch import launch_for_role, router_executable, servic
 from pdctl.statemachine.spec import load_spec, parse_spec
 from pdctl.units import RouterLaunch, ServerLaunch, router_argv, server_argv, server_env
 
+from harness.deploy import dsv32_dict
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PY = "/opt/sglang/.venv/bin/python"
 
@@ -33,11 +35,8 @@ SEED_PREFILL_ARGV = [
     "--model-path", "deepseek-ai/DeepSeek-V4-Flash",
     "--served-model-name", "deepseek-v4-flash",
     "--context-length", "131072",
-    "--page-size", "64",
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
-    "--dsa-prefill-backend", "triton_sparse_mla",
-    "--dsa-decode-backend", "flashmla_kv",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -57,11 +56,8 @@ SEED_DECODE_ARGV = [
     "--model-path", "deepseek-ai/DeepSeek-V4-Flash",
     "--served-model-name", "deepseek-v4-flash",
     "--context-length", "131072",
-    "--page-size", "64",
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
-    "--dsa-prefill-backend", "triton_sparse_mla",
-    "--dsa-decode-backend", "flashmla_kv",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -151,17 +147,36 @@ def test_seed_router_argv_is_the_hand_derived_one(seed):
 
 
 
-# The seed enables pdctl's kernels: the SGLang plugin's switches (pdctl.kernels.sglang_plugin).
+# With pdctl's kernels enabled (a DeepSeek-V3.2 checkpoint): the SGLang plugin's switches (pdctl.kernels.sglang_plugin).
 PLUGIN_ENV = {"SGLANG_PLUGINS": "pdctl_kernels", "PDCTL_KERNELS_DIR": "/var/cache/sglang",
               "PDCTL_KERNELS_ROUTE": "decode,indexer", "PDCTL_KERNELS_REQUIRED": "1",
               "TRITON_CACHE_DIR": "/var/cache/sglang/triton"}
+# ... and the flags of V3.2's dsa backend, after --trust-remote-code (hand-derived from dsv32_dict's model table)
+DSV32_MODEL_ARGV = ["--model-path", "deepseek-ai/DeepSeek-V3.2", "--served-model-name", "deepseek-v3.2",
+                    "--context-length", "131072", "--page-size", "64", "--kv-cache-dtype", "fp8_e4m3",
+                    "--trust-remote-code", "--dsa-prefill-backend", "triton_sparse_mla",
+                    "--dsa-decode-backend", "flashmla_kv"]
 
 
 def test_seed_environment_pins_gpus_and_the_cache_dir(seed):
+    # (the seed's DeepSeek-V4 runs on SGLang's own dsv4 attention: no kernels, no plugin switches)
     assert server_env(launch_for_role(seed, "prefill")) == {
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
     assert server_env(launch_for_role(seed, "decode")) == {
-        "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+
+
+def test_dsv32_with_kernels_carries_the_plugins_switches_and_the_dsa_flags():
+    dep = parse_spec(dsv32_dict())
+    for role, gpus, argv in (("prefill", "0,1,2,3", SEED_PREFILL_ARGV), ("decode", "4,5,6,7", SEED_DECODE_ARGV)):
+        launch = launch_for_role(dep, role)
+        assert server_env(launch) == {"CUDA_VISIBLE_DEVICES": gpus, "SGLANG_CACHE_DIR": "/var/cache/sglang",
+                                      **PLUGIN_ENV}
+        got = server_argv(launch)
+        parsers = ["--reasoning-parser", "deepseek-v3", "--tool-call-parser", "deepseekv32"]
+        assert got == argv[:3] + DSV32_MODEL_ARGV + argv[12:-5] + parsers + ["--enable-metrics"]
+        ns = parse_sglang(got)
+        assert ns.page_size == "64" and ns.dsa_decode_backend == "flashmla_kv"
 
 
 def test_seed_services_carry_the_golden_argv_and_env(seed):
@@ -169,7 +184,7 @@ def test_seed_services_carry_the_golden_argv_and_env(seed):
     assert list(svc) == ["prefill", "decode", "router"]
     assert list(svc["prefill"].argv) == SEED_PREFILL_ARGV
     assert list(svc["router"].argv) == SEED_ROUTER_ARGV
-    assert dict(svc["decode"].env) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang", **PLUGIN_ENV}
+    assert dict(svc["decode"].env) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
     assert svc["prefill"].numa_node == 0 and svc["prefill"].cpu_affinity == "0-31,64-95"
     assert svc["decode"].numa_node == 1 and svc["decode"].cpu_affinity == "32-63,96-127"
 
@@ -179,7 +194,7 @@ def test_seed_server_argv_parses_with_sglang_0_5_23s_parser(seed):
         ns = parse_sglang(server_argv(launch_for_role(seed, role)))
         assert ns.disaggregation_mode == role
         assert ns.tp_size == "4" and ns.base_gpu_id == "0" and ns.enable_metrics is True
-        assert ns.kv_cache_dtype == "fp8_e4m3" and ns.page_size == "64"
+        assert ns.kv_cache_dtype == "fp8_e4m3" and ns.page_size is None  # SGLang picks V4's 256-token pages
         assert ns.reasoning_parser == "deepseek-v4" and ns.tool_call_parser == "deepseekv4"
 
 
@@ -222,10 +237,11 @@ def test_parallelism_flags_above_one_only_and_parse():
     parse_sglang(a)
 
 
-def test_an_older_target_gets_its_own_spelling(seed):
+def test_an_older_target_gets_its_own_spelling():
     # SGLang 0.5.6 has no --attn-dp-size (≤ 0.5.20: --dp-size N --enable-dp-attention) and names the sparse
     # attention backends --nsa-* (--dsa-* from 0.5.15); the 0.5.23 spelling made it exit 2 ("unrecognized arguments")
-    d = seed.model_dump(mode="json", exclude_none=True)
+    d = dsv32_dict()
+    d["kernels"]["enabled"] = False  # (the plugin knows 0.5.23 only)
     d["sglang_version"] = "0.5.6"
     d["model"]["dsa_prefill_backend"] = "flashmla_sparse"
     d["decode"][0]["attn_dp"] = 4

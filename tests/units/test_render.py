@@ -44,9 +44,8 @@ GATE = (
 
 SERVER_COMMON = (
     "/opt/sglang/.venv/bin/python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V4-Flash "
-    "--served-model-name deepseek-v4-flash --context-length 131072 --page-size 64 --kv-cache-dtype fp8_e4m3 "
-    "--trust-remote-code --dsa-prefill-backend triton_sparse_mla --dsa-decode-backend flashmla_kv --tp-size 4 "
-    "--base-gpu-id 0 --host 127.0.0.1"
+    "--served-model-name deepseek-v4-flash --context-length 131072 --kv-cache-dtype fp8_e4m3 "
+    "--trust-remote-code --tp-size 4 --base-gpu-id 0 --host 127.0.0.1"
 )
 PARSERS = "--mem-fraction-static 0.85 --reasoning-parser deepseek-v4 --tool-call-parser deepseekv4 --enable-metrics"
 
@@ -68,11 +67,6 @@ ExecStart={SERVER_COMMON} --port 30010 --nccl-port 30110 --disaggregation-mode p
 ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30010/health 3000
 Environment=CUDA_VISIBLE_DEVICES=0,1,2,3
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
-Environment=SGLANG_PLUGINS=pdctl_kernels
-Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
-Environment=PDCTL_KERNELS_ROUTE=decode,indexer
-Environment=PDCTL_KERNELS_REQUIRED=1
-Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-prefill
 NUMAPolicy=bind
 NUMAMask=0
@@ -104,11 +98,6 @@ ExecStart={SERVER_COMMON} --port 30020 --nccl-port 30120 --disaggregation-mode d
 ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30020/health 3000
 Environment=CUDA_VISIBLE_DEVICES=4,5,6,7
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
-Environment=SGLANG_PLUGINS=pdctl_kernels
-Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
-Environment=PDCTL_KERNELS_ROUTE=decode,indexer
-Environment=PDCTL_KERNELS_REQUIRED=1
-Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-decode
 NUMAPolicy=bind
 NUMAMask=1
