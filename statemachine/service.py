@@ -287,7 +287,17 @@ def apply(
                     plan_id=saved_plan.plan_id,
                     hint="make a new plan from the current spec",
                 )
-            plan = saved_plan  # exactly what was reviewed; a topology change still needs its confirmation
+            if (saved_plan.plan_id, saved_plan.changes, saved_plan.topology_changes) != (
+                    plan.plan_id, plan.changes, plan.topology_changes):
+                # the topologies are the recorded and the specified ones, yet the changes (their classes, and so
+                # whether a confirmation is needed) are not those the two make: the file was edited after `plan -o`
+                raise StalePlanError(
+                    f"saved plan {saved_plan.plan_id} does not hold the changes its two topologies make (the file was "
+                    "edited after `pdctl plan -o`?); nothing was changed",
+                    plan_id=saved_plan.plan_id,
+                    hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that file unedited",
+                )
+            # what was reviewed, as computed here: whether it needs a confirmation is never read from the file
         stale_steps = dict(state.steps)  # an earlier run's (a "running" one of a killed apply is not this run's)
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",

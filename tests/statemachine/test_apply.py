@@ -133,6 +133,21 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
     r = demo.cli("apply", str(later))
     assert r.returncode == 1 and f"the spec this plan was made from, {moved}, is not there any more" in r.stderr
     assert f"put the spec back at {moved}" in r.stderr and "relative paths" not in r.stderr, r.stderr
+    # A saved topology change edited to read as a mere restart: the confirmation it needs is not taken from the file
+    # (a collapse of PD into one server applied with no --confirm-topology)
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    saved = demo.tmp / "collapse.plan"
+    assert demo.cli("plan", str(collapse), "-o", str(saved)).returncode == 2
+    plan = json.loads(saved.read_text())
+    assert plan["class"] == "topology" and plan["topology_changes"]
+    plan["topology_changes"] = []
+    for change in plan["changes"]:
+        change["cls"] = "disruptive" if change["cls"] == "topology" else change["cls"]
+    saved.write_text(json.dumps(plan))
+    before = demo.pids()
+    r = demo.cli("apply", str(saved))
+    assert r.returncode == 2 and "does not hold the changes its two topologies make" in r.stderr, r.stderr
+    assert demo.pids() == before and demo.status()["mode"] == "pd"
 
 
 def test_a_second_concurrent_apply_is_refused_naming_the_holder(demo):
