@@ -280,7 +280,10 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
     if not wanted:
         return
-    ours = [pid for pid in (ctx.manager.status(u).main_pid for u in sorted(own_units)) if pid]
+    # (a unit still stopping its main process, e.g. after an interrupted `pdctl down`, does not vouch for it: that
+    # process is one of the previous ones waited for below, not a server this apply may keep)
+    ours = [st.main_pid for st in (ctx.manager.status(u) for u in sorted(own_units))
+            if st.main_pid and st.state != "deactivating"]
     held = ports.held_outside(ctx.host, set(wanted), ours)
     # A process started for one of this deployment's own units but no longer its main process: a server its
     # supervisor is still stopping (an interrupted apply's restart; a server slow to exit on SIGTERM). Its unit ends

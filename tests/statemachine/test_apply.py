@@ -4,6 +4,7 @@ stand-in under pdctl's process supervisor and the real smg router."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import socket as _socket
 import json
@@ -1438,3 +1439,42 @@ def test_the_last_audit_record_of_a_kind_is_read_from_the_logs_tail(tmp_path):
     with j.audit_path.open("a") as f:
         f.write('{"event": "down-do')  # torn by a kill mid-append
     assert j.last_audit({"plan", "down-done"})["n"] == 99
+
+
+def test_an_apply_after_an_interrupted_down_waits_for_the_router_still_stopping(demo):
+    # (the router's unit was still stopping it, "deactivating", when the next apply ran: its PID was called another
+    # deployment's at router_exposed, "cannot start, its ports are taken", and the apply failed)
+    demo.apply()
+    router_pid = demo.status()["router"]["main_pid"]
+    os.kill(router_pid, signal.SIGSTOP)  # it cannot act on the SIGTERM its unit sends: the stop lasts
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    down = subprocess.Popen([sys.executable, "-m", "pdctl", "down", str(demo.spec), "--yes"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    apply = None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and demo.status()["router"]["state"] != "deactivating":
+            time.sleep(0.1)
+        assert demo.status()["router"]["state"] == "deactivating"
+        down.send_signal(signal.SIGTERM)
+        assert down.wait(30) == 143
+        apply = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        said = []
+        for line in apply.stderr:  # bounded: the apply ends (or waits, saying so) well within the stop timeout
+            said.append(line)
+            if "waiting up to" in line and f"PID {router_pid}" in line:
+                break
+        assert any("waiting up to" in x for x in said), "".join(said)
+        os.kill(router_pid, signal.SIGCONT)  # it exits on the SIGTERM it holds
+        rest, _ = apply.communicate(timeout=120)
+        assert apply.returncode == 0, "".join(said) + rest
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(router_pid, signal.SIGCONT)
+        for p in (down, apply):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    st = demo.status()
+    assert st["healthy"] and st["router"]["main_pid"] != router_pid, st
