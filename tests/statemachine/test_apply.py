@@ -1478,3 +1478,17 @@ def test_an_apply_after_an_interrupted_down_waits_for_the_router_still_stopping(
                 p.wait(10)
     st = demo.status()
     assert st["healthy"] and st["router"]["main_pid"] != router_pid, st
+
+
+def test_a_router_executable_missing_on_the_host_is_refused_before_anything_changes(demo):
+    # (validate and plan passed it; apply stopped the running router, then failed to exec the new one: the
+    # deployment's exposed port went down)
+    demo.apply()
+    before = demo.pids()
+    router_pid = demo.status()["router"]["main_pid"]
+    spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": "/nonexistent/smg"}}, "exe.toml")
+    r = demo.cli("apply", str(spec))
+    assert r.returncode == 3, r.stderr
+    assert "router.executable = '/nonexistent/smg' does not exist on host" in r.stderr, r.stderr
+    assert "nothing was started or changed" in r.stderr
+    assert demo.pids() == before and demo.status()["router"]["main_pid"] == router_pid
