@@ -674,6 +674,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         err("engine.python", f"{dep.engine.python!r} is not an absolute path: the units start it as their first "
             "argument, on the host, from no particular directory",
             "write the interpreter's absolute path on the host (`command -v python3` there, or the venv's bin/python)")
+    if dep.engine.cache_dir is not None and not dep.engine.cache_dir.startswith("/"):
+        err("engine.cache_dir", f"{dep.engine.cache_dir!r} is not an absolute path: the servers (SGLANG_CACHE_DIR) and "
+            "the kernels' build would each read it from whatever directory they start in",
+            "write its absolute path on the host, e.g. /var/cache/sglang")
     exe = dep.router.executable if dep.router is not None else None
     if exe is not None and "/" in exe and not exe.startswith("/"):
         err("router.executable", f"{exe!r} is a relative path: the router's unit starts it from no particular "

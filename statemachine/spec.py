@@ -594,8 +594,30 @@ def _range_parts(kind: str, value: Any, ctx: dict[str, Any]) -> tuple[str, Any, 
     return words, bound, "write a value in range"
 
 
+def _nul_fields(value: Any, loc: tuple[Any, ...] = ()) -> list[str]:
+    """The fields of *value* (parsed TOML) whose text, or a key of whose table, holds a NUL character."""
+    out: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and "\x00" in k:
+                out.append(f"{_loc(loc)}: key {k!r} holds a NUL character (\\u0000), which no file name, argument "
+                           "or environment variable can carry: remove it")
+            out += _nul_fields(v, (*loc, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _nul_fields(v, (*loc, i))
+    elif isinstance(value, str) and "\x00" in value:
+        out.append(f"{_loc(loc)}: holds a NUL character (\\u0000), which no command-line argument, environment "
+                   "variable or unit file can carry: remove it")
+    return out
+
+
 def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
-    """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field."""
+    """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field (a text with a NUL
+    character too: TOML's ``\\u0000`` escape reads, and a process would then be handed a truncated argument)."""
+    if nul := _nul_fields(data):
+        where = f"{path}: " if path else ""
+        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(nul), findings=nul, path=path)
     try:
         return Deployment.model_validate(data)
     except ValidationError as exc:

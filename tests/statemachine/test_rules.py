@@ -274,6 +274,30 @@ def test_executables_must_be_absolute_paths():
     assert not [f for f in validate(parse_spec(d)) if f.field in ("engine.python", "router.executable")]
 
 
+def test_a_relative_cache_dir_is_refused():
+    # (it was written into the units as SGLANG_CACHE_DIR=rel/cache, which each process reads from its own cwd)
+    d = seed_dict()
+    d["engine"]["cache_dir"] = "rel/cache"
+    _one(d, "engine.cache_dir", "'rel/cache' is not an absolute path", "/var/cache/sglang")
+    d["engine"]["cache_dir"] = "/var/cache/sglang"
+    assert not [f for f in validate(parse_spec(d)) if f.field == "engine.cache_dir"]
+
+
+def test_a_nul_character_in_any_text_of_the_spec_is_refused_naming_the_field():
+    # (it passed validate and plan; `units` died with a traceback and apply stopped a healthy server whose successor
+    # could not be exec'd: "embedded null byte")
+    d = seed_dict()
+    d["model"]["served_name"] = "deep\x00seek"
+    d["engine"]["env"] = {"FOO": "a\x00b", "B\x00AR": "x"}
+    d["prefill"][0]["extra_args"] = ["--x", "\x00"]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    lines = e.value.findings
+    assert sorted(x.split(":")[0] for x in lines) == ["engine.env", "engine.env.FOO", "model.served_name",
+                                                      "prefill[0].extra_args[1]"], lines
+    assert all("NUL character" in x and "remove it" in x for x in lines)
+
+
 def test_a_bare_router_executable_not_on_path_is_a_clear_error(monkeypatch):
     from pdctl.statemachine.errors import PdctlError
     from pdctl.statemachine.launch import router_executable
