@@ -210,6 +210,13 @@ def _mode_words(mode: str) -> str:
     return "PD disaggregation" if mode == "pd" else "single server"
 
 
+def _model_id(role) -> str:  # noqa: ANN001
+    """The model name a server serves, which the router registers its worker under: ``--served-model-name``, else
+    the model path (SGLang's default for ``served_model_name``)."""
+    model = role.settings.get("model") or {}
+    return str(model.get("served_name") or model.get("path") or "")
+
+
 def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0) -> Plan:
     """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing."""
     changes: list[ResourceChange] = []
@@ -379,10 +386,14 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
 
     # Under systemd the router's unit Requires= the servers: stopping one to restart it stops the router as well
     # (units/_systemd.py), so a change that restarts a server restarts the router too, and says so. The process
-    # supervisor has no such link: its router sees the worker come back.
-    if (desired.deployment.get("service_manager", "").startswith("systemd") and desired.router is not None
-            and deployed is not None and deployed.router is not None):
+    # supervisor has no such link: its router sees the worker come back, under the model id it registered it with
+    # (smg takes a worker's model id once, at registration): a server that comes back serving another model name
+    # needs the router restarted too, or every request for the new name finds no worker.
+    if desired.router is not None and deployed is not None and deployed.router is not None:
         servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode")}
+        if not desired.deployment.get("service_manager", "").startswith("systemd"):
+            was = {r.name: _model_id(r) for r in deployed.roles}
+            servers = {r.name for r in desired.roles if r.name in servers and was.get(r.name, _model_id(r)) != _model_id(r)}
         changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
                    if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 

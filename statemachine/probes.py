@@ -196,6 +196,8 @@ class RouterWorker:
     is_healthy: bool
     bootstrap_port: int | None
     disaggregation_mode: str | None
+    model_id: str | None = None
+    """The model name the router registered the worker under (smg's ``model_id``); None where not reported."""
 
 
 def parse_workers(data: Any) -> tuple[list[RouterWorker], dict[str, Any]]:
@@ -212,6 +214,7 @@ def parse_workers(data: Any) -> tuple[list[RouterWorker], dict[str, Any]]:
                 is_healthy=bool(w.get("is_healthy")),
                 bootstrap_port=w.get("bootstrap_port"),
                 disaggregation_mode=meta.get("disaggregation_mode"),
+                model_id=w.get("model_id") if isinstance(w.get("model_id"), str) else None,
             )
         )
     return out, dict(data.get("stats") or {})

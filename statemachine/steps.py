@@ -854,7 +854,8 @@ class KVLinkVerified(Step):
 
 
 def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any], topo: Topology) -> list[str]:
-    """Differences between the router's ``/workers`` and the topology (roles, counts, health)."""
+    """Differences between the router's ``/workers`` and the topology (roles, counts, health, the model id each
+    worker is registered under)."""
     r = topo.router
     assert r is not None
     want: dict[str, tuple[str, int | None]] = {}
@@ -864,6 +865,9 @@ def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any],
         want[url.rstrip("/")] = ("decode", None)
     for url in r.regular:
         want[url.rstrip("/")] = ("regular", None)
+    from pdctl.statemachine.plan import _model_id
+
+    model_ids = {role.url.rstrip("/"): _model_id(role) for role in topo.roles}
     bad: list[str] = []
     seen = set()
     for w in workers:
@@ -882,6 +886,10 @@ def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any],
             bad.append(f"{w.url} bootstrap_port {w.bootstrap_port}, expected {port}")
         if not w.is_healthy:
             bad.append(f"{w.url} is not healthy")
+        served = model_ids.get(w.url)
+        if w.model_id not in (None, "", "unknown") and served and w.model_id != served:
+            # registered before its server came back serving another name: requests for the new one find no worker
+            bad.append(f"{w.url} is registered for model {w.model_id!r}, but its server serves {served!r}")
     for url in want.keys() - seen:
         bad.append(f"worker {url} ({want[url][0]}) missing")
     counts = {"prefill_count": len(r.prefill), "decode_count": len(r.decode)}

@@ -1492,3 +1492,23 @@ def test_a_router_executable_missing_on_the_host_is_refused_before_anything_chan
     assert "router.executable = '/nonexistent/smg' does not exist on host" in r.stderr, r.stderr
     assert "nothing was started or changed" in r.stderr
     assert demo.pids() == before and demo.status()["router"]["main_pid"] == router_pid
+
+
+def test_a_new_served_model_name_restarts_the_router_which_registered_the_old_one(demo):
+    # (under the process supervisor only the servers restarted: smg kept their workers under the old model id, the
+    # apply failed at parsers_configured with "No prefill workers available", and no later apply could mend it)
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.topology import topology_of
+
+    demo.apply()
+    router_pid = demo.status()["router"]["main_pid"]
+    renamed = copy.deepcopy(demo.dict)
+    renamed["model"]["served_name"] = "dsv4-other"
+    spec = demo.write(renamed, "renamed.toml")
+    plan = make_plan(demo.load().journal.read().deployed, topology_of(demo.load(spec).deployment))
+    assert sorted(plan.restarts()) == ["decode", "prefill", "router"]
+    r = demo.cli("apply", str(spec))
+    assert r.returncode == 0, r.stderr
+    st = service.status(demo.load(spec))
+    assert st["healthy"] and st["router"]["main_pid"] != router_pid
+    assert {w["model_id"] for w in st["router"]["workers"]} == {"dsv4-other"}

@@ -479,3 +479,14 @@ def test_the_kernels_are_built_for_the_decode_ranks_local_heads():
     d["decode"][0]["attn_dp"] = 2
     cmd, _ = kernels_build_command(parse_spec(d))
     assert cmd[cmd.index("--heads") + 1:cmd.index("--kv-formats")] == ["64"]
+
+
+def test_a_worker_registered_under_another_model_name_is_a_router_mismatch():
+    data = json.loads(json.dumps(WORKERS))
+    assert router_mismatches(*probes.parse_workers(data), SEED_TOPO) == []  # no model_id reported: not judged
+    for w in data["workers"]:
+        w["model_id"] = "deepseek-v4-flash"  # the seed's served_name
+    assert router_mismatches(*probes.parse_workers(data), SEED_TOPO) == []
+    data["workers"][0]["model_id"] = "old-name"
+    assert router_mismatches(*probes.parse_workers(data), SEED_TOPO) == [
+        "http://127.0.0.1:30010 is registered for model 'old-name', but its server serves 'deepseek-v4-flash'"]
