@@ -159,11 +159,13 @@ class ConsoleApp(App[int]):
     class Planned(Message):
         """The spec was (re)loaded and planned (*error*: why it could not be)."""
 
-        def __init__(self, loaded: Any, plan: Plan | None, error: str | None) -> None:
+        def __init__(self, loaded: Any, plan: Plan | None, error: str | None, unsettled: str | None = None) -> None:
             super().__init__()
             self.loaded = loaded
             self.plan = plan
             self.error = error
+            self.unsettled = unsettled
+            """``service.Unsettled.kind``: "drift" when apply would restart a role that does not serve as proven."""
 
     # -- construction ------------------------------------------------------------------------------
     def __init__(
@@ -194,6 +196,8 @@ class ConsoleApp(App[int]):
         self.log_role: str | None = None
         self.snapshot: Snapshot | None = None
         self.plan_error: str | None = None
+        self.plan_unsettled: str | None = None
+        """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
         self._wake = threading.Event()
@@ -306,17 +310,27 @@ class ConsoleApp(App[int]):
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False, description="plan")
     def reload_spec(self, reread: bool = True) -> None:
         """(Re)load the spec from disk when *reread*, then plan it against the journal."""
-        from pdctl.statemachine.service import load, plan_spec
+        from pdctl.statemachine.service import load, plan_spec, plan_unsettled
 
         loaded = self.loaded
         try:
             if reread:
                 loaded = load(self.loaded.path, state_dir=self.state_dir, discover=True)
-            plan = plan_spec(loaded)
+            recorded = loaded.journal.read()
+            plan = plan_spec(loaded, recorded)
         except Exception as exc:  # noqa: BLE001 - a broken spec is shown, never fatal
             self.post_message(self.Planned(loaded, None, f"{type(exc).__name__}: {exc}"))
             return
-        self.post_message(self.Planned(loaded, plan, None))
+        # what `pdctl plan` says beside the changes: an apply running or unfinished, a role not serving as proven
+        try:
+            why = plan_unsettled(loaded, recorded, plan)
+        except Exception as exc:  # noqa: BLE001 - the host cannot be asked now: say so, the plan stands
+            why = None
+            plan = plan.model_copy(update={"unsettled": f"whether what was deployed still runs cannot be told "
+                                                        f"({type(exc).__name__}: {exc})"})
+        if why is not None and why.text:
+            plan = plan.model_copy(update={"unsettled": why.text})
+        self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None))
 
     @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
     def run_apply(self, confirm: str | None) -> None:
@@ -378,6 +392,27 @@ class ConsoleApp(App[int]):
                 detail.append(warnings + "\n\n", style="yellow")
             detail.append_text(render_plan(plan))
             self.push_screen(YesNoScreen(question, detail), yn)
+            return
+        snap = self.snapshot  # the live view: a role may have stopped serving since the plan was made
+        down = [v.role for v in snap.services.values() if v.state != "active" or not v.supervised] if snap else []
+        if not plan.has_changes and self.plan_unsettled in (None, "drift") and down and plan.from_topology is not None:
+            plan = plan.model_copy(update={"unsettled": plan.unsettled or "what runs no longer serves as proven: "
+                                           + ", ".join(f"{r} not serving" for r in down)})
+            self.plan_unsettled = "drift"
+        if self.plan_unsettled == "drift":  # no change to the spec, yet apply restarts what does not serve as proven
+
+            def drift(ok: bool | None) -> None:
+                if ok:
+                    self.start_apply(None)
+                else:
+                    self.notify("Not applied: nothing changed")
+
+            detail = Text()
+            if warnings:
+                detail.append(warnings + "\n\n", style="yellow")
+            detail.append_text(render_plan(plan))
+            self.push_screen(YesNoScreen(f"Apply? The spec has no changes, but {plan.unsettled}: apply restarts what "
+                                         "does not serve as specified.", detail), drift)
             return
         self.start_apply(None)
 
@@ -507,6 +542,7 @@ class ConsoleApp(App[int]):
         self.collector.set_loaded(message.loaded)
         self.plan_error = message.error
         self.plan = message.plan
+        self.plan_unsettled = message.unsettled
         if message.plan is not None:
             self._planned_serial = message.plan.from_serial
         panel = self._w(PlanPanel)

@@ -148,7 +148,7 @@ def plan(
     unsupervised or answered for by another process (`pdctl apply` has work either way: said on stdout); 1: error. A
     running server that only fails its health probe (busy?) is a note on stderr, not exit 2."""
     from pdctl.statemachine.plan import render_text
-    from pdctl.statemachine.service import load, plan_spec
+    from pdctl.statemachine.service import load, plan_spec, plan_unsettled
 
     to_stdout = out is not None and str(out) == "-"  # the usual spelling of stdout
     if to_stdout:
@@ -170,30 +170,16 @@ def plan(
             from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
 
             refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
-        holder = loaded.journal.held_by()
-        unsettled = ""  # why apply has work although the plan has no changes: what runs may not be what was recorded
-        if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
-            what = f"`pdctl {holder.get('purpose') or 'apply'}`"
-            unsettled = (f"a {what} is running now (pid {holder.get('pid', '?')}, {holder.get('user', '?')}@"
-                         f"{holder.get('host', '?')}, since {holder.get('since', '?')}), so what runs is changing")
-            _err(f"note: a {what} of this deployment is running now; plan again when it has finished")
-        elif pending is not None:
-            other = pending != p.to_topology
-            unsettled = ("an earlier apply" + (" toward another spec" if other else "") + " did not finish, so what runs "
-                         "may be partly what it was applying")
-            _err("note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left half-changed")
-            if p.from_topology == pending != recorded.deployed:
-                _err("note: that apply had begun to change the topology (roles of its spec were started), so this plan "
-                     "starts from what it was applying: going back is a topology change too")
-        else:
-            drift, answers = _runtime_drift(loaded)
-            if drift:
-                unsettled = f"what runs no longer serves as proven: {'; '.join(drift)}"
-            if drift or answers:
-                _err(f"note: the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
-                     f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
-                     "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
-                                    "whether it lasts" if answers else ""))
+        try:
+            why = plan_unsettled(loaded, recorded, p)
+        except (PdctlError, UnitsError):
+            # a host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script
+            # that gates apply on plan that nothing needs doing (HostError, ManagerUnavailable…)
+            _err("note: the plan cannot tell whether what was deployed still runs:")
+            raise
+        for note in why.notes:
+            _err(f"note: {note}")
+        unsettled = why.text
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
@@ -205,10 +191,6 @@ def plan(
             _err(f"plan saved to {out}")
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
-        elif unsettled and not p.has_changes:
-            sys.stdout.write(f"No changes to what was recorded as deployed for {p.deployment!r}, but {unsettled}.\n"
-                             f"`pdctl apply` re-proves every step and restarts what does not serve as specified.\n"
-                             f"plan id: {p.plan_id}\n")
         else:
             sys.stdout.write(render_text(p) + "\n")
         raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
@@ -232,44 +214,6 @@ def _unset_secrets_note(dep) -> None:  # noqa: ANN001
         elif not got:
             _err(f"note: secrets.{key} = {value!r} is empty here, so the plan shows it as changed; `pdctl apply` "
                  "refuses an empty secret")
-
-
-def _runtime_drift(loaded) -> tuple[list[str], list[str]]:  # noqa: ANN001
-    """What of a deployed topology does not serve now (from ``status``), one phrase per role, as ``(lasting,
-    answers)``: *lasting* a unit not running, unsupervised, or its port answered by another process (apply has work);
-    *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
-    while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
-    serve or nothing is deployed."""
-    from pdctl.statemachine.service import status
-
-    if loaded.journal.read().deployed is None:
-        return [], []
-    # A host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script that
-    # gates apply on plan that nothing needs doing (raises HostError, ManagerUnavailable…)
-    try:
-        st = status(loaded)
-    except (PdctlError, UnitsError):
-        _err("note: the plan cannot tell whether what was deployed still runs:")
-        raise
-    lasting: list[str] = []
-    answers: list[str] = []
-    for r in st["roles"]:
-        foreign = bool(r["health"]) and not r.get("port_owned", True)
-        if not r.get("supervised", True):
-            lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
-        elif r["state"] != "active" or foreign:
-            lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}"
-                           + (" (from another process on its port)" if foreign else ""))
-        elif not r["healthy"]:
-            answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
-    rt = st.get("router")
-    if rt and not rt.get("supervised", True):
-        lasting.append("router UNSUPERVISED (its supervisor is gone)")
-    elif rt and rt["state"] != "active":
-        lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
-    elif rt and rt.get("readiness") != 200:
-        answers.append(f"router active, readiness {rt.get('readiness') or 'down'}")
-    return lasting, answers
 
 
 class _Reporter:

@@ -418,6 +418,11 @@ def format_value(v: Any) -> str:
 def render_text(plan: Plan) -> str:
     """Terraform-style text: one block per resource, topology changes in words, a summary line."""
     lines: list[str] = []
+    if not plan.has_changes and plan.unsettled:
+        lines.append(f"No changes to what was recorded as deployed for {plan.deployment!r}, but {plan.unsettled}.")
+        lines.append("`pdctl apply` re-proves every step and restarts what does not serve as specified.")
+        lines.append(f"plan id: {plan.plan_id}")
+        return "\n".join(lines)
     if not plan.has_changes:
         lines.append(f"No changes. Deployment {plan.deployment!r} matches the spec.")
         lines.append(f"plan id: {plan.plan_id}")

@@ -93,6 +93,81 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     return make_plan(plan_base(state, desired), desired, from_serial=state.serial)
 
 
+def runtime_drift(loaded: Loaded) -> tuple[list[str], list[str]]:
+    """What of a deployed topology does not serve now (from :func:`status`), one phrase per role, as ``(lasting,
+    answers)``: *lasting* a unit not running, unsupervised, or its port answered by another process (apply has work);
+    *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
+    while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
+    serve or nothing is deployed. Raises what :func:`status` raises (a host or service manager that cannot be
+    asked: HostError, ManagerUnavailable…), never "all serve" for it."""
+    if loaded.journal.read().deployed is None:
+        return [], []
+    st = status(loaded)
+    lasting: list[str] = []
+    answers: list[str] = []
+    for r in st["roles"]:
+        foreign = bool(r["health"]) and not r.get("port_owned", True)
+        if not r.get("supervised", True):
+            lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
+        elif r["state"] != "active" or foreign:
+            lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}"
+                           + (" (from another process on its port)" if foreign else ""))
+        elif not r["healthy"]:
+            answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
+    rt = st.get("router")
+    if rt and not rt.get("supervised", True):
+        lasting.append("router UNSUPERVISED (its supervisor is gone)")
+    elif rt and rt["state"] != "active":
+        lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
+    elif rt and rt.get("readiness") != 200:
+        answers.append(f"router active, readiness {rt.get('readiness') or 'down'}")
+    return lasting, answers
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """Why ``apply`` has work (or what it would meet) beyond *plan*'s changes: ``kind`` None (what runs is what was
+    recorded), ``"running"`` (an apply or down holds the lock now), ``"unfinished"`` (an earlier apply did not finish:
+    apply resumes it) or ``"drift"`` (a recorded role does not serve as proven: apply restarts it); ``text`` the reason
+    in words (what ``Plan.unsettled`` holds); ``notes`` lines for the operator, without the ``note:`` prefix."""
+
+    kind: str | None = None
+    text: str = ""
+    notes: tuple[str, ...] = ()
+
+
+def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: ANN001
+    """What ``pdctl plan`` and the console say beside *plan* (made from *recorded*, the journal's state): see
+    :class:`Unsettled`. Reads the lock, and for a settled journal what runs (:func:`runtime_drift`, whose errors it
+    raises)."""
+    holder = loaded.journal.held_by()
+    if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
+        what = f"`pdctl {holder.get('purpose') or 'apply'}`"
+        return Unsettled("running", f"a {what} is running now (pid {holder.get('pid', '?')}, {holder.get('user', '?')}@"
+                                    f"{holder.get('host', '?')}, since {holder.get('since', '?')}), so what runs is changing",
+                         (f"a {what} of this deployment is running now; plan again when it has finished",))
+    pending = recorded.target
+    if pending is not None:
+        other = pending != plan.to_topology
+        notes = ["an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left "
+                 "half-changed"]
+        if plan.from_topology == pending != recorded.deployed:
+            notes.append("that apply had begun to change the topology (roles of its spec were started), so this plan "
+                         "starts from what it was applying: going back is a topology change too")
+        return Unsettled("unfinished", "an earlier apply" + (" toward another spec" if other else "") + " did not "
+                         "finish, so what runs may be partly what it was applying", tuple(notes))
+    drift, answers = runtime_drift(loaded)
+    notes = ()
+    if drift or answers:
+        notes = (f"the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
+                 f"{'; '.join(drift + answers)}. `pdctl apply` re-proves every step and restarts what does not serve as "
+                 "specified" + ("; a running server failing a probe may only be busy: `pdctl status` again shows "
+                                "whether it lasts" if answers else ""),)
+    if drift:
+        return Unsettled("drift", f"what runs no longer serves as proven: {'; '.join(drift)}", notes)
+    return Unsettled(None, "", notes)
+
+
 # --- apply ---------------------------------------------------------------------------------------
 
 

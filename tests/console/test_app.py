@@ -156,6 +156,33 @@ async def test_a_disruptive_change_asks_y_n(console_demo):
         assert app.apply_fn.calls == [{"confirm": None}]
 
 
+async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks_before_restarting(console_demo):
+    # (the plan tab said "No changes" where `pdctl plan` said a role did not serve as proven, and `a` restarted a
+    # serving role at once, without the y/N a disruptive plan gets)
+    from pdctl.console._plan import PlanPanel
+
+    console_demo.pretend_deployed(lambda d: None)  # recorded as deployed; no unit of it runs here
+    manager = FakeManager()
+    manager.down = {"decode"}
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None and app.snapshot is not None)
+        assert not app.plan.has_changes and app.plan_unsettled == "drift"
+        text = app.query_one(PlanPanel).render().plain
+        assert "No changes to what was recorded as deployed" in text and "no longer serves as proven" in text, text
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        assert "apply restarts what does not serve as specified" in str(app.screen.question)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: not isinstance(app.screen, YesNoScreen))
+        assert app.apply_fn.calls == []
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.apply_fn.calls)
+        assert app.apply_fn.calls == [{"confirm": None}]
+
+
 async def test_readonly_has_no_mutating_binding(console_demo):
     console_demo.pretend_deployed(_parsers_changed)
     app = make_app(console_demo, readonly=True)
