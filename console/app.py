@@ -200,6 +200,8 @@ class ConsoleApp(App[int]):
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
+        self.apply_ended = threading.Event()
+        """Set when the apply worker's call returns or raises (``run_console`` waits on it after a quit mid-apply)."""
         self._wake = threading.Event()
         self._planned_serial: int | None = None
         self._selected_step: str | None = None
@@ -346,6 +348,8 @@ class ConsoleApp(App[int]):
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the UI as a value
             self.post_message(self.ApplyFinished(None, exc))
             return
+        finally:
+            self.apply_ended.set()
         self.post_message(self.ApplyFinished(result, None))
 
     # -- actions ----------------------------------------------------------------------------------
@@ -424,6 +428,7 @@ class ConsoleApp(App[int]):
         if self.readonly or self.applying:
             return
         self._cancel.clear()
+        self.apply_ended.clear()
         self.applying = True
         self.last_apply_error = None
         self.sub_title = self._status_line()
@@ -447,14 +452,17 @@ class ConsoleApp(App[int]):
 
         def done(ok: bool | None) -> None:
             if ok:
+                from pdctl.console.exit_codes import ExitCode
+
                 self._cancel.set()
-                self.exit(0)
+                self.exit(ExitCode.INTERRUPTED)  # as a headless apply stopped by Ctrl-C: the apply did not finish
 
         self.push_screen(
             YesNoScreen(
                 "An apply is running. Quit, and cancel it at its next step event?",
-                "What already runs stays as it was and the journal records where it stopped; "
-                "`pdctl apply SPEC` (or a from the console) resumes from there.",
+                "The apply stops there: what it has already stopped or started stays so (a role it was restarting "
+                "may be down, or still loading), and the journal records where it stopped; `pdctl apply SPEC` (or a "
+                "from the console) resumes from there.",
             ),
             done,
         )
@@ -629,10 +637,38 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
     rc = app.run()
     if app.applying:
-        import sys
-
-        try:  # (after SIGHUP the terminal is gone: EIO)
-            sys.stderr.write("pdctl: the apply stops at its next step event or poll; waiting for it…\n")
-        except OSError:
-            pass
+        _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
+        if not app.apply_ended.wait(_QUIT_WAIT_S):
+            _say(f"pdctl: the apply has not stopped after {_QUIT_WAIT_S:g} s; it ends with this process: "
+                     "`pdctl status` shows where it got to")
+        else:
+            _say(_where_it_stopped(loaded))
     return int(rc or 0)
+
+
+_QUIT_WAIT_S = 120.0
+"""How long a console quit mid-apply waits for the apply to stop (its next step event or poll: usually a second)."""
+
+
+def _say(line: str) -> None:
+    """One line on stderr after the console has left the screen (after SIGHUP the terminal is gone: EIO)."""
+    import sys
+
+    try:
+        sys.stderr.write(line + "\n")
+    except OSError:
+        pass
+
+
+def _where_it_stopped(loaded: Any) -> str:
+    """What a cancelled apply left, from its journal: the step it stopped at and how to go on."""
+    try:
+        state = loaded.journal.read()
+    except Exception as exc:  # noqa: BLE001 - the report is a courtesy; the journal's own reader names the fault
+        return f"pdctl: the apply stopped; its journal cannot be read now ({exc}): `pdctl status` says more"
+    step = next((name for name, rec in state.steps.items() if rec.status == "interrupted"), None)
+    spec = loaded.path
+    if state.target is None:
+        return f"pdctl: the apply finished before it could be stopped (`pdctl status {spec}` shows what runs)"
+    return (f"pdctl: the apply stopped{f' at {step}' if step else ''}; what it had stopped or started stays so: "
+            f"`pdctl status {spec}` shows what runs, `pdctl apply {spec}` resumes")

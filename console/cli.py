@@ -597,7 +597,8 @@ def console_cmd(
 ) -> None:
     """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`).
 
-    Needs a terminal: without one (stdin or stderr not a TTY) it exits 64 at once.
+    Needs a terminal: without one (stdin or stderr not a TTY) it exits 64 at once. Exit 0 when quit; 130 when quit
+    during an apply (which stops at its next step event; the journal records where); 143 / 129 on SIGTERM / SIGHUP.
     """
     # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
@@ -612,6 +613,8 @@ def console_cmd(
         raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 
+    global _interrupted_hint
+    _interrupted_hint = "interrupted: the console was quit during an apply (where it stopped is said above)"
     raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))
 
 

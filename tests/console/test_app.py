@@ -344,6 +344,25 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
         await pilot.press("y")
         await wait_for(pilot, lambda: fake.error is not None, timeout=5)
     assert isinstance(fake.error, ApplyCancelled)
+    # (it exited 0, as if the apply had finished: a script or an operator's shell read success)
+    assert app.return_value == 130 and app.apply_ended.is_set()
+
+
+def test_after_a_quit_mid_apply_the_console_says_where_the_apply_stopped(console_demo):
+    from pdctl.console.app import _where_it_stopped
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+
+    loaded = console_demo.load()
+    j = Journal(console_demo.state, console_demo.name)
+    target = topology_of(loaded.deployment)
+    j.write(JournalState(name=console_demo.name, target=target,
+                         steps={"kernels_built": StepRecord(status="skipped"),
+                                "prefill_up": StepRecord(status="interrupted")}))
+    said = _where_it_stopped(console_demo.load())
+    assert said.startswith("pdctl: the apply stopped at prefill_up; ") and f"`pdctl apply {loaded.path}` resumes" in said
+    j.write(JournalState(name=console_demo.name, deployed=target))
+    assert "finished before it could be stopped" in _where_it_stopped(console_demo.load())
 
 
 async def test_reloading_an_edited_spec_shows_its_plan(console_demo):
