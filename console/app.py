@@ -117,7 +117,7 @@ class ConsoleApp(App[int]):
     | :- | :- |
     | a | Apply the spec (or resume an interrupted apply). Topology change: type the name; disruptive: y/N. Not in --readonly. |
     | x | Cancel the running apply at its next event. Not in --readonly. |
-    | r | Reload the spec from disk and show the plan. |
+    | r | Reload the spec from disk and show the plan (not while an apply runs: its plan stays shown until it ends). |
     | 1-6 | Topology, GPU/NUMA, Throughput, Logs, Proof, Plan. |
     | [ / ] | Previous / next role in the logs panel. |
     | s | Focus the state-machine panel (↑/↓, Enter shows a proof). |
@@ -284,6 +284,8 @@ class ConsoleApp(App[int]):
             return None if self.applying or self._locked_by() else True
         if action == "cancel_apply":
             return True if self.applying else None
+        if action == "reload":  # the panels show the plan being applied until it ends: r re-reads the spec after
+            return None if self.applying else True
         return True
 
     def _locked_by(self) -> Mapping[str, Any] | None:
@@ -468,6 +470,8 @@ class ConsoleApp(App[int]):
         )
 
     def action_reload(self) -> None:
+        if self.applying:  # (greyed out; a binding run anyway changes nothing mid-apply)
+            return
         self._show_plan_on_planned = True
         self.reload_spec(reread=True)
 

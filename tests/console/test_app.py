@@ -348,6 +348,24 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
     assert app.return_value == 130 and app.apply_ended.is_set()
 
 
+async def test_reloading_is_not_offered_while_an_apply_runs(console_demo):
+    # (r mid-apply replaced the topology, plan and header with an edited spec's while the old plan went on applying)
+    fake = BlockingApply()
+    app = make_app(console_demo, apply_fn=fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await _first_apply_running(pilot, app)
+        shown = app.plan
+        assert app.check_action("reload", ()) is None
+        console_demo.spec.write_text(dump_toml({**console_demo.dict, "parsers": {
+            "reasoning_parser": "deepseek-r1", "tool_call_parser": "deepseekv3"}}))
+        await pilot.press("r")
+        await pilot.pause(0.5)
+        assert app.plan is shown
+        app.action_cancel_apply()
+        await wait_for(pilot, lambda: not app.applying, timeout=5)
+        assert app.check_action("reload", ()) is True
+
+
 def test_after_a_quit_mid_apply_the_console_says_where_the_apply_stopped(console_demo):
     from pdctl.console.app import _where_it_stopped
     from pdctl.statemachine.journal import JournalState, StepRecord
