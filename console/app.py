@@ -592,6 +592,10 @@ class ConsoleApp(App[int]):
         self.last_apply_error = message.error
         if message.error is None:
             self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied")
+        elif isinstance(message.error, ApplyCancelled):  # the operator's own x: no error, where it stopped
+            stopped = next((s.name for s in (self.snapshot.steps if self.snapshot else ()) if s.status == "running"), None)
+            self.notify(f"the apply stopped{' at ' + stopped if stopped else ''}; a resumes it", title="Apply cancelled",
+                        severity="warning")
         else:
             err = message.error
             hint = getattr(err, "hint", None)
@@ -613,6 +617,12 @@ class ConsoleApp(App[int]):
         elif holder := self._locked_by():
             bits.append(f"LOCKED by PID {holder.get('pid')} ({holder.get('purpose', '?')})")
         else:
+            err = self.last_apply_error
+            if err is not None and not isinstance(err, ApplyCancelled):  # first: the header is cut at its end
+                # (a refusal before the first step leaves no step failed: once its toast went, nothing said it)
+                step = getattr(err, "step", None)
+                bits.append(f"LAST APPLY FAILED{' at ' + step if step else ''}: "
+                            + str(getattr(err, "message", None) or err).split(": ", 1)[0][:60])
             snap = self.snapshot
             if snap is not None and snap.steps:
                 reached = None

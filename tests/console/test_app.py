@@ -348,6 +348,26 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
     assert app.return_value == 130 and app.apply_ended.is_set()
 
 
+async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(console_demo):
+    # (its toast expired and nothing said it: the header kept an earlier apply's words)
+    from pdctl.statemachine.errors import ApplyFailed
+
+    def refused(loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN202
+        raise ApplyFailed("ports taken by processes outside this deployment, nothing was started or changed: router "
+                          "needs port 35901 at router_exposed, held by PID 1 (init)", step="router_exposed")
+
+    app = make_app(console_demo, apply_fn=refused)
+    async with app.run_test(size=(160, 24)) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
+        app.clear_notifications()
+        await pilot.pause(0.3)
+        assert "LAST APPLY FAILED at router_exposed: ports taken by processes outside this deployment" in app.sub_title
+
+
 async def test_reloading_is_not_offered_while_an_apply_runs(console_demo):
     # (r mid-apply replaced the topology, plan and header with an edited spec's while the old plan went on applying)
     fake = BlockingApply()
