@@ -489,7 +489,7 @@ def down_cmd(
 ) -> None:
     """Stop everything in reverse order (router, decode, prefill) and remove the units.
 
-    Exit 0: stopped, or nothing of it installed here (this state directory and service manager) and none of its own processes running; 1: nothing installed here, yet its own processes hold its ports (applied with another --state-dir, user or service manager: the holders are named, nothing is stopped), or any other error; 4: locked; 64: bad command line, or no terminal to ask on and no --yes; 130 / 143: interrupted.
+    Exit 0: stopped, or nothing of it installed here (this state directory and service manager) and none of its own processes running; 1: nothing installed here, yet its own processes hold its ports (applied with another --state-dir, user or service manager: the holders are named, nothing is stopped), or any other error; 4: locked; 64: bad command line, or no terminal to ask on and no --yes; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what is stopped stays stopped.
     """
     from pdctl.statemachine.service import down, load
 
@@ -552,13 +552,15 @@ def chat_cmd(
     state = loaded.journal.read()  # what runs (or is being applied), as `pdctl status` reads it
     topo = state.target or state.deployed or spec_topo
     if topo != spec_topo:
-        _err(f"note: deployment {topo.name!r} runs a topology other than this spec's (`pdctl plan {spec}` shows how); "
+        _err(f"note: deployment {topo.name!r} runs other settings than this spec's (`pdctl plan {spec}` shows which); "
              "chatting with what runs")
     if topo.router is not None:
         url = topo.router.url
     else:
         url = topo.roles[0].url
-    model = loaded.deployment.model.served_name or loaded.deployment.model.path
+    from pdctl.statemachine.plan import _model_id
+
+    model = _model_id(topo.roles[0])  # the name what runs serves, which the router registered (not the spec's, unapplied)
     body = {"model": model, "messages": [{"role": "user", "content": message}], "tools": [PROBE_TOOL],
             "chat_template_kwargs": {"thinking": True}, "max_tokens": 256}
     from pdctl.statemachine.errors import PdctlError

@@ -1375,8 +1375,14 @@ def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     demo.apply(spec2, confirm=plan_id)
     r = demo.cli("chat", str(demo.spec), "hello", timeout=120)
     assert r.returncode == ExitCode.OK, r.stderr
-    assert "runs a topology other than this spec's" in r.stderr
+    assert "runs other settings than this spec's" in r.stderr
     assert json.loads(r.stdout)["choices"][0]["message"]["role"] == "assistant"
+    # A served name in the spec not yet applied: chat asks for the name what runs serves (the router knows no other)
+    renamed = copy.deepcopy(demo.dict)
+    renamed["model"]["served_name"] = "not-applied"
+    r = demo.cli("chat", str(demo.write(renamed, "renamed.toml")), "hello", "--timeout", "60", timeout=120)
+    assert r.returncode == ExitCode.OK, r.stderr
+    assert json.loads(r.stdout)["model"] == demo.dict["model"]["served_name"]
 
 
 def test_chat_on_a_deployment_that_is_not_up_says_how_to_check(demo):
