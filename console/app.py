@@ -110,6 +110,7 @@ class ConsoleApp(App[int]):
         Binding("left_square_bracket", "log_role(-1)", "Prev log", show=False),
         Binding("right_square_bracket", "log_role(1)", "Next log", show=False),
         Binding("s", "focus_steps", "Steps", show=False),
+        Binding("question_mark,f1", "toggle_keys", "Keys"),
         Binding("q", "quit", "Quit"),
     ]
     """
@@ -121,7 +122,8 @@ class ConsoleApp(App[int]):
     | 1-6 | Topology, GPU/NUMA, Throughput, Logs, Proof, Plan. |
     | [ / ] | Previous / next role in the logs panel. |
     | s | Focus the state-machine panel (↑/↓, Enter shows a proof). |
-    | q | Quit (a running apply continues until its next event, then stops). |
+    | ?, F1 | Show or hide every key of the screen (Textual's keys panel). |
+    | q | Quit (a running apply stops at its next event; exit 130). |
     """
 
     applying: reactive[bool] = reactive(False, bindings=True)
@@ -474,6 +476,15 @@ class ConsoleApp(App[int]):
             return
         self._show_plan_on_planned = True
         self.reload_spec(reread=True)
+
+    def action_toggle_keys(self) -> None:
+        """Show every binding of the screen (the footer shows only the main ones), or hide them again."""
+        from textual.widgets import HelpPanel
+
+        if self.screen.query(HelpPanel):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
 
     def action_show_tab(self, tab: str) -> None:
         self._w(TabbedContent).active = tab

@@ -519,3 +519,16 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         await wait_for(pilot, lambda: "reached parsers_configured · NOT serving: decode" in app.sub_title)
         manager.down = set()
         await wait_for(pilot, lambda: "NOT serving" not in app.sub_title and "reached parsers_configured" in app.sub_title)
+
+
+async def test_question_mark_shows_every_key_and_hides_them_again(console_demo):
+    # (1-6, [ ], s and Enter were in no footer and no help: only the source's binding table named them)
+    from textual.widgets import HelpPanel
+
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
