@@ -213,8 +213,15 @@ def _resolve_confirmation(plan: Plan, confirm: str | None) -> None:
 def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     from pdctl.statemachine.errors import PdctlError
 
+    from pydantic import ValidationError
+
     try:
         plan = Plan.model_validate_json(Path(path).read_text())
+    except ValidationError as exc:  # JSON, but not a plan's: say which fields, not pydantic's whole report
+        errs = exc.errors()
+        where = ", ".join(".".join(map(str, e["loc"])) or "(root)" for e in errs[:4]) + (", …" if len(errs) > 4 else "")
+        raise PdctlError(f"{path}: not a pdctl plan ({len(errs)} field(s) missing or wrong: {where})",
+                         hint="save one with `pdctl plan SPEC -o FILE`, and apply the file unedited") from None
     except (OSError, ValueError) as exc:
         raise PdctlError(f"{path}: not a readable pdctl plan: {exc}",
                          hint="save one with `pdctl plan SPEC -o FILE`") from None

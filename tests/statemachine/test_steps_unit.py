@@ -490,3 +490,18 @@ def test_a_worker_registered_under_another_model_name_is_a_router_mismatch():
     data["workers"][0]["model_id"] = "old-name"
     assert router_mismatches(*probes.parse_workers(data), SEED_TOPO) == [
         "http://127.0.0.1:30010 is registered for model 'old-name', but its server serves 'deepseek-v4-flash'"]
+
+
+def test_a_json_file_that_is_not_a_plan_is_named_briefly(tmp_path, capsys):
+    # (a plan file of {} printed pydantic's whole report, seven errors with links)
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+
+    bad = tmp_path / "x.plan"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", str(bad), "--state-dir", str(tmp_path)])
+    assert e.value.code == ExitCode.ERROR
+    err = capsys.readouterr().err
+    assert f"{bad}: not a pdctl plan (7 field(s) missing or wrong: plan_id, deployment," in err
+    assert "errors.pydantic.dev" not in err
