@@ -574,9 +574,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     steps = {}
     for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
+        killed = rec.status == "running" and locked_by is None  # journalled as running, and no apply holds the lock
         steps[name] = {
-            "status": rec.status,
-            "summary": summary,
+            "status": "interrupted" if killed else rec.status,
+            "summary": "its apply was killed while it ran (the next apply resumes it)" if killed else summary,
             "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
         }
     reached = None

@@ -505,3 +505,22 @@ def test_a_json_file_that_is_not_a_plan_is_named_briefly(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bad}: not a pdctl plan (7 field(s) missing or wrong: plan_id, deployment," in err
     assert "errors.pydantic.dev" not in err
+
+
+def test_status_calls_the_step_of_a_killed_apply_interrupted_not_running(tmp_path):
+    # (an apply killed with SIGKILL leaves its step journalled as running, and status said "running" with no apply)
+    from pdctl.statemachine import service
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+
+    from .specs import DEMO
+
+    loaded = service.load(DEMO, state_dir=tmp_path)
+    topo = topology_of(loaded.deployment)
+    loaded.journal.write(JournalState(name=topo.name, target=topo, steps={
+        "kernels_built": StepRecord(status="skipped"), "prefill_up": StepRecord(status="running")}))
+    st = service.status(loaded)
+    assert st["steps"]["prefill_up"] == {"status": "interrupted", "age_s": None,
+                                         "summary": "its apply was killed while it ran (the next apply resumes it)"}
+    with loaded.journal.lock("apply"):  # an apply that holds the lock is running it
+        assert service.status(loaded)["steps"]["prefill_up"]["status"] == "running"
