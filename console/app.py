@@ -218,8 +218,12 @@ class ConsoleApp(App[int]):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        topo = current_topology(self.loaded, None)
-        yield StepsPanel(step_views(expected_states(topo), None, self.clock()), id="steps")
+        try:  # the journal as it stands: the first frame shows the steps' states, not "pending" until the first poll
+            journal = self.loaded.journal.read()
+        except Exception:  # noqa: BLE001 - a damaged journal is named by the collector's first snapshot
+            journal = None
+        topo = current_topology(self.loaded, journal)
+        yield StepsPanel(step_views(expected_states(topo), journal, self.clock()), id="steps")
         with TabbedContent(id="tabs", initial="topology"):
             with TabPane("1 Topology", id="topology"):
                 with VerticalScroll():

@@ -532,3 +532,19 @@ async def test_question_mark_shows_every_key_and_hides_them_again(console_demo):
         await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
         await pilot.press("question_mark")
         await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
+
+
+async def test_the_first_frame_shows_the_journals_steps_not_all_pending(console_demo):
+    # (for the first 0.4–1 s every step of a deployed deployment read "pending", and a y/N could be drawn over them)
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.machine import PD_STATES
+    from pdctl.statemachine.topology import topology_of
+
+    topo = topology_of(console_demo.load().deployment)
+    Journal(console_demo.state, console_demo.name).write(JournalState(
+        name=console_demo.name, deployed=topo, steps={s: StepRecord(status="done") for s in PD_STATES}))
+    app = make_app(console_demo, live=False)  # no snapshot ever comes: what shows is the first frame's
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.snapshot is None
+        assert [v.status for v in app.query_one(StepsPanel).steps] == ["done"] * len(PD_STATES)
