@@ -748,7 +748,8 @@ class KernelsBuilt(Step):
             raise VerifyFailed(f"kernel manifest says verification failed: {manifest.get('errors')}", step=self.name)
         gpu = manifest.get("gpu", {})
         return Proof(
-            f"kernels built and verified on {gpu.get('name', '?')} ({gpu.get('arch', '?')})",
+            f"kernels built and verified on {gpu.get('name', '?')} ({gpu.get('capability', '?')}, "
+            f"{gpu.get('sm_count', '?')} SMs)",  # (the manifest's keys: pdctl.kernels._build, build_and_verify)
             (f"manifest {ctx.kernels_manifest}",),
             {"manifest": manifest},
             (" ".join(ctx.kernels_command or []),),

@@ -524,3 +524,19 @@ def test_status_calls_the_step_of_a_killed_apply_interrupted_not_running(tmp_pat
                                          "summary": "its apply was killed while it ran (the next apply resumes it)"}
     with loaded.journal.lock("apply"):  # an apply that holds the lock is running it
         assert service.status(loaded)["steps"]["prefill_up"]["status"] == "running"
+
+
+def test_the_kernels_proof_names_the_gpu_and_its_architecture_from_the_manifest():
+    # (the summary read "verified on NVIDIA H200 (?)": it looked for a key the manifest does not have; seen on the H200)
+    from types import SimpleNamespace
+
+    from pdctl.statemachine.errors import VerifyFailed
+    from pdctl.statemachine.steps import KernelsBuilt
+
+    manifest = {"ok": True, "gpu": {"name": "NVIDIA H200", "capability": "sm_90", "sm_count": 132}}
+    ctx = SimpleNamespace(kernels_manifest="/c/pdctl-kernels-manifest.json", kernels_command=["py", "-m", "x"],
+                          host=SimpleNamespace(read_file=lambda p: json.dumps(manifest).encode()))
+    assert KernelsBuilt().verify(ctx).summary == "kernels built and verified on NVIDIA H200 (sm_90, 132 SMs)"
+    manifest["ok"] = False
+    with pytest.raises(VerifyFailed):
+        KernelsBuilt().verify(ctx)
