@@ -52,7 +52,7 @@ def test_demo_from_nothing_to_parsers_configured(demo):
     # The proofs are real evidence, journaled.
     state = Journal(demo.state, demo.name).read()
     kv = state.steps["kv_link_verified"].proof
-    assert kv["evidence"]["pairs"][0]["route"]["page_size"] == 64
+    assert kv["evidence"]["pairs"][0]["route"]["page_size"] == 256  # DeepSeek-V4: SGLang's dsv4 pages
     assert state.deployed is not None and state.target is None
     st = demo.status()
     assert st["healthy"] and st["reached"] == "parsers_configured"
