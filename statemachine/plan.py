@@ -390,7 +390,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     # (smg takes a worker's model id once, at registration): a server that comes back serving another model name
     # needs the router restarted too, or every request for the new name finds no worker.
     if desired.router is not None and deployed is not None and deployed.router is not None:
-        servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode")}
+        servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode", "server")}
         if not desired.deployment.get("service_manager", "").startswith("systemd"):
             was = {r.name: _model_id(r) for r in deployed.roles}
             servers = {r.name for r in desired.roles if r.name in servers and was.get(r.name, _model_id(r)) != _model_id(r)}

@@ -940,7 +940,7 @@ class RouterExposed(Step):
                     self._check(ctx)
                     return True
                 except VerifyFailed as exc:
-                    if "does not hold its port" in exc.message or "swapped roles" in exc.message:
+                    if any(w in exc.message for w in ("does not hold its port", "swapped roles", "registered for model")):
                         raise Unmendable from exc
                     return None
                 except ProbeError:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+
+import pytest
 import json
 import os
 import subprocess
@@ -652,3 +654,22 @@ def test_going_back_from_an_interrupted_reshape_is_planned_from_what_it_started(
     assert plan_base(state, deployed) is deployed
     state.units[unit_names(t2)["prefill"]] = "started:0123456789abcdef"
     assert plan_base(state, deployed) is t2
+
+
+@pytest.mark.parametrize("manager", ["process", "systemd-system"])
+def test_a_new_served_name_restarts_the_router_in_front_of_a_single_server_too(manager):
+    # (only prefill and decode counted: smg kept a single server's worker under its old model id)
+    from .specs import demo_dict
+
+    d = collapsed(demo_dict())
+    d["server"][0].update(port=30010, http_host="127.0.0.1")
+    d["router"] = demo_dict()["router"]
+    d["service_manager"] = manager
+    renamed = copy.deepcopy(d)
+    renamed["model"]["served_name"] = "another-name"
+    assert sorted(make_plan(topo(d), topo(renamed)).restarts()) == ["router", "server"]
+    env_only = copy.deepcopy(d)
+    env_only["engine"]["env"] = {"X": "1"}
+    # the same name: under the process supervisor the router sees its worker come back; under systemd it restarts
+    expected = ["router", "server"] if manager.startswith("systemd") else ["server"]
+    assert sorted(make_plan(topo(d), topo(env_only)).restarts()) == expected
