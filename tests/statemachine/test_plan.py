@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-
-import pytest
 import json
 import os
 import subprocess
@@ -12,6 +10,7 @@ import sys
 import tomllib
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from pdctl.statemachine.journal import Journal, JournalState
