@@ -35,6 +35,7 @@ from textual.widgets import Footer, Header, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
 from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
+from pdctl.console.exit_codes import ExitCode
 from pdctl.console._gpu import GpuPanel
 from pdctl.console._logs import LogsPanel
 from pdctl.console._plan import PlanPanel, render_plan
@@ -199,11 +200,15 @@ class ConsoleApp(App[int]):
         self.snapshot: Snapshot | None = None
         self.plan_error: str | None = None
         self.plan_unsettled: str | None = None
+        self._down_at_plan: frozenset[str] = frozenset()
+        self._interrupted_at: str | None = None
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
         self.apply_ended = threading.Event()
         """Set when the apply worker's call returns or raises (``run_console`` waits on it after a quit mid-apply)."""
+        self.apply_outcome: Any = None
+        """The last apply's result, or the exception that ended it (set before :attr:`apply_ended`)."""
         self._wake = threading.Event()
         self._planned_serial: int | None = None
         self._selected_step: str | None = None
@@ -255,8 +260,6 @@ class ConsoleApp(App[int]):
         import signal
 
         self._signals: list[int] = []
-        from pdctl.console.exit_codes import ExitCode
-
         for sig, code in ((signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGHUP, ExitCode.HANGUP)):
             try:
                 asyncio.get_running_loop().add_signal_handler(sig, self.terminate, code)
@@ -354,10 +357,12 @@ class ConsoleApp(App[int]):
         try:
             result = fn(self.loaded, **kw)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the UI as a value
+            self.apply_outcome = exc
+            self.apply_ended.set()
             self.post_message(self.ApplyFinished(None, exc))
             return
-        finally:
-            self.apply_ended.set()
+        self.apply_outcome = result
+        self.apply_ended.set()
         self.post_message(self.ApplyFinished(result, None))
 
     # -- actions ----------------------------------------------------------------------------------
@@ -405,13 +410,7 @@ class ConsoleApp(App[int]):
             detail.append_text(render_plan(plan))
             self.push_screen(YesNoScreen(question, detail), yn)
             return
-        snap = self.snapshot  # the live view: a role may have stopped serving since the plan was made
-        down = [v.role for v in snap.services.values() if v.state != "active" or not v.supervised] if snap else []
-        if not plan.has_changes and self.plan_unsettled in (None, "drift") and down and plan.from_topology is not None:
-            plan = plan.model_copy(update={"unsettled": plan.unsettled or "what runs no longer serves as proven: "
-                                           + ", ".join(f"{r} not serving" for r in down)})
-            self.plan_unsettled = "drift"
-        if self.plan_unsettled == "drift":  # no change to the spec, yet apply restarts what does not serve as proven
+        if self.plan_unsettled == "drift":  # apply restarts what does not serve as proven, beyond the plan's changes
 
             def drift(ok: bool | None) -> None:
                 if ok:
@@ -423,8 +422,10 @@ class ConsoleApp(App[int]):
             if warnings:
                 detail.append(warnings + "\n\n", style="yellow")
             detail.append_text(render_plan(plan))
-            self.push_screen(YesNoScreen(f"Apply? The spec has no changes, but {plan.unsettled}: apply restarts what "
-                                         "does not serve as specified.", detail), drift)
+            first = "Apply plan {}? Beside its changes, ".format(plan.plan_id) if plan.has_changes else \
+                "Apply? The spec has no changes, but "
+            self.push_screen(YesNoScreen(f"{first}{plan.unsettled}: apply restarts what does not serve as specified.",
+                                         detail), drift)
             return
         self.start_apply(None)
 
@@ -437,6 +438,7 @@ class ConsoleApp(App[int]):
             return
         self._cancel.clear()
         self.apply_ended.clear()
+        self._interrupted_at = None
         self.applying = True
         self.last_apply_error = None
         self.sub_title = self._status_line()
@@ -460,8 +462,6 @@ class ConsoleApp(App[int]):
 
         def done(ok: bool | None) -> None:
             if ok:
-                from pdctl.console.exit_codes import ExitCode
-
                 self._cancel.set()
                 self.exit(ExitCode.INTERRUPTED)  # as a headless apply stopped by Ctrl-C: the apply did not finish
 
@@ -530,8 +530,13 @@ class ConsoleApp(App[int]):
         self.sub_title = self._status_line()
         self.refresh_bindings()  # the apply key follows the lock (held by another apply, or free again)
         serial = snap.journal.serial if snap.journal is not None else 0
-        if self.live and self._planned_serial is not None and serial != self._planned_serial and not self.applying:
+        # plan again when the journal moved, or a role stopped or came back serving since the plan (its "unsettled"
+        # account, service.plan_unsettled, is what `a` asks by)
+        down = frozenset(v.role for v in snap.services.values() if v.state != "active" or not v.supervised)
+        if (self.live and self._planned_serial is not None and not self.applying
+                and (serial != self._planned_serial or down != self._down_at_plan)):
             self._planned_serial = serial
+            self._down_at_plan = down
             self.reload_spec(reread=False)
 
     def _refresh_proof(self, steps: tuple[StepView, ...]) -> None:
@@ -593,6 +598,8 @@ class ConsoleApp(App[int]):
         if not self._panels_ready:
             return
         ev = message.event
+        if ev.kind == "apply_interrupted":  # the engine names the step it journalled as interrupted
+            self._interrupted_at = ev.step
         if message.journal is not None:
             topo = current_topology(self.loaded, message.journal)
             steps = step_views(expected_states(topo), message.journal, self.clock())
@@ -608,9 +615,9 @@ class ConsoleApp(App[int]):
         if message.error is None:
             self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied")
         elif isinstance(message.error, ApplyCancelled):  # the operator's own x: no error, where it stopped
-            stopped = next((s.name for s in (self.snapshot.steps if self.snapshot else ()) if s.status == "running"), None)
-            self.notify(f"the apply stopped{' at ' + stopped if stopped else ''}; a resumes it", title="Apply cancelled",
-                        severity="warning")
+            stopped = self._interrupted_at
+            self.notify(f"the apply stopped{' at ' + stopped if stopped else ' before it changed anything'}"
+                        + ("; a resumes it" if stopped else ""), title="Apply cancelled", severity="warning")
         else:
             err = message.error
             hint = getattr(err, "hint", None)
@@ -664,15 +671,35 @@ class ConsoleApp(App[int]):
 def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:
     """Run the console in this terminal until the operator quits; returns the exit code."""
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
-    rc = app.run()
+    rc = int(app.run() or 0)
     if app.applying:
         _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
         if not app.apply_ended.wait(_QUIT_WAIT_S):
             _say(f"pdctl: the apply has not stopped after {_QUIT_WAIT_S:g} s; it ends with this process: "
-                     "`pdctl status` shows where it got to")
-        else:
-            _say(_where_it_stopped(loaded))
-    return int(rc or 0)
+                 "`pdctl status` shows where it got to")
+            return rc
+        said, code = quit_outcome(loaded, app.apply_outcome)
+        _say(said)
+        if rc == ExitCode.INTERRUPTED:  # a quit, not a signal: the exit code says how the apply ended
+            rc = code
+    return rc
+
+
+def quit_outcome(loaded: Any, outcome: Any) -> tuple[str, int]:
+    """What to say, and the exit code, once an apply the console was quit during has ended with *outcome* (its result,
+    or the exception that ended it): stopped (130), failed on its own (its error's code), or finished (0)."""
+    from pdctl.console.exit_codes import exit_code_for
+    from pdctl.statemachine.errors import RunCancelled
+
+    spec = loaded.path
+    if isinstance(outcome, RunCancelled | KeyboardInterrupt):
+        return _where_it_stopped(loaded), ExitCode.INTERRUPTED
+    if isinstance(outcome, BaseException):
+        step = getattr(outcome, "step", None)
+        return (f"pdctl: the apply failed{' at ' + step if step else ''} before it could be stopped: "
+                f"{getattr(outcome, 'message', None) or outcome} (`pdctl status {spec}` shows what runs)",
+                exit_code_for(outcome) if isinstance(outcome, Exception) else ExitCode.ERROR)
+    return f"pdctl: the apply finished before it could be stopped (`pdctl status {spec}` shows what runs)", ExitCode.OK
 
 
 _QUIT_WAIT_S = 120.0
@@ -697,7 +724,7 @@ def _where_it_stopped(loaded: Any) -> str:
         return f"pdctl: the apply stopped; its journal cannot be read now ({exc}): `pdctl status` says more"
     step = next((name for name, rec in state.steps.items() if rec.status == "interrupted"), None)
     spec = loaded.path
-    if state.target is None:
-        return f"pdctl: the apply finished before it could be stopped (`pdctl status {spec}` shows what runs)"
+    if state.target is None and step is None:  # cancelled at its plan or port checks: it journalled no target yet
+        return f"pdctl: the apply stopped before it changed anything (`pdctl status {spec}` shows what runs)"
     return (f"pdctl: the apply stopped{f' at {step}' if step else ''}; what it had stopped or started stays so: "
             f"`pdctl status {spec}` shows what runs, `pdctl apply {spec}` resumes")

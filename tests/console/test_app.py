@@ -161,10 +161,9 @@ async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks
     # serving role at once, without the y/N a disruptive plan gets)
     from pdctl.console._plan import PlanPanel
 
-    console_demo.pretend_deployed(lambda d: None)  # recorded as deployed; no unit of it runs here
-    manager = FakeManager()
-    manager.down = {"decode"}
-    app = make_app(console_demo, manager=manager)
+    # recorded as deployed; no unit of it runs here, which service.status (behind plan_unsettled) reads
+    console_demo.pretend_deployed(lambda d: None)
+    app = make_app(console_demo)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None and app.snapshot is not None)
         assert not app.plan.has_changes and app.plan_unsettled == "drift"
@@ -386,8 +385,11 @@ async def test_reloading_is_not_offered_while_an_apply_runs(console_demo):
         assert app.check_action("reload", ()) is True
 
 
-def test_after_a_quit_mid_apply_the_console_says_where_the_apply_stopped(console_demo):
-    from pdctl.console.app import _where_it_stopped
+def test_after_a_quit_mid_apply_the_console_says_how_the_apply_ended(console_demo):
+    # the exit code and the words follow the apply's own end: stopped where it was (130), stopped before it journalled
+    # anything (130), failed on its own meanwhile (its code), finished meanwhile (0)
+    from pdctl.console.app import quit_outcome
+    from pdctl.statemachine.errors import ApplyFailed
     from pdctl.statemachine.journal import JournalState, StepRecord
     from pdctl.statemachine.topology import topology_of
 
@@ -397,10 +399,16 @@ def test_after_a_quit_mid_apply_the_console_says_where_the_apply_stopped(console
     j.write(JournalState(name=console_demo.name, target=target,
                          steps={"kernels_built": StepRecord(status="skipped"),
                                 "prefill_up": StepRecord(status="interrupted")}))
-    said = _where_it_stopped(console_demo.load())
-    assert said.startswith("pdctl: the apply stopped at prefill_up; ") and f"`pdctl apply {loaded.path}` resumes" in said
-    j.write(JournalState(name=console_demo.name, deployed=target))
-    assert "finished before it could be stopped" in _where_it_stopped(console_demo.load())
+    said, code = quit_outcome(console_demo.load(), ApplyCancelled("cancelled"))
+    assert code == 130 and said.startswith("pdctl: the apply stopped at prefill_up; ")
+    assert f"`pdctl apply {loaded.path}` resumes" in said
+    j.write(JournalState(name=console_demo.name, deployed=target))  # cancelled at its plan: nothing journalled
+    said, code = quit_outcome(console_demo.load(), ApplyCancelled("cancelled"))
+    assert code == 130 and said.startswith("pdctl: the apply stopped before it changed anything")
+    said, code = quit_outcome(console_demo.load(), ApplyFailed("ports taken", step="router_exposed"))
+    assert code == 3 and said.startswith("pdctl: the apply failed at router_exposed before it could be stopped: ports")
+    said, code = quit_outcome(console_demo.load(), type("R", (), {"state": "parsers_configured"})())
+    assert code == 0 and "finished before it could be stopped" in said
 
 
 async def test_reloading_an_edited_spec_shows_its_plan(console_demo):
