@@ -401,7 +401,7 @@ def status_cmd(
     raise typer.Exit(ExitCode.OK if st["healthy"] else ExitCode.ERROR)
 
 
-_DOWN_UNFINISHED = {"down-interrupted": "a `pdctl down` was interrupted", "down-failed": "the last `pdctl down` failed",
+_DOWN_UNFINISHED = {"down-interrupted": "a `pdctl down` was interrupted",
                     "down-started": "a `pdctl down` was killed before it finished"}
 
 
@@ -412,11 +412,12 @@ def _applying_text(st: dict) -> str:
         return (f" [{holder.get('purpose', 'apply')} in progress: PID {holder.get('pid', '?')} "
                 f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
     down = st.get("unfinished_down")
+    if down and down["event"] == "down-failed":  # (refused before stopping anything, perhaps: its error says)
+        return f" [the last `pdctl down` failed at {down.get('ts') or '?'}: {down.get('error') or 'see the audit log'}]"
     if down:
-        error = f" ({down['error']})" if down.get("error") else ""
-        return (f" [{_DOWN_UNFINISHED.get(down['event'], 'a `pdctl down` did not finish')} at {down.get('ts') or '?'}"
-                f"{error}: what it stopped stays stopped; `pdctl down` again finishes it, `pdctl apply` brings the "
-                "deployment back]")
+        return (f" [{_DOWN_UNFINISHED.get(down['event'], 'a `pdctl down` did not finish')} at {down.get('ts') or '?'}: "
+                "what it stopped stays stopped; `pdctl down` again finishes it, `pdctl apply` brings the deployment "
+                "back]")
     if not st["applying"]:
         return ""
     failed = next((name for name, v in st.get("steps", {}).items() if v.get("status") == "failed"), None)

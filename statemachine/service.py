@@ -219,6 +219,9 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
         plan = Plan.model_validate_json(Path(path).read_text())
     except ValidationError as exc:  # JSON, but not a plan's: say which fields, not pydantic's whole report
         errs = exc.errors()
+        if errs and errs[0]["type"] == "json_invalid":  # not JSON at all (cut short, another file)
+            raise PdctlError(f"{path}: not a readable pdctl plan: not valid JSON ({errs[0]['msg']})",
+                             hint="save one with `pdctl plan SPEC -o FILE`") from None
         where = ", ".join(".".join(map(str, e["loc"])) or "(root)" for e in errs[:4]) + (", …" if len(errs) > 4 else "")
         raise PdctlError(f"{path}: not a pdctl plan ({len(errs)} field(s) missing or wrong: {where})",
                          hint="save one with `pdctl plan SPEC -o FILE`, and apply the file unedited") from None
@@ -572,9 +575,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     order = PD_STATES if topo.mode == "pd" else SINGLE_STATES
     ordered = sorted(state.steps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     steps = {}
+    # no lock before the journal was read, nor after: a "running" step is a killed apply's (an apply that took the lock
+    # in between journalled its own step as running)
+    settled = locked_by is None and _lock_holder(loaded) is None
     for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
-        killed = rec.status == "running" and locked_by is None  # journalled as running, and no apply holds the lock
+        killed = rec.status == "running" and settled  # journalled as running, and no apply holds the lock
         steps[name] = {
             "status": "interrupted" if killed else rec.status,
             "summary": "its apply was killed while it ran (the next apply resumes it)" if killed else summary,
@@ -594,11 +600,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     )
     spec_topo = topology_of(loaded.deployment)
     unfinished_down = None
-    if locked_by is None and (state.deployed is not None or state.target is not None
+    if settled and (state.deployed is not None or state.target is not None
                               or any(r["state"] != "inactive" for r in roles)
                               or (router is not None and router["state"] != "inactive") or leftover):
         last = loaded.journal.last_audit(_LIFECYCLE)
-        if last is not None and last["event"] in ("down-started", "down-interrupted", "down-failed"):
+        if (last is not None and last["event"] in ("down-started", "down-interrupted", "down-failed")
+                and _lock_holder(loaded) is None):  # (a down that took the lock after the audit read is running)
             # down-started as the last word with no lock held: that down was killed (SIGKILL, a reboot)
             unfinished_down = {"event": last["event"], "ts": last.get("ts"), "pid": last.get("pid"),
                                "error": last.get("error")}

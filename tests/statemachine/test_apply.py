@@ -1424,6 +1424,10 @@ def test_status_tells_a_down_that_did_not_finish_and_what_finishes_it(demo):
     demo.load().journal.audit("down-started", serial=st["serial"])
     head = _status_text(demo.status()).splitlines()[0]
     assert "[a `pdctl down` was killed before it finished at " in head, head
+    # A down that failed says its error, not that down again finishes it (it may have been refused, stopping nothing)
+    demo.load().journal.audit("down-failed", error="HostError: nothing of it is installed here")
+    head = _status_text(demo.status()).splitlines()[0]
+    assert "[the last `pdctl down` failed at " in head and ": HostError: nothing of it is installed here]" in head, head
     # Finished by a second down: nothing recorded, nothing running, nothing to say about the first
     assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
     st = demo.status()

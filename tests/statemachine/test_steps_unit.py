@@ -540,3 +540,14 @@ def test_the_kernels_proof_names_the_gpu_and_its_architecture_from_the_manifest(
     manifest["ok"] = False
     with pytest.raises(VerifyFailed):
         KernelsBuilt().verify(ctx)
+
+
+def test_a_plan_file_that_is_not_json_says_so(tmp_path):
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.service import load_saved_plan
+
+    bad = tmp_path / "cut.plan"
+    bad.write_text('{"plan_id": 1')
+    with pytest.raises(PdctlError) as e:
+        load_saved_plan(bad)
+    assert "not a readable pdctl plan: not valid JSON (" in e.value.message
