@@ -348,7 +348,13 @@ def apply(
     from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
     from pdctl.statemachine.machine import run_steps
-    from pdctl.statemachine.steps import bind_addresses_unusable, numa_nodes_missing, ports_taken_elsewhere, steps_for
+    from pdctl.statemachine.steps import (
+        bind_addresses_unusable,
+        numa_nodes_missing,
+        ports_taken_elsewhere,
+        router_executable_unusable,
+        steps_for,
+    )
 
     sink = sink or NullSink()
     j = loaded.journal
@@ -412,6 +418,7 @@ def apply(
             own |= set(state.removing)  # an earlier apply's dropped roles not yet removed
             try:
                 bind_addresses_unusable(ctx)
+                router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
                 ports_taken_elsewhere(ctx, own)
             except StepError as exc:

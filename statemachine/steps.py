@@ -404,9 +404,8 @@ def bind_addresses_unusable(ctx: Context) -> None:
     """Before anything starts or stops: every bind address of *ctx*'s topology (each role's ``http_host``, the
     router's host and metrics host) must resolve on the deployment's host and be bindable there, as the server's
     own bind will need (a typo such as ``127.0.0.l`` passes the spec as a host name; the server then fails after its
-    predecessor was stopped). One command on the host with the engine Python. The engine Python and the router
-    executable must exist there too. Raises :class:`ApplyFailed` naming each field and why; a host where the probe
-    cannot run at all is left to the steps."""
+    predecessor was stopped). One command on the host with the engine Python, which must exist there too. Raises
+    :class:`ApplyFailed` naming each field and why; a host where the probe cannot run at all is left to the steps."""
     from pdctl.statemachine.launch import python_for
 
     from pdctl.statemachine.rules import _role_field
@@ -446,30 +445,41 @@ def bind_addresses_unusable(ctx: Context) -> None:
                      "`which python` inside it says)",
             )
         return
-    if topo.router is not None and ctx.dep.router_impl != "sglang-router":  # (sglang-router runs engine.python)
-        from pdctl.statemachine.launch import router_executable
-
-        exe = router_executable(ctx.dep)
-        try:
-            missing = not ctx.host.exists(exe)
-        except OSError:
-            missing = False  # left to the step
-        if missing:  # refused now, not after the servers were restarted and the old router stopped
-            named = bool(ctx.dep.router and ctx.dep.router.executable)
-            raise ApplyFailed(
-                (f"router.executable = {exe!r}" if named else f"the router executable {exe} (smg beside pdctl's "
-                 "Python; router.executable unset)") + f" does not exist on host {ctx.host.name}, nothing was "
-                "started or changed",
-                step="router_exposed",
-                hint="write the absolute path of smg on that host in router.executable (e.g. the venv's bin/smg), "
-                     "or install smg there",
-            )
     if bad:
         said = "; ".join(f"{what} = {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])
         raise ApplyFailed(
             f"bind addresses unusable, nothing was started or changed: {said}",
             step=where[next(iter(bad))][0][1],
             hint="write an address this host has (ip addr lists them), 127.0.0.1, or 0.0.0.0 / :: for every interface",
+        )
+
+
+def router_executable_unusable(ctx: Context) -> None:
+    """Before anything starts or stops: the router's executable (``router.executable``, else smg beside pdctl's Python)
+    must be an executable file on the deployment's host; otherwise the router step would stop the running router and
+    then fail to exec its successor. Raises :class:`ApplyFailed` at router_exposed; a host where ``test`` cannot run
+    is left to the step."""
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.launch import router_executable
+
+    if ctx.topology.router is None or ctx.dep.router_impl == "sglang-router":  # (sglang-router runs engine.python)
+        return
+    named = bool(ctx.dep.router and ctx.dep.router.executable)
+    try:
+        exe = router_executable(ctx.dep)
+    except PdctlError as exc:  # a bare name not on PATH where pdctl runs
+        raise ApplyFailed(f"{exc.message}, nothing was started or changed", step="router_exposed", hint=exc.hint) from None
+    try:
+        res = ctx.host.run(["test", "-x", exe], timeout=30, check=False)
+    except OSError:
+        return
+    if res.returncode == 1:  # (test's "false"; 126/127 would be the host's shell, left to the step)
+        what = f"router.executable = {exe!r}" if named else f"the router executable {exe} (router.executable unset)"
+        raise ApplyFailed(
+            f"{what} is not an executable file on host {ctx.host.name}, nothing was started or changed",
+            step="router_exposed",
+            hint="write the absolute path of smg on that host in router.executable (e.g. the venv's bin/smg), or "
+                 "install smg there",
         )
 
 

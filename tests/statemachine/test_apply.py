@@ -1499,9 +1499,17 @@ def test_a_router_executable_missing_on_the_host_is_refused_before_anything_chan
     spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": "/nonexistent/smg"}}, "exe.toml")
     r = demo.cli("apply", str(spec))
     assert r.returncode == 3, r.stderr
-    assert "router.executable = '/nonexistent/smg' does not exist on host" in r.stderr, r.stderr
+    assert "router.executable = '/nonexistent/smg' is not an executable file on host" in r.stderr, r.stderr
     assert "nothing was started or changed" in r.stderr
     assert demo.pids() == before and demo.status()["router"]["main_pid"] == router_pid
+    # a file that exists but cannot run: refused the same way
+    text = demo.tmp / "smg.txt"
+    text.write_text("not a program")
+    spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": str(text)}}, "exe2.toml")
+    r = demo.cli("apply", str(spec))
+    assert r.returncode == 3 and f"router.executable = '{text}' is not an executable file" in r.stderr, r.stderr
+    assert demo.pids() == before
+    assert demo.load().journal.audit_records()[-1]["event"] == "apply-refused"
 
 
 def test_a_new_served_model_name_restarts_the_router_which_registered_the_old_one(demo):
