@@ -238,7 +238,8 @@ def _get_topk_paged_hook(original, *args, **kwargs):
         or q8.dtype != torch.float8_e4m3fn
         or tuple(q8.shape[1:]) != (64, 128)
     ):
-        _fell_back("_get_topk_paged", f"q {q8.dtype} {tuple(q8.shape)}, init/local index tokens "
+        per_row = ", ".join(map(str, q8.shape[1:]))  # (not the token count: one line per reason, not per batch size)
+        _fell_back("_get_topk_paged", f"q {q8.dtype} [T, {per_row}], init/local index tokens "
                    f"{getattr(self, 'num_init_tokens', 0)}/{getattr(self, 'num_local_tokens', 0)}")
         return original(*args, **kwargs)
     mod = inspect.getmodule(original)
@@ -251,7 +252,6 @@ def _get_topk_paged_hook(original, *args, **kwargs):
         _fell_back("_get_topk_paged", f"index-K cache {cache.dtype} of {cache.numel()} elements (not 132 B per token)")
         return original(*args, **kwargs)
     from pdctl.kernels._indexer import lightning_indexer
-
 
     cache = cache.reshape(-1, 8448).view(torch.uint8)
     seq_lens = metadata.get_seqlens_int32()
