@@ -32,9 +32,20 @@ def _refused(path: tuple, value):  # noqa: ANN001, ANN202
 
 
 def test_the_examples_validate_without_errors():
-    for path in (SEED, DEMO):
+    for path in (SEED, DEMO, SEED.parent / "dsv32.toml"):
         dep = load_spec(path)
-        assert [f for f in validate(dep) if f.level == "error"] == []
+        assert [f for f in validate(dep) if f.level != "info"] == [], path
+
+
+def test_the_dsv32_example_builds_the_kernels_for_its_decode_ranks():
+    from pdctl.statemachine.service import kernels_build_command
+
+    dep = load_spec(SEED.parent / "dsv32.toml")
+    assert dep.kernels.enabled and dep.model.page_size == 64 and dep.model.dsa_decode_backend == "flashmla_kv"
+    cmd, manifest = kernels_build_command(dep)
+    assert cmd[1:] == ["-m", "pdctl.kernels", "build", "--cache-dir", "/var/cache/sglang", "--heads", "32",
+                       "--kv-formats", "fp8", "--max-context", "131072"]
+    assert manifest == "/var/cache/sglang/pdctl-kernels-manifest.json"
 
 
 def _errors(d: dict, **kw) -> list:
