@@ -170,6 +170,12 @@ class Sim:
             a["attention_backend"], a["page_size"] = "dsv4", mdl.DSV4_PAGE_SIZE
             self._startup_info.append(f"Use dsv4 attention backend for {arch[1]}, setting page_size to "
                                       f"{mdl.DSV4_PAGE_SIZE}.")
+            # overrides._deepseek_v4_kv_cache_dtype (CUDA): auto -> fp8_e4m3, then only fp8_e4m3 or bfloat16
+            if a["kv_cache_dtype"] == "auto":
+                a["kv_cache_dtype"] = "fp8_e4m3"
+                self._startup_warnings.append(f"Setting KV cache dtype to fp8_e4m3 for {arch[1]}.")
+            if a["kv_cache_dtype"] not in ("fp8_e4m3", "bfloat16"):
+                raise StartupError(f"AssertionError: {a['kv_cache_dtype']} is not supported for {arch[1]}")
         if self.family in mdl.DSA_FAMILIES:
             # overrides._dsa_kv_cache_dtype_default (an H200-class SM90 device: auto -> bfloat16)
             kv = a["kv_cache_dtype"]

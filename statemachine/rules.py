@@ -170,6 +170,9 @@ _DEEPSEEK_REASONING_PARSERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # 64-token pages). First match wins; other names are not judged.
 _DEEPSEEK_ATTENTION: tuple[tuple[str, str], ...] = ((r"v4", "dsv4"), (r"v3[._-]?2", "dsa"))
 _DSV4_PAGE_SIZE = 256
+# What SGLang 0.5.23 lets a DeepSeek-V4 server start with (arg_groups/overrides.py, _deepseek_v4_kv_cache_dtype: auto
+# becomes fp8_e4m3, then it asserts fp8_e4m3 or bfloat16; "bf16" is not normalised for V4 as it is for DSA)
+_DSV4_KV_DTYPES = ("auto", "fp8_e4m3", "bfloat16")
 
 
 def _deepseek_attention(model_path: str) -> str | None:
@@ -740,6 +743,18 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"backend in {_DSV4_PAGE_SIZE}-token pages whatever --page-size says, and /server_info would "
                     f"show {_DSV4_PAGE_SIZE} (prefill_up then fails on the real server)",
                     f"leave {field} out, or set it to {_DSV4_PAGE_SIZE}",
+                )
+        kv_said: set[str] = set()
+        for _name, _kind, role in roles:
+            field = f"{_role_field(dep, role)}.kv_cache_dtype" if role.kv_cache_dtype is not None else "model.kv_cache_dtype"
+            kv = role.kv_cache_dtype if role.kv_cache_dtype is not None else dep.model.kv_cache_dtype
+            if kv not in _DSV4_KV_DTYPES and field not in kv_said:
+                kv_said.add(field)
+                err(
+                    field,
+                    f"kv_cache_dtype = {kv!r} for {dep.model.path}: SGLang accepts fp8_e4m3 or bfloat16 (auto: fp8_e4m3) "
+                    "for DeepSeek-V4 and stops the server at start otherwise (an AssertionError)",
+                    'write "fp8_e4m3", "bfloat16" (spelled out: "bf16" is refused for V4) or "auto"',
                 )
         for fld in ("dsa_prefill_backend", "dsa_decode_backend"):
             if getattr(dep.model, fld) is not None:

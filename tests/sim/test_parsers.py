@@ -237,3 +237,16 @@ def test_v4_runs_on_dsv4_attention_in_256_token_pages_whatever_page_size_says():
         assert "Use dsv4 attention backend for DeepseekV4ForCausalLM, setting page_size to 256." in sim._startup_info
     sim = Sim(["--model-path", "deepseek-ai/DeepSeek-V3.2", "--page-size", "64"])
     assert sim.page_size == 64 and sim.resolved["attention_backend"] is None
+
+
+def test_v4_kv_cache_dtype_is_fp8_unless_bfloat16_and_nothing_else_starts():
+    # SGLang 0.5.23 overrides._deepseek_v4_kv_cache_dtype: auto -> fp8_e4m3; assert fp8_e4m3 or bfloat16
+    import pytest
+
+    from pdctl.sim.server import Sim, StartupError
+
+    assert Sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash"]).resolved["kv_cache_dtype"] == "fp8_e4m3"
+    assert Sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--kv-cache-dtype", "bfloat16"]) \
+        .resolved["kv_cache_dtype"] == "bfloat16"
+    with pytest.raises(StartupError, match="bf16 is not supported for DeepseekV4ForCausalLM"):
+        Sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--kv-cache-dtype", "bf16"])

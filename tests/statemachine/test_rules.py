@@ -1025,3 +1025,14 @@ def test_dsa_backends_for_a_deepseek_v4_checkpoint_are_warned_as_ignored():
          "--dsv4-attn-backend", level="warning")
     d = dsv32_dict()
     assert not [x for x in validate(parse_spec(d)) if x.field.startswith("model.dsa_")]
+
+
+@pytest.mark.parametrize("dtype,ok", [("fp8_e4m3", True), ("bfloat16", True), ("auto", True), ("bf16", False),
+                                      ("fp8_e5m2", False), ("nvfp4", False)])
+def test_a_deepseek_v4_kv_cache_dtype_sglang_refuses_at_start_is_refused(dtype, ok):
+    # 0.5.23 _deepseek_v4_kv_cache_dtype asserts fp8_e4m3 or bfloat16 (after auto -> fp8_e4m3): anything else passed
+    # validate and plan, and the server exited at start
+    d = seed_dict()
+    d["model"]["kv_cache_dtype"] = dtype
+    errors = [f for f in _errors(d) if f.field == "model.kv_cache_dtype"]
+    assert not errors if ok else errors and "fp8_e4m3 or bfloat16" in errors[0].message
