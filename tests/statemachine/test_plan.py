@@ -672,3 +672,26 @@ def test_a_new_served_name_restarts_the_router_in_front_of_a_single_server_too(m
     # the same name: under the process supervisor the router sees its worker come back; under systemd it restarts
     expected = ["router", "server"] if manager.startswith("systemd") else ["server"]
     assert sorted(make_plan(topo(d), topo(env_only)).restarts()) == expected
+
+
+@pytest.mark.parametrize("change", ["secret", "python"])
+def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_restarts(change, monkeypatch):
+    # (a [secrets] value or engine.python changed the router's unit too, and apply restarted it, which the plan
+    # and the console's y/N did not say)
+    from .specs import demo_dict
+
+    monkeypatch.setenv("PDCTL_T_TOKEN", "one")
+    d = demo_dict()
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_T_TOKEN"}
+    other = copy.deepcopy(d)
+    if change == "secret":
+        before = topo(d)
+        monkeypatch.setenv("PDCTL_T_TOKEN", "two")
+        after = topo(other)
+    else:
+        other["engine"]["python"] = "/opt/other/bin/python3"
+        before, after = topo(d), topo(other)
+    assert sorted(make_plan(before, after).restarts()) == ["decode", "prefill", "router"]
+    env_only = copy.deepcopy(d)
+    env_only["engine"]["env"] = {"X": "1"}
+    assert "router" not in make_plan(topo(d), topo(env_only)).restarts()  # (the router's env is its own)
