@@ -494,6 +494,15 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{name} is set by pdctl from {_OWNED_ROUTER_FLAGS[name]}",
                     f"remove {name} from router.extra_args and set {_OWNED_ROUTER_FLAGS[name]}",
                 )
+            elif name == "--api-key":
+                err(
+                    "router.extra_args",
+                    "--api-key makes the router answer 401 to the requests pdctl proves it with (/workers, /readiness, "
+                    "the chat check), which carry no key: router_exposed would fail after the router restarted; and "
+                    "extra_args are written into the unit in plain text",
+                    "remove --api-key; put the authentication in front of the router (a reverse proxy), which pdctl "
+                    "does not manage",
+                )
         cold = [(n, r.expected_cold_start_s) for n, _k, r in roles if r.expected_cold_start_s]
         for n, cs in cold:
             if router.worker_startup_timeout_s <= cs:  # a worker up only just in time is a race: longer, strictly

@@ -470,7 +470,7 @@ def router_executable_unusable(ctx: Context) -> None:
     except PdctlError as exc:  # a bare name not on PATH where pdctl runs
         raise ApplyFailed(f"{exc.message}, nothing was started or changed", step="router_exposed", hint=exc.hint) from None
     try:
-        res = ctx.host.run(["test", "-x", exe], timeout=30, check=False)
+        res = ctx.host.run(["test", "-f", exe, "-a", "-x", exe], timeout=30, check=False)  # (a directory is -x too)
     except OSError:
         return
     if res.returncode == 1:  # (test's "false"; 126/127 would be the host's shell, left to the step)

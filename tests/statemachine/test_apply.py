@@ -1502,13 +1502,14 @@ def test_a_router_executable_missing_on_the_host_is_refused_before_anything_chan
     assert "router.executable = '/nonexistent/smg' is not an executable file on host" in r.stderr, r.stderr
     assert "nothing was started or changed" in r.stderr
     assert demo.pids() == before and demo.status()["router"]["main_pid"] == router_pid
-    # a file that exists but cannot run: refused the same way
+    # a file that exists but cannot run, or a directory: refused the same way
     text = demo.tmp / "smg.txt"
     text.write_text("not a program")
-    spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": str(text)}}, "exe2.toml")
-    r = demo.cli("apply", str(spec))
-    assert r.returncode == 3 and f"router.executable = '{text}' is not an executable file" in r.stderr, r.stderr
-    assert demo.pids() == before
+    for path in (text, demo.tmp):
+        spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": str(path)}}, "exe2.toml")
+        r = demo.cli("apply", str(spec))
+        assert r.returncode == 3 and f"router.executable = '{path}' is not an executable file" in r.stderr, r.stderr
+        assert demo.pids() == before
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-refused"
 
 

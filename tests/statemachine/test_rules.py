@@ -1036,3 +1036,12 @@ def test_a_deepseek_v4_kv_cache_dtype_sglang_refuses_at_start_is_refused(dtype, 
     d["model"]["kv_cache_dtype"] = dtype
     errors = [f for f in _errors(d) if f.field == "model.kv_cache_dtype"]
     assert not errors if ok else errors and "fp8_e4m3 or bfloat16" in errors[0].message
+
+
+def test_an_api_key_on_the_router_is_refused_as_on_the_servers():
+    # (it passed validate; apply restarted the router, and router_exposed failed 2 minutes later on HTTP 401)
+    d = seed_dict()
+    d["router"]["extra_args"] = ["--api-key", "sk-router-123"]
+    _one(d, "router.extra_args", "--api-key makes the router answer 401", "remove --api-key")
+    d["router"]["extra_args"] = ["--api-key=sk-router-123"]
+    _one(d, "router.extra_args", "--api-key makes the router answer 401")
