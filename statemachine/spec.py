@@ -612,12 +612,28 @@ def _nul_fields(value: Any, loc: tuple[Any, ...] = ()) -> list[str]:
     return out
 
 
+# Optional names and paths whose empty value reads as unset to SGLang and smg yet differs from unset in a plan (a
+# restart for nothing): refused, so that leaving the key out is the one way to say "unset"
+_NO_EMPTY = (("model", "served_name"), ("model", "path"), ("engine", "python"), ("engine", "cache_dir"),
+             ("router", "executable"), ("parsers", "chat_template"))
+
+
+def _empty_fields(data: Any) -> list[str]:
+    out = []
+    for table, key in _NO_EMPTY:
+        section = data.get(table) if isinstance(data, dict) else None
+        if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].strip():
+            out.append(f"{table}.{key}: empty: leave the key out to leave it unset, or write a value")
+    return out
+
+
 def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
     """Build a :class:`Deployment` from parsed TOML. Raises :class:`SpecError` naming each field (a text with a NUL
     character too: TOML's ``\\u0000`` escape reads, and a process would then be handed a truncated argument)."""
-    if nul := _nul_fields(data):
+    bad = _nul_fields(data) + _empty_fields(data)
+    if bad:
         where = f"{path}: " if path else ""
-        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(nul), findings=nul, path=path)
+        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(bad), findings=bad, path=path)
     try:
         return Deployment.model_validate(data)
     except ValidationError as exc:

@@ -1045,3 +1045,13 @@ def test_an_api_key_on_the_router_is_refused_as_on_the_servers():
     _one(d, "router.extra_args", "--api-key makes the router answer 401", "remove --api-key")
     d["router"]["extra_args"] = ["--api-key=sk-router-123"]
     _one(d, "router.extra_args", "--api-key makes the router answer 401")
+
+
+@pytest.mark.parametrize("table,key", [("model", "served_name"), ("engine", "python"), ("router", "executable")])
+def test_an_empty_name_or_path_is_refused_not_planned_as_a_change(table, key):
+    # (served_name = "" served the model path, as unset does, yet planned restarts of every role and the router)
+    d = seed_dict()
+    d[table][key] = ""
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert f"{table}.{key}: empty: leave the key out" in str(e.value)
