@@ -726,5 +726,8 @@ def _where_it_stopped(loaded: Any) -> str:
     spec = loaded.path
     if state.target is None and step is None:  # cancelled at its plan or port checks: it journalled no target yet
         return f"pdctl: the apply stopped before it changed anything (`pdctl status {spec}` shows what runs)"
-    return (f"pdctl: the apply stopped{f' at {step}' if step else ''}; what it had stopped or started stays so: "
+    # between two steps none is journalled as interrupted: say the last one it finished
+    after = [name for name, rec in state.steps.items() if rec.status in ("done", "skipped")]
+    where = f" at {step}" if step else f" after {after[-1]}" if after else ""
+    return (f"pdctl: the apply stopped{where}; what it had stopped or started stays so: "
             f"`pdctl status {spec}` shows what runs, `pdctl apply {spec}` resumes")

@@ -590,7 +590,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         killed = rec.status == "running" and settled  # journalled as running, and no apply holds the lock
         steps[name] = {
             "status": "interrupted" if killed else rec.status,
-            "summary": "its apply was killed while it ran (the next apply resumes it)" if killed else summary,
+            "summary": "its apply was killed while it ran (the next apply resumes it)" if killed
+            else summary or ("stopped by Ctrl-C, a signal or the console while it ran (the next apply resumes it)"
+                             if rec.status == "interrupted" else None),
             "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
         }
     reached = None

@@ -405,6 +405,10 @@ def test_after_a_quit_mid_apply_the_console_says_how_the_apply_ended(console_dem
     j.write(JournalState(name=console_demo.name, deployed=target))  # cancelled at its plan: nothing journalled
     said, code = quit_outcome(console_demo.load(), ApplyCancelled("cancelled"))
     assert code == 130 and said.startswith("pdctl: the apply stopped before it changed anything")
+    j.write(JournalState(name=console_demo.name, target=target,  # stopped between two steps: none interrupted
+                         steps={"kernels_built": StepRecord(status="skipped"), "prefill_up": StepRecord(status="done")}))
+    said, _ = quit_outcome(console_demo.load(), ApplyCancelled("cancelled"))
+    assert said.startswith("pdctl: the apply stopped after prefill_up; "), said
     said, code = quit_outcome(console_demo.load(), ApplyFailed("ports taken", step="router_exposed"))
     assert code == 3 and said.startswith("pdctl: the apply failed at router_exposed before it could be stopped: ports")
     said, code = quit_outcome(console_demo.load(), type("R", (), {"state": "parsers_configured"})())

@@ -1053,7 +1053,9 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     assert "apply again" in last["message"] and "pdctl down" in last["message"]
     audit = demo.load().journal.audit_records()[-1]
     assert audit["event"] == "apply-interrupted" and audit["step"] == "prefill_up", audit
-    assert demo.status()["steps"]["prefill_up"]["status"] == "interrupted"  # not left "running"
+    step = demo.status()["steps"]["prefill_up"]
+    assert step["status"] == "interrupted"  # not left "running"
+    assert step["summary"].startswith("stopped by Ctrl-C, a signal or the console while it ran"), step  # not blank
     said = {signal.SIGINT: "", signal.SIGTERM: "terminated (SIGTERM); ", signal.SIGHUP: "hung up (SIGHUP); "}[sig] + \
         "interrupted during prefill_up:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
