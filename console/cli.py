@@ -364,6 +364,14 @@ def apply_cmd(
         _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")
 
 
+def _broken_rules_note(loaded, what: str) -> None:  # noqa: ANN001
+    # down and status load the spec without refusing its broken rules (loaded.warnings holds them): say so once
+    broken = [f for f in loaded.warnings if f.level == "error"]
+    if broken:
+        _err(f"note: the spec breaks {len(broken)} rule(s) (`pdctl validate {loaded.path}` lists them: "
+             f"{', '.join(f.field for f in broken[:3])}{', …' if len(broken) > 3 else ''}); {what}")
+
+
 def _is_saved_plan(path: Path) -> bool:
     """A plan saved with ``plan -o`` (JSON, whatever its file name: ``-o /tmp/c.plan``), not a TOML spec: the first
     character that is not white space is ``{``, which no TOML document starts with."""
@@ -386,7 +394,8 @@ def status_cmd(
     Exit 0 when everything is healthy, 1 otherwise."""
     from pdctl.statemachine.service import load, status
 
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, rules=False)
+    _broken_rules_note(loaded, "status reads what the journal records")
     try:
         st = status(loaded)
     except PdctlError as exc:
@@ -494,7 +503,8 @@ def down_cmd(
     """
     from pdctl.statemachine.service import down, load
 
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, rules=False)
+    _broken_rules_note(loaded, "down stops what the journal records")
     if not yes:
         if not sys.stdin.isatty():
             raise typer.BadParameter("refusing to stop without a terminal to ask on: pass --yes")

@@ -41,11 +41,18 @@ def journal_for(dep: Deployment, state_dir: str | os.PathLike[str] | None = None
 
 
 def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str] | None = None,
-         discover: bool = False) -> Loaded:
+         discover: bool = False, rules: bool = True) -> Loaded:
     """Read, validate and rule-check a spec. Raises SpecError. Contacts no host, unless *discover*: then the
     hosts with ``inventory = "discover"`` that run roles are read (``pdctl.statemachine.inventory``; HostError
-    when one cannot be) and the placement rules use what they report."""
+    when one cannot be) and the placement rules use what they report. With *rules* False (``down``, ``status``: they
+    act on what the journal records, and a spec half-edited during an incident must not block them) a broken rule is
+    returned among the warnings instead of raised; a spec that does not parse still raises."""
     dep = load_spec(spec_path)
+    if not rules:
+        from pdctl.statemachine.rules import validate
+
+        return Loaded(Path(spec_path), dep, [f for f in validate(dep) if f.level in ("error", "warning")],
+                      journal_for(dep, state_dir))
     inventories = None
     if discover:
         from pdctl.statemachine.hosts import host_for

@@ -551,3 +551,26 @@ def test_a_plan_file_that_is_not_json_says_so(tmp_path):
     with pytest.raises(PdctlError) as e:
         load_saved_plan(bad)
     assert "not a readable pdctl plan: not valid JSON (" in e.value.message
+
+
+def test_down_and_status_work_with_a_spec_that_breaks_a_rule(tmp_path, capsys):
+    # (a spec half-edited during an incident, e.g. decode's GPUs overlapping prefill's, blocked the emergency stop)
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+
+    from .specs import demo_dict, dump_toml
+
+    d = demo_dict()
+    d["decode"][0]["gpus"] = [0, 5, 6, 7]
+    spec = tmp_path / "broken.toml"
+    spec.write_text(dump_toml(d))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["validate", str(spec)])
+    assert e.value.code == ExitCode.ERROR
+    capsys.readouterr()
+    for argv, rc in ((["status", str(spec)], ExitCode.ERROR), (["down", str(spec), "--yes"], ExitCode.OK)):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, "--state-dir", str(tmp_path / "state")])
+        err = capsys.readouterr().err
+        assert e.value.code == rc, err
+        assert "note: the spec breaks 1 rule(s)" in err and "decode[0].gpus" in err, err
