@@ -138,22 +138,29 @@ async def test_escape_cancels_the_topology_modal_and_nothing_changes(console_dem
     assert Journal(console_demo.state, console_demo.name).path.read_bytes() == before
 
 
+async def _no_then_yes(pilot, app) -> str:  # noqa: ANN001
+    """Press a and answer the y/N no (nothing applied), then a and yes (applied once, unconfirmed); the question."""
+    await pilot.press("a")
+    await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+    question = str(app.screen.question)
+    await pilot.press("n")
+    await wait_for(pilot, lambda: not isinstance(app.screen, YesNoScreen))
+    assert app.apply_fn.calls == []
+    await pilot.press("a")
+    await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+    await pilot.press("y")
+    await wait_for(pilot, lambda: app.apply_fn.calls)
+    assert app.apply_fn.calls == [{"confirm": None}]
+    return question
+
+
 async def test_a_disruptive_change_asks_y_n(console_demo):
     console_demo.pretend_deployed(_parsers_changed)
     app = make_app(console_demo)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
         assert app.plan.cls == "disruptive" and not app.plan.requires_confirmation
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("n")
-        await wait_for(pilot, lambda: not isinstance(app.screen, YesNoScreen))
-        assert app.apply_fn.calls == []
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.apply_fn.calls)
-        assert app.apply_fn.calls == [{"confirm": None}]
+        await _no_then_yes(pilot, app)
 
 
 async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks_before_restarting(console_demo):
@@ -169,17 +176,8 @@ async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks
         assert not app.plan.has_changes and app.plan_unsettled == "drift"
         text = app.query_one(PlanPanel).render().plain
         assert "No changes to what was recorded as deployed" in text and "no longer serves as proven" in text, text
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        assert "apply restarts what does not serve as specified" in str(app.screen.question)
-        await pilot.press("n")
-        await wait_for(pilot, lambda: not isinstance(app.screen, YesNoScreen))
-        assert app.apply_fn.calls == []
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.apply_fn.calls)
-        assert app.apply_fn.calls == [{"confirm": None}]
+        question = await _no_then_yes(pilot, app)
+        assert "apply restarts what does not serve as specified" in question
 
 
 async def test_readonly_has_no_mutating_binding(console_demo):

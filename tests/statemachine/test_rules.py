@@ -797,16 +797,20 @@ def test_ipv6_addresses_are_bracketed_in_every_url_pdctl_builds():
         assert topo.kv_link.bootstrap == (("prefill", "[::1]", 8998),)
 
 
+def _page_size_at(d: dict, where: str, size: int) -> str:
+    """Set *size* as model.page_size, or on both roles (equal: no prefill/decode mismatch); the field reported."""
+    if where == "model":
+        d["model"]["page_size"] = size
+        return "model.page_size"
+    d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = size
+    return "decode[0].page_size"
+
+
 @pytest.mark.parametrize("where", ["model", "decode"])
 def test_a_page_size_other_than_64_with_kernels_enabled_is_refused(where):
     # pdctl's kernels read 64-token pages; a 32-token page size passed validate and failed only in the kernels
     d = dsv32_dict()
-    if where == "model":
-        d["model"]["page_size"] = 32
-        field = "model.page_size"
-    else:
-        d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = 128  # (equal: no prefill/decode mismatch)
-        field = "decode[0].page_size"
+    field = _page_size_at(d, where, 32 if where == "model" else 128)
     f = _one(d, field, "page_size = ", "with kernels enabled", "64-token pages", f"set {field} = 64",
              "kernels.enabled = false")
     assert len([x for x in _errors(d) if x.field == field]) == 1  # model.page_size once, not once per role
@@ -1001,12 +1005,7 @@ def test_a_deepseek_v4_page_size_other_than_256_is_refused(where):
     # SGLang 0.5.23 declares 256-token pages for DeepseekV4ForCausalLM over --page-size; /server_info shows 256 and
     # prefill_up, which compares it with the spec's, would fail on the real server (the seed once said 64)
     d = seed_dict()
-    if where == "model":
-        d["model"]["page_size"] = 64
-        field = "model.page_size"
-    else:
-        d["prefill"][0]["page_size"] = d["decode"][0]["page_size"] = 64
-        field = "decode[0].page_size"
+    field = _page_size_at(d, where, 64)
     _one(d, field, "page_size = 64 for deepseek-ai/DeepSeek-V4-Flash", "256-token pages whatever --page-size says",
          f"leave {field} out, or set it to 256")
     for size in (256, None):
