@@ -617,8 +617,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     spec_topo = topology_of(loaded.deployment)
     unfinished_down = None
     if settled and (state.deployed is not None or state.target is not None
-                              or any(r["state"] != "inactive" for r in roles)
-                              or (router is not None and router["state"] != "inactive") or leftover):
+                    or any(r["state"] != "inactive" for r in roles)
+                    or (router is not None and router["state"] != "inactive") or leftover):
         last = loaded.journal.last_audit(_LIFECYCLE)
         if (last is not None and last["event"] in ("down-started", "down-interrupted", "down-failed")
                 and _lock_holder(loaded) is None):  # (a down that took the lock after the audit read is running)
