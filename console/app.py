@@ -35,7 +35,7 @@ from textual.widgets import Footer, Header, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
 from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
-from pdctl.console.exit_codes import ExitCode
+from pdctl.console.exit_codes import ExitCode, exit_code_for
 from pdctl.console._gpu import GpuPanel
 from pdctl.console._logs import LogsPanel
 from pdctl.console._plan import PlanPanel, render_plan
@@ -200,9 +200,9 @@ class ConsoleApp(App[int]):
         self.snapshot: Snapshot | None = None
         self.plan_error: str | None = None
         self.plan_unsettled: str | None = None
-        self._down_at_plan: frozenset[str] = frozenset()
-        self._interrupted_at: str | None = None
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
+        self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
+        self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
         self.apply_ended = threading.Event()
@@ -422,8 +422,8 @@ class ConsoleApp(App[int]):
             if warnings:
                 detail.append(warnings + "\n\n", style="yellow")
             detail.append_text(render_plan(plan))
-            first = "Apply plan {}? Beside its changes, ".format(plan.plan_id) if plan.has_changes else \
-                "Apply? The spec has no changes, but "
+            first = (f"Apply plan {plan.plan_id}? Beside its changes, " if plan.has_changes
+                     else "Apply? The spec has no changes, but ")
             self.push_screen(YesNoScreen(f"{first}{plan.unsettled}: apply restarts what does not serve as specified.",
                                          detail), drift)
             return
@@ -688,7 +688,6 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
 def quit_outcome(loaded: Any, outcome: Any) -> tuple[str, int]:
     """What to say, and the exit code, once an apply the console was quit during has ended with *outcome* (its result,
     or the exception that ended it): stopped (130), failed on its own (its error's code), or finished (0)."""
-    from pdctl.console.exit_codes import exit_code_for
     from pdctl.statemachine.errors import RunCancelled
 
     spec = loaded.path
