@@ -686,6 +686,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         err("engine.python", f"{dep.engine.python!r} is not an absolute path: the units start it as their first "
             "argument, on the host, from no particular directory",
             "write the interpreter's absolute path on the host (`command -v python3` there, or the venv's bin/python)")
+    if dep.model.path.startswith(("./", "../", "~")):  # (a bare "org/name" is a Hugging Face id, not a path)
+        err("model.path", f"{dep.model.path!r} is a relative path: the servers start from no particular directory "
+            "(and no shell expands ~ in a unit)", "write the checkpoint's absolute path on the host, or its Hugging "
+            "Face id (org/name)")
     if dep.engine.cache_dir is not None and not dep.engine.cache_dir.startswith("/"):
         err("engine.cache_dir", f"{dep.engine.cache_dir!r} is not an absolute path: the servers (SGLANG_CACHE_DIR) and "
             "the kernels' build would each read it from whatever directory they start in",

@@ -1054,3 +1054,12 @@ def test_an_empty_name_or_path_is_refused_not_planned_as_a_change(table, key):
     with pytest.raises(SpecError) as e:
         parse_spec(d)
     assert f"{table}.{key}: empty: leave the key out" in str(e.value)
+
+
+@pytest.mark.parametrize("path,ok", [("./models/x", False), ("../x", False), ("~/models/x", False),
+                                     ("deepseek-ai/DeepSeek-V4-Flash", True), ("/models/DeepSeek-V4-Flash", True)])
+def test_a_model_path_that_is_plainly_relative_is_refused(path, ok):
+    d = seed_dict()
+    d["model"]["path"] = path
+    errors = [f for f in _errors(d) if f.field == "model.path"]
+    assert not errors if ok else errors and "relative path" in errors[0].message
