@@ -1031,10 +1031,7 @@ def test_dsa_backends_for_a_deepseek_v4_checkpoint_are_warned_as_ignored():
 def test_a_deepseek_v4_kv_cache_dtype_sglang_refuses_at_start_is_refused(dtype, ok):
     # 0.5.23 _deepseek_v4_kv_cache_dtype asserts fp8_e4m3 or bfloat16 (after auto -> fp8_e4m3): anything else passed
     # validate and plan, and the server exited at start
-    d = seed_dict()
-    d["model"]["kv_cache_dtype"] = dtype
-    errors = [f for f in _errors(d) if f.field == "model.kv_cache_dtype"]
-    assert not errors if ok else errors and "fp8_e4m3 or bfloat16" in errors[0].message
+    _refused_or_not(("model", "kv_cache_dtype"), dtype, ok, "fp8_e4m3 or bfloat16")
 
 
 def test_an_api_key_on_the_router_is_refused_as_on_the_servers():
@@ -1059,7 +1056,12 @@ def test_an_empty_name_or_path_is_refused_not_planned_as_a_change(table, key):
 @pytest.mark.parametrize("path,ok", [("./models/x", False), ("../x", False), ("~/models/x", False),
                                      ("deepseek-ai/DeepSeek-V4-Flash", True), ("/models/DeepSeek-V4-Flash", True)])
 def test_a_model_path_that_is_plainly_relative_is_refused(path, ok):
+    _refused_or_not(("model", "path"), path, ok, "relative path")
+
+
+def _refused_or_not(where: tuple[str, str], value: str, ok: bool, words: str) -> None:
+    """The seed with ``[table] key = value``: no error on that field when *ok*, else one that says *words*."""
     d = seed_dict()
-    d["model"]["path"] = path
-    errors = [f for f in _errors(d) if f.field == "model.path"]
-    assert not errors if ok else errors and "relative path" in errors[0].message
+    d[where[0]][where[1]] = value
+    errors = [f for f in _errors(d) if f.field == ".".join(where)]
+    assert not errors if ok else errors and words in errors[0].message, errors
