@@ -569,9 +569,7 @@ def chat_cmd(
         url = topo.router.url
     else:
         url = topo.roles[0].url
-    from pdctl.statemachine.plan import _model_id
-
-    model = _model_id(topo.roles[0])  # the name what runs serves, which the router registered (not the spec's, unapplied)
+    model = topo.roles[0].served_model  # the name what runs serves, which the router registered (not the spec's, unapplied)
     body = {"model": model, "messages": [{"role": "user", "content": message}], "tools": [PROBE_TOOL],
             "chat_template_kwargs": {"thinking": True}, "max_tokens": 256}
     from pdctl.statemachine.errors import PdctlError

@@ -210,13 +210,6 @@ def _mode_words(mode: str) -> str:
     return "PD disaggregation" if mode == "pd" else "single server"
 
 
-def _model_id(role) -> str:  # noqa: ANN001
-    """The model name a server serves, which the router registers its worker under: ``--served-model-name``, else
-    the model path (SGLang's default for ``served_model_name``)."""
-    model = role.settings.get("model") or {}
-    return str(model.get("served_name") or model.get("path") or "")
-
-
 def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0) -> Plan:
     """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing."""
     changes: list[ResourceChange] = []
@@ -397,8 +390,9 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     if desired.router is not None and deployed is not None and deployed.router is not None:
         servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode", "server")}
         if not desired.deployment.get("service_manager", "").startswith("systemd"):
-            was = {r.name: _model_id(r) for r in deployed.roles}
-            servers = {r.name for r in desired.roles if r.name in servers and was.get(r.name, _model_id(r)) != _model_id(r)}
+            was = {r.name: r.served_model for r in deployed.roles}
+            servers = {r.name for r in desired.roles
+                       if r.name in servers and was.get(r.name, r.served_model) != r.served_model}
         changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
                    if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 

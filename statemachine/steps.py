@@ -876,9 +876,7 @@ def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any],
         want[url.rstrip("/")] = ("decode", None)
     for url in r.regular:
         want[url.rstrip("/")] = ("regular", None)
-    from pdctl.statemachine.plan import _model_id
-
-    model_ids = {role.url.rstrip("/"): _model_id(role) for role in topo.roles}
+    model_ids = {role.url.rstrip("/"): role.served_model for role in topo.roles}
     bad: list[str] = []
     seen = set()
     for w in workers:

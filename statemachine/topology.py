@@ -96,6 +96,14 @@ class RoleTopology(_Frozen):
         (:func:`dial_host`: ``::`` through ``[::1]``, which the host's name or IPv4 address would not reach)."""
         return f"http://{dial_host(self.http_host)}:{self.port}"
 
+    @property
+    def served_model(self) -> str:
+        """The model name the server serves, which the router registers its worker under: ``--served-model-name``,
+        else the model path (SGLang's default for ``served_model_name``; smg takes ``served_model_name``, then
+        ``model_path``)."""
+        model = self.settings.get("model") or {}
+        return str(model.get("served_name") or model.get("path") or "")
+
     def describe(self) -> str:
         gpus = ",".join(str(g) for g in self.gpus)
         numa = f", NUMA {self.numa_node}" if self.numa_node is not None else ""
