@@ -100,14 +100,15 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     return make_plan(plan_base(state, desired), desired, from_serial=state.serial)
 
 
-def runtime_drift(loaded: Loaded) -> tuple[list[str], list[str]]:
+def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
     """What of a deployed topology does not serve now (from :func:`status`), one phrase per role, as ``(lasting,
     answers)``: *lasting* a unit not running, unsupervised, or its port answered by another process (apply has work);
     *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
     while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
     serve or nothing is deployed. Raises what :func:`status` raises (a host or service manager that cannot be
-    asked: HostError, ManagerUnavailable…), never "all serve" for it."""
-    if loaded.journal.read().deployed is None:
+    asked: HostError, ManagerUnavailable…), never "all serve" for it. *recorded*: the journal's state, when the caller
+    has read it already."""
+    if (loaded.journal.read() if recorded is None else recorded).deployed is None:
         return [], []
     st = status(loaded)
     lasting: list[str] = []
@@ -163,7 +164,7 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
                          "starts from what it was applying: going back is a topology change too")
         return Unsettled("unfinished", "an earlier apply" + (" toward another spec" if other else "") + " did not "
                          "finish, so what runs may be partly what it was applying", tuple(notes))
-    drift, answers = runtime_drift(loaded)
+    drift, answers = runtime_drift(loaded, recorded)
     notes = ()
     if drift or answers:
         notes = (f"the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
