@@ -175,19 +175,24 @@ def decode_metrics(h: int, rows: int, fmt: str, us: float, ceil: dict, topk: int
 
 
 def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, with_ref: bool) -> list[dict]:
+    """Every shape's candidates as ``build_and_verify`` tries them, in two passes over the shapes: the plain configs,
+    then the launch settings on each shape's fastest. Before each pass the configs it will try are compiled side by
+    side in ``_build._compile_workers()`` processes (``_build._precompile``), so that the sweep fits one call."""
     import torch
 
     from pdctl.kernels._build import (
+        _compile_workers,
         _decode_candidates,
-        _decode_tolerance_check,
         _launch_setting_candidates,
+        _precompile,
         make_decode_case,
     )
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import LAST_LAUNCH, _pdl_supported, sparse_mla_decode
+    from pdctl.kernels._sparse_mla import _pdl_supported
 
     sm = 0.135234
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    workers = _compile_workers()
     fm = None
     if with_flashmla:
         try:
@@ -195,83 +200,118 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
         except Exception as e:  # pragma: no cover - depends on the machine
             log(f"flash_mla unavailable: {e!r}")
             fm = None
+
+    def candidates(h: int, rows: int, fmt: str) -> list:
+        cands = _decode_candidates(h, rows, nsm, fmt)
+        if os.environ.get("PDCTL_BENCH_GLUON_ONLY"):
+            cands = [c for c in cands if c.gluon]
+        return cands
+
+    def precompile(cands: dict) -> None:
+        jobs = [("decode", h, rows, fmt, 2048, sm, c.as_dict()) for (fmt, h, rows), cs in cands.items() for c in cs]
+        t0 = time.time()
+        info = _precompile(jobs, workers, torch.cuda.current_device())
+        log(f"precompiled {info} ({time.time() - t0:.0f}s)")
+
+    shapes = [(fmt, h, rows) for fmt in fmts for h in heads for rows in batches]
+    plain = {key: candidates(key[1], key[2], key[0]) for key in shapes}
+    precompile(plain)
+    state: dict[tuple, dict] = {}
+    for key in shapes:
+        fmt, h, rows = key
+        r = {"fmt": fmt, "h": h, "B": rows}
+        st = state[key] = {"r": r, "timed": []}
+        try:
+            q, kv, idx, _ = make_decode_case(h, rows, fmt, slots=262144, ragged=False, with_length=False)
+            ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
+            nrot = rotations(rows * 2048 * (656 if fmt == "fp8" else 1152))
+            idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
+                            .to(torch.int32) for _ in range(nrot - 1)]
+            r["rotations"] = nrot
+            st.update(q=q, kv=kv, idx=idx, idxs=idxs, ro=ro, rl=rl,
+                      o=torch.empty(rows, h, 512, dtype=q.dtype, device="cuda"),
+                      lse=torch.empty(rows, h, dtype=torch.float32, device="cuda"))
+            for cfg in plain[key]:
+                _bench_attempt(st, cfg, sm, log)
+            if st["timed"]:
+                r["plain_us"] = min(st["timed"], key=lambda x: x[0])[0]
+        except Exception:
+            r["error"] = traceback.format_exc()[-600:]
+    # as build_and_verify: launch settings (PDL, the in-kernel merge) on each shape's fastest plain configs
+    settings = {key: _launch_setting_candidates([cfg for _, cfg, _, _ in sorted(st["timed"], key=lambda x: x[0])],
+                                                key[1], key[2], nsm, _pdl_supported(torch.device("cuda")))
+                for key, st in state.items() if "error" not in st["r"]}
+    precompile(settings)
     rows_out = []
-    for fmt in fmts:
-        for h in heads:
-            for rows in batches:
-                r = {"fmt": fmt, "h": h, "B": rows}
-                try:
-                    q, kv, idx, _ = make_decode_case(h, rows, fmt, slots=262144, ragged=False, with_length=False)
-                    ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
-                    o = torch.empty(rows, h, 512, dtype=q.dtype, device="cuda")
-                    lse = torch.empty(rows, h, dtype=torch.float32, device="cuda")
-                    nrot = rotations(rows * 2048 * (656 if fmt == "fp8" else 1152))
-                    idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
-                                    .to(torch.int32) for _ in range(nrot - 1)]
-                    r["rotations"] = nrot
-                    cands = _decode_candidates(h, rows, nsm, fmt)
-                    if os.environ.get("PDCTL_BENCH_GLUON_ONLY"):
-                        cands = [c for c in cands if c.gluon]
-                    timed = []
+    for key in shapes:
+        fmt, h, rows = key
+        st = state.pop(key)
+        r = st["r"]
+        try:
+            if "error" in r:
+                raise RuntimeError(r["error"])
+            for cfg in settings[key]:
+                _bench_attempt(st, cfg, sm, log)
+            q, kv, idx, idxs, ro = st["q"], st["kv"], st["idx"], st["idxs"], st["ro"]
+            if st["timed"]:
+                best = min(st["timed"], key=lambda x: x[0])
+                r.update(ours_us=best[0], cfg=best[1].as_dict(), err=best[2], regs=best[3])
+                r.update(decode_metrics(h, rows, fmt, best[0], ceil))
+            if with_ref:
+                r["ref_us"] = graph_us_multi([lambda: reference_sparse_mla_decode(
+                    q, kv, idx, sm, None, compute_dtype=torch.float32)], reps=10, back_to_back=3)
+            if fm is not None and fmt == "fp8":
+                hp = 64 if h <= 64 else 128
+                qp = torch.zeros(rows, 1, hp, 576, dtype=torch.bfloat16, device="cuda")
+                qp[:, 0, :h] = q
+                kc = kv.view(-1, 64, 1, 656)
+                sched, _ = fm.get_mla_metadata()
 
-                    def attempt(cfg) -> None:
-                        try:
-                            o.fill_(float("nan"))
-                            lse.fill_(float("nan"))
-                            sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            log(f"  cfg {cfg} failed to run: {str(e)[:160]}")
-                            return
-                        err = _decode_tolerance_check(o, lse, ro, rl)
-                        if not err["ok"]:
-                            log(f"  cfg {cfg} WRONG: {err}")
-                            r.setdefault("wrong_cfgs", []).append(cfg.as_dict())
-                            return
-                        regs = dict(LAST_LAUNCH)
-                        us = graph_us_multi([lambda ix=ix: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
-                                                                             config=cfg) for ix in idxs])
-                        r.setdefault("all", []).append((round(us, 2), cfg.as_dict(), regs))
-                        timed.append((us, cfg, err, regs))
+                def call(ix=idx):
+                    return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
+                                                     ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
 
-                    for cfg in cands:
-                        attempt(cfg)
-                    if timed:
-                        r["plain_us"] = min(timed, key=lambda x: x[0])[0]
-                    # as build_and_verify: launch settings (PDL, the in-kernel merge) on the fastest plain configs
-                    ranked = [cfg for _, cfg, _, _ in sorted(timed, key=lambda x: x[0])]
-                    for cfg in _launch_setting_candidates(ranked, h, rows, nsm, _pdl_supported(q.device)):
-                        attempt(cfg)
-                    if timed:
-                        best = min(timed, key=lambda x: x[0])
-                        r.update(ours_us=best[0], cfg=best[1].as_dict(), err=best[2], regs=best[3])
-                        r.update(decode_metrics(h, rows, fmt, best[0], ceil))
-                    if with_ref:
-                        r["ref_us"] = graph_us_multi([lambda: reference_sparse_mla_decode(
-                            q, kv, idx, sm, None, compute_dtype=torch.float32)], reps=10, back_to_back=3)
-                    if fm is not None and fmt == "fp8":
-                        hp = 64 if h <= 64 else 128
-                        qp = torch.zeros(rows, 1, hp, 576, dtype=torch.bfloat16, device="cuda")
-                        qp[:, 0, :h] = q
-                        kc = kv.view(-1, 64, 1, 656)
-                        sched, _ = fm.get_mla_metadata()
-
-                        def call(ix=idx):
-                            return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
-                                                             ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
-
-                        fo, flse = call()
-                        torch.cuda.synchronize()
-                        r["flashmla_err_vs_ref"] = (fo[:, 0, :h].float() - ro).abs().max().item()
-                        r["flashmla_us"] = graph_us_multi([lambda ix=ix: call(ix) for ix in idxs])
-                        r["flashmla_heads"] = hp
-                    del q, kv, idx, idxs, ro, rl, o, lse
-                    torch.cuda.empty_cache()
-                except Exception:
-                    r["error"] = traceback.format_exc()[-600:]
-                log(json.dumps({k: v for k, v in r.items() if k not in ("err", "all")}, default=str))
-                rows_out.append(r)
+                fo, flse = call()
+                torch.cuda.synchronize()
+                r["flashmla_err_vs_ref"] = (fo[:, 0, :h].float() - ro).abs().max().item()
+                r["flashmla_us"] = graph_us_multi([lambda ix=ix: call(ix) for ix in idxs])
+                r["flashmla_heads"] = hp
+        except Exception:
+            r.setdefault("error", traceback.format_exc()[-600:])
+        del st
+        torch.cuda.empty_cache()
+        log(json.dumps({k: v for k, v in r.items() if k not in ("err", "all")}, default=str))
+        rows_out.append(r)
     return rows_out
+
+
+def _bench_attempt(st: dict, cfg, sm: float, log) -> None:  # noqa: ANN001
+    """Check *cfg* on the shape held in *st* against the fp32 reference (outputs poisoned with NaN first); time it
+    if it passes (CUDA-graph replay over the shape's rotated index sets) and add it to ``st["timed"]``."""
+    import torch
+
+    from pdctl.kernels._build import _decode_tolerance_check
+    from pdctl.kernels._sparse_mla import LAST_LAUNCH, sparse_mla_decode
+
+    q, kv, idx, o, lse, r = st["q"], st["kv"], st["idx"], st["o"], st["lse"], st["r"]
+    try:
+        o.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
+        torch.cuda.synchronize()
+    except Exception as e:
+        log(f"  cfg {cfg} failed to run: {str(e)[:160]}")
+        return
+    err = _decode_tolerance_check(o, lse, st["ro"], st["rl"])
+    if not err["ok"]:
+        log(f"  cfg {cfg} WRONG: {err}")
+        r.setdefault("wrong_cfgs", []).append(cfg.as_dict())
+        return
+    regs = dict(LAST_LAUNCH)
+    us = graph_us_multi([lambda ix=ix: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse, config=cfg)
+                         for ix in st["idxs"]])
+    r.setdefault("all", []).append((round(us, 2), cfg.as_dict(), regs))
+    st["timed"].append((us, cfg, err, regs))
 
 
 def bench_f16_experiment(heads, batches, log) -> list[dict]:

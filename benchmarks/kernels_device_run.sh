@@ -11,6 +11,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 export TRITON_CACHE_DIR=/tmp/triton-cache
+# pdctl as an importable package (the build's compiling processes are spawned and import pdctl.kernels by name)
+tree=/tmp/tree/pdctl; mkdir -p $tree
+for f in pdctl/*.py; do ln -sf "$PWD/$f" $tree/; done
+for s in console statemachine kernels units sim; do ln -sfn "$PWD/$s" $tree/$s; done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 for s in "${stages[@]}"; do
   case "$s" in
@@ -20,6 +24,20 @@ import sys; sys.argv=['pdctl.kernels','build','--cache-dir','$OUT/kcache','--hea
 sys.path.insert(0,'tests/kernels'); import conftest  # maps kernels/ -> pdctl.kernels on a bare checkout
 from pdctl.kernels.__main__ import main; rc=main(); print('build rc', rc); sys.exit(rc)" 2>&1 | tee "$OUT/build.log" | tail -5
        cp "$OUT/kcache/pdctl-kernels-manifest.json" "$OUT/manifest.json" 2>/dev/null; rm -rf "$OUT/kcache" ;;
+    buildtime)  # the kernels_built step's wall time with and without compiling processes, each on a fresh cache
+       for w in ${BUILD_WORKERS:-16 0}; do
+         rm -rf /tmp/kc$w
+         env -C /tmp -u TRITON_CACHE_DIR PYTHONPATH=/tmp/tree:${PYTHONPATH:-} PDCTL_KERNELS_COMPILE_WORKERS=$w timeout ${BUILD_TIMEOUT:-280} \
+           python3 -m pdctl.kernels build --cache-dir /tmp/kc$w ${BUILD_ARGS:---heads 32 --kv-formats fp8 --max-context 131072} \
+           > "$OUT/build_w$w.log" 2>&1; echo "workers $w: rc $?"
+         python3 -c "
+import json; m = json.load(open('/tmp/kc$w/pdctl-kernels-manifest.json'))
+print('  ok', m['ok'], 'elapsed_s', m['elapsed_s'], 'compile', m.get('compile'), 'kernels in cache',
+      len(__import__('os').listdir('/tmp/kc$w/triton')))
+for e in m['decode']: print('  ', e['heads'], e['kv'], e['rows'], e.get('config'), round(e.get('us', 0), 2), e['ok'])
+print('   indexer', m['indexer']['config'], round(m['indexer']['us_B64_L8K'], 2), m['indexer']['ok'])" 2>&1 | tee -a "$OUT/buildtime.txt"
+         cp /tmp/kc$w/pdctl-kernels-manifest.json "$OUT/manifest_w$w.json" 2>/dev/null
+       done ;;
     ncu) timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --section SpeedOfLight --section Occupancy \
            --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
            -k regex:'decode|topk|indexer|combine' python3 benchmarks/ncu_targets.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1

@@ -338,6 +338,147 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
     return out
 
 
+COMPILE_WORKERS_ENV = "PDCTL_KERNELS_COMPILE_WORKERS"
+"""Environment variable: how many processes compile the candidate kernels before they are timed (0 or 1: none, the
+timing loop compiles each in turn). Default: ``min(16, os.cpu_count())``."""
+PRECOMPILE_TIMEOUT_S = 900.0
+"""Longest a precompile round may take; its workers are then terminated and the timing loop compiles what is left."""
+
+
+def _compile_workers() -> int:
+    """Processes for :func:`_precompile` (``PDCTL_KERNELS_COMPILE_WORKERS``, else ``min(16, cpu count)``).
+
+    Raises:
+        KernelsBuildError: the variable is set to something other than a whole number ≥ 0.
+    """
+    raw = os.environ.get(COMPILE_WORKERS_ENV)
+    if raw is None or not raw.strip():
+        return min(16, os.cpu_count() or 1)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise KernelsBuildError(f"{COMPILE_WORKERS_ENV}={raw!r} is not a whole number >= 0; "
+                                "set it to the number of compiling processes (0 to compile in the timing loop)")
+    return n
+
+
+def _compile_key(job: tuple) -> tuple:
+    """Jobs that may share compiled kernels, so one worker compiles them in turn instead of several at once.
+
+    Triton compiles one binary per constexpr set and per specialisation of the integer arguments (== 1, divisible
+    by 16); a decode config's ``splits`` is a runtime argument, and the batch size reaches the kernels as an integer.
+    A key finer than Triton's only costs a duplicate compile; a coarser one only leaves a compile to the timing loop.
+    """
+    if job[0] == "indexer":
+        return (*job[:4], tuple(sorted(job[4].items())))
+    _, h, rows, fmt, _topk, _scale, cfg = job
+    rest = tuple(sorted((k, v) for k, v in cfg.items() if k != "splits"))
+    return ("decode", h, fmt, rest, _int_spec(cfg.get("splits", 1)), _int_spec(rows))
+
+
+def _int_spec(n: int) -> tuple[bool, bool]:
+    return n == 1, n % 16 == 0
+
+
+def _precompile_group(jobs: list[tuple]) -> int:
+    """Worker side of :func:`_precompile`: run each job's kernels once on inputs of the job's shapes, so that Triton
+    compiles them into ``TRITON_CACHE_DIR``. Failures are left to the timing loop, which runs every job again and
+    records them. Returns the number of jobs that ran."""
+    import torch
+
+    from pdctl.kernels._indexer import IndexerConfig, lightning_indexer
+    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+
+    ran = 0
+    cases: dict[tuple, tuple] = {}
+    for job in jobs:
+        try:
+            if job[0] == "decode":
+                _, h, rows, fmt, topk, sm_scale, cfg = job
+                if (case := cases.get(job[:5])) is None:
+                    cases.clear()  # one shape's inputs at a time
+                    case = cases[job[:5]] = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
+                q, kv, idx, tl_ = case
+                sparse_mla_decode(q, kv, idx, sm_scale, tl_, config=DecodeConfig(**cfg))
+            else:
+                _, seq_lens, max_context, topk, cfg = job
+                q8, w, cache, bt, sl = make_indexer_case(list(seq_lens), max_context=max_context, device="cuda")
+                lightning_indexer(q8, w, cache, bt, sl, topk, config=IndexerConfig(**cfg))
+            torch.cuda.synchronize()
+            ran += 1
+        except Exception:  # noqa: BLE001 - a config that fails here fails again, and is recorded, in the timing loop
+            pass
+    return ran
+
+
+def _precompile_worker(device: int, tasks: Any, results: Any, run: Any) -> None:
+    """One compiling process: take job groups off ``tasks`` until its ``None``, put each group's count on
+    ``results``."""
+    try:
+        import torch
+
+        torch.cuda.set_device(device)
+    except Exception:  # noqa: BLE001 - then every job fails, quickly, and the timing loop compiles them
+        pass
+    while (group := tasks.get()) is not None:
+        results.put(run(group))
+
+
+def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: float = PRECOMPILE_TIMEOUT_S,
+                run: Any = None) -> dict[str, Any]:
+    """Compile the kernels of *jobs* in ``workers`` processes before the timing loop needs them.
+
+    Each job is ``("decode", heads, rows, kv_format, topk, sm_scale, config dict)`` or ``("indexer", seq_lens,
+    max_context, topk, config dict)``; jobs with the same :func:`_compile_key` go to one process, the groups handed
+    out as processes come free. The processes are spawned (no CUDA state is forked), use GPU ``device`` and write
+    their binaries into the ``TRITON_CACHE_DIR`` this process set, so the timing loop loads them instead of
+    compiling them one after the other. Nothing they compute is used: the timing loop verifies and times every
+    config itself, so a process that dies or hangs costs time, never a result. ``run`` replaces
+    :func:`_precompile_group` (a picklable module-level function; for tests).
+
+    Returns ``{"workers", "jobs", "groups", "ran", "s", "timed_out"}``: ``ran`` counts the jobs whose kernels ran;
+    ``timed_out`` is True when the round outlasted ``timeout_s`` and the processes still running were killed.
+    """
+    import multiprocessing
+
+    started = time.monotonic()
+    groups: dict[tuple, list[tuple]] = {}
+    for job in jobs:
+        groups.setdefault(_compile_key(job), []).append(job)
+    info: dict[str, Any] = {"workers": 0, "jobs": len(jobs), "groups": len(groups), "ran": 0, "s": 0.0,
+                            "timed_out": False}
+    n = min(workers, len(groups))
+    if n <= 1:
+        return info
+    info["workers"] = n
+    ctx = multiprocessing.get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.SimpleQueue()
+    for group in groups.values():
+        tasks.put(group)
+    for _ in range(n):
+        tasks.put(None)
+    procs = [ctx.Process(target=_precompile_worker, args=(device, tasks, results, run or _precompile_group),
+                         daemon=True, name=f"pdctl-kernels-compile-{i}") for i in range(n)]
+    for proc in procs:
+        proc.start()
+    deadline = started + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            info["timed_out"] = True
+            proc.kill()
+            proc.join()
+    while not results.empty():
+        info["ran"] += results.get()
+    tasks.cancel_join_thread()  # groups never taken (killed processes) must not hold this process at exit
+    tasks.close()
+    info["s"] = round(time.monotonic() - started, 1)
+    return info
+
+
 def build_and_verify(
     cache_dir: str | os.PathLike[str],
     *,
@@ -414,64 +555,93 @@ def build_and_verify(
     }
     ok = True
     chosen = {}
-    for h in heads:
-        for fmt in kv_formats:
-            for rows in batch_sizes:
-                q, kv, idx, tl_ = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
-                ro, rlse = reference_sparse_mla_decode(q, kv, idx, sm_scale, tl_, compute_dtype=torch.float32)
-                passing: list[tuple[float, Any, dict]] = []
-                failing: list[dict] = []
-
-                def attempt(cfg: Any) -> None:
-                    o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
-                    lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
-                    try:
-                        sparse_mla_decode(q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # a config that does not compile here (e.g. shared memory) is skipped
-                        manifest.setdefault("skipped_configs", []).append(
-                            {"heads": h, "kv": fmt, "rows": rows, "config": cfg and cfg.as_dict(), "error": str(e)[:200]})
-                        return
-                    err = _decode_tolerance_check(o, lse, ro, rlse)
-                    if not err["ok"]:
-                        failing.append({"config": cfg and cfg.as_dict(), "errors": err})
-                        return
-                    us = _bench_us(lambda: sparse_mla_decode(
-                        q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
-                    passing.append((us, cfg, err))
-
-                for cfg in (_decode_candidates(h, rows, num_sms, fmt) if tune else [None]):
-                    attempt(cfg)
-                if tune:
-                    # Launch settings of a given kernel (PDL, the in-kernel merge), on the fastest plain configs.
-                    ranked = [cfg for _, cfg, _ in sorted(passing, key=lambda x: x[0])]
-                    for cfg in _launch_setting_candidates(ranked, h, rows, num_sms, _pdl_supported(dev)):
-                        attempt(cfg)
-                entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}
-                if failing:
-                    entry["failed_configs"] = failing
-                if not passing or failing:
-                    # Every config must compute the same function: one failing config is a kernel bug.
-                    ok = False
-                if passing:
-                    us, cfg, err = min(passing, key=lambda x: x[0])
-                    if cfg is not None:
-                        chosen[(h, fmt, rows)] = cfg
-                    entry.update(config=cfg.as_dict() if cfg else None, us=us, errors=err)
-                entry["ok"] = bool(passing) and not failing
-                manifest["decode"].append(entry)
-    set_decode_configs(chosen)
-
-    # Indexer: tune the logits launch on a decode-sized batch (64 requests of 8K tokens at the deployment's
-    # block-table width), keeping only configs whose top-k is a valid top-k of the reference logits; then verify
-    # the chosen config against the reference on one batch mixing short (<= topk) and long rows.
-    tq8, tw, tcache, tbt, tsl = make_indexer_case([8192] * 64, max_context=max_context, device="cuda")
-    tref = reference_indexer_logits(tq8, tw, tcache, tbt, tsl, compute_dtype=torch.float32)
+    workers = _compile_workers() if tune else 0
+    manifest["compile"] = []
+    shapes = [(h, fmt, rows) for h in heads for fmt in kv_formats for rows in batch_sizes]
+    plain = {s: _decode_candidates(s[0], s[2], num_sms, s[1]) for s in shapes} if tune else {s: [None] for s in shapes}
     icands = [IndexerConfig()] + ([IndexerConfig(programs_per_sm=pp, logits_stages=st, topk_programs=tp)
                                    for pp, st in ((4, 5), (8, 3), (16, 5)) for tp in (528, 1056)]
                                   + [IndexerConfig(pdl=0)] if tune else [])
     if tune:  # the logits' keys by per-thread copies instead of bulk tensor copies (where those exist)
         icands += [IndexerConfig(logits_tma=0)]
+    itune_lens = (8192,) * 64
+
+    def decode_jobs(cands: dict) -> list[tuple]:
+        return [("decode", h, rows, fmt, topk, sm_scale, cfg.as_dict())
+                for (h, fmt, rows), cfgs in cands.items() for cfg in cfgs if cfg is not None]
+
+    if workers > 1:  # every plain decode candidate and every indexer candidate, compiled side by side
+        manifest["compile"].append(_precompile(
+            decode_jobs(plain) + [("indexer", itune_lens, max_context, topk, c.as_dict()) for c in icands],
+            workers, dev.index))
+
+    class Shape:
+        """One (heads, kv format, rows) shape's inputs, reference and verified configs."""
+
+        def __init__(self, h: int, fmt: str, rows: int) -> None:
+            self.h, self.fmt, self.rows = h, fmt, rows
+            self.q, self.kv, self.idx, self.tl = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
+            self.ro, self.rlse = reference_sparse_mla_decode(self.q, self.kv, self.idx, sm_scale, self.tl,
+                                                             compute_dtype=torch.float32)
+            self.passing: list[tuple[float, Any, dict]] = []
+            self.failing: list[dict] = []
+
+        def attempt(self, cfg: Any) -> None:
+            h, rows, q, kv, idx, tl_ = self.h, self.rows, self.q, self.kv, self.idx, self.tl
+            o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
+            lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
+            try:
+                sparse_mla_decode(q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)
+                torch.cuda.synchronize()
+            except Exception as e:  # a config that does not compile here (e.g. shared memory) is skipped
+                manifest.setdefault("skipped_configs", []).append(
+                    {"heads": h, "kv": self.fmt, "rows": rows, "config": cfg and cfg.as_dict(), "error": str(e)[:200]})
+                return
+            err = _decode_tolerance_check(o, lse, self.ro, self.rlse)
+            if not err["ok"]:
+                self.failing.append({"config": cfg and cfg.as_dict(), "errors": err})
+                return
+            us = _bench_us(lambda: sparse_mla_decode(
+                q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
+            self.passing.append((us, cfg, err))
+
+    cases = {}
+    for key in shapes:
+        cases[key] = case = Shape(*key)
+        for cfg in plain[key]:
+            case.attempt(cfg)
+    if tune:
+        # Launch settings of a given kernel (PDL, the in-kernel merge), on each shape's fastest plain configs.
+        settings = {key: _launch_setting_candidates([cfg for _, cfg, _ in sorted(case.passing, key=lambda x: x[0])],
+                                                    key[0], key[2], num_sms, _pdl_supported(dev))
+                    for key, case in cases.items()}
+        if workers > 1:
+            manifest["compile"].append(_precompile(decode_jobs(settings), workers, dev.index))
+        for key, case in cases.items():
+            for cfg in settings[key]:
+                case.attempt(cfg)
+    for (h, fmt, rows), case in cases.items():
+        entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}
+        if case.failing:
+            entry["failed_configs"] = case.failing
+        if not case.passing or case.failing:
+            # Every config must compute the same function: one failing config is a kernel bug.
+            ok = False
+        if case.passing:
+            us, cfg, err = min(case.passing, key=lambda x: x[0])
+            if cfg is not None:
+                chosen[(h, fmt, rows)] = cfg
+            entry.update(config=cfg.as_dict() if cfg else None, us=us, errors=err)
+        entry["ok"] = bool(case.passing) and not case.failing
+        manifest["decode"].append(entry)
+    del cases
+    set_decode_configs(chosen)
+
+    # Indexer: tune the logits launch on a decode-sized batch (64 requests of 8K tokens at the deployment's
+    # block-table width), keeping only configs whose top-k is a valid top-k of the reference logits; then verify
+    # the chosen config against the reference on one batch mixing short (<= topk) and long rows.
+    tq8, tw, tcache, tbt, tsl = make_indexer_case(list(itune_lens), max_context=max_context, device="cuda")
+    tref = reference_indexer_logits(tq8, tw, tcache, tbt, tsl, compute_dtype=torch.float32)
     itimes = []
     for icfg in icands:
         try:
@@ -480,7 +650,8 @@ def build_and_verify(
                 manifest.setdefault("indexer_failed_configs", []).append(icfg.as_dict())
                 ok = False
                 continue
-            itimes.append((_bench_us(lambda icfg=icfg: lightning_indexer(tq8, tw, tcache, tbt, tsl, topk, config=icfg))
+            itimes.append((_bench_us(lambda icfg=icfg, case=(tq8, tw, tcache, tbt, tsl): lightning_indexer(
+                *case, topk, config=icfg))
                            if tune else float("nan"), icfg))
         except Exception as e:
             manifest.setdefault("skipped_configs", []).append({"indexer": icfg.as_dict(), "error": str(e)[:200]})

@@ -250,3 +250,82 @@ def test_the_build_tries_launch_settings_on_the_fastest_plain_configs():
     assert [(c.pdl, c.merge) for c in _launch_setting_candidates(ranked, 16, 1, 132, pdl=False)] == [(0, 1), (0, 1)]
     assert all(c.merge == 0 for c in _launch_setting_candidates(ranked, 16, 9, 132, pdl=True))
     assert any(c.merge for c in _launch_setting_candidates(ranked, 16, 8, 132, pdl=True))  # 8 × 16 = 128 fits
+
+
+_RUNNERS = '''
+import os, time
+
+def hang(group):
+    time.sleep(120)
+    return len(group)
+
+def die_on_indexer(group):
+    if group[0][0] == "indexer":
+        os._exit(3)
+    return len(group)
+'''
+
+
+def _decode_job(splits: int, rows: int = 8, **cfg):
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    return ("decode", 16, rows, "fp8", 2048, 0.135, DecodeConfig(splits=splits, gluon=5, **cfg).as_dict())
+
+
+def test_precompile_groups_jobs_that_may_share_a_binary_and_runs_each_once():
+    # Splits 16 and 32 specialise alike (both divisible by 16), so one process compiles both in turn; splits 1, a
+    # PDL mode or another batch-size specialisation may be another binary.
+    from pdctl.kernels._build import _precompile
+
+    jobs = [_decode_job(16), _decode_job(32), _decode_job(1), _decode_job(16, pdl=1), _decode_job(16, rows=64),
+            ("indexer", (8192,) * 4, 32768, 2048, {"pdl": 2})]
+    info = _precompile(jobs, 3, 0, run=len, timeout_s=120)
+    assert info["groups"] == 5 and info["jobs"] == 6
+    assert info["workers"] == 3
+    assert info["ran"] == 6, info
+    assert not info["timed_out"]
+
+
+def test_precompile_is_skipped_with_one_worker_or_one_group():
+    from pdctl.kernels._build import _precompile
+
+    assert _precompile([_decode_job(16), _decode_job(32)], 8, 0, run=len)["workers"] == 0
+    assert _precompile([_decode_job(16), _decode_job(1)], 1, 0, run=len)["workers"] == 0
+
+
+def test_precompile_outlives_a_process_that_dies_and_kills_one_that_hangs(tmp_path, monkeypatch):
+    import multiprocessing
+    import time
+
+    from pdctl.kernels._build import _precompile
+
+    (tmp_path / "pdctl_test_runners.py").write_text(_RUNNERS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned processes get this process's sys.path
+    import pdctl_test_runners as runners
+
+    jobs = [_decode_job(16), _decode_job(1), ("indexer", (8192,), 8192, 2048, {})]
+    t0 = time.monotonic()
+    info = _precompile(jobs, 2, 0, run=runners.die_on_indexer, timeout_s=100)
+    assert time.monotonic() - t0 < 90, "a dead process's group must not be waited for until the deadline"
+    assert info["ran"] == 2 and not info["timed_out"], info
+
+    t0 = time.monotonic()
+    info = _precompile(jobs, 2, 0, run=runners.hang, timeout_s=4)
+    assert info["timed_out"] and info["ran"] == 0, info
+    assert time.monotonic() - t0 < 60
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pdctl-kernels-compile")]
+
+
+def test_compile_workers_come_from_the_environment(monkeypatch):
+    from pdctl.kernels._build import COMPILE_WORKERS_ENV, KernelsBuildError, _compile_workers
+
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "0")
+    assert _compile_workers() == 0
+    monkeypatch.setenv(COMPILE_WORKERS_ENV, "6")
+    assert _compile_workers() == 6
+    monkeypatch.delenv(COMPILE_WORKERS_ENV)
+    assert 1 <= _compile_workers() <= 16
+    for bad in ("many", "-2", "1.5"):
+        monkeypatch.setenv(COMPILE_WORKERS_ENV, bad)
+        with pytest.raises(KernelsBuildError, match=COMPILE_WORKERS_ENV + ".*whole number"):
+            _compile_workers()
