@@ -44,6 +44,6 @@ print('   indexer', m['indexer']['config'], round(m['indexer']['us_B64_L8K'], 2)
          echo "ncu rc $?"; grep -E "^  [a-z_]+.*\(|Duration|Stall|Registers Per|Achieved Occupancy|Issue Slots Busy|Memory Throughput" \
            "$OUT/ncu.txt" | head -80 ;;
     stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;
-    bench) timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
+    bench) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
   esac
 done

@@ -438,8 +438,9 @@ def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: floa
     config itself, so a process that dies or hangs costs time, never a result. ``run`` replaces
     :func:`_precompile_group` (a picklable module-level function; for tests).
 
-    Returns ``{"workers", "jobs", "groups", "ran", "s", "timed_out"}``: ``ran`` counts the jobs whose kernels ran;
-    ``timed_out`` is True when the round outlasted ``timeout_s`` and the processes still running were killed.
+    Returns ``{"workers", "jobs", "groups", "ran", "died", "s", "timed_out"}``: ``ran`` counts the jobs whose kernels
+    ran, ``died`` the processes that exited with an error (one that cannot import pdctl, say); ``timed_out`` is True
+    when the round outlasted ``timeout_s`` and the processes still running were killed.
     """
     import multiprocessing
 
@@ -447,8 +448,8 @@ def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: floa
     groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         groups.setdefault(_compile_key(job), []).append(job)
-    info: dict[str, Any] = {"workers": 0, "jobs": len(jobs), "groups": len(groups), "ran": 0, "s": 0.0,
-                            "timed_out": False}
+    info: dict[str, Any] = {"workers": 0, "jobs": len(jobs), "groups": len(groups), "ran": 0, "died": 0,
+                            "s": 0.0, "timed_out": False}
     n = min(workers, len(groups))
     if n <= 1:
         return info
@@ -471,6 +472,8 @@ def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: floa
             info["timed_out"] = True
             proc.kill()
             proc.join()
+        elif proc.exitcode:
+            info["died"] += 1
     while not results.empty():
         info["ran"] += results.get()
     tasks.cancel_join_thread()  # groups never taken (killed processes) must not hold this process at exit
