@@ -92,6 +92,21 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     return deployed
 
 
+def _proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
+    """Roles (and ``router``) that an unfinished apply toward *desired* itself proved: their step journalled done or
+    skipped since that apply journalled *desired* as its target (it cleared the steps then). The plan compares
+    *desired* with the recorded deployment, so its restarts still name them; restarting them on resume would load
+    again a server that apply had already restarted with these settings and proved (a second weight load on real
+    GPUs), where one it had only started is waited for (``steps.STARTED``). Their steps still re-prove them, and one
+    whose unit definition changed since, or that no longer serves as specified, is restarted all the same. Empty
+    without an unfinished apply, or for one toward another topology."""
+    if state.target is None or state.target != desired:
+        return set()
+    step_of = {r.name: f"{r.kind}_up" for r in desired.roles} | ({"router": "router_exposed"} if desired.router else {})
+    return {name for name, step in step_of.items()
+            if (rec := state.steps.get(step)) is not None and rec.status in ("done", "skipped")}
+
+
 def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks; *state*: the
     journal's, when the caller has read it already."""
@@ -418,8 +433,9 @@ def apply(
             except HostError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
                 raise
-            ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=set(plan.restarts()),
-                                host=host)
+            # (less what an interrupted apply toward this same topology already restarted and proved)
+            restart = set(plan.restarts()) - _proven_by_unfinished(state, desired)
+            ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}

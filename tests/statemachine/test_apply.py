@@ -1021,16 +1021,18 @@ def test_status_tells_an_apply_that_runs_from_one_that_was_interrupted(demo):
     assert demo.status()["healthy"]
 
 
-def _json_apply_signalled(demo, sig, **popen) -> tuple:  # noqa: ANN001, ANN003
-    """``pdctl apply SPEC --json`` in a child process, sent *sig* once prefill_up starts: (process, events, stderr)."""
+def _json_apply_signalled(demo, sig, *, spec: Path | None = None, at: tuple[str, str] = ("step_started", "prefill_up"),
+                          **popen) -> tuple:  # noqa: ANN001, ANN003
+    """``pdctl apply SPEC --json`` (*spec*, else the demo's) in a child process, sent *sig* right after the event *at*
+    (kind, step): (process, events, stderr)."""
     env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
-    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, **popen)
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(spec or demo.spec), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
     events = []
     try:
         for line in p.stdout:
             events.append(json.loads(line))
-            if events[-1]["kind"] == "step_started" and events[-1]["step"] == "prefill_up":
+            if (events[-1]["kind"], events[-1]["step"]) == at:
                 p.send_signal(sig)
                 break
         rest, err = p.communicate(timeout=120)
@@ -1059,6 +1061,31 @@ def test_an_interrupted_json_apply_ends_its_stream_with_an_event(demo, sig, rc):
     said = {signal.SIGINT: "", signal.SIGTERM: "terminated (SIGTERM); ", signal.SIGHUP: "hung up (SIGHUP); "}[sig] + \
         "interrupted during prefill_up:"
     assert err.rstrip().splitlines()[-1].startswith(said), err
+
+
+def test_a_resumed_change_keeps_the_server_its_interrupted_apply_already_proved(demo):
+    # A change restarts prefill and decode; Ctrl-C right after prefill_up proved prefill with the new settings. The
+    # resume restarted prefill again (its plan still compares with the recorded settings, so prefill still counted as
+    # a change: a second weight load, while a server only started, not yet proven, was kept); it is proven as it stands
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 8192
+    changed = demo.write(d, "ctx.toml")
+    p, events, err = _json_apply_signalled(demo, signal.SIGINT, spec=changed, at=("step_verified", "prefill_up"))
+    assert p.returncode == 130, err
+    assert events[-1]["kind"] == "apply_interrupted" and events[-1]["step"] != "prefill_up", events[-3:]
+    st = demo.status()
+    assert st["reached"] == "prefill_up", st["steps"]
+    proven = st["roles"][0]["main_pid"]
+    r = demo.cli("apply", str(changed))
+    assert r.returncode == 0, r.stderr
+    assert "prefill_up: already satisfied" in r.stderr, r.stderr
+    assert f"restarting pdctl-{demo.name}-prefill.service" not in r.stderr, r.stderr
+    assert demo.status()["roles"][0]["main_pid"] == proven  # the same process, loaded once
+    with httpx.Client(trust_env=False) as c:
+        for port in (demo.ports["prefill"], demo.ports["decode"]):
+            assert c.get(f"http://127.0.0.1:{port}/server_info").json()["context_length"] == 8192
+    assert demo.status()["healthy"]
 
 
 def test_an_apply_under_nohup_runs_through_a_hangup(demo):
