@@ -53,6 +53,12 @@ class PlanPanel(Widget):
     """The plan shown (None: not planned yet)."""
     error: reactive[str | None] = reactive(None, layout=True)
     """Why the spec could not be loaded or planned."""
+    last_failure: reactive[str | None] = reactive(None, layout=True)
+    """Why the console's last apply failed or was refused, in full (its toast goes after 15 s, the header cuts
+    it); shown above the plan until the next apply starts."""
 
     def render(self) -> Text:
-        return render_plan(self.plan, error=self.error)
+        plan = render_plan(self.plan, error=self.error)
+        if not self.last_failure:
+            return plan
+        return Text.assemble((self.last_failure, "bold red"), "\n\n", plan)

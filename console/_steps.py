@@ -27,12 +27,13 @@ STATUS_MARK = {
 def render_steps(steps: tuple[StepView, ...], cursor: int | None, width: int) -> Text:
     """One line per step: mark, name, status, elapsed, summary (cut to *width*)."""
     out = Text(no_wrap=True, overflow="ellipsis")
+    status_w = max([8, *(len(s.status) for s in steps)])  # "interrupted" widens the column, aligned
     for i, s in enumerate(steps):
         mark, style = STATUS_MARK.get(s.status, ("?", "magenta"))
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f"{'›' if i == cursor else ' '}{mark} ", style=style)
         line.append(f"{s.name:<19}", style="bold" if i == cursor else "")
-        line.append(f"{s.status:<8}", style=style)
+        line.append(f"{s.status:<{status_w}}", style=style)
         line.append(f"{fmt_duration(s.elapsed_s):>7}  ", style="cyan")
         summary = s.summary if s.status != "failed" else (s.error or s.summary)
         line.append(summary or "", style="red" if s.status == "failed" else "")

@@ -37,8 +37,10 @@ def _svc(services: Mapping[str, Any], name: str) -> Text:
     return t
 
 
-def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[str, Any] | None = None, hosts: Mapping[str, Any] | None = None) -> RenderableType:
-    """The topology as a few aligned lines; with *plan*, what it would change, marked."""
+def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[str, Any] | None = None, hosts: Mapping[str, Any] | None = None,
+                    *, readonly: bool = False) -> RenderableType:
+    """The topology as a few aligned lines; with *plan*, what it would change, marked (and, unless *readonly*, the
+    key that applies it)."""
     services = services or {}
     changes: dict[str, ResourceChange] = {c.address: c for c in (plan.changes if plan else ())}
     show = plan.to_topology if (plan is not None and plan.has_changes) else topo
@@ -61,7 +63,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         banner = Text(no_wrap=False)
         banner.append(f"Pending {plan.cls} plan {plan.plan_id}: ", style=style)
         banner.append(f"+{add} ~{change} -{destroy}")
-        banner.append(" (a: review, apply)", style="dim")
+        banner.append(" (read-only: `pdctl plan` shows it)" if readonly else " (a: review, apply)", style="dim")
         parts.append(banner)
 
     t = Table.grid(padding=(0, 1))
@@ -157,11 +159,13 @@ class TopologyPanel(Widget):
     services: reactive[Mapping[str, Any]] = reactive(dict, layout=True)
     """Role → service state (from the manager)."""
 
-    def __init__(self, topology: Topology | None = None, *, name: str | None = None, id: str | None = None, classes: str | None = None, disabled: bool = False) -> None:
+    def __init__(self, topology: Topology | None = None, *, readonly: bool = False, name: str | None = None, id: str | None = None, classes: str | None = None, disabled: bool = False) -> None:
         super().__init__(name=name, id=id, classes=classes, disabled=disabled)
         self.set_reactive(TopologyPanel.topology, topology)
+        self.readonly = readonly
+        """The console's ``--readonly``: the pending-plan banner offers no key."""
 
     def render(self) -> RenderableType:
         if self.topology is None:
             return Text("no topology yet", style="dim")
-        return render_topology(self.topology, self.plan, self.services)
+        return render_topology(self.topology, self.plan, self.services, readonly=self.readonly)

@@ -232,7 +232,7 @@ class ConsoleApp(App[int]):
         with TabbedContent(id="tabs", initial="topology"):
             with TabPane("1 Topology", id="topology"):
                 with VerticalScroll():
-                    yield TopologyPanel(topo, id="topology-panel")
+                    yield TopologyPanel(topo, readonly=self.readonly, id="topology-panel")
             with TabPane("2 GPU/NUMA", id="gpu"):
                 with VerticalScroll():
                     yield GpuPanel(id="gpu-panel")
@@ -346,12 +346,13 @@ class ConsoleApp(App[int]):
         self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None))
 
     @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
-    def run_apply(self, confirm: str | None) -> None:
-        """Drive the engine's apply (the same call as ``pdctl apply``)."""
+    def run_apply(self, confirm: str | None, expect_plan: str | None) -> None:
+        """Drive the engine's apply (the same call as ``pdctl apply``), refused by the engine unless it plans
+        *expect_plan*, the plan the operator was shown."""
         fn = self.apply_fn
         if fn is None:
             from pdctl.statemachine.service import apply as fn
-        kw: dict[str, Any] = {"confirm": confirm, "sink": _PostingSink(self, self._cancel)}
+        kw: dict[str, Any] = {"confirm": confirm, "expect_plan": expect_plan, "sink": _PostingSink(self, self._cancel)}
         if self.timeouts is not None:
             kw["timeouts"] = self.timeouts
         try:
@@ -386,7 +387,7 @@ class ConsoleApp(App[int]):
 
             def done(ok: bool | None) -> None:
                 if ok:
-                    self.start_apply(plan.plan_id)
+                    self.start_apply(plan.plan_id, plan.plan_id)
                 else:
                     self.notify("Topology change cancelled: nothing changed")
 
@@ -396,7 +397,7 @@ class ConsoleApp(App[int]):
 
             def yn(ok: bool | None) -> None:
                 if ok:
-                    self.start_apply(None)
+                    self.start_apply(None, plan.plan_id)
                 else:
                     self.notify("Not applied: nothing changed")
 
@@ -414,7 +415,7 @@ class ConsoleApp(App[int]):
 
             def drift(ok: bool | None) -> None:
                 if ok:
-                    self.start_apply(None)
+                    self.start_apply(None, plan.plan_id)
                 else:
                     self.notify("Not applied: nothing changed")
 
@@ -427,13 +428,15 @@ class ConsoleApp(App[int]):
             self.push_screen(YesNoScreen(f"{first}{plan.unsettled}: apply restarts what does not serve as specified.",
                                          detail), drift)
             return
-        self.start_apply(None)
+        self.start_apply(None, plan.plan_id)
 
     def _warnings_text(self) -> str:
         return "\n".join(f"warning: {w.field}: {w.message}" for w in getattr(self.loaded, "warnings", ()) or ())
 
-    def start_apply(self, confirm: str | None) -> None:
-        """Start the apply worker (confirming plan id *confirm* when given)."""
+    def start_apply(self, confirm: str | None, expect_plan: str) -> None:
+        """Start the apply worker for plan *expect_plan*, the one the operator was shown (and answered, where
+        it asked): the engine refuses it if it plans another by then (:class:`StalePlanError`). *confirm*: the
+        topology change's confirmation, its plan id."""
         if self.readonly or self.applying:
             return
         self._cancel.clear()
@@ -441,8 +444,9 @@ class ConsoleApp(App[int]):
         self._interrupted_at = None
         self.applying = True
         self.last_apply_error = None
+        self._w(PlanPanel).last_failure = None
         self.sub_title = self._status_line()
-        self.run_apply(confirm)
+        self.run_apply(confirm, expect_plan)
 
     def action_cancel_apply(self) -> None:
         if self.applying and not self.readonly:
@@ -624,6 +628,9 @@ class ConsoleApp(App[int]):
             step = getattr(err, "step", None)
             text = f"{'step ' + step + ': ' if step else ''}{getattr(err, 'message', None) or err}"
             self.notify(text + (f"\nhint: {hint}" if hint else ""), title=type(err).__name__, severity="error", timeout=15)
+            title = getattr(err, "title", None) or type(err).__name__
+            self._w(PlanPanel).last_failure = (f"Last apply ({time.strftime('%H:%M:%S')}): {title}: {text}"
+                                               + (f"\nhint: {hint}" if hint else ""))
         self.sub_title = self._status_line()
         if self.live:
             self.reload_spec(reread=False)
@@ -639,14 +646,16 @@ class ConsoleApp(App[int]):
         elif holder := self._locked_by():
             bits.append(f"LOCKED by PID {holder.get('pid')} ({holder.get('purpose', '?')})")
         else:
+            # most urgent first: an 80-column header cuts the line's end
             err = self.last_apply_error
-            if err is not None and not isinstance(err, ApplyCancelled):  # first: the header is cut at its end
-                # (a refusal before the first step leaves no step failed: once its toast went, nothing said it)
+            if err is not None and not isinstance(err, ApplyCancelled):
+                # (a refusal before the first step leaves no step failed: the plan tab keeps its words in full)
                 step = getattr(err, "step", None)
-                bits.append(f"LAST APPLY FAILED{' at ' + step if step else ''}: "
-                            + str(getattr(err, "message", None) or err).split(": ", 1)[0][:60])
+                bits.append(f"LAST APPLY FAILED{' at ' + step if step else ''} (6: why)")
             snap = self.snapshot
+            where = None
             if snap is not None and snap.steps:
+                status = {s.name: s.status for s in snap.steps}
                 reached = None
                 for s in snap.steps:
                     if s.status in ("done", "skipped"):
@@ -656,16 +665,32 @@ class ConsoleApp(App[int]):
                 failed = [s.name for s in snap.steps if s.status == "failed"]
                 stopped = [s.name for s in snap.steps if s.status == "interrupted"]
                 running = [v.role for v in snap.services.values() if v.state in ("active", "activating", "deactivating")]
-                bits.append(f"failed at {failed[0]}" if failed else f"interrupted at {stopped[0]}" if stopped
-                            else f"reached {reached}" if reached
-                            else "not deployed, yet units run" if running else "not deployed")
-                # what reached its step may have gone down since: the header says so, not only the panels
-                down = [v.role for v in snap.services.values() if v.state != "active" or not v.supervised]
-                if reached and reached != "kernels_built" and down:
+                where = (f"failed at {failed[0]}" if failed else f"interrupted at {stopped[0]}" if stopped
+                         else f"reached {reached}" if reached
+                         else "not deployed, yet units run" if running else "not deployed")
+                # a role whose step was proven may have gone down since: the header says so, not only the panels
+                # (a role whose step never ran, e.g. the router of an apply stopped at decode_up, is not "down")
+                proven = {r: status.get(_step_of(snap.topology, r)) in ("done", "skipped") for r in snap.services}
+                down = [v.role for r, v in snap.services.items()
+                        if proven[r] and (v.state != "active" or not v.supervised)]
+                if down:
                     bits.append(f"NOT serving: {', '.join(down)}")
             if self.plan is not None and self.plan.has_changes:
                 bits.append(f"pending: {self.plan.cls}")
+            if where:
+                bits.append(where)
         return " · ".join(bits)
+
+
+def _step_of(topo: Any, role: str) -> str:
+    """The state-machine step that brings *role* up (``prefill_up``, ``decode_up``, ``server_up``;
+    ``router_exposed`` for the router)."""
+    if topo.router is not None and role == "router":  # (the router's service is named so: ``collect.log_sources``)
+        return "router_exposed"
+    try:
+        return f"{topo.role(role).kind}_up"
+    except KeyError:
+        return ""
 
 
 def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:

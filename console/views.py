@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdctl.statemachine.journal import JournalState
+from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 from pdctl.statemachine.topology import Topology
 
@@ -57,7 +57,7 @@ def step_views(states: tuple[str, ...], journal: JournalState | None, now: float
             out.append(StepView(name=name, status="pending"))
             continue
         proof = rec.proof or None
-        summary = (proof or {}).get("summary") or rec.error or ""
+        summary = (proof or {}).get("summary") or rec.error or (INTERRUPTED_SUMMARY if rec.status == "interrupted" else "")
         if rec.started_at is not None:
             end = rec.finished_at if rec.finished_at is not None else (now if rec.status == "running" else None)
             elapsed = (end - rec.started_at) if end is not None else None

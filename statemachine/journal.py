@@ -86,6 +86,10 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         os.close(dfd)
 
 
+INTERRUPTED_SUMMARY = "stopped by Ctrl-C, a signal or the console while it ran (the next apply resumes it)"
+"""What an ``interrupted`` step record with no words of its own means (``pdctl status`` and the console)."""
+
+
 @dataclass
 class StepRecord:
     """A step's last outcome: ``status`` is pending, running, done, skipped, failed or interrupted (Ctrl-C or SIGTERM

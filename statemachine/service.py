@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.statemachine.errors import HostError, RunCancelled
-from pdctl.statemachine.journal import Journal, default_state_dir
+from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
@@ -353,6 +353,7 @@ def apply(
     *,
     confirm: str | None = None,
     saved_plan: Plan | None = None,
+    expect_plan: str | None = None,
     sink=None,  # noqa: ANN001
     timeouts=None,  # noqa: ANN001
     client=None,  # noqa: ANN001
@@ -361,6 +362,10 @@ def apply(
 
     Holds the deployment's lock throughout (:class:`LockHeld` if taken). A topology change needs
     ``confirm == plan.plan_id`` (:class:`TopologyNotConfirmed` otherwise, before anything changes).
+    With *expect_plan* (the id of the plan an operator was shown and answered, as the console does)
+    it applies only while planning under the lock still gives that plan (:class:`StalePlanError`
+    otherwise, before anything changes): another apply or down between the question and the answer
+    changes the plan, and the answer was not given to the new one.
     A *saved_plan* applies only while the deployment still matches its "from" side and the spec
     still produces its "to" side (:class:`StalePlanError`). Roles no longer in the spec are
     stopped and removed (router first). Raises :class:`StepError` naming the failed step; the
@@ -412,6 +417,11 @@ def apply(
                     hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that file unedited",
                 )
             # what was reviewed, as computed here: whether it needs a confirmation is never read from the file
+        if expect_plan is not None and expect_plan != plan.plan_id:
+            reason = (f"the plan changed since it was shown: it was {expect_plan} and is now {plan.plan_id} (the "
+                      f"deployment changed meanwhile, now at journal serial {state.serial}); nothing was changed")
+            j.audit("apply-refused", plan_id=plan.plan_id, expected=expect_plan, reason=reason)
+            raise StalePlanError(reason, plan_id=plan.plan_id, hint="review the new plan, then apply it")
         stale_steps = dict(state.steps)  # an earlier run's (a "running" one of a killed apply is not this run's)
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
@@ -615,8 +625,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         steps[name] = {
             "status": "interrupted" if killed else rec.status,
             "summary": "its apply was killed while it ran (the next apply resumes it)" if killed
-            else summary or ("stopped by Ctrl-C, a signal or the console while it ran (the next apply resumes it)"
-                             if rec.status == "interrupted" else None),
+            else summary or (INTERRUPTED_SUMMARY if rec.status == "interrupted" else None),
             "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
         }
     reached = None

@@ -4,6 +4,7 @@ and — with real processes — applying the demo to parsers_configured from the
 
 from __future__ import annotations
 
+import io
 import threading
 
 import httpx
@@ -12,6 +13,7 @@ from textual.widgets import Button
 
 from pdctl.console._confirm import TopologyConfirmScreen, YesNoScreen
 from pdctl.console._gpu import GpuPanel
+from pdctl.console._plan import PlanPanel
 from pdctl.console._steps import StepsPanel
 from pdctl.console._throughput import ThroughputPanel
 from pdctl.console.app import MUTATING_ACTIONS, ApplyCancelled, ConsoleApp
@@ -26,13 +28,13 @@ SIZE = (80, 24)
 
 
 class Recorder:
-    """Stands in for ``service.apply``: records each call's confirmation."""
+    """Stands in for ``service.apply``: records each call's confirmation and the plan it expects."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def __call__(self, loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
-        self.calls.append({"confirm": confirm})
+    def __call__(self, loaded, *, confirm=None, expect_plan=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
+        self.calls.append({"confirm": confirm, "expect_plan": expect_plan})
         sink.emit(Event("apply_done", "done"))
         return type("R", (), {"state": "parsers_configured"})()
 
@@ -92,7 +94,7 @@ async def test_topology_modal_proceeds_with_the_right_name_and_confirms_that_pla
         assert not modal.query_one("#confirm", Button).disabled
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.apply_fn.calls)
-        assert app.apply_fn.calls == [{"confirm": plan_id}]
+        assert app.apply_fn.calls == [{"confirm": plan_id, "expect_plan": plan_id}]
         assert not isinstance(app.screen, TopologyConfirmScreen)
 
 
@@ -150,7 +152,7 @@ async def _no_then_yes(pilot, app) -> str:  # noqa: ANN001
     await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
     await pilot.press("y")
     await wait_for(pilot, lambda: app.apply_fn.calls)
-    assert app.apply_fn.calls == [{"confirm": None}]
+    assert app.apply_fn.calls == [{"confirm": None, "expect_plan": app.plan.plan_id}]
     return question
 
 
@@ -194,6 +196,12 @@ async def test_readonly_has_no_mutating_binding(console_demo):
         assert app.apply_fn.calls == [] and app.screen is app.screen_stack[0]
         assert app.check_action("apply", ()) is False
         assert "READ-ONLY" in app.sub_title
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(app.query_one("#topology-panel").render())
+        banner = console.export_text()  # offers no key it took away
+        assert "Pending disruptive plan" in banner and "a: review" not in banner and "read-only" in banner
 
 
 class BlockingApply:
@@ -204,7 +212,7 @@ class BlockingApply:
         self.started = threading.Event()
         self.error: BaseException | None = None
 
-    def __call__(self, loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
+    def __call__(self, loaded, *, confirm=None, expect_plan=None, sink=None, timeouts=None):  # noqa: ANN001, ANN204
         self.started.set()
         try:
             while not self.release.wait(0.05):
@@ -349,7 +357,7 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
     # (its toast expired and nothing said it: the header kept an earlier apply's words)
     from pdctl.statemachine.errors import ApplyFailed
 
-    def refused(loaded, *, confirm=None, sink=None, timeouts=None):  # noqa: ANN001, ANN202
+    def refused(loaded, *, confirm=None, expect_plan=None, sink=None, timeouts=None):  # noqa: ANN001, ANN202
         raise ApplyFailed("ports taken by processes outside this deployment, nothing was started or changed: router "
                           "needs port 35901 at router_exposed, held by PID 1 (init)", step="router_exposed")
 
@@ -362,7 +370,18 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
         await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
         app.clear_notifications()
         await pilot.pause(0.3)
-        assert "LAST APPLY FAILED at router_exposed: ports taken by processes outside this deployment" in app.sub_title
+        assert app.sub_title.startswith("LAST APPLY FAILED at router_exposed (6: why)")
+        # its words in full stay in the plan tab (a toast goes after 15 s and the header is cut at 80 columns)
+        await pilot.press("6")
+        await pilot.pause()
+        shown = str(app.query_one(PlanPanel).render())
+        assert "router needs port 35901 at router_exposed, held by PID 1 (init)" in shown
+        assert shown.index("Last apply") < shown.index("plan id")
+        fake = Recorder()
+        app.apply_fn = fake
+        await pilot.press("a", "y")  # the next apply clears them
+        await wait_for(pilot, lambda: fake.calls)
+        await wait_for(pilot, lambda: "Last apply" not in str(app.query_one(PlanPanel).render()))
 
 
 async def test_reloading_is_not_offered_while_an_apply_runs(console_demo):
@@ -526,9 +545,21 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
     manager.down = {"decode"}
     app = make_app(console_demo, manager=manager)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: "reached parsers_configured · NOT serving: decode" in app.sub_title)
+        # (most urgent first: an 80-column header cuts its end)
+        await wait_for(pilot, lambda: app.sub_title.startswith("NOT serving: decode · reached parsers_configured"))
         manager.down = set()
         await wait_for(pilot, lambda: "NOT serving" not in app.sub_title and "reached parsers_configured" in app.sub_title)
+    # an apply stopped after decode_up: the router never started, which is not "NOT serving" (it never served)
+    Journal(console_demo.state, console_demo.name).write(JournalState(
+        name=console_demo.name, target=topology_of(console_demo.load().deployment),
+        steps={s: StepRecord(status="done", started_at=now, finished_at=now) for s in PD_STATES[:3]}))
+    manager.down = {"router"}
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "reached decode_up" in app.sub_title)
+        assert "NOT serving" not in app.sub_title
+        manager.down = {"router", "prefill"}
+        await wait_for(pilot, lambda: "NOT serving: prefill ·" in app.sub_title)
 
 
 async def test_question_mark_shows_every_key_and_hides_them_again(console_demo):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from pdctl.console.views import fmt_duration, new_lines, step_views
 from pdctl.statemachine.journal import JournalState, StepRecord
 from pdctl.statemachine.machine import PD_STATES
@@ -24,6 +26,27 @@ def test_rows_carry_summary_elapsed_age_and_the_running_step_ticks():
     assert rows["prefill_up"].summary == "prefill not healthy" and rows["prefill_up"].hint == "check the log"
     assert rows["decode_up"].elapsed_s == 5.0 and rows["decode_up"].summary == "running…"
     assert rows["router_exposed"].status == "pending"
+
+
+def test_an_interrupted_step_says_what_stopped_it_in_its_row_and_proof_aligned():
+    # (its row was blank, "interrupted" pushed the elapsed column out of line, the proof said only "took 1.3s")
+    from rich.console import Console
+
+    from pdctl.console._proof import render_proof
+    from pdctl.console._steps import render_steps
+    from pdctl.statemachine.journal import INTERRUPTED_SUMMARY
+
+    j = JournalState(name="demo")
+    j.steps["kernels_built"] = StepRecord("skipped", {"summary": "skipped: disabled in spec"}, None, 100.0, 100.5)
+    j.steps["prefill_up"] = StepRecord("interrupted", None, None, 101.0, 102.3)
+    rows = step_views(PD_STATES, j, 110.0)
+    assert rows[1].summary == INTERRUPTED_SUMMARY
+    lines = render_steps(rows, None, 200).plain.splitlines()
+    assert "the next apply resumes it" in lines[1]
+    assert len({line.index("s ", 30) for line in lines[:2]}) == 1, lines  # the elapsed column stays aligned
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(render_proof(rows[1]))
+    assert "stopped by Ctrl-C, a signal or the console" in console.export_text()
 
 
 def test_fmt_duration():

@@ -151,6 +151,22 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
     assert demo.pids() == before and demo.status()["mode"] == "pd"
 
 
+def test_an_apply_expecting_another_plan_than_it_makes_changes_nothing(demo):
+    # (the console's y/N: the answer was given to the plan it showed; another apply between the question and the
+    # answer changes the plan, and applying the new one restarted roles the dialog never named)
+    from pdctl.statemachine.errors import StalePlanError
+
+    loaded = demo.load()
+    shown = service.plan_spec(loaded).plan_id
+    j = Journal(demo.state, demo.name)
+    serial = j.read().serial
+    with pytest.raises(StalePlanError, match=f"the plan changed since it was shown: it was 0123456789ab and is now {shown}"):
+        service.apply(loaded, expect_plan="0123456789ab")
+    assert j.read().serial == serial and demo.pids() == []
+    refused = [a for a in j.audit_records() if a["event"] == "apply-refused"]
+    assert refused and refused[-1]["expected"] == "0123456789ab"
+
+
 def test_a_second_concurrent_apply_is_refused_naming_the_holder(demo):
     j = Journal(demo.state, demo.name)
     with j.lock("test holder"):
