@@ -451,6 +451,23 @@ _START_LIMIT = ("  [failed again and again until its start limit stopped the res
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
 
 
+def _router_workers_text(rt: dict) -> str:
+    """The workers the router registered, by kind, and how many of them it holds unhealthy (smg's ``/workers``
+    ``is_healthy``): ``prefill 1, decode 1 (1 unhealthy)``. Registered is not serving: a decode that went down stays
+    registered. Without ``/workers`` (router down), smg's counts or ``?``."""
+    workers = rt.get("workers")
+    if workers is None:
+        stats = rt.get("stats") or {}
+        return f"prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
+    kinds = [k for k in ("prefill", "decode", "regular") if any(w.get("worker_type") == k for w in workers)]
+    words = []
+    for kind in kinds or ["prefill", "decode"]:
+        mine = [w for w in workers if w.get("worker_type") == kind]
+        sick = sum(not w.get("is_healthy") for w in mine)
+        words.append(f"{kind} {len(mine)}" + (f" ({sick} unhealthy)" if sick else ""))
+    return ", ".join(words)
+
+
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
     unrecorded = nothing and any(r["state"] != "inactive" for r in st["roles"])
@@ -472,10 +489,9 @@ def _status_text(st: dict) -> str:
         )
     rt = st.get("router")
     if rt:
-        stats = rt.get("stats") or {}
         lines.append(
             f"  {'router':<10} {_state_word(rt):<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
-            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
+            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt)}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )

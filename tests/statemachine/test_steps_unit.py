@@ -574,3 +574,20 @@ def test_down_and_status_work_with_a_spec_that_breaks_a_rule(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == rc, err
         assert "note: the spec breaks 1 rule(s)" in err and "decode[0].gpus" in err, err
+
+
+def test_status_names_the_router_workers_it_holds_unhealthy():
+    # (it read "workers: prefill 1, decode 1" from smg's counts while decode was down: registered is not serving)
+    from pdctl.console.cli import _router_workers_text
+
+    def worker(kind: str, healthy: bool) -> dict:
+        return {"url": f"http://127.0.0.1:1/{kind}", "worker_type": kind, "is_healthy": healthy,
+                "bootstrap_port": None, "disaggregation_mode": kind, "model_id": "m"}
+
+    rt = {"workers": [worker("prefill", True), worker("decode", False)], "stats": {"prefill_count": 1, "decode_count": 1}}
+    assert _router_workers_text(rt) == "prefill 1, decode 1 (1 unhealthy)"
+    rt["workers"][1]["is_healthy"] = True
+    assert _router_workers_text(rt) == "prefill 1, decode 1"
+    assert _router_workers_text({"workers": [worker("regular", True)]}) == "regular 1"
+    assert _router_workers_text({"workers": []}) == "prefill 0, decode 0"
+    assert _router_workers_text({"stats": {"prefill_count": 2}}) == "prefill 2, decode ?"  # no /workers: smg's counts
