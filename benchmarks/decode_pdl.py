@@ -7,7 +7,8 @@ PDL-launched, the split kernel triggering the merge at its start) and 2 (trigger
 Every output is checked against the fp32 reference first.
 
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
---cases h,B,gluon,block_h,splits ... [--merge]``
+--cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch] ... [--merge]`` (the last three for the ``tl.dot``
+kernel, gluon 0; FP8 KV)
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| h | B | config | " + " | ".join(heads_) + " |")
     print("|---|---|---|" + "---|" * len(heads_))
     for case in args.cases:
-        h, rows, gluon, bh, splits = (int(x) for x in case.split(","))
+        h, rows, gluon, bh, splits, *tile = (int(x) for x in case.split(","))
+        bn, warps, prefetch = tile or (64, 4, 0)
         q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
         ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
         nrot = rotations(rows * 2048 * 656)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         lse = torch.empty(rows, h, device="cuda")
         res = []
         for pdl, merge in settings:
-            cfg = DecodeConfig(block_h=bh, splits=splits, gluon=gluon, pdl=pdl, merge=merge)
+            cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, splits=splits, prefetch=prefetch, gluon=gluon,
+                               pdl=pdl, merge=merge)
             o.fill_(float("nan"))
             try:
                 sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             us = graph_us_multi([lambda ix=ix, cfg=cfg: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
                                                                            config=cfg) for ix in idxs])
             res.append(f"{us:.2f}{'' if ok else ' WRONG'}")
-        print(f"| {h} | {rows} | gluon-{gluon}: {bh},{splits} | " + " | ".join(res) + " |", flush=True)
+        name = f"gluon-{gluon}: {bh},{splits}" if gluon else f"tl.dot: {bh},{bn},{warps},{splits},{prefetch}"
+        print(f"| {h} | {rows} | {name} | " + " | ".join(res) + " |", flush=True)
     return 0
 
 
