@@ -109,6 +109,17 @@ class VerifyFailed(StepError):
     pass
 
 
+class UnmendableFault(VerifyFailed):
+    """A serving fault that waiting cannot mend, of *kind*: ``port`` (another process answers on a role's port),
+    ``swapped`` (a worker registered as prefill runs decode, or the reverse), ``model`` (the router registered a
+    worker under another model name than it now serves). The router step restarts at once on one instead of
+    waiting for its health checks."""
+
+    def __init__(self, message: str, *, kind: str, step: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, step=step, hint=hint)
+        self.kind = kind
+
+
 class StepTimeout(StepError, TimeoutError):
     pass
 

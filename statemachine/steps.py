@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import httpx
 
 from pdctl.statemachine import ports, probes
-from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, VerifyFailed
+from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
@@ -505,8 +505,9 @@ def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | 
     ok, ls = ports.listener_belongs(ctx.host, port, main_pid)
     if not ok:
         who = _describe(ls) if ls else f"nobody listens on port {port}"
-        raise VerifyFailed(
+        raise UnmendableFault(
             f"{name}: {unit} (main PID {main_pid}) does not hold its port: {who}",
+            kind="port",
             step=step,
             hint="another process answers in its place: stop it, or move this role to free ports",
         )
@@ -866,7 +867,14 @@ class KVLinkVerified(Step):
 
 def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any], topo: Topology) -> list[str]:
     """Differences between the router's ``/workers`` and the topology (roles, counts, health, the model id each
-    worker is registered under)."""
+    worker is registered under), in words."""
+    return [text for text, _kind in router_faults(workers, stats, topo)]
+
+
+def router_faults(workers: list[probes.RouterWorker], stats: dict[str, Any], topo: Topology) -> list[tuple[str, str | None]]:
+    """:func:`router_mismatches` with each one's :class:`~pdctl.statemachine.errors.UnmendableFault` kind
+    (``swapped``, ``model``), or None for one the router's health checks can mend (a worker not healthy yet,
+    missing, or counted otherwise while it comes back)."""
     r = topo.router
     assert r is not None
     want: dict[str, tuple[str, int | None]] = {}
@@ -877,34 +885,35 @@ def router_mismatches(workers: list[probes.RouterWorker], stats: dict[str, Any],
     for url in r.regular:
         want[url.rstrip("/")] = ("regular", None)
     model_ids = {role.url.rstrip("/"): role.served_model for role in topo.roles}
-    bad: list[str] = []
+    bad: list[tuple[str, str | None]] = []
     seen = set()
     for w in workers:
         seen.add(w.url)
         exp = want.get(w.url)
         if exp is None:
-            bad.append(f"unexpected worker {w.url} ({w.worker_type})")
+            bad.append((f"unexpected worker {w.url} ({w.worker_type})", None))
             continue
         kind, port = exp
         if w.worker_type != kind:
-            bad.append(f"{w.url} registered as {w.worker_type}, expected {kind}")
+            bad.append((f"{w.url} registered as {w.worker_type}, expected {kind}", None))
         mode = w.disaggregation_mode
         if mode is not None and kind in ("prefill", "decode") and mode != kind:
-            bad.append(f"{w.url} is registered as {w.worker_type} but its server runs disaggregation_mode={mode} (swapped roles?)")
+            bad.append((f"{w.url} is registered as {w.worker_type} but its server runs disaggregation_mode={mode} "
+                        "(swapped roles?)", "swapped"))
         if kind == "prefill" and port is not None and w.bootstrap_port != port:
-            bad.append(f"{w.url} bootstrap_port {w.bootstrap_port}, expected {port}")
+            bad.append((f"{w.url} bootstrap_port {w.bootstrap_port}, expected {port}", None))
         if not w.is_healthy:
-            bad.append(f"{w.url} is not healthy")
+            bad.append((f"{w.url} is not healthy", None))
         served = model_ids.get(w.url)
         if w.model_id not in (None, "", "unknown") and served and w.model_id != served:
             # registered before its server came back serving another name: requests for the new one find no worker
-            bad.append(f"{w.url} is registered for model {w.model_id!r}, but its server serves {served!r}")
+            bad.append((f"{w.url} is registered for model {w.model_id!r}, but its server serves {served!r}", "model"))
     for url in want.keys() - seen:
-        bad.append(f"worker {url} ({want[url][0]}) missing")
+        bad.append((f"worker {url} ({want[url][0]}) missing", None))
     counts = {"prefill_count": len(r.prefill), "decode_count": len(r.decode)}
     for k, v in counts.items():
         if k in stats and stats[k] != v:
-            bad.append(f"{k} = {stats[k]}, expected {v}")
+            bad.append((f"{k} = {stats[k]}, expected {v}", None))
     return bad
 
 
@@ -947,9 +956,9 @@ class RouterExposed(Step):
                 try:
                     self._check(ctx)
                     return True
-                except VerifyFailed as exc:
-                    if any(w in exc.message for w in ("does not hold its port", "swapped roles", "registered for model")):
-                        raise Unmendable from exc
+                except UnmendableFault as exc:
+                    raise Unmendable from exc
+                except VerifyFailed:
                     return None
                 except ProbeError:
                     return None
@@ -982,9 +991,14 @@ class RouterExposed(Step):
         if status != 200:
             raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)
         workers, stats = probes.router_workers(ctx.client, url)
-        bad = router_mismatches(workers, stats, ctx.topology)
+        bad = router_faults(workers, stats, ctx.topology)
         if bad:
-            raise VerifyFailed("router /workers differs from the topology: " + "; ".join(bad), step=self.name, hint=self.hint)
+            message = "router /workers differs from the topology: " + "; ".join(text for text, _kind in bad)
+            kinds = {kind for _text, kind in bad if kind}
+            if kinds:  # (swapped roles first: verify stops at once on that one)
+                raise UnmendableFault(message, kind="swapped" if "swapped" in kinds else kinds.pop(), step=self.name,
+                                      hint=self.hint)
+            raise VerifyFailed(message, step=self.name, hint=self.hint)
         r = ctx.topology.router
         assert r is not None
         return Proof(
@@ -1013,7 +1027,7 @@ class RouterExposed(Step):
                 return self._check(ctx)
             except (VerifyFailed, ProbeError) as exc:
                 last[:] = [str(exc)]
-                if isinstance(exc, VerifyFailed) and "swapped roles" in str(exc):
+                if isinstance(exc, UnmendableFault) and exc.kind == "swapped":
                     raise
                 return None
 

@@ -591,3 +591,19 @@ def test_status_names_the_router_workers_it_holds_unhealthy():
     assert _router_workers_text({"workers": [worker("regular", True)]}) == "regular 1"
     assert _router_workers_text({"workers": []}) == "prefill 0, decode 0"
     assert _router_workers_text({"stats": {"prefill_count": 2}}) == "prefill 2, decode ?"  # no /workers: smg's counts
+
+
+def test_router_faults_say_which_ones_waiting_cannot_mend():
+    # (the router step told them apart by matching its own messages' words: a reworded message would have made a
+    # swapped-roles router wait out its whole bound instead of restarting at once)
+    from pdctl.statemachine.steps import router_faults
+
+    data = json.loads(json.dumps(WORKERS))
+    data["workers"][1]["is_healthy"] = False
+    assert [k for _t, k in router_faults(*probes.parse_workers(data), SEED_TOPO)] == [None]
+    data = json.loads(json.dumps(WORKERS))
+    data["workers"][0]["url"], data["workers"][1]["url"] = data["workers"][1]["url"], data["workers"][0]["url"]
+    assert "swapped" in {k for _t, k in router_faults(*probes.parse_workers(data), SEED_TOPO)}
+    data = json.loads(json.dumps(WORKERS))
+    data["workers"][0]["model_id"] = "old-name"
+    assert [k for _t, k in router_faults(*probes.parse_workers(data), SEED_TOPO)] == ["model"]
