@@ -403,6 +403,8 @@ def status_cmd(
             sys.stdout.write(json.dumps({"deployment": loaded.deployment.name, "healthy": False,
                                          "error": exc.message, "hint": exc.hint}, indent=1) + "\n")
         raise
+    if not st.get("matches_spec", True):  # (an unset env: secret alone makes it differ: say so, as plan does)
+        _unset_secrets_note(loaded.deployment)
     if as_json:
         sys.stdout.write(json.dumps(st, indent=1, default=str) + "\n")
     else:

@@ -399,20 +399,29 @@ def test_a_full_disk_on_stdout_is_a_named_error_with_exit_1(tmp_path):
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
 
 
-def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_path):
+def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_path, monkeypatch):
     import os
 
     d = seed_dict()
     d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF_TOKEN"}
+    d["service_manager"] = "process"  # (status asks the manager: no systemd here)
     spec = tmp_path / "s.toml"
     spec.write_text(_toml_dump(d, list(range(8))))
     sd = tmp_path / "state"
     with_it = {**os.environ, "PDCTL_TEST_HF_TOKEN": "hf_abc"}
+    monkeypatch.setenv("PDCTL_TEST_HF_TOKEN", "hf_abc")  # deployed with the secret set
     Journal(sd, "dsv4-flash").write(JournalState(name="dsv4-flash", deployed=topology_of(parse_spec(d))))
+    monkeypatch.delenv("PDCTL_TEST_HF_TOKEN")
     without = {k: v for k, v in with_it.items() if k != "PDCTL_TEST_HF_TOKEN"}
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=without)
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
     assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
+    # status finds the deployment differs from the spec (and says so while units run): the same note says why
+    r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json", env=without)
+    assert json.loads(r.stdout)["matches_spec"] is False, r.stdout
+    assert "PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
+    r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json", env=with_it)
+    assert json.loads(r.stdout)["matches_spec"] is True and "not set here" not in r.stderr, r.stdout + r.stderr
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=with_it)
     assert "is not set here" not in r.stderr and "is empty here" not in r.stderr
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env={**with_it, "PDCTL_TEST_HF_TOKEN": ""})
