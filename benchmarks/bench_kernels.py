@@ -185,6 +185,7 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
         _decode_candidates,
         _launch_setting_candidates,
         _precompile,
+        decode_job,
         make_decode_case,
     )
     from pdctl.kernels._reference import reference_sparse_mla_decode
@@ -208,7 +209,8 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
         return cands
 
     def precompile(cands: dict) -> None:
-        jobs = [("decode", h, rows, fmt, 2048, sm, c.as_dict()) for (fmt, h, rows), cs in cands.items() for c in cs]
+        jobs = [decode_job(h, rows, fmt, 2048, sm, c, slots=262144, ragged=False, with_length=False)  # as below
+                for (fmt, h, rows), cs in cands.items() for c in cs]
         t0 = time.time()
         info = _precompile(jobs, workers, torch.cuda.current_device())
         log(f"precompiled {info} ({time.time() - t0:.0f}s)")

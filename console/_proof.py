@@ -54,7 +54,7 @@ def render_proof(step: StepView | None) -> RenderableType:
                 parts.append(Text(f"… {more} more lines in the journal", style="dim"))
     elif step.status == "pending":
         parts.append(Text("not run yet", style="dim"))
-    elif step.status == "interrupted" and step.summary:
+    elif step.status == "interrupted" and step.summary and not step.error:  # (an error is said above)
         parts.append(Text(step.summary, style="yellow"))
     return Group(*parts)
 

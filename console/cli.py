@@ -453,17 +453,19 @@ _START_LIMIT = ("  [failed again and again until its start limit stopped the res
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
 
 
-def _router_workers_text(rt: dict) -> str:
-    """The workers the router registered, by kind, and how many of them it holds unhealthy (smg's ``/workers``
+def _router_workers_text(rt: dict, mode: str = "pd") -> str:
+    """The workers the router registered, by kind (prefill and decode for a PD deployment, even when none is
+    registered; regular for a single server), and how many of them it holds unhealthy (smg's ``/workers``
     ``is_healthy``): ``prefill 1, decode 1 (1 unhealthy)``. Registered is not serving: a decode that went down stays
     registered. Without ``/workers`` (router down), smg's counts or ``?``."""
     workers = rt.get("workers")
     if workers is None:
         stats = rt.get("stats") or {}
         return f"prefill {stats.get('prefill_count', '?')}, decode {stats.get('decode_count', '?')}"
-    kinds = [k for k in ("prefill", "decode", "regular") if any(w.get("worker_type") == k for w in workers)]
+    kinds = ["prefill", "decode"] if mode == "pd" else ["regular"]
+    kinds += sorted({str(w.get("worker_type")) for w in workers} - set(kinds))
     words = []
-    for kind in kinds or ["prefill", "decode"]:
+    for kind in kinds:
         mine = [w for w in workers if w.get("worker_type") == kind]
         sick = sum(not w.get("is_healthy") for w in mine)
         words.append(f"{kind} {len(mine)}" + (f" ({sick} unhealthy)" if sick else ""))
@@ -493,7 +495,7 @@ def _status_text(st: dict) -> str:
     if rt:
         lines.append(
             f"  {'router':<10} {_state_word(rt):<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
-            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt)}"
+            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )

@@ -1,6 +1,7 @@
 """``python -m pdctl.kernels build --cache-dir DIR [...]``: the ``kernels_built`` step on the target host.
 
-Prints the manifest path on success (exit 0). Exit 2: cannot build here (no CUDA GPU / no torch+triton);
+Prints the manifest path on success (exit 0). Exit 2: cannot build here (no CUDA GPU / no torch+triton, or
+``PDCTL_KERNELS_COMPILE_WORKERS`` is not a whole number; nothing is written);
 exit 1: verification failed (the manifest is still written, with ``"ok": false``). Errors go to stderr.
 """
 

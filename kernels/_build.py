@@ -340,46 +340,60 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
 
 COMPILE_WORKERS_ENV = "PDCTL_KERNELS_COMPILE_WORKERS"
 """Environment variable: how many processes compile the candidate kernels before they are timed (0 or 1: none, the
-timing loop compiles each in turn). Default: ``min(16, os.cpu_count())``."""
-PRECOMPILE_TIMEOUT_S = 900.0
-"""Longest a precompile round may take; its workers are then terminated and the timing loop compiles what is left."""
+timing loop compiles each in turn). Default: ``min(16, CPUs this process may run on)``, fewer where the GPU's free
+memory is short (:data:`WORKER_GPU_BYTES`)."""
+WORKER_GPU_BYTES = 3 << 29
+"""GPU memory one compiling process is counted at (1.5 GiB: its CUDA context, about 0.5 GiB, and one job's inputs;
+the indexer's are the largest, about 0.4 GiB). The build starts no more of them than fit in a quarter of the GPU's
+free memory: on a host whose servers are up (a re-apply), that memory is the headroom SGLang's ranks allocate from
+beyond ``--mem-fraction-static``."""
 
 
 def _compile_workers() -> int:
-    """Processes for :func:`_precompile` (``PDCTL_KERNELS_COMPILE_WORKERS``, else ``min(16, cpu count)``).
+    """Processes for :func:`_precompile` (``PDCTL_KERNELS_COMPILE_WORKERS``, else ``min(16, usable CPUs)``).
 
     Raises:
-        KernelsBuildError: the variable is set to something other than a whole number ≥ 0.
+        KernelsBuildError: "cannot build here: …" when the variable is set to something other than a whole number
+            ≥ 0.
     """
     raw = os.environ.get(COMPILE_WORKERS_ENV)
     if raw is None or not raw.strip():
-        return min(16, os.cpu_count() or 1)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(16, cpus)
     try:
         n = int(raw)
     except ValueError:
         n = -1
     if n < 0:
-        raise KernelsBuildError(f"{COMPILE_WORKERS_ENV}={raw!r} is not a whole number >= 0; "
-                                "set it to the number of compiling processes (0 to compile in the timing loop)")
+        raise KernelsBuildError(f"cannot build here: {COMPILE_WORKERS_ENV}={raw!r} is not a whole number >= 0; set "
+                                "it to the number of compiling processes (0 to compile in the timing loop), or unset it")
     return n
 
 
 def _compile_key(job: tuple) -> tuple:
-    """Jobs that may share compiled kernels, so one worker compiles them in turn instead of several at once.
+    """Jobs that may share compiled kernels, so that one worker compiles them in turn instead of several at once.
 
     Triton compiles one binary per constexpr set and per specialisation of the integer arguments (== 1, divisible
     by 16); a decode config's ``splits`` is a runtime argument, and the batch size reaches the kernels as an integer.
-    A key finer than Triton's only costs a duplicate compile; a coarser one only leaves a compile to the timing loop.
+    A key finer than Triton's costs a duplicate compile in two processes; a coarser one, two jobs compiled in turn
+    by one process where two could have run side by side.
     """
     if job[0] == "indexer":
         return (*job[:4], tuple(sorted(job[4].items())))
-    _, h, rows, fmt, _topk, _scale, cfg = job
+    _, h, rows, fmt, _topk, _scale, cfg, case_kw = job
     rest = tuple(sorted((k, v) for k, v in cfg.items() if k != "splits"))
-    return ("decode", h, fmt, rest, _int_spec(cfg.get("splits", 1)), _int_spec(rows))
+    return ("decode", h, fmt, rest, _int_spec(cfg.get("splits", 1)), _int_spec(rows), case_kw)
 
 
 def _int_spec(n: int) -> tuple[bool, bool]:
     return n == 1, n % 16 == 0
+
+
+def decode_job(heads: int, rows: int, kv_format: str, topk: int, sm_scale: float, config: Any, **case_kw: Any) -> tuple:
+    """A decode job for :func:`_precompile`: the config run on :func:`make_decode_case` inputs made with *case_kw*,
+    which must be the timing loop's own (``with_length`` decides whether the kernels get a ``topk_length``, a
+    constexpr of theirs: other inputs compile other binaries)."""
+    return ("decode", heads, rows, kv_format, topk, sm_scale, config.as_dict(), tuple(sorted(case_kw.items())))
 
 
 def _precompile_group(jobs: list[tuple]) -> int:
@@ -396,10 +410,11 @@ def _precompile_group(jobs: list[tuple]) -> int:
     for job in jobs:
         try:
             if job[0] == "decode":
-                _, h, rows, fmt, topk, sm_scale, cfg = job
-                if (case := cases.get(job[:5])) is None:
+                _, h, rows, fmt, topk, sm_scale, cfg, case_kw = job
+                key = (h, rows, fmt, topk, case_kw)
+                if (case := cases.get(key)) is None:
                     cases.clear()  # one shape's inputs at a time
-                    case = cases[job[:5]] = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
+                    case = cases[key] = make_decode_case(h, rows, fmt, topk=topk, device="cuda", **dict(case_kw))
                 q, kv, idx, tl_ = case
                 sparse_mla_decode(q, kv, idx, sm_scale, tl_, config=DecodeConfig(**cfg))
             else:
@@ -415,32 +430,45 @@ def _precompile_group(jobs: list[tuple]) -> int:
 
 def _precompile_worker(device: int, tasks: Any, results: Any, run: Any) -> None:
     """One compiling process: take job groups off ``tasks`` until its ``None``, put each group's count on
-    ``results``."""
+    ``results``; return, too, once the process that started it is gone (killed: nobody would send the ``None``)."""
+    import multiprocessing
+    import queue
+
     try:
         import torch
 
         torch.cuda.set_device(device)
     except Exception:  # noqa: BLE001 - then every job fails, quickly, and the timing loop compiles them
         pass
-    while (group := tasks.get()) is not None:
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            group = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
+        if group is None:
+            return
         results.put(run(group))
 
 
-def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: float = PRECOMPILE_TIMEOUT_S,
+def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: float | None = None,
                 run: Any = None) -> dict[str, Any]:
     """Compile the kernels of *jobs* in ``workers`` processes before the timing loop needs them.
 
-    Each job is ``("decode", heads, rows, kv_format, topk, sm_scale, config dict)`` or ``("indexer", seq_lens,
-    max_context, topk, config dict)``; jobs with the same :func:`_compile_key` go to one process, the groups handed
-    out as processes come free. The processes are spawned (no CUDA state is forked), use GPU ``device`` and write
-    their binaries into the ``TRITON_CACHE_DIR`` this process set, so the timing loop loads them instead of
-    compiling them one after the other. Nothing they compute is used: the timing loop verifies and times every
-    config itself, so a process that dies or hangs costs time, never a result. ``run`` replaces
+    Each job is :func:`decode_job`'s tuple or ``("indexer", seq_lens, max_context, topk, config dict)``; jobs with
+    the same :func:`_compile_key` go to one process, the groups handed out as processes come free. The processes are
+    spawned (no CUDA state is forked), use GPU ``device`` and write their binaries into the ``TRITON_CACHE_DIR`` this
+    process set, so the timing loop loads them instead of compiling them one after the other. Nothing they compute is
+    used: the timing loop verifies and times every config itself, so a process that dies or hangs costs time, never
+    a result. The round ends when the processes have run every group, or at ``timeout_s`` (default: 15 s per group
+    per process, at least 120 s; one compile takes seconds), when those still running are killed. ``run`` replaces
     :func:`_precompile_group` (a picklable module-level function; for tests).
 
     Returns ``{"workers", "jobs", "groups", "ran", "died", "s", "timed_out"}``: ``ran`` counts the jobs whose kernels
     ran, ``died`` the processes that exited with an error (one that cannot import pdctl, say); ``timed_out`` is True
-    when the round outlasted ``timeout_s`` and the processes still running were killed.
+    when the round outlasted its time and the processes still running were killed.
     """
     import multiprocessing
 
@@ -454,6 +482,8 @@ def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: floa
     if n <= 1:
         return info
     info["workers"] = n
+    if timeout_s is None:
+        timeout_s = max(120.0, 15.0 * len(groups) / n)
     ctx = multiprocessing.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.SimpleQueue()
     for group in groups.values():
@@ -480,6 +510,31 @@ def _precompile(jobs: list[tuple], workers: int, device: int, *, timeout_s: floa
     tasks.close()
     info["s"] = round(time.monotonic() - started, 1)
     return info
+
+
+def _kernels_source_digest() -> str:
+    """sha256 of this package's Python sources (the kernels and their launchers): a build of other sources compiles
+    other binaries."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _same_build_before(path: Path, manifest: dict[str, Any]) -> str | None:
+    """When the manifest at *path* is of a build that passed with the same kernel sources, versions, GPU, Triton cache
+    directory and shapes as *manifest* (this build's, before it ran), so that the cache holds its binaries: when it
+    was written, in words. Else None (no manifest, another build, or one that cannot be read)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    keys = ("kernels_source", "versions", "gpu", "triton_cache_dir", "shapes")
+    if not isinstance(old, dict) or old.get("ok") is not True or any(old.get(k) != manifest[k] for k in keys):
+        return None
+    return f"a passing build with the same kernels, versions, GPU and shapes, {old.get('elapsed_s', '?')} s"
 
 
 def build_and_verify(
@@ -532,6 +587,7 @@ def build_and_verify(
     except Exception as e:  # pragma: no cover - depends on the host  # noqa: BLE001
         raise KernelsBuildError(f"cannot build here: triton is not importable ({e!r}); install pdctl[kernels]") from e
     # only now that this host can build: a refused build leaves no cache directory behind
+    workers = _compile_workers() if tune else 0  # (a bad setting is refused before anything is written)
     cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
 
@@ -550,6 +606,7 @@ def build_and_verify(
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                      "python": platform.python_version()},
         "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
+        "kernels_source": _kernels_source_digest(),
         "shapes": {"heads": list(heads), "batch_sizes": list(batch_sizes), "kv_formats": list(kv_formats),
                    "topk": topk, "max_context": max_context, "sm_scale": sm_scale},
         "decode": [],
@@ -558,8 +615,15 @@ def build_and_verify(
     }
     ok = True
     chosen = {}
-    workers = _compile_workers() if tune else 0
     manifest["compile"] = []
+    if workers > 1 and (same := _same_build_before(cache / MANIFEST_NAME, manifest)):
+        manifest["compile"].append({"skipped": f"the cache holds this build's binaries already ({same})"})
+        workers = 0
+    if workers > 1:  # no more processes than a quarter of the GPU's free memory holds (servers may be up)
+        free, _total = torch.cuda.mem_get_info(dev)
+        if (fit := int(free // 4 // WORKER_GPU_BYTES)) < workers:
+            manifest["compile"].append({"workers_cut": f"{workers} -> {fit}: {free / 2**30:.1f} GiB free on the GPU"})
+            workers = fit
     shapes = [(h, fmt, rows) for h in heads for fmt in kv_formats for rows in batch_sizes]
     plain = {s: _decode_candidates(s[0], s[2], num_sms, s[1]) for s in shapes} if tune else {s: [None] for s in shapes}
     icands = [IndexerConfig()] + ([IndexerConfig(programs_per_sm=pp, logits_stages=st, topk_programs=tp)
@@ -569,8 +633,8 @@ def build_and_verify(
         icands += [IndexerConfig(logits_tma=0)]
     itune_lens = (8192,) * 64
 
-    def decode_jobs(cands: dict) -> list[tuple]:
-        return [("decode", h, rows, fmt, topk, sm_scale, cfg.as_dict())
+    def decode_jobs(cands: dict) -> list[tuple]:  # (inputs made as Shape makes them)
+        return [decode_job(h, rows, fmt, topk, sm_scale, cfg)
                 for (h, fmt, rows), cfgs in cands.items() for cfg in cfgs if cfg is not None]
 
     if workers > 1:  # every plain decode candidate and every indexer candidate, compiled side by side
@@ -586,8 +650,13 @@ def build_and_verify(
             self.q, self.kv, self.idx, self.tl = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
             self.ro, self.rlse = reference_sparse_mla_decode(self.q, self.kv, self.idx, sm_scale, self.tl,
                                                              compute_dtype=torch.float32)
-            self.passing: list[tuple[float, Any, dict]] = []
+            self.timed: dict[Any, tuple[float, dict]] = {}
+            """Verified configs → (µs, errors); timing one again replaces its figure."""
             self.failing: list[dict] = []
+
+        @property
+        def passing(self) -> list[tuple[float, Any, dict]]:
+            return [(us, cfg, err) for cfg, (us, err) in self.timed.items()]
 
         def attempt(self, cfg: Any) -> None:
             h, rows, q, kv, idx, tl_ = self.h, self.rows, self.q, self.kv, self.idx, self.tl
@@ -606,7 +675,7 @@ def build_and_verify(
                 return
             us = _bench_us(lambda: sparse_mla_decode(
                 q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
-            self.passing.append((us, cfg, err))
+            self.timed[cfg] = (us, err)
 
     cases = {}
     for key in shapes:
@@ -614,14 +683,15 @@ def build_and_verify(
         for cfg in plain[key]:
             case.attempt(cfg)
     if tune:
-        # Launch settings of a given kernel (PDL, the in-kernel merge), on each shape's fastest plain configs.
-        settings = {key: _launch_setting_candidates([cfg for _, cfg, _ in sorted(case.passing, key=lambda x: x[0])],
-                                                    key[0], key[2], num_sms, _pdl_supported(dev))
-                    for key, case in cases.items()}
+        # Launch settings of a given kernel (PDL, the in-kernel merge), on each shape's fastest plain configs; those
+        # two are timed again beside them (the first pass timed them minutes earlier, with other work between)
+        ranked = {key: [cfg for _, cfg, _ in sorted(case.passing, key=lambda x: x[0])] for key, case in cases.items()}
+        settings = {key: _launch_setting_candidates(ranked[key], key[0], key[2], num_sms, _pdl_supported(dev))
+                    for key in cases}
         if workers > 1:
             manifest["compile"].append(_precompile(decode_jobs(settings), workers, dev.index))
         for key, case in cases.items():
-            for cfg in settings[key]:
+            for cfg in [*ranked[key][:2], *settings[key]]:
                 case.attempt(cfg)
     for (h, fmt, rows), case in cases.items():
         entry: dict[str, Any] = {"heads": h, "kv": fmt, "rows": rows}

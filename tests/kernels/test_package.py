@@ -267,9 +267,34 @@ def die_on_indexer(group):
 
 
 def _decode_job(splits: int, rows: int = 8, **cfg):
+    from pdctl.kernels._build import decode_job
     from pdctl.kernels._sparse_mla import DecodeConfig
 
-    return ("decode", 16, rows, "fp8", 2048, 0.135, DecodeConfig(splits=splits, gluon=5, **cfg).as_dict())
+    return decode_job(16, rows, "fp8", 2048, 0.135, DecodeConfig(splits=splits, gluon=5, **cfg))
+
+
+def test_a_precompile_job_runs_on_inputs_made_as_the_timing_loop_makes_them(monkeypatch):
+    # (the benchmark times the kernels without a topk_length, a constexpr of theirs: its compiling processes made
+    # inputs with one, so they compiled binaries it never loaded)
+    from pdctl.kernels import _build, _sparse_mla
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    seen = {}
+
+    def case(h, rows, fmt, *, topk, device, **kw):  # noqa: ANN001, ANN202
+        seen["case"] = (h, rows, fmt, topk, kw)
+        return "q", "kv", "idx", (None if kw.get("with_length") is False else "lengths")
+
+    monkeypatch.setattr(_build, "make_decode_case", case)
+    monkeypatch.setattr(_sparse_mla, "sparse_mla_decode", lambda *a, config: seen.setdefault("decode", (a, config)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    cfg = DecodeConfig(splits=32, gluon=5)
+    job = _build.decode_job(16, 1, "fp8", 2048, 0.1, cfg, slots=262144, ragged=False, with_length=False)
+    assert _build._precompile_group([job]) == 1
+    assert seen["case"] == (16, 1, "fp8", 2048, {"ragged": False, "slots": 262144, "with_length": False})
+    assert seen["decode"] == (("q", "kv", "idx", 0.1, None), cfg)
+    # the same config on the build's inputs (with lengths) is another group: another binary
+    assert _build._compile_key(job) != _build._compile_key(_build.decode_job(16, 1, "fp8", 2048, 0.1, cfg))
 
 
 def test_precompile_groups_jobs_that_may_share_a_binary_and_runs_each_once():
@@ -327,5 +352,27 @@ def test_compile_workers_come_from_the_environment(monkeypatch):
     assert 1 <= _compile_workers() <= 16
     for bad in ("many", "-2", "1.5"):
         monkeypatch.setenv(COMPILE_WORKERS_ENV, bad)
-        with pytest.raises(KernelsBuildError, match=COMPILE_WORKERS_ENV + ".*whole number"):
+        with pytest.raises(KernelsBuildError, match="cannot build here: " + COMPILE_WORKERS_ENV + ".*whole number"):
             _compile_workers()
+
+
+def test_a_build_after_a_passing_build_of_the_same_kernels_skips_the_compile_rounds(tmp_path):
+    # (a re-apply on a host whose servers run: the cache holds the binaries, and 16 compiling processes would only
+    # take GPU memory beside the servers)
+    import json
+
+    from pdctl.kernels._build import _kernels_source_digest, _same_build_before
+
+    now = {"kernels_source": _kernels_source_digest(), "versions": {"torch": "2.11", "triton": "3.6.0"},
+           "gpu": {"name": "NVIDIA H200", "capability": "sm_90"}, "triton_cache_dir": "/c/triton",
+           "shapes": {"heads": [32]}}
+    path = tmp_path / "pdctl-kernels-manifest.json"
+    assert _same_build_before(path, now) is None  # no earlier build
+    path.write_text(json.dumps({**now, "ok": True, "elapsed_s": 47.9}))
+    assert "same kernels, versions, GPU and shapes, 47.9 s" in _same_build_before(path, now)
+    for key, other in (("ok", False), ("kernels_source", "0" * 64), ("shapes", {"heads": [16]}),
+                       ("versions", {"torch": "2.11", "triton": "3.7.0"}), ("triton_cache_dir", "/elsewhere")):
+        path.write_text(json.dumps({**now, "ok": True, key: other}))
+        assert _same_build_before(path, now) is None, key
+    path.write_text("{not json")
+    assert _same_build_before(path, now) is None

@@ -588,7 +588,8 @@ def test_status_names_the_router_workers_it_holds_unhealthy():
     assert _router_workers_text(rt) == "prefill 1, decode 1 (1 unhealthy)"
     rt["workers"][1]["is_healthy"] = True
     assert _router_workers_text(rt) == "prefill 1, decode 1"
-    assert _router_workers_text({"workers": [worker("regular", True)]}) == "regular 1"
+    assert _router_workers_text({"workers": [worker("prefill", True)]}) == "prefill 1, decode 0"  # decode gone
+    assert _router_workers_text({"workers": [worker("regular", True)]}, "single") == "regular 1"
     assert _router_workers_text({"workers": []}) == "prefill 0, decode 0"
     assert _router_workers_text({"stats": {"prefill_count": 2}}) == "prefill 2, decode ?"  # no /workers: smg's counts
 
@@ -607,3 +608,24 @@ def test_router_faults_say_which_ones_waiting_cannot_mend():
     data = json.loads(json.dumps(WORKERS))
     data["workers"][0]["model_id"] = "old-name"
     assert [k for _t, k in router_faults(*probes.parse_workers(data), SEED_TOPO)] == ["model"]
+
+
+def test_a_resume_keeps_only_what_an_apply_toward_the_same_target_proved():
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.service import _proven_by_unfinished
+
+    d = seed_dict()
+    d["model"]["context_length"] = 8192
+    target = topology_of(parse_spec(d))
+    state = JournalState(name=target.name, deployed=SEED_TOPO, target=target,
+                         steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done"),
+                                "decode_up": StepRecord("running")})
+    assert _proven_by_unfinished(state, target) == {"prefill"}
+    state.steps["decode_up"] = StepRecord("interrupted")
+    assert _proven_by_unfinished(state, target) == {"prefill"}  # an interrupted step proved nothing
+    state.steps.update(decode_up=StepRecord("skipped"), kv_link_verified=StepRecord("done"),
+                       router_exposed=StepRecord("done"))
+    assert _proven_by_unfinished(state, target) == {"prefill", "decode", "router"}
+    assert _proven_by_unfinished(state, SEED_TOPO) == set()  # another target: what it proved is not this spec
+    state.target = None  # no unfinished apply: the steps are the recorded deployment's
+    assert _proven_by_unfinished(state, target) == set()
