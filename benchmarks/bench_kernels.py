@@ -264,15 +264,7 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
                     q, kv, idx, sm, None, compute_dtype=torch.float32)], reps=10, back_to_back=3)
             if fm is not None and fmt == "fp8":
                 hp = 64 if h <= 64 else 128
-                qp = torch.zeros(rows, 1, hp, 576, dtype=torch.bfloat16, device="cuda")
-                qp[:, 0, :h] = q
-                kc = kv.view(-1, 64, 1, 656)
-                sched, _ = fm.get_mla_metadata()
-
-                def call(ix=idx):
-                    return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
-                                                     ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
-
+                call = flashmla_call(fm, q, kv, idx, hp, sm)
                 fo, flse = call()
                 torch.cuda.synchronize()
                 r["flashmla_err_vs_ref"] = (fo[:, 0, :h].float() - ro).abs().max().item()
@@ -285,6 +277,25 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
         log(json.dumps({k: v for k, v in r.items() if k not in ("err", "all")}, default=str))
         rows_out.append(r)
     return rows_out
+
+
+def flashmla_call(fm, q, kv, idx, heads: int, sm: float):  # noqa: ANN001, ANN201
+    """FlashMLA's sparse decode (``sgl-flash-mla`` 1.0.0) on *q* ``[rows, h, 576]`` padded to *heads* (64 or 128, the
+    only counts it takes, as SGLang pads) over the 656-byte FP8 cache *kv*: a function of the top-k rows (default
+    *idx*) returning ``(out [rows, 1, heads, 512], lse)``."""
+    import torch
+
+    rows, h = q.shape[0], q.shape[1]
+    qp = torch.zeros(rows, 1, heads, 576, dtype=torch.bfloat16, device="cuda")
+    qp[:, 0, :h] = q
+    kc = kv.view(-1, 64, 1, 656)
+    sched, _ = fm.get_mla_metadata()
+
+    def call(ix=idx):  # noqa: ANN001, ANN202
+        return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
+                                         ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
+
+    return call
 
 
 def _bench_attempt(st: dict, cfg, sm: float, log) -> None:  # noqa: ANN001
@@ -366,15 +377,7 @@ def bench_f16_experiment(heads, batches, log) -> list[dict]:
                                 best = (us, cfg.as_dict(), err["max_abs_err"])
                     r["f16" if f16 else "bf16"] = best
                 if fm is not None:
-                    qp = torch.zeros(rows, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
-                    qp[:, 0, :h] = q
-                    kc = kv.view(-1, 64, 1, 656)
-                    sched, _ = fm.get_mla_metadata()
-
-                    def call(ix=idx):
-                        return fm.flash_mla_with_kvcache(qp, kc, None, None, 512, sched, None, sm, False, True,
-                                                         ix.view(rows, 1, -1), use_legacy=True, kv_format="V32")
-
+                    call = flashmla_call(fm, q, kv, idx, 64, sm)
                     call()
                     r["flashmla_us"] = graph_us_multi([lambda ix=ix: call(ix) for ix in idxs])
                 del q, kv, idx, idxs, ro, rl, o, lse
