@@ -162,13 +162,16 @@ class ConsoleApp(App[int]):
     class Planned(Message):
         """The spec was (re)loaded and planned (*error*: why it could not be)."""
 
-        def __init__(self, loaded: Any, plan: Plan | None, error: str | None, unsettled: str | None = None) -> None:
+        def __init__(self, loaded: Any, plan: Plan | None, error: str | None, unsettled: str | None = None,
+                     kept: tuple[str, ...] = ()) -> None:
             super().__init__()
             self.loaded = loaded
             self.plan = plan
             self.error = error
             self.unsettled = unsettled
             """``service.Unsettled.kind``: "drift" when apply would restart a role that does not serve as proven."""
+            self.kept = kept
+            """``service.Unsettled.kept``: the plan's restarts that apply keeps (an interrupted apply proved them)."""
 
     # -- construction ------------------------------------------------------------------------------
     def __init__(
@@ -200,6 +203,8 @@ class ConsoleApp(App[int]):
         self.snapshot: Snapshot | None = None
         self.plan_error: str | None = None
         self.plan_unsettled: str | None = None
+        self.plan_kept: tuple[str, ...] = ()
+        """The plan's restarts that apply keeps: an interrupted apply toward this spec already restarted and proved them."""
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
@@ -343,7 +348,8 @@ class ConsoleApp(App[int]):
                                                         f"({type(exc).__name__}: {exc})"})
         if why is not None and why.text:
             plan = plan.model_copy(update={"unsettled": why.text})
-        self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None))
+        self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None,
+                                       why.kept if why is not None else ()))
 
     @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
     def run_apply(self, confirm: str | None, expect_plan: str | None) -> None:
@@ -404,7 +410,11 @@ class ConsoleApp(App[int]):
             if plan.from_topology is None:
                 question = f"Deploy {plan.deployment!r} (plan {plan.plan_id})?"
             else:
-                question = f"Apply plan {plan.plan_id}? It restarts {', '.join(plan.restarts()) or 'serving roles'}."
+                restarts = [r for r in plan.restarts() if r not in self.plan_kept]
+                question = (f"Apply plan {plan.plan_id}? It restarts "
+                            f"{', '.join(restarts) or ('no role' if self.plan_kept else 'serving roles')}"
+                            + (f" and keeps {', '.join(self.plan_kept)}, which the interrupted apply already restarted "
+                               "and proved" if self.plan_kept else "") + ".")
             detail = Text()
             if warnings:
                 detail.append(warnings + "\n\n", style="yellow")
@@ -579,6 +589,7 @@ class ConsoleApp(App[int]):
         self.plan_error = message.error
         self.plan = message.plan
         self.plan_unsettled = message.unsettled
+        self.plan_kept = message.kept
         if message.plan is not None:
             self._planned_serial = message.plan.from_serial
         panel = self._w(PlanPanel)

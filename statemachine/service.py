@@ -92,7 +92,7 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     return deployed
 
 
-def _proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
+def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
     """Roles (and ``router``) that an unfinished apply toward *desired* itself proved: their step journalled done or
     skipped since that apply journalled *desired* as its target (it cleared the steps then). The plan compares
     *desired* with the recorded deployment, so its restarts still name them; restarting them on resume would load
@@ -152,11 +152,13 @@ class Unsettled:
     """Why ``apply`` has work (or what it would meet) beyond *plan*'s changes: ``kind`` None (what runs is what was
     recorded), ``"running"`` (an apply or down holds the lock now), ``"unfinished"`` (an earlier apply did not finish:
     apply resumes it) or ``"drift"`` (a recorded role does not serve as proven: apply restarts it); ``text`` the reason
-    in words (what ``Plan.unsettled`` holds); ``notes`` lines for the operator, without the ``note:`` prefix."""
+    in words (what ``Plan.unsettled`` holds); ``notes`` lines for the operator, without the ``note:`` prefix; ``kept``
+    the roles among the plan's restarts that apply keeps instead (:func:`proven_by_unfinished`)."""
 
     kind: str | None = None
     text: str = ""
     notes: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
 
 
 def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: ANN001
@@ -177,8 +179,14 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
         if plan.from_topology == pending != recorded.deployed:
             notes.append("that apply had begun to change the topology (roles of its spec were started), so this plan "
                          "starts from what it was applying: going back is a topology change too")
+        kept = tuple(r for r in plan.restarts() if r in proven_by_unfinished(recorded, plan.to_topology))
+        if kept:
+            them = "it" if len(kept) == 1 else "them"
+            notes.append(f"that apply had already restarted and proved {', '.join(kept)} with these settings: apply "
+                         f"re-proves and keeps {them} rather than restarting {them} again (the plan compares the spec "
+                         f"with what was recorded as deployed, so it lists {them})")
         return Unsettled("unfinished", "an earlier apply" + (" toward another spec" if other else "") + " did not "
-                         "finish, so what runs may be partly what it was applying", tuple(notes))
+                         "finish, so what runs may be partly what it was applying", tuple(notes), kept)
     drift, answers = runtime_drift(loaded, recorded)
     notes = ()
     if drift or answers:
@@ -444,7 +452,7 @@ def apply(
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
                 raise
             # (less what an interrupted apply toward this same topology already restarted and proved)
-            restart = set(plan.restarts()) - _proven_by_unfinished(state, desired)
+            restart = set(plan.restarts()) - proven_by_unfinished(state, desired)
             ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).

@@ -165,6 +165,28 @@ async def test_a_disruptive_change_asks_y_n(console_demo):
         await _no_then_yes(pilot, app)
 
 
+async def test_the_y_n_after_an_interrupted_change_names_what_apply_keeps(console_demo):
+    # (after Ctrl-C once prefill_up had proven a changed prefill, the question said "It restarts prefill, decode, ..."
+    # although the resumed apply keeps that prefill)
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+
+    console_demo.pretend_deployed(_parsers_changed)
+    j = Journal(console_demo.state, console_demo.name)
+    state = j.read()
+    j.write(JournalState(name=state.name, deployed=state.deployed, target=topology_of(console_demo.load().deployment),
+                         steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done")}))
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert "prefill" in app.plan.restarts()
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        question = str(app.screen.question)
+        assert "keeps prefill, which the interrupted apply already restarted and proved" in question, question
+        assert "restarts prefill" not in question and "decode" in question.split(" and keeps")[0], question
+
+
 async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks_before_restarting(console_demo):
     # (the plan tab said "No changes" where `pdctl plan` said a role did not serve as proven, and `a` restarted a
     # serving role at once, without the y/N a disruptive plan gets)

@@ -704,3 +704,25 @@ def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_re
     env_only = copy.deepcopy(d)
     env_only["engine"]["env"] = {"X": "1"}
     assert "router" not in make_plan(topo(d), topo(env_only)).restarts()  # (the router's env is its own)
+
+
+def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_path):
+    # (the plan listed prefill among the restarts although the resumed apply keeps the prefill its interrupted run
+    # already restarted and proved with these settings)
+    from pdctl.statemachine.journal import StepRecord
+
+    d = seed_dict()
+    d["service_manager"] = "process"
+    deployed = topology_of(parse_spec(d))
+    d["model"]["context_length"] = 8192
+    spec = tmp_path / "s.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    sd = tmp_path / "state"
+    Journal(sd, "dsv4-flash").write(JournalState(
+        name="dsv4-flash", deployed=deployed, target=topology_of(parse_spec(d)),
+        steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done")}))
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd))
+    assert r.returncode == 2, r.stderr
+    assert "that apply had already restarted and proved prefill with these settings: apply re-proves and keeps it" \
+        in r.stderr, r.stderr
+    assert "decode" not in r.stderr.split("already restarted and proved")[1].split(":")[0]

@@ -612,7 +612,7 @@ def test_router_faults_say_which_ones_waiting_cannot_mend():
 
 def test_a_resume_keeps_only_what_an_apply_toward_the_same_target_proved():
     from pdctl.statemachine.journal import JournalState, StepRecord
-    from pdctl.statemachine.service import _proven_by_unfinished
+    from pdctl.statemachine.service import proven_by_unfinished
 
     d = seed_dict()
     d["model"]["context_length"] = 8192
@@ -620,12 +620,12 @@ def test_a_resume_keeps_only_what_an_apply_toward_the_same_target_proved():
     state = JournalState(name=target.name, deployed=SEED_TOPO, target=target,
                          steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done"),
                                 "decode_up": StepRecord("running")})
-    assert _proven_by_unfinished(state, target) == {"prefill"}
+    assert proven_by_unfinished(state, target) == {"prefill"}
     state.steps["decode_up"] = StepRecord("interrupted")
-    assert _proven_by_unfinished(state, target) == {"prefill"}  # an interrupted step proved nothing
+    assert proven_by_unfinished(state, target) == {"prefill"}  # an interrupted step proved nothing
     state.steps.update(decode_up=StepRecord("skipped"), kv_link_verified=StepRecord("done"),
                        router_exposed=StepRecord("done"))
-    assert _proven_by_unfinished(state, target) == {"prefill", "decode", "router"}
-    assert _proven_by_unfinished(state, SEED_TOPO) == set()  # another target: what it proved is not this spec
+    assert proven_by_unfinished(state, target) == {"prefill", "decode", "router"}
+    assert proven_by_unfinished(state, SEED_TOPO) == set()  # another target: what it proved is not this spec
     state.target = None  # no unfinished apply: the steps are the recorded deployment's
-    assert _proven_by_unfinished(state, target) == set()
+    assert proven_by_unfinished(state, target) == set()
