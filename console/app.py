@@ -47,6 +47,7 @@ from pdctl.console.collect import Collector, Snapshot, current_topology, log_sou
 from pdctl.console.views import StepView, expected_states, step_views
 from pdctl.statemachine.errors import RunCancelled
 from pdctl.statemachine.events import Event
+from pdctl.statemachine.machine import role_steps
 from pdctl.statemachine.plan import Plan
 
 __all__ = ["MUTATING_ACTIONS", "ApplyCancelled", "ConsoleApp", "run_console"]
@@ -681,7 +682,8 @@ class ConsoleApp(App[int]):
                          else "not deployed, yet units run" if running else "not deployed")
                 # a role whose step was proven may have gone down since: the header says so, not only the panels
                 # (a role whose step never ran, e.g. the router of an apply stopped at decode_up, is not "down")
-                proven = {r: status.get(_step_of(snap.topology, r)) in ("done", "skipped") for r in snap.services}
+                step_of = role_steps(snap.topology)
+                proven = {r: status.get(step_of.get(r, "")) in ("done", "skipped") for r in snap.services}
                 down = [v.role for r, v in snap.services.items()
                         if proven[r] and (v.state != "active" or not v.supervised)]
                 if down:
@@ -691,17 +693,6 @@ class ConsoleApp(App[int]):
             if where:
                 bits.append(where)
         return " · ".join(bits)
-
-
-def _step_of(topo: Any, role: str) -> str:
-    """The state-machine step that brings *role* up (``prefill_up``, ``decode_up``, ``server_up``;
-    ``router_exposed`` for the router)."""
-    if topo.router is not None and role == "router":  # (the router's service is named so: ``collect.log_sources``)
-        return "router_exposed"
-    try:
-        return f"{topo.role(role).kind}_up"
-    except KeyError:
-        return ""
 
 
 def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:

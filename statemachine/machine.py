@@ -40,10 +40,16 @@ from pdctl.units.errors import UnitsError
 if TYPE_CHECKING:
     from pdctl.statemachine.steps import Context
 
-__all__ = ["PD_STATES", "SINGLE_STATES", "Proof", "StateMachine", "Step", "run_steps"]
+__all__ = ["PD_STATES", "SINGLE_STATES", "Proof", "StateMachine", "Step", "role_steps", "run_steps"]
 
 PD_STATES = ("kernels_built", "prefill_up", "decode_up", "kv_link_verified", "router_exposed", "parsers_configured")
 SINGLE_STATES = ("kernels_built", "server_up", "router_exposed", "parsers_configured")
+
+
+def role_steps(topo: Any) -> dict[str, str]:
+    """The step that brings up each role of *topo* (a ``Topology``): ``prefill_up``, ``decode_up`` or ``server_up``
+    by its kind, and ``router_exposed`` for the router, whose role name is ``router``."""
+    return {r.name: f"{r.kind}_up" for r in topo.roles} | ({"router": "router_exposed"} if topo.router else {})
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,9 @@ def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
     without an unfinished apply, or for one toward another topology."""
     if state.target is None or state.target != desired:
         return set()
-    step_of = {r.name: f"{r.kind}_up" for r in desired.roles} | ({"router": "router_exposed"} if desired.router else {})
-    return {name for name, step in step_of.items()
+    from pdctl.statemachine.machine import role_steps
+
+    return {name for name, step in role_steps(desired).items()
             if (rec := state.steps.get(step)) is not None and rec.status in ("done", "skipped")}
 
 

@@ -23,7 +23,7 @@ import httpx
 from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
-from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step
+from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
@@ -276,7 +276,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     taken router port before prefill and decode are started, not after. Raises :class:`ApplyFailed` naming
     every holder and the step it would have failed at."""
     topo = ctx.topology
-    step_of = {r.name: f"{r.kind}_up" for r in topo.roles} | {"router": "router_exposed"}
+    step_of = role_steps(topo)
     wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
     if not wanted:
         return
