@@ -7,8 +7,8 @@ PDL-launched, the split kernel triggering the merge at its start) and 2 (trigger
 Every output is checked against the fp32 reference first.
 
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
---cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch] ... [--merge]`` (the last three for the ``tl.dot``
-kernel, gluon 0; FP8 KV)
+--cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch[,flags]] ... [--merge] [--kv fp8|bf16]`` (the
+fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``, 2 ``fold``)
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     ap.add_argument("--merge", action="store_true",
                     help="also time DecodeConfig.merge = 1 (splits merged in the split kernel) for each PDL mode")
+    ap.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="latent cache format of every case")
     args = ap.parse_args(argv)
     _bootstrap()
     import torch
 
     from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
     from pdctl.kernels._reference import reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+    from pdctl.kernels._sparse_mla import LAST_LAUNCH, DecodeConfig, sparse_mla_decode
 
     sm = 0.135234
     settings = [(0, 0), (1, 0), (2, 0)] + ([(0, 1), (1, 1), (2, 1)] if args.merge else [])
@@ -45,18 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|" + "---|" * len(heads_))
     for case in args.cases:
         h, rows, gluon, bh, splits, *tile = (int(x) for x in case.split(","))
-        bn, warps, prefetch = tile or (64, 4, 0)
-        q, kv, idx, _ = make_decode_case(h, rows, "fp8", slots=262144, ragged=False, with_length=False)
+        bn, warps, prefetch, flags = (list(tile) + [0])[:4] if tile else (64, 4, 0, 0)
+        q, kv, idx, _ = make_decode_case(h, rows, args.kv, slots=262144, ragged=False, with_length=False)
         ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
-        nrot = rotations(rows * 2048 * 656)
+        nrot = rotations(rows * 2048 * (656 if args.kv == "fp8" else 1152))
         idxs = [idx] + [torch.stack([torch.randperm(kv.shape[0], device="cuda")[:2048] for _ in range(rows)])
                         .to(torch.int32) for _ in range(nrot - 1)]
         o = torch.empty(rows, h, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(rows, h, device="cuda")
         res = []
+        regs = "—"
         for pdl, merge in settings:
             cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, splits=splits, prefetch=prefetch, gluon=gluon,
-                               pdl=pdl, merge=merge)
+                               pdl=pdl, merge=merge, mma_f16=flags & 1, fold=(flags >> 1) & 1)
             o.fill_(float("nan"))
             try:
                 sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
@@ -64,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                 res.append("—")
                 continue
             torch.cuda.synchronize()
+            regs = f"{LAST_LAUNCH.get('n_regs')} regs, {LAST_LAUNCH.get('n_spills')} spilled"
             ok = _decode_tolerance_check(o, lse, ro, rl)["ok"]
             us = graph_us_multi([lambda ix=ix, cfg=cfg: sparse_mla_decode(q, kv, ix, sm, None, out=o, lse=lse,
                                                                            config=cfg) for ix in idxs])
             res.append(f"{us:.2f}{'' if ok else ' WRONG'}")
         name = f"gluon-{gluon}: {bh},{splits}" if gluon else f"tl.dot: {bh},{bn},{warps},{splits},{prefetch}"
+        name = f"{args.kv} {name}{' fp16-mma' if flags & 1 else ''}{' fold' if flags & 2 else ''} ({regs})"
         print(f"| {h} | {rows} | {name} | " + " | ".join(res) + " |", flush=True)
     return 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call for pdctl.kernels (issue 6): GPU tests, the kernels_built step, then the benchmark.
 # Usage (device tool, repo root, .whl carried): bash benchmarks/kernels_device_run.sh [tests|build|bench ...] -- [bench args]
+# (stage py: the args after -- are a python command line, e.g. benchmarks/decode_pdl.py --cases ...)
 # Logs and results go to $OUT. Each stage is bounded by `timeout` so one hang cannot eat the whole call.
 set -u
 export PYTHONUNBUFFERED=1 PDCTL_KERNELS_GPU=1
@@ -44,6 +45,7 @@ print('   indexer', m['indexer']['config'], round(m['indexer']['us_B64_L8K'], 2)
          echo "ncu rc $?"; grep -E "^  [a-z_]+.*\(|Duration|Stall|Registers Per|Achieved Occupancy|Issue Slots Busy|Memory Throughput" \
            "$OUT/ncu.txt" | head -80 ;;
     stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;
+    py) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${PY_TIMEOUT:-400} python3 "$@" 2>&1 | tee -a "$OUT/py.log" | tail -80 ;;
     bench) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
   esac
 done

@@ -293,6 +293,10 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                 for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(64, s0 * 2)}):
                     cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
                                            splits=splits, prefetch=prefetch))
+                    if kv_format == "fp8" and bn == 32 and prefetch == 1:
+                        # rows dequantised with their scales (DecodeConfig.fold): no spills at 32-row tiles only
+                        cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
+                                               splits=splits, prefetch=prefetch, fold=1))
     if kv_format == "fp8":
         from pdctl.kernels._sparse_mla import WS_HEAD_BLOCKS, gluon_available
 
@@ -310,7 +314,7 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                     for gl_variant in variants:
                         cands.add(DecodeConfig(block_h=bh, block_n=64, num_warps=4, num_stages=2, splits=splits,
                                                gluon=gl_variant))
-    return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.splits))
+    return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.fold, c.splits))
 
 
 def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms: int, pdl: bool) -> list[Any]:

@@ -10,11 +10,12 @@ With ``DecodeConfig.pdl`` the two kernels are programmatic dependent launches (`
 overlaps the split kernel; with ``DecodeConfig.merge`` (warp-specialised Gluon kernels only) the split programs meet
 at a grid barrier and merge their own partials, one launch in all. The build times both settings per shape.
 
-In the ``tl.dot`` kernel and Gluon kernels 1–3, FP8 656-byte rows are never dequantised element-wise with their
-scales: for chunk g the per-token scale ``sc_g[n]`` multiplies the score tile after the dot
-(``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the probabilities before the PV dot
+In Gluon kernels 1–3 and the ``tl.dot`` kernel (unless ``DecodeConfig.fold``), FP8 656-byte rows are never
+dequantised element-wise with their scales: for chunk g the per-token scale ``sc_g[n]`` multiplies the score tile
+after the dot (``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the probabilities before the PV dot
 (``acc_g += (p · sc_g[None, :]) · k8_g``); the e4m3 → bf16 conversion feeding the MMA is the only per-element work.
-That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds the same. The warp-specialised Gluon
+That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds the same. With ``fold`` the ``tl.dot``
+kernel dequantises each gathered chunk to bf16(x · sc_g) instead and runs the bf16 cache's dot chains. The warp-specialised Gluon
 kernels (4, 5, 7) stage each tile once in bf16 with the scale folded in, as FlashMLA's sm90 sparse decode does:
 bf16(bf16(x) · bf16(scale)) (``cvt_fp8x8_bf16x8``, FlashMLA csrc/sm90/decode/sparse_fp8/components/dequant.h).
 
@@ -53,6 +54,9 @@ class DecodeConfig:
     prefetch: int = 0
     """0: plain loop. 1: load the next tile's KV into registers while computing this one (hand-rolled double
     buffering). 2 (FP8 only): convert one 128-lane chunk at a time and re-read it for PV (register-lean)."""
+    fold: int = 0
+    """FP8 KV, ``tl.dot`` kernel with prefetch 0 or 1: 1 = dequantise each gathered row chunk as bf16(x · scale), the
+    product in fp32, and run the bf16 cache's dot chains; 0 = apply the scales to the score tile and to p instead."""
     mma_f16: int = 0
     """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
     not chosen by ``build_and_verify``)."""
@@ -254,6 +258,10 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
     """
     if not 1 <= cfg.splits <= _MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    if cfg.fold not in (0, 1) or (cfg.fold and (kv_format != "fp8" or cfg.gluon or cfg.prefetch not in (0, 1)
+                                                 or cfg.mma_f16)):
+        raise ValueError(f"fold=1 is a setting of the tl.dot kernel (gluon 0) on the FP8 cache with prefetch 0 or 1 "
+                         f"and bf16 MMA operands (mma_f16 0), got {cfg} for a {kv_format} cache")
     if cfg.merge not in (0, 1):
         raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
     if cfg.gluon in WS_HEAD_BLOCKS:
@@ -414,7 +422,8 @@ def sparse_mla_decode(
             mid_o, mid_l,
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
             ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
-            PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2, MMA_F16=fp8 and bool(cfg.mma_f16),
+            PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2,
+            FOLD=fp8 and bool(cfg.fold), MMA_F16=fp8 and bool(cfg.mma_f16),
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **split_launch,
         )

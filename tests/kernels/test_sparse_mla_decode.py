@@ -186,3 +186,39 @@ def test_pdl_modes_fall_back_to_plain_launches_off_the_gpu():
     for mode in (1, 2):
         o, lse = sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(splits=3, pdl=mode))
         assert torch.equal(o, plain[0]) and torch.equal(lse, plain[1])
+
+
+@pytest.mark.parametrize("heads", [8, 20])
+@pytest.mark.parametrize("cfg", [DecodeConfig(16, 16, 4, 1, splits=3, fold=1),
+                                 DecodeConfig(16, 32, 4, 1, splits=2, prefetch=1, fold=1)], ids=["split3", "prefetch"])
+def test_fp8_rows_dequantised_with_their_scales_match_the_reference(heads, cfg):
+    q, kv, idx, length = _case(heads)
+    cache = quantize_kv656(kv)
+    out = torch.full((q.shape[0], heads, 512), float("nan"))
+    lse = torch.full((q.shape[0], heads), float("nan"))
+    sparse_mla_decode(q, cache, idx, SM, length, out=out, lse=lse, config=cfg)
+    ro, rl = reference_sparse_mla_decode(q, cache, idx, SM, length)
+    _check(out, lse, ro, rl, atol=2e-5)
+
+
+def test_fold_is_a_setting_of_the_fp8_tl_dot_kernel_and_a_build_candidate_at_32_row_tiles():
+    from pdctl.kernels._build import _decode_candidates
+    from pdctl.kernels._sparse_mla import check_decode_config
+
+    for cfg, fmt in [(DecodeConfig(16, 32, 4, 1, splits=64, prefetch=1, fold=1), "bf16"),
+                     (DecodeConfig(16, 32, 4, 1, splits=64, prefetch=2, fold=1), "fp8"),
+                     (DecodeConfig(16, 64, 4, 1, splits=32, gluon=5, fold=1), "fp8"),
+                     (DecodeConfig(16, 32, 4, 1, splits=64, prefetch=1, fold=1, mma_f16=1), "fp8"),
+                     (DecodeConfig(16, 32, 4, 1, splits=64, prefetch=1, fold=2), "fp8")]:
+        with pytest.raises(ValueError, match="fold=1 is a setting of the tl.dot kernel"):
+            check_decode_config(cfg, 16, 1, fmt, 132)
+    check_decode_config(DecodeConfig(16, 32, 4, 1, splits=64, prefetch=1, fold=1), 16, 1, "fp8", 132)
+    q, kv, idx, length = _case(8, topk=96)
+    with pytest.raises(ValueError, match="fold=1"):  # a bf16-layout cache: refused before anything runs
+        sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(16, 32, 4, 1, splits=3, prefetch=1, fold=1))
+
+    folded = [c for c in _decode_candidates(16, 1, 132, "fp8") if c.fold]
+    assert {(c.block_n, c.prefetch, c.splits) for c in folded} == {(32, 1, 16), (32, 1, 32), (32, 1, 64)}
+    for c in folded:
+        check_decode_config(c, 16, 1, "fp8", 132)
+    assert not [c for c in _decode_candidates(16, 1, 132, "bf16") if c.fold]
