@@ -15,8 +15,8 @@ dequantised element-wise with their scales: for chunk g the per-token scale ``sc
 after the dot (``s += sc_g[None, :] · (q_g · k8_gᵀ)``) and the probabilities before the PV dot
 (``acc_g += (p · sc_g[None, :]) · k8_g``); the e4m3 → bf16 conversion feeding the MMA is the only per-element work.
 That is exact algebra, and with ue8m0 (power-of-two) scales it even rounds the same. With ``fold`` the ``tl.dot``
-kernel dequantises each gathered chunk to bf16(x · sc_g) instead and runs the bf16 cache's dot chains. The warp-specialised Gluon
-kernels (4, 5, 7) stage each tile once in bf16 with the scale folded in, as FlashMLA's sm90 sparse decode does:
+kernel dequantises each gathered chunk to bf16(x · sc_g) instead and runs the bf16 cache's dot chains. The
+warp-specialised Gluon kernels (4, 5, 7) stage each tile once in bf16 with the scale folded in, as FlashMLA's sm90 sparse decode does:
 bf16(bf16(x) · bf16(scale)) (``cvt_fp8x8_bf16x8``, FlashMLA csrc/sm90/decode/sparse_fp8/components/dequant.h).
 
 Masked entries (index −1, or position ≥ topk_length[t]) score −inf; the running max starts at the finite
