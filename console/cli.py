@@ -187,7 +187,10 @@ def plan(
         if out is not None:
             from pdctl.statemachine.journal import atomic_write
 
-            atomic_write(out, p.to_json().encode())
+            try:
+                atomic_write(out, p.to_json().encode())
+            except OSError as exc:
+                raise _out_unwritable(out, exc, "the plan", "a file path, e.g. -o plan.json (or -o - for stdout)") from exc
             _err(f"plan saved to {out}")
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
@@ -555,8 +558,23 @@ def units_cmd(
     from pdctl.statemachine.service import load
 
     loaded = load(spec)
-    for p in write_units(loaded.deployment, out):
+    try:
+        written = write_units(loaded.deployment, out)
+    except OSError as exc:
+        raise _out_unwritable(out, exc, "the units", "a directory path, e.g. -o ./units") from exc
+    for p in written:
         sys.stdout.write(f"{p}\n")
+
+
+def _out_unwritable(out: Path, exc: OSError, what: str, example: str) -> PdctlError:
+    """An ``-o/--out`` path the OS refused (``/proc/x``, a read-only mount, another user's folder): the error names
+    the option and the fix, a writable path. ``os_error_hint`` would point at ``--state-dir``, which is not where the
+    output goes. Only this machine's file system was touched: nothing on any host changed."""
+    failed = Path(exc.filename) if exc.filename else None
+    own = failed is None or failed == out or (failed.name.startswith(".") and failed.name.endswith(".tmp"))
+    why = (exc.strerror or str(exc)) + ("" if own else f" ({failed})")  # a temp file's name would only confuse
+    return PdctlError(f"-o {out}: cannot write {what} there: {why}; nothing on any host changed",
+                      hint=f"give -o/--out a path this user can write: {example}")
 
 
 @app.command("chat")

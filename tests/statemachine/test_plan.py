@@ -489,6 +489,24 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
     assert stat.S_ISCHR(__import__("os").stat("/dev/null").st_mode)
 
 
+def test_an_unwritable_out_path_is_named_with_its_fix_not_the_state_dir(tmp_path):
+    # (`plan -o /proc/x` said "error: /proc/.x.PID.tmp: No such file or directory", hint: "the journal lives in
+    # --state-dir", and `units -o /proc/x` the same: the output path was the fault, not the state directory)
+    sd = tmp_path / "state"
+    for args, what in ((("plan", str(SEED), "--state-dir", str(sd), "-o", "/proc/x"), "the plan"),
+                       (("units", str(SEED), "-o", "/proc/x"), "the units")):
+        r = _pdctl(*args)  # /proc takes no new file, even as root
+        assert r.returncode == 1 and r.stdout == "", (args, r.stderr)
+        assert f"error: -o /proc/x: cannot write {what} there: No such file or directory" in r.stderr, r.stderr
+        assert "hint: give -o/--out a path this user can write" in r.stderr, r.stderr
+        assert "--state-dir" not in r.stderr and ".tmp" not in r.stderr, r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "-o", "/proc/x")  # scripts get an object
+    assert r.returncode == 1 and json.loads(r.stdout) == {
+        "error": "-o /proc/x: cannot write the plan there: No such file or directory; nothing on any host changed",
+        "hint": "give -o/--out a path this user can write: a file path, e.g. -o plan.json (or -o - for stdout)"}
+    assert not sd.exists()  # nothing written anywhere
+
+
 def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path):
     from pdctl.statemachine.journal import atomic_write
 
