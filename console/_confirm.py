@@ -5,6 +5,9 @@
   accepts only ``yes``). Enter on a wrong name refuses and says so; nothing is applied.
 * :class:`YesNoScreen` — a disruptive change (y/N: it restarts serving roles).
 
+Each has its own footer, listing its own keys: the console's footer under it would offer keys that do nothing while
+it is open.
+
 They decide nothing: the caller applies the plan id it showed, and the engine re-checks it.
 """
 
@@ -16,7 +19,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Static
+from textual.widgets import Button, Footer, Input, Static
 
 from pdctl.console._plan import render_plan
 from pdctl.statemachine.plan import Plan
@@ -79,6 +82,7 @@ class TopologyConfirmScreen(ModalScreen[bool]):
             with Horizontal(id="buttons"):
                 yield Button("Cancel", id="cancel")
                 yield Button("Apply topology change", id="confirm", variant="error", disabled=True)
+        yield Footer()  # this dialog's keys, over the console's (whose keys do nothing while it is open)
 
     def on_mount(self) -> None:
         self.query_one("#name", Input).focus()
@@ -160,6 +164,7 @@ class YesNoScreen(ModalScreen[bool]):
             with Horizontal(id="buttons"):
                 yield Button("No", id="no")
                 yield Button("Yes", id="yes", variant="warning")
+        yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()

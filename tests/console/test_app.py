@@ -156,6 +156,51 @@ async def _no_then_yes(pilot, app) -> str:  # noqa: ANN001
     return question
 
 
+async def _bottom_row(pilot, app: ConsoleApp) -> str:  # noqa: ANN001
+    """The terminal's last row as drawn (what the operator reads there), from the app's own screenshot, once it shows
+    something: a footer recomposes as the bindings refresh, and a screenshot taken mid-way has that row blank."""
+    import html
+    import re
+
+    row = [""]
+
+    def drawn() -> bool:
+        svg = app.export_screenshot()
+        text = "".join(re.findall(rf'<text[^>]*-line-{app.size.height - 1}\)"[^>]*>([^<]*)', svg))
+        row[0] = html.unescape(text).replace("\xa0", " ")
+        return bool(row[0].strip())
+
+    await wait_for(pilot, drawn, timeout=3)
+    return row[0]
+
+
+async def test_a_dialogs_footer_shows_its_own_keys_not_the_consoles(console_demo):
+    # (the y/N showed the console's footer, "a Apply/resume  x Cancel apply  r Reload spec  ? Keys  q Quit": keys that
+    # do nothing while the dialog is open; the topology dialog had none at 80x24 and the console's when taller)
+    from textual.widgets import Footer
+
+    console_words = ("Apply/resume", "Cancel apply", "Reload spec", "Keys", "Quit")
+    console_demo.pretend_deployed(_parsers_changed)
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert "q Quit" in await _bottom_row(pilot, app)  # the console's own footer, before any dialog
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.pause()
+        row = await _bottom_row(pilot, app)
+        assert "y Yes" in row and "n No" in row and not any(w in row for w in console_words), row
+        assert [k.description for k in app.screen.query_one(Footer).query("FooterKey")] == ["Yes", "No"]
+    console_demo.pretend_deployed(_gpus_changed)
+    for size in (SIZE, (120, 50)):
+        app = make_app(console_demo)
+        async with app.run_test(size=size) as pilot:
+            await _open_topology_modal(pilot, app)
+            await pilot.pause()
+            row = await _bottom_row(pilot, app)
+            assert "esc Cancel" in row and not any(w in row for w in console_words), (size, row)
+
+
 async def test_a_disruptive_change_asks_y_n(console_demo):
     console_demo.pretend_deployed(_parsers_changed)
     app = make_app(console_demo)
