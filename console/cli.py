@@ -303,6 +303,27 @@ def _signals_as_interrupt() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
+    # The engine ends a run it interrupts with apply_interrupted, from its plan on. Ctrl-C (SIGTERM, SIGHUP) before
+    # that, while the engine's modules load, the spec is read, its hosts discovered (over SSH, seconds) or the plan
+    # made, changed nothing: say so, and end a --json stream the same way, with the plan id null. (Earlier still,
+    # while Python starts and imports this module, the default handler ends the process: only the exit status says
+    # it; reporting that would need an entry point that parses the command line before typer is loaded.)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not rep.ended:
+            global _interrupted_hint
+            _interrupted_hint = "interrupted before the apply started: nothing was changed; run the same command again"
+            if rep.as_json:
+                from pdctl.statemachine.events import Event
+
+                rep.emit(Event("apply_interrupted", "interrupted before the apply started: nothing was changed; apply "
+                               "again", data={"plan_id": None}))
+        raise
+
+
 @app.command("apply")
 def apply_cmd(
     spec: Annotated[Path, typer.Argument(metavar="SPEC", help="Spec (TOML) or a plan saved with `pdctl plan -o`")],
@@ -318,12 +339,14 @@ def apply_cmd(
 
     Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
-    from pdctl.statemachine.plan import render_text
-    from pdctl.statemachine.service import apply, load, load_saved_plan
-
     rep = _Reporter(as_json)
     saved = None
-    with _signals_as_interrupt():
+    # (the handlers first: a signal while the engine still loads, or while the spec is read and its hosts discovered,
+    # ends a --json stream with an event as well)
+    with _signals_as_interrupt(), _interrupt_before_the_plan_reported(rep):
+        from pdctl.statemachine.plan import render_text
+        from pdctl.statemachine.service import apply, load, load_saved_plan
+
         try:
             plan_file = None
             if _is_saved_plan(spec):

@@ -1134,6 +1134,54 @@ def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-interrupted"
 
 
+@pytest.mark.parametrize("sig,rc,said", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, "terminated (SIGTERM); ")])
+def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, sig, rc, said):
+    # Ctrl-C (or SIGTERM) while the spec's hosts are discovered, before the engine has a plan: the --json stream ended
+    # with no event at all (the engine emits apply_interrupted from its plan on). The host's nvidia-smi here answers
+    # only after 20 s, and says when it was started.
+    from harness.deploy import dump_toml, seed_dict
+
+    d = seed_dict()
+    host = next(iter(d["hosts"]))
+    for k in ("gpu_numa", "numa_cpus"):
+        d["hosts"][host].pop(k, None)
+    d["hosts"][host]["inventory"] = "discover"
+    spec = tmp_path / "discover.toml"
+    spec.write_text(dump_toml(d))
+    started = tmp_path / "smi.pid"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
+                                                 "exec sleep 20\n")
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"),
+           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job's SIG_IGN)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert started.exists(), p.communicate(timeout=30)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if started.exists():  # (pdctl runs a host's commands in their own session: its interrupt leaves them)
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(started.read_text()), signal.SIGKILL)
+    assert p.returncode == rc, err
+    events = [json.loads(x) for x in out.splitlines()]
+    assert [e["kind"] for e in events] == ["apply_interrupted"], (events, err)
+    assert events[0]["step"] is None and events[0]["data"] == {"plan_id": None}, events
+    assert "before the apply started: nothing was changed" in events[0]["message"], events
+    assert err.rstrip().splitlines()[-1] == said + ("interrupted before the apply started: nothing was changed; run the "
+                                                    "same command again"), err
+    assert not (tmp_path / "state" / "journal.json").exists()
+
+
 def test_an_apply_whose_reader_goes_away_still_completes(demo):
     # `pdctl apply SPEC --json | head -1`: the pipe closes after the first event; the apply must not die of EPIPE
     # half-way (it was audited apply-failed, "[Errno 32] Broken pipe")
