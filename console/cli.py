@@ -164,13 +164,13 @@ def plan(
         _warnings(loaded)
         _unset_secrets_note(loaded.deployment)
         recorded = loaded.journal.read()
-        p = plan_spec(loaded, recorded)
         pending = recorded.target
         if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
             from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
 
             refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
         try:
+            p = plan_spec(loaded, recorded)  # (asks what runs while an earlier apply is unfinished)
             why = plan_unsettled(loaded, recorded, p)
         except (PdctlError, UnitsError):
             # a host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script
@@ -501,7 +501,11 @@ def _router_workers_text(rt: dict, mode: str = "pd") -> str:
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
     unrecorded = nothing and any(r["state"] != "inactive" for r in st["roles"])
-    lines = [f"deployment {st['deployment']} ({st['mode']}): "
+    # (an apply toward another mode, running or unfinished: the roles below are its; the recorded mode goes first, as
+    # the plan of the recorded spec starts from it)
+    was = st.get("recorded_mode")
+    mode = f"{was} → {st['mode']}" if st.get("applying") and was and was != st["mode"] else st["mode"]
+    lines = [f"deployment {st['deployment']} ({mode}): "
              + ("not deployed, yet units of it run (no journal here records them: `pdctl apply` restarts them to "
                 "prove them)" if unrecorded else
                 "not deployed (`pdctl plan` shows what apply would start)" if nothing
@@ -528,6 +532,9 @@ def _status_text(st: dict) -> str:
     for u in st.get("leftover") or ():
         lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
                      f"which the unfinished apply drops: applying either spec again, or `pdctl down`, removes it]")
+    for u in st.get("removed") or ():
+        lines.append(f"  {u['name']:<10} {'removed':<11} pid {'-':<8} [of the recorded deployment, removed already by "
+                     f"the unfinished apply that drops it: applying the recorded spec starts it again]")
     if st["steps"]:
         lines.append("  steps:")
         for name, s in st["steps"].items():

@@ -12,7 +12,13 @@ values (``deployed`` is None when nothing is deployed) and returns a frozen :cla
 * the roles each change restarts, topology changes said in words ("PD disaggregation → single
   server", "router exposure 127.0.0.1:30001 → 0.0.0.0:30001");
 * a **plan id**: a hash of both sides (canonical JSON), so a confirmation given for one plan
-  never applies to another. ``from_serial`` binds the plan to the journal it was made against.
+  never applies to another. ``from_serial`` binds the plan to the journal it was made against;
+* with *not_running* (the service layer fills it while an apply is unfinished), what of the "from" side no longer
+  runs: such a role (the router, the KV link of a prefill or decode among them) that the spec keeps is planned as
+  started again (``+``, ``not_running`` saying why) rather than as no change or an update of a process that is not
+  there, and one the spec drops whose unit is gone already has nothing left to destroy. Its class is what comparing
+  the two sides gives (a restart with nothing else changed: disruptive), so it never alters whether the plan
+  needs a confirmation, and it is not part of the id.
 
 ``render_text(plan)`` prints it in Terraform's manner; ``plan.model_dump_json()`` is the same plan
 as data, and ``Plan.model_validate_json`` reads it back.
@@ -23,13 +29,15 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pdctl.statemachine.topology import RoleTopology, Topology, is_wildcard
 
-__all__ = ["AttrChange", "ChangeClass", "Plan", "ResourceChange", "format_value", "make_plan", "plan_id_of", "render_text"]
+__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "ResourceChange", "format_value", "make_plan",
+           "plan_id_of", "render_text"]
 
 ChangeClass = Literal["topology", "disruptive", "in_place"]
 Action = Literal["create", "update", "replace", "delete"]
@@ -42,6 +50,9 @@ _ROLE_DISRUPTIVE_ATTRS = ("http_host", "port", "bootstrap_port", "nccl_port")
 
 
 _DERIVED = ("class", "counts")  # keys Plan.to_json adds
+
+NOT_INSTALLED = "not installed"
+"""``ResourceChange.not_running`` of a resource whose unit is not installed at all (an unfinished apply removed it)."""
 
 
 class _Frozen(BaseModel):
@@ -70,10 +81,22 @@ class ResourceChange(_Frozen):
     """Why, for people only (never parsed)."""
     summary: str = ""
     """One line describing the resource (the side that exists)."""
+    not_running: str | None = None
+    """Why the "from" side's resource does not run now, while an apply is unfinished: :data:`NOT_INSTALLED`, its
+    unit's state (``inactive``, ``failed``…), or for the KV link the roles it joins that do not run. A ``create``
+    then starts it again; a ``delete`` of one not installed has nothing left to do (:attr:`gone`). None: it runs, or
+    the from side has none."""
 
     @property
     def symbol(self) -> str:
         return SYMBOL[self.action]
+
+    @property
+    def gone(self) -> bool:
+        """A delete whose resource is gone already: apply has nothing left to destroy. A unit not installed; the KV
+        link once prefill or decode does not run (there is no link without both ends)."""
+        return self.action == "delete" and self.not_running is not None and (
+            self.not_running == NOT_INSTALLED or self.address == "kv_link")
 
 
 class Plan(_Frozen):
@@ -125,10 +148,11 @@ class Plan(_Frozen):
         return self.cls == "topology" and self.from_topology is not None
 
     def counts(self) -> tuple[int, int, int]:
-        """``(to add, to change, to destroy)``; a replacement counts as one add and one destroy."""
+        """``(to add, to change, to destroy)``; a replacement counts as one add and one destroy; a delete of what is
+        gone already (:attr:`ResourceChange.gone`) as nothing."""
         add = sum(1 for c in self.changes if c.action in ("create", "replace"))
         change = sum(1 for c in self.changes if c.action == "update")
-        destroy = sum(1 for c in self.changes if c.action in ("delete", "replace"))
+        destroy = sum(1 for c in self.changes if c.action in ("delete", "replace") and not c.gone)
         return add, change, destroy
 
     def restarts(self) -> list[str]:
@@ -210,8 +234,11 @@ def _mode_words(mode: str) -> str:
     return "PD disaggregation" if mode == "pd" else "single server"
 
 
-def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0) -> Plan:
-    """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing."""
+def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0,
+              not_running: Mapping[str, str] | None = None) -> Plan:
+    """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing. *not_running*: role names
+    (and ``router``) of *deployed* that do not run now, each with why (:data:`NOT_INSTALLED`, or its unit's state):
+    see the module docstring."""
     changes: list[ResourceChange] = []
     words: list[str] = []
     old_roles = {r.name: r for r in (deployed.roles if deployed else ())}
@@ -396,6 +423,9 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
                    if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 
+    if deployed is not None and not_running:
+        changes = _not_running(deployed, desired, changes, dict(not_running))
+
     return Plan(
         plan_id=plan_id_of(deployed, desired),
         deployment=desired.name,
@@ -405,6 +435,43 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         changes=tuple(changes),
         topology_changes=tuple(words),
     )
+
+
+_ORDER = {"kv_link": 1, "router": 2, "deployment": 3, "console": 4}  # role.* first, as make_plan lists them
+
+
+def _not_running(deployed: Topology, desired: Topology, changes: list[ResourceChange],
+                 down: dict[str, str]) -> list[ResourceChange]:
+    """*changes* (from *deployed* to *desired*) told against what runs, where *down* names what of *deployed* does not
+    (role names, ``router``; see :func:`make_plan`): a resource the spec keeps is started again, with no attribute
+    changes (no process is there to change) and the class the comparison gave it (disruptive where it gave none); a
+    dropped one keeps its delete, marked; none is restarted."""
+    if deployed.kv_link is not None:  # the link joins prefill and decode: with one of them down there is none to keep
+        joined = [r.name for r in deployed.roles if r.kind in ("prefill", "decode") and r.name in down]
+        if joined:
+            down["kv_link"] = f"{', '.join(joined)} not running"
+    wanted = {f"role.{r.name}": r.describe() for r in desired.roles}  # address → summary
+    if desired.kv_link is not None:
+        wanted["kv_link"] = desired.kv_link.backend
+    if desired.router is not None:
+        wanted["router"] = f"{desired.router.impl} on {desired.router.exposure}"
+    had = {f"role.{r.name}": r.name for r in deployed.roles}
+    had |= {a: a for a, present in (("kv_link", deployed.kv_link), ("router", deployed.router)) if present is not None}
+    by_address = {c.address: c for c in changes}
+    out = [c for c in changes if c.address not in had or had[c.address] not in down]
+    for address, name in had.items():
+        if name not in down:
+            continue
+        why, c = down[name], by_address.get(address)
+        if address in wanted:
+            out.append(ResourceChange(address=address, action="create", cls=c.cls if c else "disruptive",
+                                      reason=f"does not run now ({why}): apply starts it again",
+                                      summary=wanted[address], not_running=why))
+        elif c is not None:  # (a resource the spec drops is a delete already)
+            out.append(c.model_copy(update={"not_running": why}))
+    out = [c.model_copy(update={"restarts": tuple(r for r in c.restarts if r not in down)})  # started, not restarted
+           if set(down) & set(c.restarts) else c for c in out]
+    return sorted(out, key=lambda c: _ORDER.get(c.address, 0))
 
 
 def format_value(v: Any) -> str:
@@ -431,8 +498,15 @@ def render_text(plan: Plan) -> str:
     verb = {"create": "created", "update": "updated in place", "replace": "replaced", "delete": "destroyed"}
     for c in plan.changes:
         extra = f" ({c.cls})"
-        lines.append(f"  # {c.address} will be {verb[c.action]}{extra}")
+        if c.gone:
+            lines.append(f"  # {c.address} is gone already{extra}: nothing left to destroy")
+        elif c.not_running is not None and c.action == "create":
+            lines.append(f"  # {c.address} will be {'set up' if c.address == 'kv_link' else 'started'} again{extra}")
+        else:
+            lines.append(f"  # {c.address} will be {verb[c.action]}{extra}")
         lines.append(f"{c.symbol:>3} {c.address}: {c.summary}")
+        if c.not_running is not None:
+            lines.append(f"      does not run now: {c.not_running}")
         for a in c.changes:
             mark = "  # forces replacement" if c.action == "replace" and a.cls == "topology" else ""
             lines.append(f"      ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}{mark}")

@@ -76,16 +76,23 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     toward another topology (``state.target``) had begun and going from there to *desired* changes the topology
     while going from the recorded deployment does not (PD half collapsed into one server, then the PD spec applied
     again; or a role's TP or GPUs changed): once one of the target's roles was started for it (its unit journalled),
-    that return changes what runs, so it is planned, named and confirmed from the interrupted target."""
+    or proven as the target shapes it where that differs from the recorded role (its step done since the target was
+    journalled: its unit's record is a plain fingerprint again, no longer ``started:``), that return changes what
+    runs, so it is planned, named and confirmed from the interrupted target."""
     deployed, target = state.deployed, state.target
     if target is None or deployed is None or target == desired:
         return deployed
     from pdctl.statemachine.steps import STARTED
 
     names, wanted = unit_names(target), {x.name for x in desired.roles}
-    # a role of the target that desired lacks and that has a unit record, or one that was (re)started for the target
+    was = {r.name: r for r in deployed.roles} | {"router": deployed.router}
+    now = {r.name: r for r in target.roles} | {"router": target.router}
+    proven = proven_by_unfinished(state, target)
+    # a role of the target that desired lacks and that has a unit record, or one that was (re)started for the target,
+    # or a role (or the router) the target reshapes that it proved so
     began = any((r.name not in wanted and names[r.name] in state.units)
-                or str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles)
+                or str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles) \
+        or any(n in proven and now[n] != was.get(n) for n in names)
     if began and make_plan(target, desired).requires_confirmation \
             and not make_plan(deployed, desired).requires_confirmation:
         return target
@@ -108,12 +115,40 @@ def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
             if (rec := state.steps.get(step)) is not None and rec.status in ("done", "skipped")}
 
 
+def not_running(loaded: Loaded, state, base: Topology | None, *, host=None) -> dict[str, str]:  # noqa: ANN001
+    """While an apply is unfinished (the journal holds its target), what of *base* (the plan's from side,
+    :func:`plan_base`) does not run: role names and ``router``, each with :data:`~pdctl.statemachine.plan.NOT_INSTALLED`
+    (its unit is gone: an apply that dropped it removed it, whether or not its journalled drop list caught up) or its
+    unit's state (``inactive``, ``failed``, ``deactivating``), as :func:`make_plan` takes them. Empty with no apply
+    unfinished (a recorded role that does not run is then the drift :func:`plan_unsettled` tells) or nothing to base
+    on. Asks the service manager on *host* (else the spec's): HostError, ManagerUnavailable… when it cannot be
+    asked."""
+    if state.target is None or base is None:
+        return {}
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.plan import NOT_INSTALLED
+
+    dep = loaded.deployment
+    manager = launch.manager_for(dep, host or deployment_host(dep), state_dir=str(loaded.journal.dir))
+    out: dict[str, str] = {}
+    for name, unit in unit_names(base).items():
+        if manager.installed_text(unit) is None:
+            out[name] = NOT_INSTALLED
+        elif (now := manager.status(unit).state) not in ("active", "activating"):
+            out[name] = now
+    return out
+
+
 def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
-    """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks; *state*: the
-    journal's, when the caller has read it already."""
+    """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks, told against what
+    runs while an apply is unfinished and none runs now (:func:`not_running`: it asks the service manager, and raises
+    what that raises); *state*: the journal's, when the caller has read it already."""
     state = loaded.journal.read() if state is None else state
     desired = topology_of(loaded.deployment)
-    return make_plan(plan_base(state, desired), desired, from_serial=state.serial)
+    base = plan_base(state, desired)
+    # (not while an apply or down holds the lock: what runs is changing under it, and plan_unsettled says so)
+    down = not_running(loaded, state, base) if _lock_holder(loaded) is None else {}
+    return make_plan(base, desired, from_serial=state.serial, not_running=down)
 
 
 def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
@@ -399,7 +434,10 @@ def apply(
         state = j.read()
         desired = topology_of(loaded.deployment)
         base = plan_base(state, desired)
-        plan = make_plan(base, desired, from_serial=state.serial)
+        # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
+        host = deployment_host(loaded.deployment) if state.target is not None and base is not None else None
+        plan = make_plan(base, desired, from_serial=state.serial,
+                         not_running=not_running(loaded, state, base, host=host))
         if saved_plan is not None:
             if saved_plan.from_topology != base:
                 raise StalePlanError(
@@ -435,6 +473,8 @@ def apply(
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
                     "topology": "a topology change" if plan.requires_confirmation else "a first deployment"}[plan.cls]
+            if plan.cls == "disruptive" and all(c.not_running for c in plan.changes if c.cls == "disruptive"):
+                what = "roles that do not run now, to start again"  # (what an unfinished apply removed)
             sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
                             data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
             j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
@@ -444,7 +484,7 @@ def apply(
                 j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
                 raise
             # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
-            host = deployment_host(loaded.deployment)
+            host = host or deployment_host(loaded.deployment)
             _can_run_commands(loaded.deployment, host)
             here = machine_of(host)
             try:
@@ -545,11 +585,14 @@ _LIFECYCLE = ("apply-started", "apply-done", "apply-failed", "apply-interrupted"
 
 
 def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
-    """Each role's unit state, health and last proof (with its age), and the router's view; ``leftover``: the
-    recorded deployment's units that an unfinished apply's target drops, while installed or running (name, unit,
-    state, main_pid); ``unfinished_down``: where the audit log's last apply or down event is a down that did not
-    finish (``event`` down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed)
-    while something of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
+    """Each role's unit state, health and last proof (with its age), and the router's view, of what the journal's
+    target (an apply running or unfinished) or else its recorded deployment has: ``mode`` is that one's,
+    ``recorded_mode`` the recorded deployment's (None: none); ``leftover``: the recorded deployment's units that an
+    unfinished apply's target drops, while installed or running (name, unit, state, main_pid); ``removed``: those of
+    them it removed already (name, unit), which ``pdctl plan`` of the recorded spec starts again;
+    ``unfinished_down``: where the audit log's last apply or down event is a down that did not finish (``event``
+    down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed) while something
+    of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -597,7 +640,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     # An apply that did not finish toward another topology (PD collapsed to one server, or back) leaves the recorded
     # deployment's units that its target drops still running: shown, so that status never hides a running server
     leftover = []
-    dropped = dict(unit_names(state.deployed)) if state.target is not None and state.deployed is not None else {}
+    # ...and those of them it removed already (that apply, or `pdctl plan`, would start them again for the recorded
+    # spec: said here too, so that status and plan tell the same story of what is deployed)
+    removed = []
+    recorded = unit_names(state.deployed) if state.target is not None and state.deployed is not None else {}
+    dropped = dict(recorded)
     dropped |= {u.removeprefix(f"pdctl-{topo.name}-").removesuffix(".service"): u for u in state.removing}
     for name, unit in dropped.items():
         if unit in names.values() or any(u["unit"] == unit for u in leftover):
@@ -605,6 +652,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         st = manager.status(unit)
         if st.state != "inactive" or manager.installed_text(unit) is not None:
             leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
+        elif recorded.get(name) == unit:
+            removed.append({"name": name, "unit": unit})
     router = None
     if topo.router is not None:
         st = manager.status(names["router"])
@@ -663,6 +712,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     return {
         "deployment": topo.name,
         "mode": topo.mode,
+        "recorded_mode": state.deployed.mode if state.deployed is not None else None,
         "serial": state.serial,
         "plan_id": state.plan_id,
         "deployed": state.deployed is not None,
@@ -675,6 +725,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "roles": roles,
         "router": router,
         "leftover": leftover,
+        "removed": removed,
         "steps": steps,
     }
 

@@ -682,6 +682,88 @@ def test_going_back_from_an_interrupted_reshape_is_planned_from_what_it_started(
     assert plan_base(state, deployed) is t2
 
 
+def test_going_back_from_a_reshape_whose_role_was_proven_is_planned_from_what_it_started():
+    # A reshape (prefill TP4 -> TP2) interrupted once prefill_up had proven the TP2 prefill: its unit's record is a
+    # plain fingerprint again (no longer "started:"), and the plan of the recorded spec said no changes, so apply
+    # rebuilt the TP2 prefill as TP4 without the confirmation a reshape needs
+    from pdctl.statemachine.journal import StepRecord
+    from pdctl.statemachine.service import plan_base, unit_names
+
+    deployed = topo(seed_dict())
+    reshaped = seed_dict()
+    reshaped["prefill"][0].update(tp=2, gpus=[0, 1])
+    target = topo(reshaped)
+    state = JournalState(name=deployed.name, deployed=deployed, target=target,
+                         units=dict.fromkeys(unit_names(deployed).values(), "0123456789abcdef"),
+                         steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("running")})
+    assert plan_base(state, deployed) is deployed  # prefill not restarted yet: what runs is what was recorded
+    state.steps["prefill_up"] = StepRecord("done")
+    assert plan_base(state, deployed) is target
+    p = make_plan(plan_base(state, deployed), deployed)
+    assert p.requires_confirmation and "prefill tp 2 → 4" in p.topology_changes
+    # A role the target leaves as recorded, proven by it (observed satisfied): nothing of the reshape runs yet
+    moved = seed_dict()
+    moved["router"]["port"] = 30002
+    state = JournalState(name=deployed.name, deployed=deployed, target=topo(moved),
+                         steps={"prefill_up": StepRecord("skipped"), "decode_up": StepRecord("skipped")})
+    assert plan_base(state, deployed) is deployed
+    state.steps["router_exposed"] = StepRecord("done")  # the router proven on its new port: going back moves it
+    assert plan_base(state, deployed) == topo(moved)
+
+
+def _pd_removed() -> dict[str, str]:
+    from pdctl.statemachine.plan import NOT_INSTALLED
+
+    return dict.fromkeys(("prefill", "decode", "router"), NOT_INSTALLED)
+
+
+def test_what_an_unfinished_collapse_removed_is_planned_as_started_again_without_a_confirmation():
+    # (PD collapsed into one server, interrupted once the PD roles were removed and before the server started: the plan
+    # of the PD spec said "No changes to what was recorded", while apply started all of PD again)
+    seed = seed_dict()
+    recorded = topo(seed)
+    p = make_plan(recorded, recorded, not_running=_pd_removed())
+    assert p.has_changes and p.counts() == (4, 0, 0)
+    assert {c.address: (c.action, c.cls) for c in p.changes} == {
+        "role.prefill": ("create", "disruptive"), "role.decode": ("create", "disruptive"),
+        "kv_link": ("create", "disruptive"), "router": ("create", "disruptive")}
+    assert all(not c.restarts for c in p.changes)  # started, nothing restarted
+    # restoring what was recorded changes no topology: no confirmation, and the id of the plan with nothing to do
+    assert not p.requires_confirmation and not p.topology_changes
+    assert p.plan_id == make_plan(recorded, recorded).plan_id
+    text = render_text(p)
+    assert "No changes" not in text and "# role.prefill will be started again (disruptive)" in text, text
+    assert "      does not run now: not installed" in text and "# kv_link will be set up again" in text, text
+    assert "Plan: 4 to add, 0 to change, 0 to destroy." in text
+    assert Plan.model_validate_json(p.to_json()) == p
+    # a third spec, whose prefill differs from the recorded one: started as the spec asks, not "recorded → new"
+    ctx = copy.deepcopy(seed)
+    ctx["model"]["context_length"] = 8192
+    (c,) = [c for c in make_plan(recorded, topo(ctx), not_running=_pd_removed()).changes if c.address == "role.prefill"]
+    assert (c.action, c.cls, c.changes, c.restarts) == ("create", "disruptive", (), ())
+    # a role that stopped (installed, inactive) is started again too; one that runs is left to the comparison
+    p = make_plan(recorded, topo(ctx), not_running={"decode": "inactive"})
+    assert {c.address: c.action for c in p.changes} == {"role.prefill": "update", "role.decode": "create",
+                                                         "kv_link": "create"}
+    assert p.restarts() == ["prefill", "router"]  # (the seed's systemd router stops with a server it requires)
+
+
+def test_resuming_a_collapse_whose_pd_roles_are_gone_keeps_its_confirmation():
+    # (the resume must take the id the operator confirmed; what it already removed is not destroyed again)
+    seed = seed_dict()
+    recorded, single = topo(seed), topo(collapsed(seed))
+    confirmed = make_plan(recorded, single)
+    p = make_plan(recorded, single, not_running=_pd_removed())
+    assert p.requires_confirmation and p.plan_id == confirmed.plan_id
+    assert p.topology_changes == confirmed.topology_changes
+    gone = {c.address for c in p.changes if c.gone}
+    assert gone == {"role.prefill", "role.decode", "kv_link", "router"}
+    assert p.counts() == (1, 0, 0)  # the server, and nothing left to destroy
+    text = render_text(p)
+    assert "# role.prefill is gone already (topology): nothing left to destroy" in text, text
+    assert f"--confirm-topology {confirmed.plan_id}" in text
+
+
 @pytest.mark.parametrize("manager", ["process", "systemd-system"])
 def test_a_new_served_name_restarts_the_router_in_front_of_a_single_server_too(manager):
     # (only prefill and decode counted: smg kept a single server's worker under its old model id)
@@ -724,10 +806,16 @@ def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_re
     assert "router" not in make_plan(topo(d), topo(env_only)).restarts()  # (the router's env is its own)
 
 
-def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_path):
+def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_path, monkeypatch, capsys):
     # (the plan listed prefill among the restarts although the resumed apply keeps the prefill its interrupted run
     # already restarted and proved with these settings)
+    from pdctl.console import cli
+    from pdctl.statemachine import service
     from pdctl.statemachine.journal import StepRecord
+
+    # every unit of the recorded deployment runs, as it would after such an apply (nothing is started here: the plan
+    # would start them again, which test_apply covers)
+    monkeypatch.setattr(service, "not_running", lambda *a, **k: {})
 
     d = seed_dict()
     d["service_manager"] = "process"
@@ -739,8 +827,10 @@ def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_pa
     Journal(sd, "dsv4-flash").write(JournalState(
         name="dsv4-flash", deployed=deployed, target=topology_of(parse_spec(d)),
         steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done")}))
-    r = _pdctl("plan", str(spec), "--state-dir", str(sd))
-    assert r.returncode == 2, r.stderr
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(spec), "--state-dir", str(sd)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
     assert "that apply had already restarted and proved prefill with these settings: apply re-proves and keeps it" \
-        in r.stderr, r.stderr
-    assert "decode" not in r.stderr.split("already restarted and proved")[1].split(":")[0]
+        in err, err
+    assert "decode" not in err.split("already restarted and proved")[1].split(":")[0]

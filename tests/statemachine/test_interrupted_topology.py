@@ -1,0 +1,122 @@
+"""After an interrupted topology change, `plan`, `status` and `apply` of either spec tell the same story of what runs.
+
+End to end on the demo (the SGLang stand-in under the process supervisor, the real smg router). The interruption is
+the one the CLI makes of Ctrl-C, SIGTERM and SIGHUP (a KeyboardInterrupt out of the engine's event sink), raised at
+an exact event so that the state it leaves is the one under test, not a race.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+
+from pdctl.statemachine import service
+
+pytestmark = [pytest.mark.smg, pytest.mark.slow]
+
+
+class _InterruptAt:
+    """An apply's sink that interrupts it, as Ctrl-C would, at the *nth* event of *kind* (and *step*, when given)."""
+
+    def __init__(self, kind: str, *, nth: int = 1, step: str | None = None) -> None:
+        self.kind, self.nth, self.step, self.seen = kind, nth, step, 0
+
+    def emit(self, event) -> None:  # noqa: ANN001
+        if event.kind == self.kind and (self.step is None or event.step == self.step):
+            self.seen += 1
+            if self.seen == self.nth:
+                raise KeyboardInterrupt
+
+
+def _collapse(d: dict, port: int) -> dict:
+    c = copy.deepcopy(d)
+    c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer"), c.pop("router")
+    c["server"] = [{"gpus": list(range(8)), "tp": 8, "http_host": "127.0.0.1", "port": port}]
+    return c
+
+
+def _server_info(port: int) -> dict:
+    with httpx.Client(trust_env=False) as c:
+        return c.get(f"http://127.0.0.1:{port}/server_info").json()
+
+
+def test_a_collapse_interrupted_once_pd_was_removed_is_planned_and_shown_as_pd_to_start_again(demo):
+    # (status of the PD spec said "(single)" while its plan said "No changes to what was recorded as deployed", and
+    # apply then started all of PD again under a plan that had listed nothing)
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    assert confirmed.requires_confirmation
+    # Ctrl-C as the last PD role (prefill, after the router and decode) is removed, before the server starts
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("role_removed", nth=3))
+    assert demo.pids() == []  # nothing runs
+    # the journal lags by the last removal (the interruption came before it crossed prefill off): what runs is asked
+    assert demo.load().journal.read().removing == [f"pdctl-{demo.name}-prefill.service"]
+
+    # plan of the PD spec: the work apply does (PD started again), exit 2; a restore of what was recorded, no
+    # topology change to confirm
+    plan = demo.cli("plan", str(demo.spec))
+    assert plan.returncode == 2, plan.stderr
+    assert "No changes" not in plan.stdout, plan.stdout
+    for address in ("role.prefill", "role.decode", "router"):
+        assert f"# {address} will be started again (disruptive)" in plan.stdout, plan.stdout
+    assert "# kv_link will be set up again (disruptive)" in plan.stdout, plan.stdout
+    assert "Plan: 4 to add, 0 to change, 0 to destroy." in plan.stdout and "Topology changes" not in plan.stdout
+    data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    assert {c["address"]: (c["action"], c["not_running"]) for c in data["changes"]} == {
+        "role.prefill": ("create", "not installed"), "role.decode": ("create", "not installed"),
+        "kv_link": ("create", "prefill, decode not running"), "router": ("create", "not installed")}
+    assert data["class"] == "disruptive" and "did not finish" in data["unsettled"]
+
+    # status says the same: PD recorded, the collapse unfinished, PD's roles removed
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert (st["recorded_mode"], st["mode"], st["applying"]) == ("pd", "single", True), st
+    assert {u["name"] for u in st["removed"]} == {"prefill", "decode", "router"} and st["leftover"] == [], st
+    text = demo.cli("status", str(demo.spec)).stdout
+    assert text.splitlines()[0].startswith(f"deployment {demo.name} (pd → single): NOT healthy"), text
+    removed = [line.split()[0] for line in text.splitlines()[1:] if line.split()[1:2] == ["removed"]]
+    assert sorted(removed) == ["decode", "prefill", "router"], text
+
+    # Resuming the collapse is still the change the operator confirmed, under its id; nothing of PD is left to destroy
+    resume = demo.cli("plan", str(collapse))
+    assert resume.returncode == 2 and f"--confirm-topology {confirmed.plan_id}" in resume.stdout, resume.stdout
+    assert "# role.prefill is gone already (topology): nothing left to destroy" in resume.stdout, resume.stdout
+    assert "Plan: 1 to add, 0 to change, 0 to destroy." in resume.stdout, resume.stdout
+
+    # Back to PD, as its plan said: no confirmation, and apply's plan event says what it starts
+    r = demo.cli("apply", str(demo.spec), "--json")
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout.splitlines()[0])
+    assert first["kind"] == "plan" and first["message"] == f"plan {data['plan_id']}: roles that do not run now, to " \
+                                                           "start again", first
+    st = demo.status()
+    assert st["healthy"] and st["removed"] == [] and len(demo.pids()) == 3, st
+
+
+def test_going_back_from_a_reshape_whose_role_was_proven_needs_the_confirmation(demo):
+    # A reshape (prefill TP4 on GPUs 0-3 -> TP2 on 0-1) interrupted right after it proved the TP2 prefill: the plan of
+    # the recorded spec said no changes, and apply rebuilt prefill as TP4 with no confirmation
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0].update(gpus=[0, 1], tp=2)
+    reshape = demo.write(d, "reshape.toml")
+    confirm = service.plan_spec(demo.load(reshape)).plan_id
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(reshape, confirm=confirm, sink=_InterruptAt("step_verified", step="prefill_up"))
+    assert _server_info(demo.ports["prefill"])["tp_size"] == 2
+    pids = demo.pids()
+    plan = demo.cli("plan", str(demo.spec))
+    assert plan.returncode == 2, plan.stderr
+    assert "prefill tp 2 → 4" in plan.stdout and "prefill gpus 0,1 → 0,1,2,3" in plan.stdout, plan.stdout
+    plan_id = next(line.split()[2] for line in plan.stdout.splitlines() if line.startswith("plan id:"))
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr
+    assert demo.pids() == pids  # refused before anything changed
+    r = demo.cli("apply", str(demo.spec), "--confirm-topology", plan_id)
+    assert r.returncode == 0, r.stderr
+    assert _server_info(demo.ports["prefill"])["tp_size"] == 4
+    assert demo.status()["healthy"]
