@@ -230,8 +230,11 @@ class _Reporter:
         self.step_started = False
         self.ended = False
         """An event that ends a run (apply_done, apply_failed, apply_interrupted) was emitted."""
+        self.engine_spoke = False
+        """The engine emitted an event (its plan, a step…): from then on it reports an interruption itself."""
 
     def emit(self, event) -> None:  # noqa: ANN001
+        self.engine_spoke = True
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
         if event.kind == "apply_interrupted":
             global _interrupted_step
@@ -313,7 +316,7 @@ def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        if not rep.ended:
+        if not rep.engine_spoke:
             global _interrupted_hint
             _interrupted_hint = "interrupted before the apply started: nothing was changed; run the same command again"
             if rep.as_json:
