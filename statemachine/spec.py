@@ -25,6 +25,8 @@ import ipaddress
 import re
 import socket
 import tomllib
+import types
+import typing
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -500,6 +502,54 @@ def _choice_fix(value: Any, expected: str) -> str:
     return msg
 
 
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose table holds the key at *loc* (a pydantic error location, from :class:`Deployment` down
+    through fields, list indices and table keys), or None where no model is found there."""
+    ann: Any = Deployment
+    for part in loc[:-1]:
+        ann = _item_type(ann, part)
+        if ann is None:
+            return None
+    return _as_model(ann)
+
+
+def _as_model(ann: Any) -> type[BaseModel] | None:
+    # `Parsers | None` -> Parsers; Annotated[...] -> its type; anything else that is not a model -> None.
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    if typing.get_origin(ann) in (typing.Union, types.UnionType, typing.Annotated):
+        return next((m for a in typing.get_args(ann) if (m := _as_model(a)) is not None), None)
+    return None
+
+
+def _item_type(ann: Any, part: Any) -> Any:
+    # The type of the value at `part` (a field name, list index or table key) inside a value of type `ann`.
+    model = _as_model(ann)
+    if model is not None:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        return field.annotation if field is not None else None
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return next((t for a in args if a is not type(None) and (t := _item_type(a, part)) is not None), None)
+    if origin is list and isinstance(part, int) and args:
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    return None
+
+
+def _near_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys valid where the unknown key at *loc* was written that are spelled closest to it
+    (:func:`difflib.get_close_matches`, case ignored): the fields of the model at that place, by the name a spec
+    writes them with (the alias where a field has one)."""
+    model = _model_at(loc)
+    if model is None or not loc or not isinstance(loc[-1], str):
+        return []
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    lower = {n.lower(): n for n in names}
+    return [lower[n] for n in difflib.get_close_matches(loc[-1].lower(), list(lower), n=3, cutoff=0.6)]
+
+
 def _is_toml_number(text: str, *, whole: bool) -> bool:
     # Would `text` without its quotes be a TOML integer (whole) or number? (TOML's digits are ASCII only.)
     try:
@@ -652,6 +702,9 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                     msg = f"key {err['loc'][-2]!r}: {msg}"
             elif err["type"] == "extra_forbidden":
                 msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
+                near = _near_keys(err["loc"])
+                if near:
+                    msg += f": did you mean {' or '.join(repr(n) for n in near)}?"
             elif err["type"] == "missing":
                 msg = "required: add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):

@@ -434,6 +434,47 @@ def test_unknown_keys_are_refused_with_the_field_named():
     assert "router.prot: unknown key" in str(e.value)
 
 
+@pytest.mark.parametrize(("path", "typo", "meant"), [
+    (("model",), "contex_length", "context_length"),
+    (("parsers",), "tool_call_parsr", "tool_call_parser"),
+    (("model",), "servd_name", "served_name"),
+    (("prefill", 0), "bootstrap_prt", "bootstrap_port"),
+    (("router",), "prot", "port"),
+    (("hosts", "local"), "adress", "address"),
+    ((), "sglang_verison", "sglang_version"),
+])
+def test_an_unknown_key_names_the_valid_key_spelled_closest_at_its_place(path, typo, meant):
+    d = seed_dict()
+    node = d
+    for k in path:
+        node = node[k]
+    node[typo] = 1
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    field = ".".join(str(k) for k in path).replace(".0", "[0]")
+    field = f"{field}.{typo}" if field else typo
+    assert (f"{field}: unknown key: remove it or check its spelling (see examples/seed.toml): "
+            f"did you mean {meant!r}?") in str(e.value)
+
+
+def test_an_unknown_key_with_no_close_valid_key_gets_no_guess():
+    d = seed_dict()
+    d["prefill"][0]["parsers"] = {"zzzzzz": "x"}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "prefill[0].parsers.zzzzzz: unknown key" in str(e.value)
+    assert "did you mean" not in str(e.value)
+
+
+def test_an_unknown_key_is_matched_against_the_keys_of_its_own_table():
+    # 'port' is a key of [router] and of [[prefill]], never of [model]: no guess there from another table
+    d = seed_dict()
+    d["model"]["prot"] = 1
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "model.prot: unknown key" in str(e.value) and "'port'" not in str(e.value)
+
+
 def test_missing_required_field_is_named():
     d = seed_dict()
     del d["prefill"][0]["port"]
