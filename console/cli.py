@@ -154,12 +154,19 @@ def plan(
     if to_stdout:
         out, as_json = None, True
     odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
-    if out is not None and (odd or not out.parent.is_dir()):  # refused before anything is read or written
+    if out is not None and odd:  # refused before anything is read or written
         _err(f"error: -o {out}: " + ("is a directory" if out.is_dir() else "is not a regular file (a device or link), "
-                                     "which saving would replace" if odd else f"folder {out.parent} does not exist")
+                                     "which saving would replace")
              + "\nhint: give a file path in an existing folder, e.g. -o plan.json")
         raise typer.Exit(ExitCode.USAGE)
     try:
+        if out is not None and not out.parent.is_dir():  # (refused before anything is read or written, never created)
+            # the path cannot be written, as one the OS refuses (_out_unwritable): exit 1 with the same error and hint,
+            # and with --json the same {error, hint} object, not a usage error
+            raise PdctlError(f"-o {out}: cannot write the plan there: folder {out.parent} does not exist; nothing on "
+                             "any host changed",
+                             hint="give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for "
+                                  "stdout)")
         loaded = load(spec, state_dir=state_dir, discover=True)
         _warnings(loaded)
         _unset_secrets_note(loaded.deployment)

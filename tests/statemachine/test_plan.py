@@ -474,8 +474,19 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
     (tmp_path / "dir").mkdir()
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "dir"))
     assert r.returncode == 64 and f"-o {tmp_path / 'dir'}: is a directory" in r.stderr, r.stderr
-    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "missing" / "p.json"))
-    assert r.returncode == 64 and "folder" in r.stderr and "does not exist" in r.stderr, r.stderr
+    # a missing folder is a path that cannot be written, as one the OS refuses: exit 1 with the indented hint and,
+    # with --json, the {error, hint} object (it was a usage error, exit 64, with no JSON object)
+    missing = tmp_path / "missing" / "p.json"
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(missing))
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert (f"error: -o {missing}: cannot write the plan there: folder {missing.parent} does not exist; nothing on any "
+            "host changed") in r.stderr and "\n  hint: give -o/--out a file path in an existing folder" in r.stderr, \
+        r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "-o", str(missing))
+    assert r.returncode == 1 and json.loads(r.stdout) == {
+        "error": f"-o {missing}: cannot write the plan there: folder {missing.parent} does not exist; nothing on any "
+                 "host changed",
+        "hint": "give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for stdout)"}, r.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
     # a link, or a device such as /dev/null (as root the rename replaced it with a file): refused, left as it was
     (tmp_path / "target.json").write_text("kept")
