@@ -539,9 +539,17 @@ def _status_text(st: dict) -> str:
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )
+    # what each choice does to them: the recorded spec is planned as `pdctl plan` plans it (from the interrupted
+    # target, a topology change to confirm, once that apply began the other shape: recorded_requires_confirmation)
+    recorded_spec = f"the recorded ({was}) spec" if was else "the recorded spec"
+    target_spec = f"the unfinished apply's ({st['mode']}) spec"
+    confirm = st.get("recorded_requires_confirmation")
+    back = f"applying {recorded_spec} is a topology change to confirm (`pdctl plan` shows its id)"
     for u in st.get("leftover") or ():
+        kept = "keeps it" if u["state"] in ("active", "activating") else "starts it again"
         lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
-                     f"which the unfinished apply drops: applying either spec again, or `pdctl down`, removes it]")
+                     f"which the unfinished apply drops: {back if confirm else f'applying {recorded_spec} {kept}'}; "
+                     f"applying {target_spec} again, or `pdctl down`, removes it]")
     for u in st.get("removed") or ():
         lines.append(f"  {u['name']:<10} {'removed':<11} pid {'-':<8} [of the recorded deployment, removed already by "
                      f"the unfinished apply that drops it: applying the recorded spec starts it again]")

@@ -590,6 +590,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     ``recorded_mode`` the recorded deployment's (None: none); ``leftover``: the recorded deployment's units that an
     unfinished apply's target drops, while installed or running (name, unit, state, main_pid); ``removed``: those of
     them it removed already (name, unit), which ``pdctl plan`` of the recorded spec starts again;
+    ``recorded_requires_confirmation``: while an apply is unfinished, whether going back to the recorded deployment is
+    a topology change to confirm (planned from :func:`plan_base`: the interrupted target once that apply began the other
+    shape), else None;
     ``unfinished_down``: where the audit log's last apply or down event is a down that did not finish (``event``
     down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed) while something
     of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
@@ -654,6 +657,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
         elif recorded.get(name) == unit:
             removed.append({"name": name, "unit": unit})
+    # going back to the recorded spec: planned from what plan_base says (the interrupted target, once that apply began
+    # the other shape), so that status says a confirmation is needed exactly when `pdctl plan` of that spec asks one
+    back_confirm = None
+    if state.target is not None and state.deployed is not None:
+        back_confirm = make_plan(plan_base(state, state.deployed), state.deployed).requires_confirmation
     router = None
     if topo.router is not None:
         st = manager.status(names["router"])
@@ -726,6 +734,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "router": router,
         "leftover": leftover,
         "removed": removed,
+        "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
 

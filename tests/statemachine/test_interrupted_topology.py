@@ -120,3 +120,38 @@ def test_going_back_from_a_reshape_whose_role_was_proven_needs_the_confirmation(
     assert r.returncode == 0, r.stderr
     assert _server_info(demo.ports["prefill"])["tp_size"] == 4
     assert demo.status()["healthy"]
+
+
+def _role_line(text: str, name: str) -> str:
+    return next(line for line in text.splitlines()[1:] if line.split()[:1] == [name])
+
+
+def test_status_of_pd_roles_a_collapse_drops_but_that_still_run_says_what_each_choice_does(demo):
+    # (status said of them "applying either spec again, or `pdctl down`, removes it", while applying the PD spec kept
+    # both, same PIDs, and its plan only started the router again)
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    # Ctrl-C right after the first removal: the router's; prefill and decode still run
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("role_removed", nth=1))
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert {u["name"] for u in st["leftover"]} == {"prefill", "decode"}, st
+    assert st["recorded_requires_confirmation"] is False, st
+    pids = {u["name"]: u["main_pid"] for u in st["leftover"]}
+    text = demo.cli("status", str(demo.spec)).stdout
+    for name in ("prefill", "decode"):
+        line = _role_line(text, name)
+        assert "either spec" not in line, text
+        assert ("[of the recorded deployment, which the unfinished apply drops: applying the recorded (pd) spec keeps "
+                "it; applying the unfinished apply's (single) spec again, or `pdctl down`, removes it]") in line, text
+
+    # what it says of the PD spec is what its plan and apply do: only the router started again, prefill and decode kept
+    plan = demo.cli("plan", str(demo.spec), "--json")
+    assert plan.returncode == 2, plan.stderr
+    assert [c["address"] for c in json.loads(plan.stdout)["changes"]] == ["router"], plan.stdout
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    st = demo.status()
+    assert st["healthy"] and {r["name"]: r["main_pid"] for r in st["roles"]} == pids, st
+
