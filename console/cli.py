@@ -552,7 +552,8 @@ def _status_text(st: dict) -> str:
                      f"applying {target_spec} again, or `pdctl down`, removes it]")
     for u in st.get("removed") or ():
         lines.append(f"  {u['name']:<10} {'removed':<11} pid {'-':<8} [of the recorded deployment, removed already by "
-                     f"the unfinished apply that drops it: applying the recorded spec starts it again]")
+                     f"the unfinished apply that drops it: " + (f"{back} that starts it again]" if confirm else
+                                                                 f"applying {recorded_spec} starts it again]"))
     if st["steps"]:
         lines.append("  steps:")
         for name, s in st["steps"].items():

@@ -155,3 +155,26 @@ def test_status_of_pd_roles_a_collapse_drops_but_that_still_run_says_what_each_c
     st = demo.status()
     assert st["healthy"] and {r["name"]: r["main_pid"] for r in st["roles"]} == pids, st
 
+
+def test_status_of_pd_roles_removed_once_the_single_server_started_names_the_confirmation(demo):
+    # (status said of the removed PD roles "applying the recorded spec starts it again", while going back is then a
+    # topology change that apply refuses without --confirm-topology)
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("step_verified", step="server_up"))
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert {u["name"] for u in st["removed"]} == {"prefill", "decode", "router"} and st["leftover"] == [], st
+    assert st["recorded_requires_confirmation"] is True, st
+    text = demo.cli("status", str(demo.spec)).stdout
+    for name in ("prefill", "decode", "router"):
+        line = _role_line(text, name)
+        assert ("[of the recorded deployment, removed already by the unfinished apply that drops it: applying the "
+                "recorded (pd) spec is a topology change to confirm (`pdctl plan` shows its id) that starts it "
+                "again]") in line, text
+    # as its plan and apply say
+    plan = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    assert plan["class"] == "topology" and plan["from_topology"]["mode"] == "single", plan
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr
