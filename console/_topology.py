@@ -38,9 +38,9 @@ def _svc(services: Mapping[str, Any], name: str) -> Text:
 
 
 def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[str, Any] | None = None, hosts: Mapping[str, Any] | None = None,
-                    *, readonly: bool = False) -> RenderableType:
+                    *, readonly: bool = False, applying: bool = False) -> RenderableType:
     """The topology as a few aligned lines; with *plan*, what it would change, marked (and, unless *readonly*, the
-    key that applies it)."""
+    key that applies it; while *applying* it, that it is being applied and the key that cancels it)."""
     services = services or {}
     changes: dict[str, ResourceChange] = {c.address: c for c in (plan.changes if plan else ())}
     show = plan.to_topology if (plan is not None and plan.has_changes) else topo
@@ -61,9 +61,11 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         add, change, destroy = plan.counts()
         style = CLASS_STYLE.get(plan.cls or "", "bold")
         banner = Text(no_wrap=False)
-        banner.append(f"Pending {plan.cls} plan {plan.plan_id}: ", style=style)
+        banner.append(f"{'Applying' if applying else 'Pending'} {plan.cls} plan {plan.plan_id}: ", style=style)
         banner.append(f"+{add} ~{change} -{destroy}")
-        banner.append(" (read-only: `pdctl plan` shows it)" if readonly else " (a: review, apply)", style="dim")
+        hint = (" (read-only: `pdctl plan` shows it)" if readonly else " (x: cancel at its next step)" if applying
+                else " (a: review, apply)")
+        banner.append(hint, style="dim")
         parts.append(banner)
 
     t = Table.grid(padding=(0, 1))
@@ -158,6 +160,8 @@ class TopologyPanel(Widget):
     """The pending plan from the journal to the (re)loaded spec."""
     services: reactive[Mapping[str, Any]] = reactive(dict, layout=True)
     """Role → service state (from the manager)."""
+    applying: reactive[bool] = reactive(False, layout=True)
+    """The console's own apply runs (the plan shown is the one it applies): the banner offers x, not a."""
 
     def __init__(self, topology: Topology | None = None, *, readonly: bool = False, name: str | None = None, id: str | None = None, classes: str | None = None, disabled: bool = False) -> None:
         super().__init__(name=name, id=id, classes=classes, disabled=disabled)
@@ -168,4 +172,4 @@ class TopologyPanel(Widget):
     def render(self) -> RenderableType:
         if self.topology is None:
             return Text("no topology yet", style="dim")
-        return render_topology(self.topology, self.plan, self.services, readonly=self.readonly)
+        return render_topology(self.topology, self.plan, self.services, readonly=self.readonly, applying=self.applying)

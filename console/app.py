@@ -7,8 +7,9 @@ reloading the spec runs :func:`~pdctl.statemachine.service.plan_spec` in another
 (group ``telemetry``) at the configured interval and posts :class:`ConsoleApp.TelemetryUpdated`
 snapshots, each superseding the one before. The UI thread only renders.
 
-Key availability is computed in :meth:`ConsoleApp.check_action`: apply is greyed while an apply
-runs, cancel is greyed while none does. ``--readonly`` removes every mutating binding from the
+Key availability is computed in :meth:`ConsoleApp.check_action`: apply is hidden while the
+console's own apply runs (``x`` cancels it then) and greyed while another process holds the lock;
+cancel is greyed while no apply runs. ``--readonly`` removes every mutating binding from the
 keymap itself (as k9s does), so no key can reach them; ``check_action`` hides them as well.
 A topology change opens :class:`~pdctl.console._confirm.TopologyConfirmScreen` (type the
 deployment's name); a disruptive one a y/N :class:`~pdctl.console._confirm.YesNoScreen`; the
@@ -113,18 +114,20 @@ class ConsoleApp(App[int]):
         Binding("right_square_bracket", "log_role(1)", "Next log", show=False),
         Binding("s", "focus_steps", "Steps", show=False),
         Binding("question_mark,f1", "toggle_keys", "Keys"),
+        Binding("escape", "hide_keys", "Hide keys", show=False),
         Binding("q", "quit", "Quit"),
     ]
     """
     | Key(s) | Description |
     | :- | :- |
-    | a | Apply the spec (or resume an interrupted apply). Topology change: type the name; disruptive: y/N. Not in --readonly. |
+    | a | Apply the spec (or resume an interrupted apply). Topology change: type the name; disruptive: y/N. Not in --readonly, nor while an apply runs. |
     | x | Cancel the running apply at its next event. Not in --readonly. |
     | r | Reload the spec from disk and show the plan (not while an apply runs: its plan stays shown until it ends). |
     | 1-6 | Topology, GPU/NUMA, Throughput, Logs, Proof, Plan. |
     | [ / ] | Previous / next role in the logs panel. |
     | s | Focus the state-machine panel (↑/↓, Enter shows a proof). |
     | ?, F1 | Show or hide every key of the screen (Textual's keys panel). |
+    | Escape | Hide the keys panel. |
     | q | Quit (a running apply stops at its next event; exit 130). |
     """
 
@@ -295,18 +298,34 @@ class ConsoleApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in MUTATING_ACTIONS and self.readonly:
             return False
-        if action == "apply":
-            return None if self.applying or self._locked_by() else True
+        if action == "apply":  # hidden during our own apply (x cancels it); greyed while another process holds the lock
+            return False if self.applying else None if self._locked_by() else True
         if action == "cancel_apply":
             return True if self.applying else None
         if action == "reload":  # the panels show the plan being applied until it ends: r re-reads the spec after
             return None if self.applying else True
+        if action == "hide_keys":  # Escape is left to anything else on the screen unless the keys panel shows
+            return self._keys_shown()
         return True
+
+    def _keys_shown(self) -> bool:
+        from textual.widgets import HelpPanel
+
+        return bool(self.screen.query(HelpPanel))
 
     def _locked_by(self) -> Mapping[str, Any] | None:
         """The lock's holder when another process holds it (from the last snapshot)."""
         snap = self.snapshot
         return None if snap is None or self.applying else snap.locked_by
+
+    def watch_applying(self, applying: bool) -> None:
+        # The topology tab's pending-plan banner offers `a` only while `a` can run (reactive(bindings=True)
+        # refreshes the footer).
+        if self._panels_ready:
+            try:
+                self._w(TopologyPanel).applying = applying
+            except NoMatches:  # the app is shutting down: its panels are gone
+                self._panels_ready = False
 
     # -- workers ----------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="telemetry", exit_on_error=False, description="telemetry")
@@ -498,12 +517,17 @@ class ConsoleApp(App[int]):
 
     def action_toggle_keys(self) -> None:
         """Show every binding of the screen (the footer shows only the main ones), or hide them again."""
-        from textual.widgets import HelpPanel
-
-        if self.screen.query(HelpPanel):
+        if self._keys_shown():
             self.action_hide_help_panel()
         else:
             self.action_show_help_panel()
+        self.refresh_bindings()  # Escape's binding follows the panel
+
+    def action_hide_keys(self) -> None:
+        """Hide the keys panel (Escape), as ``?`` does when it shows."""
+        if self._keys_shown():
+            self.action_hide_help_panel()
+            self.refresh_bindings()
 
     def action_show_tab(self, tab: str) -> None:
         self._w(TabbedContent).active = tab

@@ -293,7 +293,7 @@ class BlockingApply:
         return type("R", (), {"state": "parsers_configured"})()
 
 
-async def test_apply_greys_itself_out_while_running_and_cancel_halts_it(console_demo):
+async def test_apply_hides_itself_while_running_and_cancel_halts_it(console_demo):
     fake = BlockingApply()
     app = make_app(console_demo, apply_fn=fake)
     async with app.run_test(size=SIZE) as pilot:
@@ -303,9 +303,13 @@ async def test_apply_greys_itself_out_while_running_and_cancel_halts_it(console_
         await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
         await pilot.press("y")
         await wait_for(pilot, lambda: fake.started.is_set() and app.applying)
-        assert app.check_action("apply", ()) is None  # greyed, not hidden
-        by_action = {ab.binding.action: ab for ab in app.screen.active_bindings.values()}
-        assert by_action["apply"].enabled is False and by_action["cancel_apply"].enabled is True
+        try:  # hidden, not greyed: the footer offered "a Apply/resume" although a did nothing; x cancels instead
+            assert app.check_action("apply", ()) is False
+            by_action = {ab.binding.action: ab for ab in app.screen.active_bindings.values()}
+            assert "apply" not in by_action and by_action["cancel_apply"].enabled is True
+        except AssertionError:
+            fake.release.set()  # (a failure must not leave the app waiting on the apply's thread at exit)
+            raise
         await pilot.press("a")  # ignored while running
         await pilot.press("x")
         await wait_for(pilot, lambda: not app.applying, timeout=5)
@@ -643,6 +647,59 @@ async def test_question_mark_shows_every_key_and_hides_them_again(console_demo):
         await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
         await pilot.press("question_mark")
         await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
+
+
+async def test_escape_hides_the_keys_panel_and_is_left_alone_when_it_does_not_show(console_demo):
+    # (only ? or F1 closed it; an operator reaches for Escape)
+    from textual.widgets import HelpPanel
+
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
+        assert app.screen is app.screen_stack[0] and app.is_running
+        assert app.check_action("hide_keys", ()) is False  # Escape is no key of the console's until the panel shows
+
+
+async def test_during_its_apply_the_console_offers_cancel_not_apply_in_the_footer_and_the_topology_tab(console_demo):
+    # (the footer still showed "a Apply/resume" and the topology tab "Pending … (a: review, apply)" while a did nothing)
+    from rich.console import Console
+    from textual.widgets._footer import FooterKey
+
+    def footer_actions() -> set[str]:
+        return {k.action for k in app.screen.query(FooterKey) if not k.has_class("-disabled")}
+
+    def banner() -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(app.query_one("#topology-panel").render())
+        return console.export_text()
+
+    fake = BlockingApply()
+    app = make_app(console_demo, apply_fn=fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await wait_for(pilot, lambda: "apply" in footer_actions())
+        plan_id, cls = app.plan.plan_id, app.plan.cls
+        assert f"Pending {cls} plan {plan_id}" in banner() and "(a: review, apply)" in banner()
+        await _first_apply_running(pilot, app)
+        try:
+            await wait_for(pilot, lambda: "cancel_apply" in footer_actions())
+            assert "apply" not in {k.action for k in app.screen.query(FooterKey)}
+            text = banner()
+            assert f"Applying {cls} plan {plan_id}" in text and "x: cancel" in text
+            assert "a: review" not in text and "Pending" not in text
+        finally:
+            fake.release.set()  # (a failure must not leave the app waiting on the apply's thread at exit)
+        await wait_for(pilot, lambda: not app.applying, timeout=5)
+        await wait_for(pilot, lambda: "apply" in footer_actions())
+        assert "Applying" not in banner()
 
 
 async def test_the_first_frame_shows_the_journals_steps_not_all_pending(console_demo):
