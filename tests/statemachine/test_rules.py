@@ -31,10 +31,14 @@ def _refused(path: tuple, value):  # noqa: ANN001, ANN202
 
 
 
-def test_the_examples_validate_without_errors():
-    for path in (SEED, DEMO, SEED.parent / "dsv32.toml"):
-        dep = load_spec(path)
-        assert [f for f in validate(dep) if f.level != "info"] == [], path
+def test_every_example_validates_without_errors_and_one_is_a_single_server():
+    # every file in examples/, not a fixed list: a new example is checked the day it is added
+    paths = sorted(SEED.parent.glob("*.toml"))
+    assert {SEED, DEMO, SEED.parent / "dsv32.toml"} <= set(paths)
+    deps = {path.name: load_spec(path) for path in paths}
+    for name, dep in deps.items():
+        assert [f for f in validate(dep) if f.level != "info"] == [], name
+    assert not deps["single.toml"].is_pd and deps["single.toml"].model == deps["demo.toml"].model
 
 
 def test_the_dsv32_example_builds_the_kernels_for_its_decode_ranks():
