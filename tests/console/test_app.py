@@ -636,36 +636,22 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         await wait_for(pilot, lambda: "NOT serving: prefill ·" in app.sub_title)
 
 
-async def test_question_mark_shows_every_key_and_hides_them_again(console_demo):
-    # (1-6, [ ], s and Enter were in no footer and no help: only the source's binding table named them)
+@pytest.mark.parametrize("shows,hides", [("question_mark", "question_mark"), ("question_mark", "escape"),
+                                          ("f1", "escape")])
+async def test_question_mark_shows_every_key_and_hides_them_again(console_demo, shows, hides):
+    # (1-6, [ ], s and Enter were in no footer and no help: only the source's binding table named them; and only ? or
+    # F1 closed it, where an operator reaches for Escape)
     from textual.widgets import HelpPanel
 
     app = make_app(console_demo)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("question_mark")
+        assert app.check_action("hide_keys", ()) is False  # Escape is no key of the console's until the panel shows
+        await pilot.press(shows)
         await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
-        await pilot.press("question_mark")
-        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
-
-
-async def test_escape_hides_the_keys_panel_and_is_left_alone_when_it_does_not_show(console_demo):
-    # (only ? or F1 closed it; an operator reaches for Escape)
-    from textual.widgets import HelpPanel
-
-    app = make_app(console_demo)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("question_mark")
-        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
-        await pilot.press("f1")
-        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
-        await pilot.press("escape")
+        await pilot.press(hides)
         await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
         assert app.screen is app.screen_stack[0] and app.is_running
-        assert app.check_action("hide_keys", ()) is False  # Escape is no key of the console's until the panel shows
 
 
 async def test_during_its_apply_the_console_offers_cancel_not_apply_in_the_footer_and_the_topology_tab(console_demo):

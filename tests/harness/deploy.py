@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.toml"
 SEED = ROOT / "examples" / "seed.toml"
 
-__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "dsv32_dict", "dump_toml", "listening_pids", "seed_dict"]
+__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "discover_spec", "dsv32_dict", "dump_toml", "listening_pids",
+           "seed_dict"]
 
 
 def dump_toml(d: dict) -> str:
@@ -42,6 +43,19 @@ def demo_dict() -> dict:
 
 def seed_dict() -> dict:
     return tomllib.loads(SEED.read_text())
+
+
+def discover_spec(tmp_path: Path) -> Path:
+    """The seed written under *tmp_path* with its host's inventory to be discovered (``inventory = "discover"``: the
+    GPUs and NUMA nodes read from nvidia-smi and sysfs at plan time) rather than given."""
+    d = seed_dict()
+    host = next(iter(d["hosts"]))
+    for k in ("gpu_numa", "numa_cpus"):
+        d["hosts"][host].pop(k, None)
+    d["hosts"][host]["inventory"] = "discover"
+    spec = tmp_path / "discover.toml"
+    spec.write_text(dump_toml(d))
+    return spec
 
 
 def dsv32_dict() -> dict:

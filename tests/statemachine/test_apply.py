@@ -1139,15 +1139,9 @@ def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, s
     # Ctrl-C (or SIGTERM) while the spec's hosts are discovered, before the engine has a plan: the --json stream ended
     # with no event at all (the engine emits apply_interrupted from its plan on). The host's nvidia-smi here answers
     # only after 20 s, and says when it was started.
-    from harness.deploy import dump_toml, seed_dict
+    from harness.deploy import discover_spec
 
-    d = seed_dict()
-    host = next(iter(d["hosts"]))
-    for k in ("gpu_numa", "numa_cpus"):
-        d["hosts"][host].pop(k, None)
-    d["hosts"][host]["inventory"] = "discover"
-    spec = tmp_path / "discover.toml"
-    spec.write_text(dump_toml(d))
+    spec = discover_spec(tmp_path)
     started = tmp_path / "smi.pid"
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from harness.deploy import dump_toml, seed_dict
+from harness.deploy import discover_spec
 from pdctl.statemachine.errors import HostError, SpecError
 from pdctl.statemachine.hosts import LocalHost
 from pdctl.statemachine.inventory import discover, parse_gpu_query, sysfs_bus_id
@@ -74,19 +74,8 @@ def test_a_host_without_a_working_nvidia_smi_is_a_clear_error(tmp_path, monkeypa
     assert "install the NVIDIA driver" in e.value.hint
 
 
-def _discover_spec(tmp_path):
-    d = seed_dict()
-    host = next(iter(d["hosts"]))
-    for k in ("gpu_numa", "numa_cpus"):
-        d["hosts"][host].pop(k, None)
-    d["hosts"][host]["inventory"] = "discover"
-    spec = tmp_path / "discover.toml"
-    spec.write_text(dump_toml(d))
-    return spec
-
-
 def test_plan_checks_placement_against_what_the_host_reports(tmp_path, monkeypatch):
-    spec = _discover_spec(tmp_path)
+    spec = discover_spec(tmp_path)
     # Validation contacts no host: no nvidia-smi needed.
     monkeypatch.setenv("PATH", str(tmp_path / "empty") + os.pathsep + "/usr/bin:/bin")
     load(spec, state_dir=tmp_path / "state")
@@ -107,7 +96,7 @@ def test_plan_checks_placement_against_what_the_host_reports(tmp_path, monkeypat
 
 
 def test_the_cli_plan_names_the_host_and_the_fix_when_it_cannot_discover(tmp_path):
-    spec = _discover_spec(tmp_path)
+    spec = discover_spec(tmp_path)
     env = {**os.environ, "PATH": _fake_smi(tmp_path, [], fail=True) + os.pathsep + os.environ["PATH"],
            "PDCTL_STATE_DIR": str(tmp_path / "state")}
     r = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(spec)], capture_output=True, text=True, env=env,
