@@ -197,7 +197,8 @@ def plan(
             try:
                 atomic_write(out, p.to_json().encode())
             except OSError as exc:
-                raise _out_unwritable(out, exc, "the plan", "a file path, e.g. -o plan.json (or -o - for stdout)") from exc
+                raise _out_unwritable(out, exc, "the plan",
+                                      "a file path, e.g. -o plan.json (or -o - for stdout)") from exc
             _err(f"plan saved to {out}")
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
@@ -318,8 +319,9 @@ def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
     # The engine ends a run it interrupts with apply_interrupted, from its plan on. Ctrl-C (SIGTERM, SIGHUP) before
     # that, while the engine's modules load, the spec is read, its hosts discovered (over SSH, seconds) or the plan
     # made, changed nothing: say so, and end a --json stream the same way, with the plan id null. (Earlier still,
-    # while Python starts and imports this module, the default handler ends the process: only the exit status says
-    # it; reporting that would need an entry point that parses the command line before typer is loaded.)
+    # while Python starts and imports this module, Python's default handler ends the process with a KeyboardInterrupt
+    # traceback and no event; reporting that would need an entry point that parses the command line before typer is
+    # loaded.)
     try:
         yield
     except KeyboardInterrupt:
