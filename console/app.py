@@ -207,9 +207,9 @@ class ConsoleApp(App[int]):
         self.snapshot: Snapshot | None = None
         self.plan_error: str | None = None
         self.plan_unsettled: str | None = None
+        """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self.plan_kept: tuple[str, ...] = ()
         """The plan's restarts that apply keeps: an interrupted apply toward this spec already restarted and proved them."""
-        """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
         self.last_apply_error: BaseException | None = None

@@ -215,7 +215,8 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
         if plan.from_topology == pending != recorded.deployed:
             notes.append("that apply had begun to change the topology (roles of its spec were started), so this plan "
                          "starts from what it was applying: going back is a topology change too")
-        kept = tuple(r for r in plan.restarts() if r in proven_by_unfinished(recorded, plan.to_topology))
+        proven = proven_by_unfinished(recorded, plan.to_topology)
+        kept = tuple(r for r in plan.restarts() if r in proven)
         if kept:
             them = "it" if len(kept) == 1 else "them"
             notes.append(f"that apply had already restarted and proved {', '.join(kept)} with these settings: apply "
