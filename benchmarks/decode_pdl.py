@@ -8,7 +8,7 @@ Every output is checked against the fp32 reference first.
 
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
 --cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch[,flags]] ... [--merge] [--kv fp8|bf16]`` (the
-fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``, 2 ``fold``)
+fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``, 2 ``fold``, 4 ``bf16_partials``)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|" + "---|" * len(heads_))
     for case in args.cases:
         h, rows, gluon, bh, splits, *tile = (int(x) for x in case.split(","))
-        bn, warps, prefetch, flags = (list(tile) + [0])[:4] if tile else (64, 4, 0, 0)
+        bn, warps, prefetch, flags = (list(tile) + [0])[:4] if len(tile) >= 3 else (64, 4, 0, tile[0] if tile else 0)
         q, kv, idx, _ = make_decode_case(h, rows, args.kv, slots=262144, ragged=False, with_length=False)
         ro, rl = reference_sparse_mla_decode(q, kv, idx, sm, None, compute_dtype=torch.float32)
         nrot = rotations(rows * 2048 * (656 if args.kv == "fp8" else 1152))
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         regs = "—"
         for pdl, merge in settings:
             cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, splits=splits, prefetch=prefetch, gluon=gluon,
-                               pdl=pdl, merge=merge, mma_f16=flags & 1, fold=(flags >> 1) & 1)
+                               pdl=pdl, merge=merge, mma_f16=flags & 1, fold=(flags >> 1) & 1,
+                               bf16_partials=(flags >> 2) & 1)
             o.fill_(float("nan"))
             try:
                 sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                            config=cfg) for ix in idxs])
             res.append(f"{us:.2f}{'' if ok else ' WRONG'}")
         name = f"gluon-{gluon}: {bh},{splits}" if gluon else f"tl.dot: {bh},{bn},{warps},{splits},{prefetch}"
-        name = f"{args.kv} {name}{' fp16-mma' if flags & 1 else ''}{' fold' if flags & 2 else ''} ({regs})"
+        name = f"{args.kv} {name}{' fp16-mma' if flags & 1 else ''}{' fold' if flags & 2 else ''}"
+        name += f"{' bf16-partials' if flags & 4 else ''} ({regs})"
         print(f"| {h} | {rows} | {name} | " + " | ".join(res) + " |", flush=True)
     return 0
 

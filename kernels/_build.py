@@ -322,7 +322,8 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
 
     Programmatic dependent launch (``pdl`` 1 and 2; only when ``pdl`` is True, i.e. ``_pdl_supported``) on the two
     fastest; the in-kernel merge (``merge`` 1, with each PDL mode) on the two fastest warp-specialised Gluon configs
-    whose grid fits one program per SM. Every one is verified like a plain config before it can be chosen.
+    whose grid fits one program per SM; and each of those and the two fastest themselves, where they have splits, with
+    the partials stored in bf16 (``bf16_partials``). Every one is verified like a plain config before it can be chosen.
     """
     from pdctl.kernels._sparse_mla import check_decode_config
 
@@ -339,7 +340,7 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
         out += [dataclasses.replace(cfg, pdl=m) for m in modes]
     for cfg in [c for c in ranked if mergeable(c)][:2]:
         out += [dataclasses.replace(cfg, merge=1, pdl=m) for m in (0, *modes)]
-    return out
+    return out + [dataclasses.replace(cfg, bf16_partials=1) for cfg in [*ranked[:2], *out] if cfg.splits > 1]
 
 
 COMPILE_WORKERS_ENV = "PDCTL_KERNELS_COMPILE_WORKERS"
@@ -759,7 +760,7 @@ def build_and_verify(
 @functools.cache
 def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     """The part of a manifest that :func:`load_manifest` installs, as a pydantic model: launch configs are strict
-    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge`` and ``logits_tma`` 0–1), the rest of the
+    ints with exactly the dataclasses' fields (``pdl`` in 0–2, ``merge``, ``bf16_partials`` and ``logits_tma`` 0–1), the rest of the
     manifest is kept as written."""
     import dataclasses as dc
     from typing import Literal
@@ -769,7 +770,7 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
     strict = pydantic.ConfigDict(extra="forbid", strict=True)
 
     def launch_model(cls: type) -> type:
-        top = {"pdl": 2, "merge": 1, "logits_tma": 1}
+        top = {"pdl": 2, "merge": 1, "logits_tma": 1, "bf16_partials": 1}
         fields = {f.name: (int, pydantic.Field(f.default, ge=0, le=top.get(f.name))) for f in dc.fields(cls)}
         return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
 

@@ -75,6 +75,9 @@ class DecodeConfig:
     the split kernel lets the merge launch at its start (1) or after its main loop (2). Same results; which is
     faster depends on the shape (``build_and_verify`` times them)."""
 
+    bf16_partials: int = 0
+    """splits > 1: 1 = each split's normalised partial output is stored in bf16 instead of fp32 (half the bytes the
+    split kernel writes and the merge reads; the merge still weighs and sums them in fp32); 0 = fp32."""
     merge: int = 0
     """Warp-specialised Gluon kernels (``gluon`` 4, 5, 7) with splits > 1 only: 1 = the split programs merge their own
     partials after a grid-wide barrier (``_sparse_mla_gluon._grid_barrier``), one launch instead of the split
@@ -262,6 +265,9 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
                                                  or cfg.mma_f16)):
         raise ValueError(f"fold=1 is a setting of the tl.dot kernel (gluon 0) on the FP8 cache with prefetch 0 or 1 "
                          f"and bf16 MMA operands (mma_f16 0), got {cfg} for a {kv_format} cache")
+    if cfg.bf16_partials not in (0, 1) or (cfg.bf16_partials and cfg.splits < 2):
+        raise ValueError(f"bf16_partials must be 0 or 1, and 1 only with splits > 1 (the partials a merge reads), "
+                         f"got {cfg}")
     if cfg.merge not in (0, 1):
         raise ValueError(f"merge must be 0 (separate merge kernel) or 1 (merged in the split kernel), got {cfg.merge}")
     if cfg.gluon in WS_HEAD_BLOCKS:
@@ -391,7 +397,8 @@ def sparse_mla_decode(
     if t_rows == 0:
         return out, lse
     if cfg.splits > 1:
-        mid_o = torch.empty(t_rows, heads, cfg.splits, D_V, dtype=torch.float32, device=q.device)
+        mid_o = torch.empty(t_rows, heads, cfg.splits, D_V, dtype=torch.bfloat16 if cfg.bf16_partials else torch.float32,
+                            device=q.device)
         mid_l = torch.empty(t_rows, heads, cfg.splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_l = lse  # unused

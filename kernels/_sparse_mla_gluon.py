@@ -142,10 +142,10 @@ def _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, 
         lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("-inf"))
         base = (t.to(gl.int64) * H + heads) * SPLITS + sp
         mb = mo_ptr + gl.expand_dims(base, 0) * 512 + d
-        gl.store(mb, acc0 * inv, mask=hmask)
-        gl.store(mb + 128, acc1 * inv, mask=hmask)
-        gl.store(mb + 256, acc2 * inv, mask=hmask)
-        gl.store(mb + 384, acc3 * inv, mask=hmask)
+        gl.store(mb, (acc0 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
+        gl.store(mb + 128, (acc1 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
+        gl.store(mb + 256, (acc2 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
+        gl.store(mb + 384, (acc3 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
         gl.store(ml_ptr + base, lse, mask=heads < H)
     else:
         lse = gl.where(live, (m_i + gl.log2(gl.where(live, l_i, 1.0))) * LN2, float("inf"))
@@ -598,8 +598,8 @@ def _store_hm(o0, o1, l_o, m_o, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_o
         lse = gl.where(live, (m_o + gl.log2(gl.where(live, l_o, 1.0))) * LN2, float("-inf"))
         base = (t.to(gl.int64) * H + heads) * SPLITS + sp
         mb = mo_ptr + gl.expand_dims(base, 1) * 512 + lanes
-        gl.store(mb, o0 * inv, mask=hmask)
-        gl.store(mb + 128, o1 * inv, mask=hmask)
+        gl.store(mb, (o0 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
+        gl.store(mb + 128, (o1 * inv).to(mo_ptr.dtype.element_ty), mask=hmask)
         if PART == 0:
             gl.store(ml_ptr + base, lse, mask=heads < H)
     else:
@@ -671,7 +671,7 @@ def _merge_splits(mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_l
         omask = (hout < H) & (d < 512)
         parts = gl.load(mo_ptr + gl.expand_dims(rows, 2) * 512 + gl.expand_dims(d, 0),
                         mask=gl.expand_dims((s < SPLITS) & (h < H), 2) & gl.expand_dims(d < 512, 0), other=0.0,
-                        cache_modifier=".cg")
+                        cache_modifier=".cg").to(gl.float32)
         inv = gl.where(live, 1.0 / gl.where(live, wsum, 1.0), 0.0)
         o = gl.sum(parts * gl.expand_dims(w, 2), axis=0) * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, LO)), 1)
         o = gl.where(ok, o, float("nan"))

@@ -235,10 +235,11 @@ def _sparse_mla_decode_kernel(
         lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2, float("-inf"))
         base = (t.to(tl.int64) * H + heads) * SPLITS + sp  # [BLOCK_H]
         mb = mo_ptr + base[:, None] * 512 + d[None, :]
-        tl.store(mb, acc0 * inv[:, None], mask=hmask[:, None])
-        tl.store(mb + 128, acc1 * inv[:, None], mask=hmask[:, None])
-        tl.store(mb + 256, acc2 * inv[:, None], mask=hmask[:, None])
-        tl.store(mb + 384, acc3 * inv[:, None], mask=hmask[:, None])
+        mdt = mo_ptr.dtype.element_ty  # fp32, or bf16 (DecodeConfig.bf16_partials)
+        tl.store(mb, (acc0 * inv[:, None]).to(mdt), mask=hmask[:, None])
+        tl.store(mb + 128, (acc1 * inv[:, None]).to(mdt), mask=hmask[:, None])
+        tl.store(mb + 256, (acc2 * inv[:, None]).to(mdt), mask=hmask[:, None])
+        tl.store(mb + 384, (acc3 * inv[:, None]).to(mdt), mask=hmask[:, None])
         tl.store(ml_ptr + base, lse, mask=hmask)
 
 @triton.jit
@@ -268,7 +269,8 @@ def _combine_kernel(
     w = tl.where(lj > float("-inf"), tl.exp(lj - msafe), 0.0)
     wsum = tl.sum(w, 0)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
-    parts = tl.load(mo_ptr + (base + sj)[:, None] * 512 + d[None, :], mask=(sj < SPLITS)[:, None], other=0.0)
+    parts = tl.load(mo_ptr + (base + sj)[:, None] * 512 + d[None, :], mask=(sj < SPLITS)[:, None],
+                    other=0.0).to(tl.float32)
     o = tl.sum(parts * w[:, None], 0) / tl.where(live, wsum, 1.0)
     o = tl.where(live, o, 0.0)
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))

@@ -195,6 +195,24 @@ def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon,
                                 f"under programmatic dependent launch (pdl {mode})")
 
 
+@pytest.mark.parametrize("kv_format,heads,block_h,rows,splits,gluon,merge",
+                         [("bf16", 16, 16, 1, 64, 0, 0), ("fp8", 32, 16, 8, 16, 0, 0), ("fp8", 16, 16, 1, 64, 0, "fold"),
+                          ("fp8", 16, 16, 1, 32, 1, 0),
+                          ("fp8", 16, 16, 8, 16, 5, 0), ("fp8", 32, 16, 64, 2, 4, 0), ("fp8", 128, 64, 8, 8, 7, 0),
+                          ("fp8", 64, 64, 1, 16, 5, 0), ("fp8", 16, 16, 1, 32, 5, 1), ("fp8", 128, 64, 1, 16, 7, 1)])
+def test_bf16_partials_match_the_reference(kv_format, heads, block_h, rows, splits, gluon, merge):
+    # DecodeConfig.bf16_partials: every kernel family's split partials stored in bf16, merged by _combine_kernel or
+    # (merge = 1) by the split programs themselves.
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    if gluon:
+        _require_hopper_gluon()
+    fold = merge == "fold"  # the tl.dot kernel's FP8 rows dequantised with their scales, 32-row tiles
+    config = DecodeConfig(block_h=block_h, splits=splits, gluon=gluon, merge=0 if fold else merge, bf16_partials=1,
+                          fold=int(fold), block_n=32 if fold else 64, prefetch=int(fold))
+    _check_decode(heads, rows, kv_format, config)
+
+
 @pytest.mark.parametrize("heads,block_h,rows,splits,variant", [(16, 16, 1, 32, 5), (16, 16, 1, 24, 5), (32, 32, 1, 32, 5),
                                                               (16, 16, 8, 16, 5), (8, 16, 2, 64, 4), (128, 32, 1, 32, 4),
                                                               (64, 64, 1, 16, 5), (32, 16, 4, 3, 4), (128, 64, 1, 16, 7),

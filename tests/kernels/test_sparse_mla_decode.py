@@ -222,3 +222,25 @@ def test_fold_is_a_setting_of_the_fp8_tl_dot_kernel_and_a_build_candidate_at_32_
     for c in folded:
         check_decode_config(c, 16, 1, "fp8", 132)
     assert not [c for c in _decode_candidates(16, 1, 132, "bf16") if c.fold]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-layout", "fp8"])
+def test_bf16_partials_are_merged_within_their_rounding_and_refused_without_splits(fp8):
+    # Each split's normalised partial is rounded once to bf16 (relative 2^-9), then weighed and summed in fp32. The
+    # partials of a few rows each can be larger than their merged output (they partly cancel), so the bound is a few
+    # bf16 steps of the output's scale; a split lost or weighed wrongly is off by the order of |o| itself. Empty rows
+    # keep o = 0, lse = +inf; the LSEs stay fp32.
+    q, kv, idx, length = _case(20, rows=3, topk=96)
+    cache = quantize_kv656(kv) if fp8 else kv
+    length[1] = 0
+    out = torch.full((3, 20, 512), float("nan"))
+    lse = torch.full((3, 20), float("nan"))
+    sparse_mla_decode(q, cache, idx, SM, length, out=out, lse=lse, config=DecodeConfig(splits=3, bf16_partials=1))
+    ro, rl = reference_sparse_mla_decode(q, cache, idx, SM, length)
+    assert (out[1] == 0).all() and torch.isinf(lse[1]).all()
+    err = (out - ro).abs().max().item()
+    fp32 = sparse_mla_decode(q, cache, idx, SM, length, config=DecodeConfig(splits=3))[0]
+    assert (fp32 - ro).abs().max().item() < 1e-4 < err <= 2.0 ** -6 * ro.abs().max().item()
+    assert torch.allclose(lse, rl.float(), atol=1e-5)
+    with pytest.raises(ValueError, match="bf16_partials must be 0 or 1, and 1 only with splits > 1"):
+        sparse_mla_decode(q, cache, idx, SM, length, config=DecodeConfig(splits=1, bf16_partials=1))
