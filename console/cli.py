@@ -27,7 +27,7 @@ from pdctl.units.errors import UnitsError
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
     "plan (apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
-    "129 / 143 an apply or down stopped by SIGHUP / SIGTERM."
+    "129 / 143 an apply, down or plan stopped by SIGHUP / SIGTERM."
 )
 
 app = typer.Typer(
@@ -146,7 +146,15 @@ def plan(
     """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
     unsupervised or answered for by another process (`pdctl apply` has work either way: said on stdout); 1: error. A
-    running server that only fails its health probe (busy?) is a note on stderr, not exit 2."""
+    running server that only fails its health probe (busy?) is a note on stderr, not exit 2. 130 / 143 / 129:
+    interrupted (Ctrl-C / SIGTERM / SIGHUP), ending any command it had started here (nvidia-smi discovering GPUs)."""
+    global _interrupted_hint
+    _interrupted_hint = "interrupted: a plan changes nothing; run it again"
+    with _signals_as_interrupt():  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
+        _plan(spec, state_dir, as_json, out)
+
+
+def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -> None:
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec, plan_unsettled
 
@@ -703,7 +711,10 @@ def console_cmd(
     # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
 
-    loaded = load(spec, state_dir=state_dir, discover=True)
+    global _interrupted_hint
+    _interrupted_hint = "interrupted before the console opened: nothing was changed"
+    with _signals_as_interrupt():  # (discovery runs nvidia-smi: SIGTERM there ends it too, as Ctrl-C does)
+        loaded = load(spec, state_dir=state_dir, discover=True)
     # Textual reads keys from stdin and draws on the process's stderr (its Linux driver writes to sys.__stderr__):
     # either one not a terminal and it would wait on no keys, writing escapes into a file or pipe
     if not (sys.__stdin__ is not None and sys.__stdin__.isatty() and sys.__stderr__ is not None
@@ -713,7 +724,6 @@ def console_cmd(
         raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 
-    global _interrupted_hint
     _interrupted_hint = "interrupted: the console was quit during an apply (where it stopped is said above)"
     raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))
 

@@ -159,6 +159,27 @@ class Host(ABC):
         return f"{type(self).__name__}({self.name!r})"
 
 
+def _end_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
+    """SIGKILL the process group that :meth:`LocalHost.run` created for *proc* (``start_new_session``: its id is
+    *proc*'s PID, which cannot be reused while *proc* is not reaped), then reap *proc* and close its pipes, waiting at
+    most *wait_s* seconds (a descendant that left the group may hold the pipes open)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, _signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:  # (a process the kernel holds in an uninterruptible sleep)
+            _reap_in_background(proc)
+
+
 def _reap_in_background(proc: subprocess.Popen) -> None:
     threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
 
@@ -186,13 +207,15 @@ class LocalHost(Host):
         try:
             out, err = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, _signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
+            _end_group(proc)
             raise CommandTimeout(f"{' '.join(argv)} on {self.name}: no answer after {timeout:g} s",
                                  host=self.name) from None
+        except BaseException:
+            # Ctrl-C, or SIGTERM / SIGHUP that the CLI turns into KeyboardInterrupt: the command runs in its own
+            # session, so the terminal's signal never reached it, and nothing would end it once pdctl is gone (its
+            # timeout is pdctl's): end it (an nvidia-smi stuck on a wedged GPU, a systemctl waiting on D-Bus) now
+            _end_group(proc)
+            raise
         res = CommandResult(tuple(argv), proc.returncode, out or "", err or "", time.monotonic() - t0)
         if check and res.returncode != 0:
             raise CommandFailed(

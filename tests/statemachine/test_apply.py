@@ -1159,14 +1159,16 @@ def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, s
         assert started.exists(), p.communicate(timeout=30)
         p.send_signal(sig)
         out, err = p.communicate(timeout=30)
+        ended = _gone(int(started.read_text()))  # ended with the apply (its own session: the signal never reached it)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait(10)
-        if started.exists():  # (pdctl runs a host's commands in their own session: its interrupt leaves them)
-            with contextlib.suppress(ProcessLookupError, ValueError):
+        if started.exists() and not _gone(int(started.read_text())):  # (the stand-in this test started, by its PID)
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(started.read_text()), signal.SIGKILL)
     assert p.returncode == rc, err
+    assert ended, "the interrupted apply left its nvidia-smi running"
     events = [json.loads(x) for x in out.splitlines()]
     assert [e["kind"] for e in events] == ["apply_interrupted"], (events, err)
     assert events[0]["step"] is None and events[0]["data"] == {"plan_id": None}, events
