@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import signal
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,13 +162,11 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
     to_stdout = out is not None and str(out) == "-"  # the usual spelling of stdout
     if to_stdout:
         out, as_json = None, True
-    odd = out is not None and (out.is_symlink() or (out.exists() and not out.is_file()))  # /dev/null, a link
-    if out is not None and odd:  # refused before anything is read or written
-        _err(f"error: -o {out}: " + ("is a directory" if out.is_dir() else "is not a regular file (a device or link), "
-                                     "which saving would replace")
-             + "\nhint: give a file path in an existing folder, e.g. -o plan.json")
-        raise typer.Exit(ExitCode.USAGE)
+    discard = out is not None and _is_null_device(out)  # -o /dev/null: the plan is shown, and saved nowhere
     try:
+        refused = None if out is None or discard else _out_not_a_file(out)
+        if refused is not None:  # (refused before anything is read or written)
+            raise _out_unwritable(out, refused, "the plan", _PLAN_OUT_EXAMPLE)
         if out is not None and not out.parent.is_dir():  # (refused before anything is read or written, never created)
             # the path cannot be written, as one the OS refuses (_out_unwritable): exit 1 with the same error and hint,
             # and with --json the same {error, hint} object, not a usage error
@@ -199,14 +198,15 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
             p = p.model_copy(update={"unsettled": unsettled})
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
             p = p.model_copy(update={"spec_path": str(spec.resolve())})
-        if out is not None:
+        if discard:
+            _err(f"plan not saved: -o {out} discards it")
+        elif out is not None:
             from pdctl.statemachine.journal import atomic_write
 
             try:
                 atomic_write(out, p.to_json().encode())
             except OSError as exc:
-                raise _out_unwritable(out, exc, "the plan",
-                                      "a file path, e.g. -o plan.json (or -o - for stdout)") from exc
+                raise _out_unwritable(out, exc, "the plan", _PLAN_OUT_EXAMPLE) from exc
             _err(f"plan saved to {out}")
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
@@ -609,20 +609,56 @@ def down_cmd(
 @app.command("units")
 def units_cmd(
     spec: SpecArg,
-    out: Annotated[Path, typer.Option("-o", "--out", file_okay=False,
+    out: Annotated[Path, typer.Option("-o", "--out",
                                       help="Directory to write the unit files into (created if missing)")],
 ) -> None:
     """Write the deployment's systemd units (one per role and a target) into a directory."""
     from pdctl.statemachine.launch import write_units
     from pdctl.statemachine.service import load
 
+    example = "a directory path, e.g. -o ./units"
+    # a file, device or link to neither where the folder should be: unwritable, as `plan -o` calls a folder (a link to
+    # a folder is fine: the units are written inside it, and the link stays)
+    if os.path.lexists(out) and not out.is_dir():
+        raise _out_unwritable(out, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out)),
+                              "the units", example)
     loaded = load(spec)
     try:
         written = write_units(loaded.deployment, out)
     except OSError as exc:
-        raise _out_unwritable(out, exc, "the units", "a directory path, e.g. -o ./units") from exc
+        raise _out_unwritable(out, exc, "the units", example) from exc
     for p in written:
         sys.stdout.write(f"{p}\n")
+
+
+_PLAN_OUT_EXAMPLE = "a file path, e.g. -o plan.json (or -o - for stdout)"
+
+
+def _is_null_device(path: Path) -> bool:
+    """*path* is the null device itself (``/dev/null``, not a link to it): ``plan -o /dev/null`` discards the plan,
+    as any command's output sent there is, instead of being refused (the atomic rename would replace the device with
+    a file, as root)."""
+    try:
+        st, null = os.lstat(path), os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev
+
+
+def _out_not_a_file(out: Path) -> OSError | None:
+    """Why ``plan -o OUT`` would not save the plan as a file at *out*, before anything is read or written; None when it
+    can try. A plan is saved by a rename over *out* (``atomic_write``): that would replace a symbolic link (never
+    writing where it points: a link planted in a shared folder must not choose what a root ``pdctl`` replaces) and
+    cannot replace a folder; a device (other than the null device), FIFO or socket would be replaced by a file."""
+    if out.is_symlink():
+        return OSError(errno.ELOOP, "a symbolic link, which saving would replace (a plan is saved by renaming a new "
+                                    "file over the path): give the path it points to", str(out))
+    if out.is_dir():
+        return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(out))
+    if os.path.lexists(out) and not out.is_file():
+        return OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket), which saving would replace",
+                       str(out))
+    return None
 
 
 def _out_unwritable(out: Path, exc: OSError, what: str, example: str) -> PdctlError:

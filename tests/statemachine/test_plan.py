@@ -472,10 +472,17 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
     # (-o /tmp wrote /.tmp.PID.tmp and failed on the rename; -o /missing/x.json created /missing as root)
     sd = tmp_path / "state"
     (tmp_path / "dir").mkdir()
+    # a folder is a path the plan cannot be written to, as one the OS refuses: exit 1 with the error and hint of any
+    # unwritable -o and, with --json, the {error, hint} object (it was a usage error, exit 64, with an older hint)
+    unwritable = {"error": f"-o {tmp_path / 'dir'}: cannot write the plan there: Is a directory; nothing on any host "
+                           "changed",
+                  "hint": "give -o/--out a path this user can write: a file path, e.g. -o plan.json (or -o - for "
+                          "stdout)"}
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "dir"))
-    assert r.returncode == 64 and f"-o {tmp_path / 'dir'}: is a directory" in r.stderr, r.stderr
-    # a missing folder is a path that cannot be written, as one the OS refuses: exit 1 with the indented hint and,
-    # with --json, the {error, hint} object (it was a usage error, exit 64, with no JSON object)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.stderr == f"error: {unwritable['error']}\n  hint: {unwritable['hint']}\n", r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "-o", str(tmp_path / "dir"))
+    assert r.returncode == 1 and json.loads(r.stdout) == unwritable, r.stdout
     missing = tmp_path / "missing" / "p.json"
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(missing))
     assert r.returncode == 1 and r.stdout == "", r.stderr
@@ -488,16 +495,35 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
                  "host changed",
         "hint": "give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for stdout)"}, r.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
-    # a link, or a device such as /dev/null (as root the rename replaced it with a file): refused, left as it was
+
+
+def test_cli_plan_out_refuses_a_link_or_a_fifo_and_discards_the_plan_at_dev_null(tmp_path):
+    # A plan is saved by renaming a new file over the path: a link would be replaced (not written through), a FIFO or
+    # device replaced by a file (as root, /dev/null itself). They were usage errors (exit 64); now unwritable paths
+    # (exit 1, the same error and hint as one the OS refuses), left as they were. /dev/null discards the plan, as it
+    # does any output: the plan is shown and its exit code kept (2: changes).
+    sd = tmp_path / "state"
     (tmp_path / "target.json").write_text("kept")
     (tmp_path / "link").symlink_to(tmp_path / "target.json")
-    for odd in (tmp_path / "link", "/dev/null"):
+    os.mkfifo(tmp_path / "fifo")
+    for odd, why in ((tmp_path / "link", "a symbolic link, which saving would replace"),
+                     (tmp_path / "fifo", "not a regular file (a device, FIFO or socket), which saving would replace")):
         r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(odd))
-        assert r.returncode == 64 and "is not a regular file" in r.stderr, r.stderr
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.startswith(f"error: -o {odd}: cannot write the plan there: {why}"), r.stderr
+        assert r.stderr.endswith("; nothing on any host changed\n  hint: give -o/--out a path this user can write: a "
+                                 "file path, e.g. -o plan.json (or -o - for stdout)\n"), r.stderr
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "-o", str(odd))
+        assert r.returncode == 1 and set(json.loads(r.stdout)) == {"error", "hint"}, r.stdout
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target.json").read_text() == "kept"
     import stat
 
-    assert stat.S_ISCHR(__import__("os").stat("/dev/null").st_mode)
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "target.json"]
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "/dev/null")
+    assert r.returncode == 2 and "Plan: 4 to add, 0 to change, 0 to destroy." in r.stdout, r.stderr
+    assert "plan not saved: -o /dev/null discards it" in r.stderr, r.stderr
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 def test_an_unwritable_out_path_is_named_with_its_fix_not_the_state_dir(tmp_path):

@@ -376,13 +376,25 @@ def test_pdctl_units_command_writes_the_golden_files(tmp_path):
 
 
 def test_pdctl_units_command_refuses_a_file_as_the_output_directory(tmp_path):
+    # A file (or a device: /dev/null) where the folder should be is a path the units cannot be written to, as `plan -o`
+    # calls a folder: exit 1 with the error and hint of any unwritable -o (it was a usage error, exit 64: "dir
+    # 'not-a-dir' is a file"; -o /dev/null said "File exists"). A link to a folder is written through, the link kept.
+    import os
     import sys
 
     f = tmp_path / "not-a-dir"
     f.write_text("keep me\n")
-    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", str(f)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 64, r.stderr
-    assert "'-o' / '--out'" in r.stderr and "is a file" in r.stderr
-    assert "journal" not in r.stderr, "no unrelated hint"
+    for odd in (f, "/dev/null"):
+        r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", str(odd)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr == (f"error: -o {odd}: cannot write the units there: Not a directory; nothing on any host "
+                            "changed\n  hint: give -o/--out a path this user can write: a directory path, e.g. -o "
+                            "./units\n"), r.stderr
     assert f.read_text() == "keep me\n" and [p.name for p in tmp_path.iterdir()] == ["not-a-dir"]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "folder")
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", str(tmp_path / "link")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "link").is_symlink() and sorted(os.listdir(tmp_path / "folder")) == sorted(GOLDEN)
