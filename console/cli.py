@@ -147,8 +147,10 @@ def plan(
     """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
     unsupervised or answered for by another process (`pdctl apply` has work either way: said on stdout); 1: error. A
-    running server that only fails its health probe (busy?) is a note on stderr, not exit 2. 130 / 143 / 129:
-    interrupted (Ctrl-C / SIGTERM / SIGHUP), ending any command it had started here (nvidia-smi discovering GPUs)."""
+    running server that only fails its health probe (busy?) is a note on stderr, not exit 2. A port the deployment
+    will listen on that a process outside it holds is a warning after the plan (`ports_held` in --json), which apply
+    refuses (exit 3): it does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
+    ending any command it had started here (nvidia-smi discovering GPUs)."""
     global _interrupted_hint
     _interrupted_hint = "interrupted: a plan changes nothing; run it again"
     with _signals_as_interrupt():  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
@@ -196,6 +198,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
         unsettled = why.text
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
+        p = p.model_copy(update={"ports_held": _ports_held(loaded, recorded)})
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
             p = p.model_copy(update={"spec_path": str(spec.resolve())})
         if discard:
@@ -217,6 +220,21 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
         if as_json:  # scripts still get an object, as from status --json, whatever refused the plan
             sys.stdout.write(json.dumps({"error": getattr(exc, "message", str(exc)), "hint": exc.hint}, indent=1) + "\n")
         raise
+
+
+def _ports_held(loaded, recorded):  # noqa: ANN001, ANN202
+    """The ports apply would refuse (held outside the deployment), for the plan's warning; None, with a note, when
+    the host or its service manager cannot be asked: a warning is not worth failing the plan over, and apply checks
+    them again before its first step. They never change plan's exit code: apply refuses them itself (exit 3),
+    nothing changed, so a script that applies on exit 2 stays safe."""
+    from pdctl.statemachine.service import ports_held
+
+    try:
+        return ports_held(loaded, recorded)
+    except (PdctlError, UnitsError, OSError) as exc:
+        _err(f"note: the plan could not check whether the deployment's ports are free (apply checks them before "
+             f"its first step): {getattr(exc, 'message', None) or exc}")
+        return None
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001

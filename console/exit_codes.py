@@ -5,7 +5,8 @@ code  name            meaning
 ====  ==============  ==========================================================================
 0     OK              success; ``plan``: no changes
 1     ERROR           invalid spec, host or probe error, anything unexpected
-2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``), or apply has work
+2     CHANGES         ``plan``: changes present (``terraform plan -detailed-exitcode``; its warnings, such as a port
+                      held outside the deployment, never change the code), or apply has work
                       all the same (an earlier apply did not finish; what runs no longer serves as proven);
                       ``apply``: a topology change refused (no or wrong ``--confirm-topology``),
                       or a saved plan that no longer matches the deployment

@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from pdctl.statemachine.topology import RoleTopology, Topology, is_wildcard
 
-__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "ResourceChange", "format_value", "make_plan",
-           "plan_id_of", "render_text"]
+__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "PortHeld", "ResourceChange", "format_value",
+           "make_plan", "plan_id_of", "render_text"]
 
 ChangeClass = Literal["topology", "disruptive", "in_place"]
 Action = Literal["create", "update", "replace", "delete"]
@@ -99,6 +99,24 @@ class ResourceChange(_Frozen):
             self.not_running == NOT_INSTALLED or self.address == "kv_link")
 
 
+class PortHeld(_Frozen):
+    """A port the deployment will listen on that a process outside it holds now: ``pdctl apply`` would refuse before
+    its first step, starting nothing (``steps.ports_taken_elsewhere``). ``pdctl plan`` shows it as a warning."""
+
+    port: int
+    role: str
+    """The role (or ``router``) that listens on it."""
+    step: str
+    """The step an apply would have failed at."""
+    pid: int | None
+    """None when the socket's owner cannot be seen (another user's process)."""
+    command: str = ""
+    applied_elsewhere: str | None = None
+    """Set when the holder is this deployment's own process, applied another way (another ``--state-dir``, user or
+    service manager): how, in words (``state directory /x (process supervisor)``), "" where that does not tell.
+    None: a process of something else."""
+
+
 class Plan(_Frozen):
     """A frozen plan. See the module docstring."""
 
@@ -115,6 +133,9 @@ class Plan(_Frozen):
     """Why ``pdctl apply`` has work although the plan may have no changes: an apply that did not finish or is running,
     or a unit that does not serve as proven (``pdctl plan`` fills it from the journal and ``status``); not part of
     the id. None: what runs is what was recorded."""
+    ports_held: tuple[PortHeld, ...] | None = None
+    """Ports of the deployment held outside it when ``pdctl plan`` looked (apply would refuse them, exit 3); not part
+    of the id. None: not looked at (the host or service manager could not be asked, or not a CLI plan)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -482,7 +503,31 @@ def format_value(v: Any) -> str:
 
 
 def render_text(plan: Plan) -> str:
-    """Terraform-style text: one block per resource, topology changes in words, a summary line."""
+    """Terraform-style text: one block per resource, topology changes in words, a summary line; then, as Terraform
+    puts its warnings after the plan, the ports apply would refuse (:attr:`Plan.ports_held`)."""
+    text = _render_changes(plan)
+    if plan.ports_held:
+        text += "\n\n" + _render_ports_held(plan.ports_held)
+    return text
+
+
+def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
+    lines = ["Warning: ports this deployment will listen on are held outside it: `pdctl apply` would refuse before its "
+             "first step (exit 3), starting nothing:"]
+    for x in held:
+        how = f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""
+        own = "" if x.applied_elsewhere is None else f"; this deployment's own process, applied another way{how}"
+        lines.append(f"  ! {x.role} needs port {x.port} at {x.step}, held by PID {x.pid or '?'} "
+                     f"({x.command or 'unknown'}){own}")
+    if all(x.applied_elsewhere is not None for x in held):
+        lines.append("  hint: manage it the way it was applied (the same user, service_manager and --state-dir or "
+                     "XDG_STATE_HOME), or `pdctl down` it that way before applying here")
+    else:
+        lines.append("  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
+    return "\n".join(lines)
+
+
+def _render_changes(plan: Plan) -> str:
     lines: list[str] = []
     if not plan.has_changes and plan.unsettled:
         lines.append(f"No changes to what was recorded as deployed for {plan.deployment!r}, but {plan.unsettled}.")

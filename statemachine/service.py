@@ -16,7 +16,7 @@ from typing import Any
 
 from pdctl.statemachine.errors import HostError, RunCancelled
 from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, Journal, default_state_dir
-from pdctl.statemachine.plan import Plan, make_plan
+from pdctl.statemachine.plan import Plan, PortHeld, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
 from pdctl.statemachine.topology import Topology, topology_of, with_legacy_secrets_bridged
@@ -234,6 +234,34 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
     if drift:
         return Unsettled("drift", f"what runs no longer serves as proven: {'; '.join(drift)}", notes)
     return Unsettled(None, "", notes)
+
+
+def own_units(state, desired: Topology) -> set[str]:  # noqa: ANN001
+    """The units whose processes may hold the deployment's ports: those of *desired*, of what the journal *state*
+    records as deployed and as an unfinished apply's target, and an earlier apply's dropped roles not yet removed."""
+    own = {u for t in (desired, state.deployed, state.target) if t is not None for u in unit_names(t).values()}
+    return own | set(state.removing)
+
+
+def ports_held(loaded: Loaded, recorded, *, host=None) -> tuple[PortHeld, ...]:  # noqa: ANN001
+    """The ports of the spec's deployment that a process outside it holds now, as apply's check before its first step
+    would find them (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`, without its wait for this deployment's
+    own previous processes): ``pdctl plan``'s warning. *recorded*: the journal's state. Reads ``/proc`` on the
+    deployment's host (*host*, else the spec's) and asks its service manager; raises what they raise (HostError,
+    ManagerUnavailable…). Changes nothing."""
+    from pdctl.statemachine.steps import ports_held_elsewhere
+
+    desired = topology_of(loaded.deployment)
+    the_host = host or deployment_host(loaded.deployment)
+    try:
+        ctx = build_context(loaded, host=the_host)
+        try:
+            return tuple(ports_held_elsewhere(ctx, own_units(recorded, desired)))
+        finally:
+            ctx.client.close()
+    finally:
+        if host is None:
+            the_host.close()
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -498,8 +526,7 @@ def apply(
             ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
-            own = {u for t in (desired, state.deployed, unfinished) if t is not None for u in unit_names(t).values()}
-            own |= set(state.removing)  # an earlier apply's dropped roles not yet removed
+            own = own_units(state, desired)
             try:
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)

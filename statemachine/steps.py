@@ -24,6 +24,7 @@ from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
+from pdctl.statemachine.plan import PortHeld
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
@@ -269,21 +270,63 @@ def _started_here(ctx: Context, units: set[str]) -> Callable[[int], bool]:
     return lambda pid: ports.started_as(ctx.host, pid, cgroups=[f"/{u}" for u in sorted(units)], not_cgroups=system)
 
 
+def _ports_wanted(ctx: Context, own_units: set[str]) -> tuple[dict[int, tuple[str, str]], list[int]]:
+    """``({port: (role, step)}, main PIDs of *own_units*)``: the ports the deployment will listen on, with the role
+    that needs each and the step an apply would fail at, and the processes that vouch for a listener."""
+    topo = ctx.topology
+    step_of = role_steps(topo)
+    wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
+    if not wanted:
+        return {}, []
+    # (a unit still stopping its main process, e.g. after an interrupted `pdctl down`, does not vouch for it: that
+    # process is one of the previous ones apply waits for, not a server this apply may keep)
+    ours = [st.main_pid for st in (ctx.manager.status(u) for u in sorted(own_units))
+            if st.main_pid and st.state != "deactivating"]
+    return wanted, ours
+
+
+def _unowned_looked_again(ctx: Context, wanted: dict[int, tuple[str, str]], ours: list[int],
+                          held: list[ports.Listener]) -> list[ports.Listener]:
+    # A listener no process owns is a socket being torn down (its process exiting) or one of a process this user
+    # cannot see; the first is gone within moments: look again for up to 2 s.
+    deadline = time.monotonic() + 2.0
+    while any(x.pid is None for x in held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = ports.held_outside(ctx.host, set(wanted), ours)
+    return held
+
+
+def ports_held_elsewhere(ctx: Context, own_units: set[str]) -> list[PortHeld]:
+    """What :func:`ports_taken_elsewhere` would refuse now, as values and without waiting (``pdctl plan``'s warning):
+    each port a role or the router will listen on that a process outside *own_units* holds, with the role, the step
+    an apply would fail at, and, for this deployment's own process applied another way (another ``--state-dir``, user
+    or service manager), how. This deployment's own running roles are not listed, nor its previous processes that
+    their units are still stopping (apply waits for those); a socket with no owner is looked at again for up to
+    2 s, as apply does."""
+    wanted, ours = _ports_wanted(ctx, own_units)
+    if not wanted:
+        return []
+    mine = _started_here(ctx, own_units)
+    held = [x for x in ports.held_outside(ctx.host, set(wanted), ours) if x.pid is None or not mine(x.pid)]
+    held = [x for x in _unowned_looked_again(ctx, wanted, ours, held) if x.pid is None or not mine(x.pid)]
+    markers = set(ctx.unit_of.values())
+    out = []
+    for x in held:
+        how = ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None
+        out.append(PortHeld(port=x.port, role=wanted[x.port][0], step=wanted[x.port][1], pid=x.pid, command=x.command,
+                            applied_elsewhere=None if how is None else ports.applied_with(how) or ""))
+    return out
+
+
 def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     """Before anything starts: refuse the apply if a process outside this deployment (outside every unit in
     *own_units*, which holds the desired roles' units and those of roles being removed) listens on a port a
     role or the router will need. The per-step checks (``_preflight_ports``) still run; this one finds a
     taken router port before prefill and decode are started, not after. Raises :class:`ApplyFailed` naming
     every holder and the step it would have failed at."""
-    topo = ctx.topology
-    step_of = role_steps(topo)
-    wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
+    wanted, ours = _ports_wanted(ctx, own_units)
     if not wanted:
         return
-    # (a unit still stopping its main process, e.g. after an interrupted `pdctl down`, does not vouch for it: that
-    # process is one of the previous ones waited for below, not a server this apply may keep)
-    ours = [st.main_pid for st in (ctx.manager.status(u) for u in sorted(own_units))
-            if st.main_pid and st.state != "deactivating"]
     held = ports.held_outside(ctx.host, set(wanted), ours)
     # A process started for one of this deployment's own units but no longer its main process: a server its
     # supervisor is still stopping (an interrupted apply's restart; a server slow to exit on SIGTERM). Its unit ends
@@ -307,14 +350,9 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                 step=wanted[leftover[0].port][1],
                 hint="see why they do not exit (e.g. a stopped process: kill -CONT or kill -9 PID), then apply again",
             )
-    # A listener no process owns is a socket being torn down (its process exiting: the one waited for above) or one
-    # of a process this user cannot see; the first is gone within moments: look again for up to 2 s.
-    deadline = time.monotonic() + 2.0
-    while any(x.pid is None for x in held) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        held = ports.held_outside(ctx.host, set(wanted), ours)
+    held = _unowned_looked_again(ctx, wanted, ours, held)
     if held:
-        order = [st.name for st in steps_for(topo)]
+        order = [st.name for st in steps_for(ctx.topology)]
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
         where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
                           f"({x.command or 'unknown'})" for x in held)

@@ -825,6 +825,79 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
     assert demo.status()["healthy"]
 
 
+def _ports_in_35k(demo) -> None:  # noqa: ANN001
+    """Move *demo* onto free loopback ports in 35000-35999 (the range this suite's port tests keep to)."""
+    import random
+
+    from harness.deploy import dump_toml
+
+    chosen: list[int] = []
+    for port in random.sample(range(35000, 36000), 1000):
+        with _socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == len(demo.ports):
+            break
+    demo.ports = dict(zip(demo.ports, chosen))
+    d = demo.dict
+    d["prefill"][0].update(port=demo.ports["prefill"], bootstrap_port=demo.ports["bootstrap"],
+                           nccl_port=demo.ports["pnccl"])
+    d["decode"][0].update(port=demo.ports["decode"], nccl_port=demo.ports["dnccl"])
+    d["router"].update(port=demo.ports["router"], prometheus_port=demo.ports["prom"])
+    demo.spec.write_text(dump_toml(d))
+
+
+def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(make_demo):
+    # `pdctl plan` said nothing of a port another process held; only apply refused it (exit 3). Plan shows the same
+    # finding as a warning, on stdout with the plan and as `ports_held` in --json, keeping its exit code (2: changes).
+    demo = make_demo()
+    _ports_in_35k(demo)
+    port = demo.ports["router"]
+    with open(f"/proc/{os.getpid()}/cmdline") as f:
+        me = f.read().replace("\0", " ").strip()[:160]
+    squatter = _socket.socket()
+    squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()
+    try:
+        r = demo.cli("plan", str(demo.spec))
+        rj = demo.cli("plan", str(demo.spec), "--json")
+        ra = demo.cli("apply", str(demo.spec))
+    finally:
+        squatter.close()
+    said = f"router needs port {port} at router_exposed, held by PID {os.getpid()}"
+    assert r.returncode == ExitCode.CHANGES and "Plan: 4 to add" in r.stdout, r.stderr
+    assert "Warning: ports this deployment will listen on are held outside it" in r.stdout, r.stdout
+    assert f"  ! {said} ({me})" in r.stdout and "hint: stop those processes" in r.stdout, r.stdout
+    assert rj.returncode == ExitCode.CHANGES, rj.stderr
+    assert json.loads(rj.stdout)["ports_held"] == [{"port": port, "role": "router", "step": "router_exposed",
+                                                    "pid": os.getpid(), "command": me, "applied_elsewhere": None}]
+    assert ra.returncode == ExitCode.STEP_FAILED and said in ra.stderr, ra.stderr  # what apply refuses, the same
+    demo.apply()
+    # its own running roles hold every port now: no warning
+    r = demo.cli("plan", str(demo.spec))
+    rj = demo.cli("plan", str(demo.spec), "--json")
+    assert r.returncode == ExitCode.OK and "Warning" not in r.stdout, (r.stdout, r.stderr)
+    assert rj.returncode == ExitCode.OK and json.loads(rj.stdout)["ports_held"] == [], rj.stdout
+    # a stranger on the router's port over IPv6 (the router listens on 127.0.0.1): no changes (exit 0), warned
+    try:
+        squatter = _socket.socket(_socket.AF_INET6)
+        squatter.bind(("::1", port))
+    except OSError:
+        squatter.close()
+        return  # (no IPv6 loopback here)
+    squatter.listen()
+    try:
+        r = demo.cli("plan", str(demo.spec))
+    finally:
+        squatter.close()
+    assert r.returncode == ExitCode.OK and "No changes." in r.stdout, r.stderr
+    assert f"  ! {said} ({me})" in r.stdout, r.stdout
+
+
 def test_a_server_change_keeps_the_process_supervisors_router(make_demo):
     # The plan says a server change restarts prefill and decode; apply then also restarted the router, whose check
     # failed while its workers came back: an outage of the front door that the plan never mentioned. The router here

@@ -449,6 +449,30 @@ def test_plan_of_a_deployment_on_a_host_it_cannot_reach_is_an_error_not_no_chang
     assert "cannot tell whether what was deployed still runs" in r.stderr and f":{closed}" in r.stderr, r.stderr
 
 
+def test_ports_held_are_a_warning_after_the_plan_and_read_back_from_its_json():
+    from pdctl.statemachine.plan import PortHeld
+
+    p = make_plan(None, topo(seed_dict()))
+    assert p.ports_held is None and "Warning" not in render_text(p)  # not looked at: nothing said
+    assert "Warning" not in render_text(p.model_copy(update={"ports_held": ()}))
+    held = (PortHeld(port=30001, role="router", step="router_exposed", pid=4242, command="nc -l 30001"),
+            PortHeld(port=30010, role="prefill", step="prefill_up", pid=None))
+    text = render_text(p.model_copy(update={"ports_held": held}))
+    assert text.startswith(render_text(p) + "\n\nWarning: ports this deployment will listen on are held outside it: "
+                           "`pdctl apply` would refuse before its first step (exit 3), starting nothing:\n"), text
+    assert text.endswith("\n  ! router needs port 30001 at router_exposed, held by PID 4242 (nc -l 30001)"
+                         "\n  ! prefill needs port 30010 at prefill_up, held by PID ? (unknown)"
+                         "\n  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
+    own = (PortHeld(port=30001, role="router", step="router_exposed", pid=7, command="smg::router",
+                    applied_elsewhere="state directory /srv/other (process supervisor)"),)
+    text = render_text(p.model_copy(update={"ports_held": own}))
+    assert ("held by PID 7 (smg::router); this deployment's own process, applied another way: it runs under state "
+            "directory /srv/other (process supervisor)\n  hint: manage it the way it was applied") in text, text
+    back = Plan.model_validate_json(p.model_copy(update={"ports_held": held}).to_json())
+    assert back.ports_held == held and back.plan_id == p.plan_id  # not part of the id
+    assert json.loads(p.to_json())["ports_held"] is None
+
+
 def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
     spec = tmp_path / "ok.toml"
     spec.write_text(_toml_dump(seed_dict(), list(range(8))))
