@@ -1039,8 +1039,10 @@ class RouterExposed(Step):
             raise VerifyFailed(message, step=self.name, hint=self.hint)
         r = ctx.topology.router
         assert r is not None
+        seen = (f"{len(r.prefill)} prefill + {len(r.decode)} decode workers" if r.prefill or r.decode
+                else f"{len(r.regular)} regular worker{'s' if len(r.regular) != 1 else ''}")
         return Proof(
-            f"router on {r.exposure}: ready, {len(r.prefill)} prefill + {len(r.decode)} decode workers healthy",
+            f"router on {r.exposure}: ready, {seen} healthy",
             (
                 f"GET {url}/readiness → 200 {body}",
                 f"GET {url}/workers: {stats}",

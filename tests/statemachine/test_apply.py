@@ -54,6 +54,7 @@ def test_demo_from_nothing_to_parsers_configured(demo):
     kv = state.steps["kv_link_verified"].proof
     assert kv["evidence"]["pairs"][0]["route"]["page_size"] == 256  # DeepSeek-V4: SGLang's dsv4 pages
     assert state.deployed is not None and state.target is None
+    assert state.steps["router_exposed"].proof["summary"].endswith(": ready, 1 prefill + 1 decode workers healthy")
     st = demo.status()
     assert st["healthy"] and st["reached"] == "parsers_configured"
     # Idempotent: a second apply changes nothing (same PIDs) and skips every serving step.
@@ -112,6 +113,19 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     # down with the collapsed spec leaves nothing running.
     service.down(demo.load(collapse))
     assert demo.pids() == []
+
+
+def test_a_single_server_behind_the_router_is_proven_as_the_router_sees_it(demo):
+    # examples/single.toml's shape: one server, the router in front. router_exposed's proof said "0 prefill + 0 decode
+    # workers healthy" of a router that routes to one regular worker.
+    d = copy.deepcopy(demo.dict)
+    d.pop("prefill"), d.pop("decode"), d.pop("kv_transfer")
+    d["server"] = [{"gpus": list(range(8)), "tp": 8, "http_host": "127.0.0.1", "port": demo.ports["prefill"]}]
+    result = demo.apply(demo.write(d, "single.toml"))
+    assert result.state == "parsers_configured"
+    proof = Journal(demo.state, demo.name).read().steps["router_exposed"].proof
+    assert proof["summary"] == f"router on 127.0.0.1:{demo.ports['router']}: ready, 1 regular worker healthy", proof
+    assert any(f"127.0.0.1:{demo.ports['prefill']}: regular, healthy" in line for line in proof["checks"]), proof
 
 
 def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
