@@ -700,8 +700,9 @@ def chat_cmd(
 ) -> None:
     """Send one chat completion (with a tool and thinking on) through the deployment's router (or its single server).
 
-    The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: any other status, no connection, or no answer within
-    --timeout (120 s: a busy or frozen server).
+    The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: a deployment that is not deployed (nothing recorded in the
+    state directory: whatever listens on the spec's port is not asked), any other status, no connection, or no
+    answer within --timeout (120 s: a busy or frozen server).
     """
     import httpx
 
@@ -712,7 +713,14 @@ def chat_cmd(
     loaded = load(spec, state_dir=state_dir)
     spec_topo = topology_of(loaded.deployment)
     state = loaded.journal.read()  # what runs (or is being applied), as `pdctl status` reads it
-    topo = state.target or state.deployed or spec_topo
+    if state.target is None and state.deployed is None:
+        # (it asked whatever listened on the spec's port: another deployment's router answered for one never applied)
+        _err(f"error: deployment {spec_topo.name!r} is not deployed (nothing recorded in {loaded.journal.dir}), so "
+             f"pdctl does not know what would answer on {(spec_topo.router or spec_topo.roles[0]).url}\n"
+             f"hint: `pdctl apply {spec}` first, or give the state directory it was applied with (--state-dir, "
+             "PDCTL_STATE_DIR or XDG_STATE_HOME)")
+        raise typer.Exit(ExitCode.ERROR)
+    topo = state.target or state.deployed
     if topo != spec_topo:
         _err(f"note: deployment {topo.name!r} runs other settings than this spec's (`pdctl plan {spec}` shows which); "
              "chatting with what runs")

@@ -1561,8 +1561,50 @@ def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     assert json.loads(r.stdout)["model"] == demo.dict["model"]["served_name"]
 
 
-def test_chat_on_a_deployment_that_is_not_up_says_how_to_check(demo):
-    # Nothing applied: the router's port has no listener. The error names the URL and points at `pdctl status`.
+def test_chat_on_a_deployment_not_deployed_frozen_or_down_says_so(demo):
+    # Nothing applied, and something else answers on the spec's router port (another deployment's router): chat
+    # refuses, naming the state directory, instead of printing that other server's answer with exit 0.
+    import http.server
+    import threading
+
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"choices": []}')
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", demo.ports["router"]), Answers)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        r = demo.cli("chat", str(demo.spec), timeout=60)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert r.returncode == ExitCode.ERROR and r.stdout == "", (r.stdout, r.stderr)
+    assert f"deployment {demo.name!r} is not deployed (nothing recorded in {demo.state})" in r.stderr, r.stderr
+    assert f"127.0.0.1:{demo.ports['router']}" in r.stderr and f"hint: `pdctl apply {demo.spec}` first" in r.stderr
+    # Applied, its router frozen: chat gives up after --timeout and says so (it waited 120 s, silent)
+    demo.apply()
+    router_pid = demo.status()["router"]["main_pid"]
+    os.kill(router_pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
+    try:
+        r = demo.cli("chat", str(demo.spec), "--timeout", "1", timeout=60)
+    finally:
+        os.kill(router_pid, signal.SIGCONT)
+    assert r.returncode == ExitCode.ERROR and "no answer within 1 s (--timeout)" in r.stderr, r.stderr
+    # Its router stopped: the connection error names the URL and points at `pdctl status`.
+    unit = f"pdctl-{demo.name}-router.service"
+    from pdctl.statemachine.service import build_context, deployment_host
+
+    host = deployment_host(demo.load().deployment)
+    try:
+        build_context(demo.load(), host=host).manager.stop(unit)
+    finally:
+        host.close()
     r = demo.cli("chat", str(demo.spec), timeout=60)
     assert r.returncode == ExitCode.ERROR, r.stderr
     assert f"127.0.0.1:{demo.ports['router']}/v1/chat/completions" in r.stderr

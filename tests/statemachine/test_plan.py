@@ -670,24 +670,6 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     assert "check the path" in os_error_hint(FileNotFoundError(errno.ENOENT, "No such file", "/srv/x.toml"))
 
 
-def test_chat_gives_up_after_its_timeout_and_says_so(tmp_path):
-    # (a frozen server held `pdctl chat` for 120 s, silent, with no way to shorten it)
-    import socket
-
-    with socket.socket() as silent:  # accepts, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        d = seed_dict()
-        d["service_manager"] = "process"
-        d["router"]["port"] = silent.getsockname()[1]
-        spec = tmp_path / "s.toml"
-        spec.write_text(_toml_dump(d, list(range(8))))
-        r = _pdctl("chat", str(spec), "--state-dir", str(tmp_path / "state"), "--timeout", "1")
-    assert r.returncode == 1
-    assert "no answer within 1 s (--timeout)" in r.stderr, r.stderr
-
-
-
 def test_a_terminal_gone_mutes_the_cli_streams_like_a_closed_pipe_and_other_errors_name_them():
     # After SIGHUP the SSH terminal answers writes with EIO: it raised and turned the exit code 129 into 1
     import errno
