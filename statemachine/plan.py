@@ -498,7 +498,7 @@ def _not_running(deployed: Topology, desired: Topology, changes: list[ResourceCh
 def format_value(v: Any) -> str:
     """A plan value as the plan text shows it (GPU lists ``0,1,2,3``, JSON otherwise)."""
     if isinstance(v, list | tuple):
-        return ",".join(str(x) for x in v) if all(isinstance(x, int) for x in v) else json.dumps(v)
+        return ",".join(str(x) for x in v) if v and all(isinstance(x, int) for x in v) else json.dumps(v)
     return json.dumps(v) if not isinstance(v, int) else str(v)
 
 
@@ -512,8 +512,8 @@ def render_text(plan: Plan) -> str:
 
 
 def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
-    lines = ["Warning: ports this deployment will listen on are held outside it: `pdctl apply` would refuse before its "
-             "first step (exit 3), starting nothing:"]
+    lines = ["Warning: ports this deployment will listen on are held outside it: while they are, `pdctl apply` stops "
+             "before its first step (exit 3, once any confirmation it needs is given), starting nothing:"]
     for x in held:
         how = f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""
         own = "" if x.applied_elsewhere is None else f"; this deployment's own process, applied another way{how}"

@@ -459,7 +459,8 @@ def test_ports_held_are_a_warning_after_the_plan_and_read_back_from_its_json():
             PortHeld(port=30010, role="prefill", step="prefill_up", pid=None))
     text = render_text(p.model_copy(update={"ports_held": held}))
     assert text.startswith(render_text(p) + "\n\nWarning: ports this deployment will listen on are held outside it: "
-                           "`pdctl apply` would refuse before its first step (exit 3), starting nothing:\n"), text
+                           "while they are, `pdctl apply` stops before its first step (exit 3, once any "
+                           "confirmation it needs is given), starting nothing:\n"), text
     assert text.endswith("\n  ! router needs port 30001 at router_exposed, held by PID 4242 (nc -l 30001)"
                          "\n  ! prefill needs port 30010 at prefill_up, held by PID ? (unknown)"
                          "\n  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
@@ -877,3 +878,11 @@ def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_pa
     assert "that apply had already restarted and proved prefill with these settings: apply re-proves and keeps it" \
         in err, err
     assert "decode" not in err.split("already restarted and proved")[1].split(":")[0]
+
+
+def test_an_empty_list_is_shown_as_one_in_the_plan():
+    # (a list emptied by the spec read "~ prefill: [[…]] → " with nothing after the arrow)
+    from pdctl.statemachine.plan import format_value
+
+    assert format_value([]) == "[]" and format_value(()) == "[]"
+    assert format_value([0, 1, 2, 3]) == "0,1,2,3" and format_value([[0, 1]]) == "[[0, 1]]"
