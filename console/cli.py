@@ -152,7 +152,7 @@ def plan(
     refuses (exit 3): it does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
     ending any command it had started here (nvidia-smi discovering GPUs)."""
     global _interrupted_hint
-    _interrupted_hint = "interrupted: a plan changes nothing; run it again"
+    _interrupted_hint = _PLAN_INTERRUPTED
     with _signals_as_interrupt():  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
         _plan(spec, state_dir, as_json, out)
 
@@ -295,6 +295,7 @@ class _Reporter:
 
 
 _interrupted_step: str | None = None
+_apply_entered = False  # apply's body began: from there on it says itself how an interruption ended it
 _interrupted_hint: str | None = None  # a command's own words for an interruption (down's), instead of _INTERRUPTED
 """The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
@@ -353,12 +354,11 @@ def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
     except KeyboardInterrupt:
         if not rep.engine_spoke:
             global _interrupted_hint
-            _interrupted_hint = "interrupted before the apply started: nothing was changed; run the same command again"
+            _interrupted_hint = _APPLY_NOT_STARTED
             if rep.as_json:
                 from pdctl.statemachine.events import Event
 
-                rep.emit(Event("apply_interrupted", "interrupted before the apply started: nothing was changed; apply "
-                               "again", data={"plan_id": None}))
+                rep.emit(Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None}))
         raise
 
 
@@ -377,6 +377,8 @@ def apply_cmd(
 
     Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
+    global _apply_entered
+    _apply_entered = True
     rep = _Reporter(as_json)
     saved = None
     # (the handlers first: a signal while the engine still loads, or while the spec is read and its hosts discovered,
@@ -821,8 +823,9 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    global _interrupted_step, _interrupted_hint, _terminated
+    global _interrupted_step, _interrupted_hint, _terminated, _apply_entered
     _interrupted_step = _interrupted_hint = _terminated = None
+    _apply_entered = False
     if not isinstance(sys.stdout, _PipeSafe):
         sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
@@ -855,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
         rc = ExitCode.INTERRUPTED if _during_interrupt(e) else ExitCode.ERROR
     except KeyboardInterrupt:
         rc = ExitCode.INTERRUPTED
+    if rc == ExitCode.INTERRUPTED and _interrupted_hint is None and not _apply_entered:
+        _interrupted_before_the_command(args)
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
         during = f" during {_interrupted_step}" if _interrupted_step else ""
         said = _interrupted_hint or _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1)
@@ -868,6 +873,23 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"error: <stdout>: {e.strerror or e}")
         rc = rc or ExitCode.ERROR
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
+
+
+def _interrupted_before_the_command(args: list[str]) -> None:
+    """Ctrl-C (SIGTERM, SIGHUP) after pdctl's modules loaded but before the command's own code ran (while the command
+    line is parsed): plan and apply say what they say when interrupted just after, and ``apply --json`` ends its
+    stream with the same ``apply_interrupted`` event (plan id null)."""
+    global _interrupted_hint
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command == "plan":
+        _interrupted_hint = _PLAN_INTERRUPTED
+    elif command == "apply":
+        _interrupted_hint = _APPLY_NOT_STARTED
+        if "--json" in args:
+            from pdctl.statemachine.events import Event
+
+            event = Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None})
+            sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
 
 
 def _during_interrupt(exc: BaseException) -> bool:
@@ -896,5 +918,8 @@ def os_error_hint(e: OSError) -> str:
         return ("that path is not writable here (a read-only file system, or another user's): give a writable "
                 "--state-dir / PDCTL_STATE_DIR, or run as the user that owns it")
     return "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)"
+_PLAN_INTERRUPTED = "interrupted: a plan changes nothing; run it again"
+_APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; run the same command again"
+_APPLY_NOT_STARTED_EVENT = "interrupted before the apply started: nothing was changed; apply again"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")

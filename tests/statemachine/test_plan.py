@@ -886,3 +886,34 @@ def test_an_empty_list_is_shown_as_one_in_the_plan():
 
     assert format_value([]) == "[]" and format_value(()) == "[]"
     assert format_value([0, 1, 2, 3]) == "0,1,2,3" and format_value([[0, 1]]) == "[[0, 1]]"
+
+
+@pytest.mark.parametrize("argv", [["apply", "s.toml", "--json"], ["--apply", "s.toml"], ["plan", "s.toml"],
+                                  ["status", "s.toml"]])
+def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_would(argv, monkeypatch, capsys):
+    # Ctrl-C after pdctl's modules loaded but before the command's own code ran (typer building and parsing the
+    # command line, a fraction of a second): plan printed apply's "what already runs stays as it is … converge", and
+    # `apply --json` ended with an empty stream
+    from pdctl.console import cli
+
+    def interrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(cli.app), "__call__", interrupted)  # (typer's app, called by main to parse and run)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 130
+    command = "apply" if "apply" in argv[0] else argv[0]
+    if command == "apply":
+        assert err.strip() == "interrupted before the apply started: nothing was changed; run the same command again"
+    elif command == "plan":
+        assert err.strip() == "interrupted: a plan changes nothing; run it again"
+    else:  # the general words: other commands say their own once running
+        assert err.startswith("interrupted: what already runs stays as it is")
+    if "--json" in argv:
+        event = json.loads(out)
+        assert (event["kind"], event["data"]["plan_id"]) == ("apply_interrupted", None), event
+        assert "nothing was changed" in event["message"]
+    else:
+        assert out == ""
