@@ -537,6 +537,8 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 )
         decode_hosts = {r.host for r in dep.decode if r.host in dep.hosts}  # (an undeclared one is reported above)
         for i, p in enumerate(dep.prefill):
+            if p.host not in dep.hosts:  # (reported above; where it runs is not known, so neither is what it reaches)
+                continue
             remote = sorted(h for h in decode_hosts if h != p.host)
             if remote and p.http_host in _LOOPBACK:
                 err(

@@ -400,13 +400,14 @@ def test_pd_without_router_or_kv_transfer():
     assert {"router", "kv_transfer"} <= fields
 
 
-def test_unknown_host_reference():
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_unknown_host_reference(role):
     d = seed_dict()
-    d["decode"][0]["host"] = "gpu9"
-    _one(d, "decode[0].host", "host 'gpu9' is not declared", "[hosts.gpu9]")
+    d[role][0]["host"] = "gpu9"
+    _one(d, f"{role}[0].host", "host 'gpu9' is not declared", "[hosts.gpu9]")
     # one error for a typo, not also "roles run on 2 hosts" or "decode cannot reach the bootstrap", whose fixes
-    # (one host; bind prefill to every interface) point elsewhere
-    assert [f.field for f in _errors(d)] == ["decode[0].host"], _errors(d)
+    # (one host; bind prefill to every interface) point elsewhere (a prefill typo gave that second one)
+    assert [f.field for f in _errors(d)] == [f"{role}[0].host"], _errors(d)
 
 
 def test_unknown_target_version():
