@@ -50,6 +50,15 @@ def _read(host, path: str) -> str:  # noqa: ANN001
         return ""
 
 
+def _shortened(command: str, limit: int = 160) -> str:
+    """*command* as messages name a port's holder: whole when it fits in *limit* characters, else cut after its last
+    whole argument that fits, with " …" (a cut mid-argument read as an argument: ``--kv-cache-dtype``)."""
+    if len(command) <= limit:
+        return command
+    head = command[:limit + 1].rsplit(" ", 1)[0] if " " in command[:limit + 1] else command[:limit]
+    return head + " …"
+
+
 def listeners(host, ports: set[int]) -> list[Listener]:  # noqa: ANN001
     """The processes listening on any of *ports* on *host* (one entry per port and PID)."""
     inodes: dict[str, int] = {}
@@ -64,7 +73,7 @@ def listeners(host, ports: set[int]) -> list[Listener]:  # noqa: ANN001
         if inode in inodes:
             port = inodes[inode]
             cmd = _read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()
-            found[(port, pid)] = Listener(port, pid, cmd[:160])
+            found[(port, pid)] = Listener(port, pid, _shortened(cmd))
     seen_ports = {p for p, _ in found}
     out = list(found.values())
     out += [Listener(p, None) for p in set(inodes.values()) - seen_ports]

@@ -629,3 +629,16 @@ def test_a_resume_keeps_only_what_an_apply_toward_the_same_target_proved():
     assert proven_by_unfinished(state, SEED_TOPO) == set()  # another target: what it proved is not this spec
     state.target = None  # no unfinished apply: the steps are the recorded deployment's
     assert proven_by_unfinished(state, target) == set()
+
+
+def test_a_port_holders_long_command_is_cut_after_a_whole_argument():
+    # (it was cut at 160 characters wherever that fell: "… --kv-cache-dtype " read as the holder's last argument)
+    from pdctl.statemachine.ports import _shortened
+
+    argv = "python3 -m sglang.launch_server " + " ".join(f"--flag-{i} value{i}" for i in range(20))
+    short = _shortened(argv)
+    assert short.endswith(" …") and len(short) <= 162
+    kept = short[:-2].split(" ")
+    assert kept == argv.split(" ")[:len(kept)] and len(kept) < len(argv.split(" "))  # whole arguments, in order
+    assert _shortened("nc -l 30001") == "nc -l 30001"
+    assert _shortened("x" * 200) == "x" * 160 + " …"  # one long word: cut where it must be
