@@ -552,19 +552,22 @@ def _status_text(st: dict) -> str:
                 else "healthy" if st["healthy"] else "NOT healthy")
              + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
              + (f", reached {st['reached']}" if st["reached"] else "") + _applying_text(st)]
+    rt = st.get("router")
+    # (columns as wide as their longest word: "deactivating", "failed (watchdog-gone)", a step "interrupted")
+    sw = max([11, *(len(_state_word(x)) for x in [*st["roles"], *([rt] if rt else [])]),
+              *(len(u["state"]) for u in st.get("leftover") or ())])
     for r in st["roles"]:
         health = f"{r['health'] or 'down':<5}"
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
             health += " (from another process on its port)"
         lines.append(
-            f"  {r['name']:<10} {_state_word(r):<11} pid {r['main_pid'] or '-':<8} health {health} "
+            f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
             + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
         )
-    rt = st.get("router")
     if rt:
         lines.append(
-            f"  {'router':<10} {_state_word(rt):<11} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
+            f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
             f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
@@ -577,19 +580,20 @@ def _status_text(st: dict) -> str:
     back = f"applying {recorded_spec} is a topology change to confirm (`pdctl plan` shows its id)"
     for u in st.get("leftover") or ():
         kept = "keeps it" if u["state"] in ("active", "activating") else "starts it again"
-        lines.append(f"  {u['name']:<10} {u['state']:<11} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
+        lines.append(f"  {u['name']:<10} {u['state']:<{sw}} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
                      f"which the unfinished apply drops: {back if confirm else f'applying {recorded_spec} {kept}'}; "
                      f"applying {target_spec} again, or `pdctl down`, removes it]")
     for u in st.get("removed") or ():
-        lines.append(f"  {u['name']:<10} {'removed':<11} pid {'-':<8} [of the recorded deployment, removed already by "
+        lines.append(f"  {u['name']:<10} {'removed':<{sw}} pid {'-':<8} [of the recorded deployment, removed already by "
                      f"the unfinished apply that drops it: " + (f"{back} that starts it again]" if confirm else
                                                                  f"applying {recorded_spec} starts it again]"))
     if st["steps"]:
         lines.append("  steps:")
+        ssw = max(8, *(len(s["status"]) for s in st["steps"].values()))
         for name, s in st["steps"].items():
             age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
             summary = (s.get("summary") or "").split("\n", 1)[0]  # a failure's log excerpt stays in --json
-            lines.append(f"    {name:<20} {s['status']:<8} {summary}{age}")
+            lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}")
     return "\n".join(lines)
 
 

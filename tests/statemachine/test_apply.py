@@ -1116,6 +1116,19 @@ def test_status_tells_an_apply_that_runs_from_one_that_was_interrupted(demo):
     st = demo.status()
     assert st["locked_by"] is None and not st["healthy"]
     assert "[an apply was interrupted: apply again to converge" in _status_text(st).splitlines()[0]
+    # Columns stay aligned with words longer than they were sized for (they broke on each of these)
+    odd = copy.deepcopy(st)
+    odd["roles"][0]["state"] = "deactivating"
+    odd["router"].update(state="failed", sub_state="watchdog-gone")
+    first = next(iter(odd["steps"]))
+    odd["steps"][first]["status"] = "interrupted"
+    lines = _status_text(odd).splitlines()
+    units = [x for x in lines if x.startswith("  ") and " pid " in x]
+    assert len(units) == 3 and "failed (watchdog-gone) pid" in units[-1], lines
+    assert len({x.index(" pid ") for x in units}) == 1, lines
+    steps = lines[lines.index("  steps:") + 1:]
+    rests = [x[25:].split(" ", 1)[1] for x in steps]  # after "    " + the step's 20 columns + " " + its status
+    assert len({len(x) - len(r) + len(r) - len(r.lstrip(" ")) for x, r in zip(steps, rests)}) == 1, steps
     with journal.lock("apply"):  # another process would hold it; this one does, as the lock file says
         st = demo.status()
     assert st["locked_by"]["pid"] == os.getpid(), st["locked_by"]
