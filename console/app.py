@@ -175,7 +175,8 @@ class ConsoleApp(App[int]):
             self.unsettled = unsettled
             """``service.Unsettled.kind``: "drift" when apply would restart a role that does not serve as proven."""
             self.kept = kept
-            """``service.Unsettled.kept``: the plan's restarts that apply keeps (an interrupted apply proved them)."""
+            """``service.Unsettled.kept``: roles the comparison restarts that the plan keeps as an interrupted apply
+            left them (running what the spec asks)."""
 
     # -- construction ------------------------------------------------------------------------------
     def __init__(
@@ -209,7 +210,8 @@ class ConsoleApp(App[int]):
         self.plan_unsettled: str | None = None
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
         self.plan_kept: tuple[str, ...] = ()
-        """The plan's restarts that apply keeps: an interrupted apply toward this spec already restarted and proved them."""
+        """Roles the comparison restarts that the plan keeps: an interrupted apply already started them with what the
+        spec asks (``ResourceChange.kept``)."""
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
         self.last_apply_error: BaseException | None = None
@@ -430,11 +432,11 @@ class ConsoleApp(App[int]):
             if plan.from_topology is None:
                 question = f"Deploy {plan.deployment!r} (plan {plan.plan_id})?"
             else:
-                restarts = [r for r in plan.restarts() if r not in self.plan_kept]
+                restarts = plan.restarts()  # (what the plan keeps as it runs restarts nothing)
                 question = (f"Apply plan {plan.plan_id}? It restarts "
                             f"{', '.join(restarts) or ('no role' if self.plan_kept else 'serving roles')}"
-                            + (f" and keeps {', '.join(self.plan_kept)}, which the interrupted apply already restarted "
-                               "and proved" if self.plan_kept else "") + ".")
+                            + (f" and keeps {', '.join(self.plan_kept)}, which the interrupted apply already started "
+                               "with these settings" if self.plan_kept else "") + ".")
             detail = Text()
             if warnings:
                 detail.append(warnings + "\n\n", style="yellow")

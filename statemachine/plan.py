@@ -18,7 +18,13 @@ values (``deployed`` is None when nothing is deployed) and returns a frozen :cla
   started again (``+``, ``not_running`` saying why) rather than as no change or an update of a process that is not
   there, and one the spec drops whose unit is gone already has nothing left to destroy. Its class is what comparing
   the two sides gives (a restart with nothing else changed: disruptive), so it never alters whether the plan
-  needs a confirmation, and it is not part of the id.
+  needs a confirmation, and it is not part of the id;
+* with *runs* (the service layer fills it too while an apply is unfinished), how that apply left the to side's roles
+  and router that still run, where the from side does not say it: one it already started with the definition the
+  spec asks is **kept** (``=``, :attr:`ResourceChange.kept`: apply proves it as it stands, creates or restarts
+  nothing), and one running a definition other than the from side's, or whose unit file it rewrote without
+  restarting it, is restarted (:attr:`ResourceChange.runs` says why, its attributes compared with what runs). Neither
+  alters the plan's class, whether it needs a confirmation, or its id.
 
 ``render_text(plan)`` prints it in Terraform's manner; ``plan.model_dump_json()`` is the same plan
 as data, and ``Plan.model_validate_json`` reads it back.
@@ -34,9 +40,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pdctl.statemachine.topology import RoleTopology, Topology, is_wildcard
+from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, is_wildcard
 
-__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "PortHeld", "ResourceChange", "format_value",
+__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "PortHeld", "ResourceChange", "Runs", "format_value",
            "make_plan", "plan_id_of", "render_text"]
 
 ChangeClass = Literal["topology", "disruptive", "in_place"]
@@ -87,9 +93,19 @@ class ResourceChange(_Frozen):
     then starts it again; a ``delete`` of one not installed has nothing left to do (:attr:`gone`). None: it runs, or
     the from side has none."""
 
+    kept: str | None = None
+    """Why apply keeps this resource as it runs, while an apply is unfinished: that apply already started it with the
+    definition the spec asks (and proved it, or it is still loading: apply waits for it). Apply creates, restarts and
+    destroys nothing of it; its action and class are still what comparing the two sides gives. None: not kept."""
+    runs: str | None = None
+    """Why apply restarts this role (or the router), running, although the from side alone does not say so, while an
+    apply is unfinished: what runs is what that apply started for its own spec, or its unit file differs from the
+    running process (that apply rewrote it and had not restarted it). :attr:`changes` then compare the spec with what
+    runs. None: what runs is the from side's."""
+
     @property
     def symbol(self) -> str:
-        return SYMBOL[self.action]
+        return "=" if self.kept is not None else SYMBOL[self.action]
 
     @property
     def gone(self) -> bool:
@@ -115,6 +131,18 @@ class PortHeld(_Frozen):
     """Set when the holder is this deployment's own process, applied another way (another ``--state-dir``, user or
     service manager): how, in words (``state directory /x (process supervisor)``), "" where that does not tell.
     None: a process of something else."""
+
+
+class Runs(_Frozen):
+    """How a role (or ``router``) of the plan's to side runs now, while an apply is unfinished, where the from side
+    does not say it (the service layer reads it from the journal and the service manager): *kept* or *restart*."""
+
+    kept: str | None = None
+    """Apply keeps it as it runs (it runs the definition the spec asks): why, in words."""
+    restart: str | None = None
+    """Apply restarts it: why, in words."""
+    was: RoleTopology | RouterTopology | None = None
+    """With *restart*: what runs where that is not the from side's (the unfinished apply's own spec's)."""
 
 
 class Plan(_Frozen):
@@ -170,13 +198,20 @@ class Plan(_Frozen):
 
     def counts(self) -> tuple[int, int, int]:
         """``(to add, to change, to destroy)``; a replacement counts as one add and one destroy; a delete of what is
-        gone already (:attr:`ResourceChange.gone`) as nothing."""
-        add = sum(1 for c in self.changes if c.action in ("create", "replace"))
-        change = sum(1 for c in self.changes if c.action == "update")
-        destroy = sum(1 for c in self.changes if c.action in ("delete", "replace") and not c.gone)
+        gone already (:attr:`ResourceChange.gone`), or a change apply keeps as it runs (:attr:`ResourceChange.kept`),
+        as nothing."""
+        todo = [c for c in self.changes if c.kept is None]
+        add = sum(1 for c in todo if c.action in ("create", "replace"))
+        change = sum(1 for c in todo if c.action == "update")
+        destroy = sum(1 for c in todo if c.action in ("delete", "replace") and not c.gone)
         return add, change, destroy
 
+    def kept(self) -> list[str]:
+        """Addresses of the changes apply keeps as they run (:attr:`ResourceChange.kept`)."""
+        return [c.address for c in self.changes if c.kept is not None]
+
     def restarts(self) -> list[str]:
+        """Roles (and ``router``) apply restarts (a change apply keeps as it runs restarts none)."""
         seen: list[str] = []
         for c in self.changes:
             for r in c.restarts:
@@ -255,11 +290,24 @@ def _mode_words(mode: str) -> str:
     return "PD disaggregation" if mode == "pd" else "single server"
 
 
+def _router_changes(orr: RouterTopology, nr: RouterTopology) -> list[AttrChange]:
+    o, n = orr.model_dump(mode="json"), nr.model_dump(mode="json")
+    o["host"] = _canonical_ip(o["host"])
+    diffs: list[AttrChange] = []
+    for a in ("host", "port", "on"):
+        diffs += _diff(a, o[a], n[a], "topology")
+    for a in ("impl", "prefill", "decode", "regular"):
+        diffs += _diff(a, o[a], n[a], "disruptive")
+    diffs += _diff("settings", o["settings"], n["settings"], "disruptive")
+    return diffs
+
+
 def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0,
-              not_running: Mapping[str, str] | None = None) -> Plan:
+              not_running: Mapping[str, str] | None = None, runs: Mapping[str, Runs] | None = None) -> Plan:
     """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing. *not_running*: role names
-    (and ``router``) of *deployed* that do not run now, each with why (:data:`NOT_INSTALLED`, or its unit's state):
-    see the module docstring."""
+    (and ``router``) of *deployed* that do not run now, each with why (:data:`NOT_INSTALLED`, or its unit's state);
+    *runs*: role names (and ``router``) of *desired* that an unfinished apply left running otherwise than *deployed*
+    says, each a :class:`Runs`: see the module docstring."""
     changes: list[ResourceChange] = []
     words: list[str] = []
     old_roles = {r.name: r for r in (deployed.roles if deployed else ())}
@@ -378,16 +426,9 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         )
         words.append(f"router on {orr.exposure} removed")
     elif orr is not None and nr is not None:
-        o, n = orr.model_dump(mode="json"), nr.model_dump(mode="json")
-        o["host"] = _canonical_ip(o["host"])
-        diffs: list[AttrChange] = []
-        for a in ("host", "port", "on"):
-            diffs += _diff(a, o[a], n[a], "topology")
-        for a in ("impl", "prefill", "decode", "regular"):
-            diffs += _diff(a, o[a], n[a], "disruptive")
-        diffs += _diff("settings", o["settings"], n["settings"], "disruptive")
+        diffs = _router_changes(orr, nr)
         if diffs:
-            if (o["host"], o["port"]) != (n["host"], n["port"]):
+            if any(d.path in ("host", "port") for d in diffs):
                 public = " (every interface)" if is_wildcard(nr.host) else ""
                 words.append(f"router exposure {orr.exposure} → {nr.exposure}{public}")
             if orr.on != nr.on:
@@ -430,6 +471,9 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
                 ResourceChange(address="console", action="update", cls="in_place", changes=tuple(ip), reason="no host is touched", summary="console settings")
             )
 
+    if runs:
+        changes = _restarted_as_it_runs(deployed, desired, changes, runs)
+
     # Under systemd the router's unit Requires= the servers: stopping one to restart it stops the router as well
     # (units/_systemd.py), so a change that restarts a server restarts the router too, and says so. The process
     # supervisor has no such link: its router sees the worker come back, under the model id it registered it with
@@ -444,6 +488,8 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
                    if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 
+    if runs:
+        changes = _kept_as_it_runs(desired, changes, runs)
     if deployed is not None and not_running:
         changes = _not_running(deployed, desired, changes, dict(not_running))
 
@@ -495,6 +541,62 @@ def _not_running(deployed: Topology, desired: Topology, changes: list[ResourceCh
     return sorted(out, key=lambda c: _ORDER.get(c.address, 0))
 
 
+def _restarted_as_it_runs(deployed: Topology | None, desired: Topology, changes: list[ResourceChange],
+                          runs: Mapping[str, Runs]) -> list[ResourceChange]:
+    """*changes* with the restarts an unfinished apply's leftovers cause (:attr:`Runs.restart`): a role (or the router)
+    the comparison leaves alone gets an update that restarts it, an update its attributes compared with what runs, each
+    saying why (:attr:`ResourceChange.runs`); a create restarts it too. A replacement stays as the comparison gives it
+    (the attributes a confirmation names)."""
+    new = {r.name: r for r in desired.roles} | ({"router": desired.router} if desired.router else {})
+    old = {r.name: r for r in deployed.roles} | ({"router": deployed.router} if deployed.router else {}) \
+        if deployed is not None else {}
+    at = {c.address: i for i, c in enumerate(changes)}
+    out = list(changes)
+    for name, how in runs.items():
+        address = "router" if name == "router" else f"role.{name}"
+        if how.restart is None or name not in new:  # (a dropped one: its delete says what apply does)
+            continue
+        was, want = how.was or old.get(name), new[name]
+        attrs: tuple[AttrChange, ...] = ()
+        if isinstance(was, RouterTopology) and isinstance(want, RouterTopology):
+            attrs = tuple(_router_changes(was, want))
+        elif isinstance(was, RoleTopology) and isinstance(want, RoleTopology):
+            exposed = want.kind == was.kind == "server" and desired.router is None and (
+                deployed is None or deployed.router is None)
+            attrs = tuple(_role_changes(was, want, entry_point=exposed))
+        c = out[at[address]] if address in at else None
+        if c is None:  # (after the roles' changes, or with the router's where make_plan lists it)
+            summary = want.describe() if isinstance(want, RoleTopology) else f"{want.impl} on {want.exposure}"
+            where = next((i for i, x in enumerate(out) if _ORDER.get(x.address, 0) > _ORDER.get(address, 0)),
+                         len(out))
+            out.insert(where, ResourceChange(address=address, action="update", cls="disruptive", changes=attrs,
+                                             restarts=(name,), reason="apply restarts it: " + how.restart,
+                                             summary=summary, runs=how.restart))
+            at = {x.address: i for i, x in enumerate(out)}
+        elif c.action == "update":
+            out[at[address]] = c.model_copy(update={"changes": attrs, "runs": how.restart})
+        elif c.action == "create":  # (a first deployment's role, running what another first spec started)
+            out[at[address]] = c.model_copy(update={"changes": attrs, "restarts": (name,), "runs": how.restart})
+    return out
+
+
+def _kept_as_it_runs(desired: Topology, changes: list[ResourceChange],
+                     runs: Mapping[str, Runs]) -> list[ResourceChange]:
+    """*changes* with what apply keeps as an unfinished apply left it (:attr:`Runs.kept`) marked
+    (:attr:`ResourceChange.kept`), restarting nothing: a create, update or replacement of a role or the router that
+    runs as the spec asks, and the KV link's create once both its ends are kept (apply only proves it again). Not the
+    router while another change restarts it (under systemd, a server's restart restarts it too)."""
+    kept = {("router" if n == "router" else f"role.{n}"): how.kept for n, how in runs.items() if how.kept is not None}
+    if any(c.address not in kept and c.address != "router" and "router" in c.restarts for c in changes):
+        kept.pop("router", None)
+    ends = [f"role.{r.name}" for r in desired.roles if r.kind in ("prefill", "decode")]
+    if ends and all(e in kept for e in ends):
+        kept["kv_link"] = "its prefill and decode run as the unfinished apply started them: apply proves the link again"
+    return [c.model_copy(update={"kept": kept[c.address], "restarts": ()})
+            if c.address in kept and c.action in ("create", "update", "replace") and (
+                c.address != "kv_link" or c.action == "create") else c for c in changes]
+
+
 def format_value(v: Any) -> str:
     """A plan value as the plan text shows it (GPU lists ``0,1,2,3``, JSON otherwise)."""
     if isinstance(v, list | tuple):
@@ -543,19 +645,29 @@ def _render_changes(plan: Plan) -> str:
     verb = {"create": "created", "update": "updated in place", "replace": "replaced", "delete": "destroyed"}
     for c in plan.changes:
         extra = f" ({c.cls})"
-        if c.gone:
+        if c.kept is not None:
+            lines.append(f"  # {c.address} runs already as specified{extra}: apply keeps it")
+        elif c.gone:
             lines.append(f"  # {c.address} is gone already{extra}: nothing left to destroy")
         elif c.not_running is not None and c.action == "create":
             lines.append(f"  # {c.address} will be {'set up' if c.address == 'kv_link' else 'started'} again{extra}")
+        elif c.runs is not None and c.action in ("create", "update"):
+            lines.append(f"  # {c.address} will be restarted{extra}")
         else:
             lines.append(f"  # {c.address} will be {verb[c.action]}{extra}")
         lines.append(f"{c.symbol:>3} {c.address}: {c.summary}")
+        if c.kept is not None:  # (its attributes are what that apply changed already)
+            lines.append(f"      kept: {c.kept}")
+            lines.append("")
+            continue
         if c.not_running is not None:
             lines.append(f"      does not run now: {c.not_running}")
+        if c.runs is not None:
+            lines.append(f"      runs now: {c.runs}")
         for a in c.changes:
             mark = "  # forces replacement" if c.action == "replace" and a.cls == "topology" else ""
             lines.append(f"      ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}{mark}")
-        if c.restarts and c.action == "update":
+        if c.restarts and (c.action == "update" or c.runs is not None):
             lines.append(f"      restarts: {', '.join(c.restarts)}")
         lines.append("")
     if plan.topology_changes:
@@ -564,7 +676,9 @@ def _render_changes(plan: Plan) -> str:
             lines.append(f"  ! {w}")
         lines.append("")
     add, change, destroy = plan.counts()
-    lines.append(f"Plan: {add} to add, {change} to change, {destroy} to destroy.")
+    kept = len(plan.kept())
+    lines.append(f"Plan: {add} to add, {change} to change, {destroy} to destroy"
+                 + (f", {kept} kept as the unfinished apply left it." if kept else "."))
     first = plan.cls == "topology" and not plan.requires_confirmation
     lines.append(f"plan id: {plan.plan_id}   class: {plan.cls}"
                  + ("   (a first deployment: nothing deployed to alter, no --confirm-topology needed)" if first else ""))

@@ -101,12 +101,9 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
 
 def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
     """Roles (and ``router``) that an unfinished apply toward *desired* itself proved: their step journalled done or
-    skipped since that apply journalled *desired* as its target (it cleared the steps then). The plan compares
-    *desired* with the recorded deployment, so its restarts still name them; restarting them on resume would load
-    again a server that apply had already restarted with these settings and proved (a second weight load on real
-    GPUs), where one it had only started is waited for (``steps.STARTED``). Their steps still re-prove them, and one
-    whose unit definition changed since, or that no longer serves as specified, is restarted all the same. Empty
-    without an unfinished apply, or for one toward another topology."""
+    skipped since that apply journalled *desired* as its target (it cleared the steps then); :func:`plan_base` reads
+    it (a reshaped role proven so makes going back a topology change). What the plan keeps of them as they run is
+    :func:`runs_now`'s. Empty without an unfinished apply, or for one toward another topology."""
     if state.target is None or state.target != desired:
         return set()
     from pdctl.statemachine.machine import role_steps
@@ -139,16 +136,82 @@ def not_running(loaded: Loaded, state, base: Topology | None, *, host=None) -> d
     return out
 
 
+def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
+    """While an apply is unfinished (the journal holds its target), how it left the spec's roles (and ``router``) that
+    run now, where the plan's from side (:func:`plan_base`) does not say it: each a
+    :class:`~pdctl.statemachine.plan.Runs`, as :func:`make_plan` takes them, and as apply's steps will judge them from
+    the same journal records:
+
+    * kept: the unit runs, supervised, and its journal record is this spec's definition started (``steps.STARTED``:
+      apply waits for it while it loads and proves it) or proven by that apply (its step done since that apply
+      journalled its target);
+    * restarted: the unit runs, and its record is another definition than this spec's while that apply started it
+      (its own spec's: what runs is compared from there) or rewrote its unit file without restarting it
+      (``steps.RESTARTING``; what runs is still the from side's).
+
+    Empty with no apply unfinished, or when the spec's units cannot be rendered here (an unset secret, which apply
+    refuses before any step). Asks the service manager on *host* (else the spec's), raising what that raises."""
+    if state.target is None:
+        return {}
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.machine import role_steps
+    from pdctl.statemachine.plan import Runs
+    from pdctl.statemachine.steps import RESTARTING, STARTED, fingerprint_of
+
+    dep = loaded.deployment
+    desired = topology_of(dep)
+    try:
+        units = launch.unit_set_for(dep, state_dir=str(loaded.journal.dir))
+    except PdctlError:
+        return {}
+    manager = launch.manager_for(dep, host or deployment_host(dep), state_dir=str(loaded.journal.dir))
+    step_of = role_steps(desired)
+    target = {r.name: r for r in state.target.roles} | ({"router": state.target.router} if state.target.router else {})
+    out: dict = {}
+    for name, unit in unit_names(desired).items():
+        rec = state.units.get(unit)
+        if rec is None:
+            continue
+        st = manager.status(unit)
+        if st.state not in ("active", "activating"):
+            continue
+        fp = fingerprint_of(units, unit)
+        proven = (step := state.steps.get(step_of[name])) is not None and step.status in ("done", "skipped")
+        if not st.supervised:  # (never waited for nor proven: apply restarts it under a new supervisor)
+            out[name] = Runs(restart="it runs unsupervised (its supervisor is gone)")
+        elif rec == STARTED + fp:
+            out[name] = Runs(kept="the unfinished apply started it with this spec's definition" + (
+                " and proved it" if proven else "; apply waits for it while it loads, then proves it"))
+        elif rec == fp and proven:
+            out[name] = Runs(kept="the unfinished apply started it with this spec's definition and proved it")
+        elif rec == RESTARTING:
+            out[name] = Runs(restart="its unit file differs from the running process (the unfinished apply rewrote "
+                                     "the file for its own spec and had not restarted the process)")
+        elif rec != fp and (rec.startswith(STARTED) or proven):
+            out[name] = Runs(restart="its unit file differs from the running process, which the unfinished apply "
+                                     "started for its own spec", was=target.get(name))
+    return out
+
+
 def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks, told against what
-    runs while an apply is unfinished and none runs now (:func:`not_running`: it asks the service manager, and raises
-    what that raises); *state*: the journal's, when the caller has read it already."""
+    runs while an apply is unfinished and none runs now (:func:`not_running`, :func:`runs_now`: they ask the service
+    manager, and raise what that raises); *state*: the journal's, when the caller has read it already."""
     state = loaded.journal.read() if state is None else state
     desired = topology_of(loaded.deployment)
     base = plan_base(state, desired)
     # (not while an apply or down holds the lock: what runs is changing under it, and plan_unsettled says so)
-    down = not_running(loaded, state, base) if _lock_holder(loaded) is None else {}
-    return make_plan(base, desired, from_serial=state.serial, not_running=down)
+    down: dict = {}
+    runs: dict = {}
+    if state.target is not None and _lock_holder(loaded) is None:
+        host = deployment_host(loaded.deployment)  # (one connection for both questions)
+        try:
+            down = not_running(loaded, state, base, host=host)
+            runs = runs_now(loaded, state, host=host)
+        finally:
+            host.close()
+    return make_plan(base, desired, from_serial=state.serial, not_running=down, runs=runs)
 
 
 def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
@@ -189,7 +252,8 @@ class Unsettled:
     recorded), ``"running"`` (an apply or down holds the lock now), ``"unfinished"`` (an earlier apply did not finish:
     apply resumes it) or ``"drift"`` (a recorded role does not serve as proven: apply restarts it); ``text`` the reason
     in words (what ``Plan.unsettled`` holds); ``notes`` lines for the operator, without the ``note:`` prefix; ``kept``
-    the roles among the plan's restarts that apply keeps instead (:func:`proven_by_unfinished`)."""
+    the roles (and ``router``) whose update or replacement the plan keeps as an unfinished apply left them
+    (:attr:`~pdctl.statemachine.plan.ResourceChange.kept`): the comparison restarts them, apply does not."""
 
     kind: str | None = None
     text: str = ""
@@ -215,13 +279,9 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
         if plan.from_topology == pending != recorded.deployed:
             notes.append("that apply had begun to change the topology (roles of its spec were started), so this plan "
                          "starts from what it was applying: going back is a topology change too")
-        proven = proven_by_unfinished(recorded, plan.to_topology)
-        kept = tuple(r for r in plan.restarts() if r in proven)
-        if kept:
-            them = "it" if len(kept) == 1 else "them"
-            notes.append(f"that apply had already restarted and proved {', '.join(kept)} with these settings: apply "
-                         f"re-proves and keeps {them} rather than restarting {them} again (the plan compares the spec "
-                         f"with what was recorded as deployed, so it lists {them})")
+        # (the roles the comparison restarts that the plan keeps as that apply left them: it says so itself)
+        kept = tuple(c.address.removeprefix("role.") for c in plan.changes
+                     if c.kept is not None and c.action in ("update", "replace"))
         return Unsettled("unfinished", "an earlier apply" + (" toward another spec" if other else "") + " did not "
                          "finish, so what runs may be partly what it was applying", tuple(notes), kept)
     drift, answers = runtime_drift(loaded, recorded)
@@ -464,9 +524,10 @@ def apply(
         desired = topology_of(loaded.deployment)
         base = plan_base(state, desired)
         # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
-        host = deployment_host(loaded.deployment) if state.target is not None and base is not None else None
+        host = deployment_host(loaded.deployment) if state.target is not None else None
         plan = make_plan(base, desired, from_serial=state.serial,
-                         not_running=not_running(loaded, state, base, host=host))
+                         not_running=not_running(loaded, state, base, host=host),
+                         runs=runs_now(loaded, state, host=host))
         if saved_plan is not None:
             if saved_plan.from_topology != base:
                 raise StalePlanError(
@@ -502,8 +563,11 @@ def apply(
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
                     "topology": "a topology change" if plan.requires_confirmation else "a first deployment"}[plan.cls]
-            if plan.cls == "disruptive" and all(c.not_running for c in plan.changes if c.cls == "disruptive"):
-                what = "roles that do not run now, to start again"  # (what an unfinished apply removed)
+            pending = [c for c in plan.changes if c.cls == "disruptive" and c.kept is None]
+            if plan.cls == "disruptive" and all(c.not_running for c in pending):
+                # (what an unfinished apply removed; or all it changed already, kept as it runs)
+                what = ("roles that do not run now, to start again" if pending
+                        else "changes an unfinished apply made already, kept as they run")
             sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
                             data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
             j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
@@ -521,8 +585,8 @@ def apply(
             except HostError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
                 raise
-            # (less what an interrupted apply toward this same topology already restarted and proved)
-            restart = set(plan.restarts()) - proven_by_unfinished(state, desired)
+            # (what an unfinished apply left running as the spec asks is kept: the plan restarts none of it)
+            restart = set(plan.restarts())
             ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).

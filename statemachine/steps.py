@@ -91,6 +91,15 @@ STARTED = "started:"
 yet proven: a resumed apply waits for that process while it loads instead of restarting it again."""
 
 
+def fingerprint_of(units: Any, unit: str) -> str:
+    """Hash of *unit*'s definition in *units* (a :class:`pdctl.units.UnitSet`: argv, env, limits…), as the journal
+    records a unit proven running (``JournalState.units``)."""
+    import hashlib
+
+    spec = units.service(unit)
+    return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 @dataclass
 class Context:
     """Everything a step needs. ``manager`` is a :class:`pdctl.units.ServiceManager`."""
@@ -143,11 +152,8 @@ class Context:
         self.journal.write(self.journal_state)
 
     def fingerprint(self, unit: str) -> str:
-        """Hash of the desired definition of *unit* (argv, env, limits…)."""
-        import hashlib
-
-        spec = self.units.service(unit)
-        return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """Hash of the desired definition of *unit* (argv, env, limits…): :func:`fingerprint_of`."""
+        return fingerprint_of(self.units, unit)
 
     def forget(self, unit: str) -> None:
         """Drop *unit*'s proven fingerprint from the journal (atomically) before touching it."""

@@ -217,8 +217,12 @@ async def test_the_y_n_after_an_interrupted_change_names_what_apply_keeps(consol
     from pdctl.statemachine.journal import JournalState, StepRecord
     from pdctl.statemachine.topology import topology_of
 
-    # every unit runs, as after such an apply (nothing is started here; the plan would start them again)
+    # every unit runs, as after such an apply (nothing is started here; the plan would start them again), prefill as
+    # that apply proved it (how the journal and the service manager tell so: test_plan's runs_now tests)
+    from pdctl.statemachine.plan import Runs
+
     monkeypatch.setattr(service, "not_running", lambda *a, **k: {})
+    monkeypatch.setattr(service, "runs_now", lambda *a, **k: {"prefill": Runs(kept="proved by that apply")})
     console_demo.pretend_deployed(_parsers_changed)
     j = Journal(console_demo.state, console_demo.name)
     state = j.read()
@@ -227,11 +231,11 @@ async def test_the_y_n_after_an_interrupted_change_names_what_apply_keeps(consol
     app = make_app(console_demo)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
-        assert "prefill" in app.plan.restarts()
+        assert "prefill" not in app.plan.restarts() and app.plan.kept() == ["role.prefill"]
         await pilot.press("a")
         await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
         question = str(app.screen.question)
-        assert "keeps prefill, which the interrupted apply already restarted and proved" in question, question
+        assert "keeps prefill, which the interrupted apply already started with these settings" in question, question
         assert "restarts prefill" not in question and "decode" in question.split(" and keeps")[0], question
 
 

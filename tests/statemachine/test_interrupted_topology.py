@@ -1,4 +1,5 @@
-"""After an interrupted topology change, `plan`, `status` and `apply` of either spec tell the same story of what runs.
+"""After an interrupted apply (a first deployment, a change, a topology change), `plan`, `status` and `apply` of either
+spec tell the same story of what runs: what `plan` lists is what `apply` then does.
 
 End to end on the demo (the SGLang stand-in under the process supervisor, the real smg router). The interruption is
 the one the CLI makes of Ctrl-C, SIGTERM and SIGHUP (a KeyboardInterrupt out of the engine's event sink), raised at
@@ -178,3 +179,113 @@ def test_status_of_pd_roles_removed_once_the_single_server_started_names_the_con
     assert plan["class"] == "topology" and plan["from_topology"]["mode"] == "single", plan
     r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr
+
+
+def _pids(demo) -> dict[str, int | None]:  # noqa: ANN001
+    st = demo.status()
+    router = {"router": st["router"]["main_pid"]} if st["router"] else {}
+    return {r["name"]: r["main_pid"] for r in st["roles"]} | router
+
+
+def test_a_first_deployment_interrupted_once_prefill_was_proven_plans_prefill_as_kept(demo):
+    # (status showed prefill_up done and prefill active while plan said "+ role.prefill will be created")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(sink=_InterruptAt("step_verified", step="prefill_up"))
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert st["steps"]["prefill_up"]["status"] == "done", st["steps"]
+    assert [(r["name"], r["state"]) for r in st["roles"]] == [("prefill", "active"), ("decode", "inactive")], st
+    plan = demo.cli("plan", str(demo.spec))
+    assert plan.returncode == 2, plan.stderr
+    assert "role.prefill will be created" not in plan.stdout and "+ role.prefill" not in plan.stdout, plan.stdout
+    assert "# role.prefill runs already as specified (topology): apply keeps it" in plan.stdout, plan.stdout
+    assert "kept: the unfinished apply started it with this spec's definition and proved it" in plan.stdout
+    assert "# role.decode will be created (topology)" in plan.stdout, plan.stdout
+    assert "Plan: 3 to add, 0 to change, 0 to destroy, 1 kept as the unfinished apply left it." in plan.stdout
+    prefill = _pids(demo)["prefill"]
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "prefill_up: already satisfied" in r.stderr and f"{demo.name}-prefill.service" not in r.stderr, r.stderr
+    assert _pids(demo)["prefill"] == prefill and demo.status()["healthy"]
+
+
+def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compared_with_what_runs(demo):
+    # A context_length change (131072 -> 65536) interrupted once prefill_up had proven prefill: prefill runs 65536,
+    # decode still 131072 though its unit file was rewritten. A third spec's plan said "131072 → 8192" for prefill;
+    # the recorded spec's said no changes, then apply restarted prefill and decode
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 65536
+    half = demo.write(d, "ctx65.toml")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(half, sink=_InterruptAt("step_verified", step="prefill_up"))
+    assert _server_info(demo.ports["prefill"])["context_length"] == 65536
+    assert _server_info(demo.ports["decode"])["context_length"] == 131072
+
+    d["model"]["context_length"] = 8192
+    third = json.loads(demo.cli("plan", str(demo.write(d, "ctx8.toml")), "--json").stdout)
+    assert {c["address"]: [(a["before"], a["after"]) for a in c["changes"]] for c in third["changes"]} == {
+        "role.prefill": [(65536, 8192)], "role.decode": [(131072, 8192)]}, third["changes"]
+
+    plan = demo.cli("plan", str(demo.spec))
+    assert plan.returncode == 2 and "No changes" not in plan.stdout, plan.stdout
+    assert "      ~ settings.model.context_length: 65536 → 131072" in plan.stdout, plan.stdout
+    assert "  # role.decode will be restarted (disruptive)" in plan.stdout, plan.stdout
+    assert "runs now: its unit file differs from the running process" in plan.stdout, plan.stdout
+    data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    planned = {r for c in data["changes"] for r in c["restarts"]}
+    assert planned == {"prefill", "decode"} and data["class"] == "disruptive", data["changes"]
+    router = _pids(demo)["router"]
+    r = demo.cli("apply", str(demo.spec), "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(x) for x in r.stdout.splitlines()]
+    assert events[0]["message"] == f"plan {data['plan_id']}: changes that restart roles", events[0]
+    restarted = {e["message"].split()[1].removeprefix(f"pdctl-{demo.name}-").removesuffix(".service")
+                 for e in events if e["kind"] == "info" and e["message"].startswith("restarting ")}
+    assert restarted == planned, events
+    assert _pids(demo)["router"] == router
+    assert {_server_info(demo.ports[k])["context_length"] for k in ("prefill", "decode")} == {131072}
+    assert demo.status()["healthy"]
+
+
+def test_resuming_a_collapse_whose_server_started_plans_the_server_as_kept(demo):
+    # (the resumed collapse listed "+ role.server will be created" while the server it had started and proved ran)
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("step_verified", step="server_up"))
+    plan = demo.cli("plan", str(collapse))
+    assert plan.returncode == 2, plan.stderr
+    assert "role.server will be created" not in plan.stdout, plan.stdout
+    assert "# role.server runs already as specified (topology): apply keeps it" in plan.stdout, plan.stdout
+    assert f"--confirm-topology {confirmed.plan_id}" in plan.stdout, plan.stdout  # still the change confirmed
+    assert "Plan: 0 to add, 0 to change, 0 to destroy, 1 kept as the unfinished apply left it." in plan.stdout
+    server = _pids(demo)["server"]
+    r = demo.cli("apply", str(collapse))
+    assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr  # its confirmation is still needed
+    r = demo.cli("apply", str(collapse), "--confirm-topology", confirmed.plan_id)
+    assert r.returncode == 0, r.stderr
+    assert "server_up: already satisfied" in r.stderr and _pids(demo)["server"] == server, r.stderr
+
+
+def test_a_change_interrupted_once_both_servers_were_proven_is_planned_and_applied_as_kept(demo):
+    # (the plan listed prefill and decode as updates that restart them, with a note that apply keeps one of them, and
+    # apply's first event said "changes that restart roles" while it restarted nothing)
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 65536
+    changed = demo.write(d, "ctx65.toml")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(changed, sink=_InterruptAt("step_verified", step="decode_up"))
+    data = json.loads(demo.cli("plan", str(changed), "--json").stdout)
+    assert [(c["address"], c["action"], c["restarts"], c["kept"] is not None) for c in data["changes"]] == [
+        ("role.prefill", "update", [], True), ("role.decode", "update", [], True)], data["changes"]
+    assert data["class"] == "disruptive" and data["counts"] == [0, 0, 0]
+    before = _pids(demo)
+    r = demo.cli("apply", str(changed), "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(x) for x in r.stdout.splitlines()]
+    assert events[0]["message"] == f"plan {data['plan_id']}: changes an unfinished apply made already, kept as " \
+                                   "they run", events[0]
+    assert not [e for e in events if e["message"].startswith("restarting ")], events
+    assert _pids(demo) == before and demo.status()["healthy"]

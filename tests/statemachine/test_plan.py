@@ -850,34 +850,179 @@ def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_re
     assert "router" not in make_plan(topo(d), topo(env_only)).restarts()  # (the router's env is its own)
 
 
-def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_path, monkeypatch, capsys):
-    # (the plan listed prefill among the restarts although the resumed apply keeps the prefill its interrupted run
-    # already restarted and proved with these settings)
-    from pdctl.console import cli
-    from pdctl.statemachine import service
-    from pdctl.statemachine.journal import StepRecord
+def test_what_an_unfinished_apply_left_running_as_asked_is_kept_not_created_nor_restarted():
+    # (a first deployment interrupted once prefill_up had proven prefill: `pdctl status` showed prefill done and
+    # active while the plan said "+ role.prefill will be created"; a collapse resumed after its server started said
+    # "+ role.server will be created" while it ran)
+    from pdctl.statemachine.plan import Runs
 
-    # every unit of the recorded deployment runs, as it would after such an apply (nothing is started here: the plan
-    # would start them again, which test_apply covers)
-    monkeypatch.setattr(service, "not_running", lambda *a, **k: {})
+    seed = seed_dict()
+    desired = topo(seed)
+    proven = Runs(kept="the unfinished apply started it with this spec's definition and proved it")
+    first = make_plan(None, desired)
+    p = make_plan(None, desired, runs={"prefill": proven})
+    assert p.plan_id == first.plan_id and p.cls == first.cls == "topology" and not p.requires_confirmation
+    assert p.kept() == ["role.prefill"] and p.counts() == (3, 0, 0)
+    text = render_text(p)
+    assert "role.prefill will be created" not in text and "+ role.prefill" not in text, text
+    assert "  # role.prefill runs already as specified (topology): apply keeps it\n  = role.prefill: " in text, text
+    assert "      kept: the unfinished apply started it with this spec's definition and proved it" in text, text
+    assert "Plan: 3 to add, 0 to change, 0 to destroy, 1 kept as the unfinished apply left it." in text, text
+    assert Plan.model_validate_json(p.to_json()) == p
+    # both ends of the KV link kept: the link is only proven again
+    p = make_plan(None, desired, runs={"prefill": proven, "decode": proven})
+    assert p.kept() == ["role.prefill", "role.decode", "kv_link"] and p.counts() == (1, 0, 0)
+
+    # the collapse resumed: still the topology change confirmed under its id, nothing left to add
+    single = topo(collapsed(seed))
+    confirmed = make_plan(desired, single)
+    p = make_plan(desired, single, not_running=_pd_removed(), runs={"server": proven})
+    assert p.requires_confirmation and p.plan_id == confirmed.plan_id
+    assert p.topology_changes == confirmed.topology_changes
+    assert p.kept() == ["role.server"] and p.counts() == (0, 0, 0) and p.restarts() == []
+
+    # a change kept as it runs restarts nothing, not even the systemd router that a server's restart would restart
+    ctx = copy.deepcopy(seed)
+    ctx["model"]["context_length"] = 8192
+    assert make_plan(desired, topo(ctx)).restarts() == ["prefill", "router", "decode"]
+    p = make_plan(desired, topo(ctx), runs={"prefill": proven})
+    assert p.restarts() == ["decode", "router"] and p.counts() == (0, 1, 0)
+    (c,) = [c for c in p.changes if c.address == "role.prefill"]
+    assert (c.action, c.cls, c.restarts) == ("update", "disruptive", ())
+    # ...and the router, kept as it runs, is restarted all the same while a server's restart restarts it
+    p = make_plan(desired, topo(ctx), runs={"prefill": proven, "router": proven})
+    assert "router" in p.restarts() and "router" not in p.kept()
+    # a reshape kept as it runs still needs its confirmation
+    reshaped = copy.deepcopy(seed)
+    reshaped["prefill"][0].update(tp=2, gpus=[0, 1])
+    p = make_plan(desired, topo(reshaped), runs={"prefill": proven})
+    assert p.requires_confirmation and p.plan_id == make_plan(desired, topo(reshaped)).plan_id
+    assert p.kept() == ["role.prefill"] and p.restarts() == []
+
+
+def test_a_role_an_unfinished_apply_left_running_otherwise_is_restarted_and_compared_with_what_runs():
+    # (a context_length change interrupted after prefill_up: a third spec's plan said "131072 → 8192" while 65536 ran,
+    # and the recorded spec's plan said no changes, then apply restarted prefill and decode)
+    from pdctl.statemachine.plan import Runs
+
+    seed = seed_dict()
+    seed["service_manager"] = "process"  # (no router restarted with its servers)
+    recorded = topo(seed)
+    half = copy.deepcopy(seed)
+    half["model"]["context_length"] = 65536
+    target = topo(half)
+    runs = {"prefill": Runs(restart="its unit file differs from the running process, which the unfinished apply "
+                                    "started for its own spec", was=target.roles_of("prefill")[0]),
+            "decode": Runs(restart="its unit file differs from the running process (rewritten)")}
+    p = make_plan(recorded, recorded, runs=runs)
+    assert p.plan_id == make_plan(recorded, recorded).plan_id and not p.requires_confirmation
+    assert p.cls == "disruptive" and p.restarts() == ["prefill", "decode"] and p.counts() == (0, 2, 0)
+    pre, dec = p.changes
+    assert (pre.address, pre.action, pre.runs) == ("role.prefill", "update", runs["prefill"].restart)
+    assert [(a.path, a.before, a.after) for a in pre.changes] == [("settings.model.context_length", 65536, 131072)]
+    assert (dec.address, dec.action, dec.changes, dec.runs) == ("role.decode", "update", (), runs["decode"].restart)
+    text = render_text(p)
+    assert "No changes" not in text and "  # role.decode will be restarted (disruptive)" in text, text
+    assert "      runs now: its unit file differs from the running process, which the unfinished apply" in text, text
+    assert "      ~ settings.model.context_length: 65536 → 131072" in text, text
+    # a third spec: each role compared with what it runs
+    third = copy.deepcopy(seed)
+    third["model"]["context_length"] = 8192
+    p = make_plan(recorded, topo(third), runs=runs)
+    assert p.restarts() == ["prefill", "decode"]
+    assert {c.address: [(a.before, a.after) for a in c.changes] for c in p.changes} == {
+        "role.prefill": [(65536, 8192)], "role.decode": [(131072, 8192)]}
+    # a first deployment interrupted, then another first spec: its create of a running role restarts it
+    p = make_plan(None, topo(third), runs={"prefill": runs["prefill"]})
+    (c,) = [c for c in p.changes if c.address == "role.prefill"]
+    assert (c.action, c.restarts, [(a.before, a.after) for a in c.changes]) == ("create", ("prefill",), [(65536, 8192)])
+    assert p.restarts() == ["prefill"] and "  # role.prefill will be restarted (topology)" in render_text(p)
+
+
+def _runs_fixture(tmp_path, monkeypatch, states: dict[str, str]):  # noqa: ANN202
+    """The seed under the process supervisor, its context_length change (the target) interrupted once prefill_up had
+    proven prefill, the decode unit rewritten and not restarted, the router started not proven: (loaded spec of
+    the change, its journal state, the recorded deployment's spec dict). *states*: role → its unit's state, served by
+    a stand-in service manager."""
+    from pdctl.statemachine import launch, service
+    from pdctl.statemachine.journal import StepRecord
+    from pdctl.statemachine.steps import RESTARTING, STARTED, fingerprint_of
+    from pdctl.units import ServiceStatus
 
     d = seed_dict()
     d["service_manager"] = "process"
-    deployed = topology_of(parse_spec(d))
+    recorded = copy.deepcopy(d)
     d["model"]["context_length"] = 8192
     spec = tmp_path / "s.toml"
     spec.write_text(_toml_dump(d, list(range(8))))
-    sd = tmp_path / "state"
-    Journal(sd, "dsv4-flash").write(JournalState(
-        name="dsv4-flash", deployed=deployed, target=topology_of(parse_spec(d)),
-        steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done")}))
+    loaded = service.load(spec, state_dir=tmp_path / "state")
+    units = launch.unit_set_for(loaded.deployment, state_dir=str(loaded.journal.dir))
+    names = service.unit_names(topology_of(loaded.deployment))
+    state = JournalState(
+        name="dsv4-flash", deployed=topology_of(parse_spec(recorded)), target=topology_of(loaded.deployment),
+        units={names["prefill"]: fingerprint_of(units, names["prefill"]), names["decode"]: RESTARTING,
+               names["router"]: STARTED + fingerprint_of(units, names["router"])},
+        steps={"kernels_built": StepRecord("skipped"), "prefill_up": StepRecord("done"),
+               "decode_up": StepRecord("interrupted")})
+    loaded.journal.write(state)
+
+    class Manager:
+        def status(self, unit: str) -> ServiceStatus:
+            role = next(n for n, u in names.items() if u == unit)
+            return ServiceStatus(name=unit, state=states.get(role, "inactive"), main_pid=4242)
+
+        def installed_text(self, unit: str) -> str:
+            return "[Service]"
+
+    monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
+    return loaded, loaded.journal.read(), recorded
+
+
+def test_how_an_unfinished_apply_left_each_role_is_read_as_its_steps_will_judge_it(tmp_path, monkeypatch):
+    from pdctl.statemachine import service
+
+    states = {"prefill": "active", "decode": "active", "router": "activating"}
+    loaded, state, recorded = _runs_fixture(tmp_path, monkeypatch, states)
+    runs = service.runs_now(loaded, state)
+    assert set(runs) == {"prefill", "decode", "router"}
+    assert runs["prefill"].kept == "the unfinished apply started it with this spec's definition and proved it"
+    assert runs["router"].kept.startswith("the unfinished apply started it with this spec's definition; apply waits")
+    assert runs["decode"].restart.startswith("its unit file differs from the running process (the unfinished apply "
+                                             "rewrote the file") and runs["decode"].was is None
+    # a third spec: what prefill and the router run is the unfinished apply's spec, not this one's
+    third = copy.deepcopy(recorded)
+    third["model"]["context_length"] = 4096
+    third["router"]["policy"] = "round_robin"
+    spec = tmp_path / "third.toml"
+    spec.write_text(_toml_dump(third, list(range(8))))
+    runs = service.runs_now(service.load(spec, state_dir=loaded.journal.dir), state)
+    assert runs["prefill"].kept is None and runs["prefill"].was == state.target.roles_of("prefill")[0]
+    assert runs["prefill"].restart.endswith("which the unfinished apply started for its own spec")
+    assert runs["router"].was == state.target.router and runs["decode"].was is None
+    # a unit that does not run is left to not_running (apply starts it); with no apply unfinished there is nothing
+    states["decode"] = "inactive"
+    assert set(service.runs_now(loaded, state)) == {"prefill", "router"}
+    state.target = None
+    assert service.runs_now(loaded, state) == {}
+
+
+def test_plan_after_an_interrupted_change_says_which_restarts_apply_keeps(tmp_path, monkeypatch, capsys):
+    # (the plan listed prefill among the restarts although the resumed apply keeps the prefill its interrupted run
+    # already restarted and proved with these settings; it only said so in a note)
+    from pdctl.console import cli
+
+    loaded, _state, _recorded = _runs_fixture(tmp_path, monkeypatch, {"prefill": "active", "decode": "active",
+                                                                      "router": "active"})
     with pytest.raises(SystemExit) as e:
-        cli.main(["plan", str(spec), "--state-dir", str(sd)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    assert "that apply had already restarted and proved prefill with these settings: apply re-proves and keeps it" \
-        in err, err
-    assert "decode" not in err.split("already restarted and proved")[1].split(":")[0]
+        cli.main(["plan", str(loaded.path), "--state-dir", str(loaded.journal.dir), "--json"])
+    out = capsys.readouterr().out
+    assert e.value.code == 2, out
+    data = json.loads(out)
+    by = {c["address"]: c for c in data["changes"]}
+    assert by["role.prefill"]["kept"].endswith("and proved it") and by["role.prefill"]["restarts"] == []
+    assert by["role.decode"]["kept"] is None and by["role.decode"]["restarts"] == ["decode"]
+    assert by["role.decode"]["runs"].startswith("its unit file differs from the running process")
+    assert set(by) == {"role.prefill", "role.decode"}  # (the router's unit is the same: no change, none kept)
 
 
 def test_an_empty_list_is_shown_as_one_in_the_plan():
