@@ -989,10 +989,11 @@ class RouterExposed(Step):
         assert r is not None
         st = ctx.manager.status(unit)
         unchanged = ctx.journal_state.units.get(unit) in (ctx.fingerprint(unit), STARTED + ctx.fingerprint(unit))
-        if st.is_active and st.supervised and "router" not in ctx.restart and unchanged:
-            # The same router, running: what it lacks is workers this apply restarted, which its health checks bring
-            # back (the plan said it would not restart). Wait for that, within verify's bound, before restarting it;
-            # a fault waiting cannot mend (another process on its port, swapped roles) restarts it at once.
+        if st.state in ("active", "activating") and st.supervised and "router" not in ctx.restart and unchanged:
+            # The same router, running (or still starting, as an interrupted apply started it): what it lacks is
+            # workers this apply restarted, which its health checks bring back (the plan said it would not restart).
+            # Wait for that, within verify's bound, before restarting it; a fault waiting cannot mend (another process
+            # on its port, swapped roles) restarts it at once.
             class Unmendable(Exception):
                 pass
 
@@ -1024,6 +1025,7 @@ class RouterExposed(Step):
             ctx.restart_unit(unit, step=self.name)
         else:
             ctx.manager.start(unit)
+            ctx.started(unit)  # (as a restart is: a resumed apply keeps this router rather than restart it again)
 
     def _check(self, ctx: Context) -> Proof:
         url = ctx.router_url()

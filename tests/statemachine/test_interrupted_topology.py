@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import httpx
 import pytest
@@ -206,6 +207,27 @@ def test_a_first_deployment_interrupted_once_prefill_was_proven_plans_prefill_as
     assert r.returncode == 0, r.stderr
     assert "prefill_up: already satisfied" in r.stderr and f"{demo.name}-prefill.service" not in r.stderr, r.stderr
     assert _pids(demo)["prefill"] == prefill and demo.status()["healthy"]
+
+
+def test_a_router_an_interrupted_first_deployment_started_is_kept_not_restarted(demo):
+    # (the router's start, unlike a restart, was not journalled: the resume took the ready router for another
+    # definition and restarted it, while its plan had said nothing of it but "+ router will be created")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(sink=_InterruptAt("step_applied", step="router_exposed"))
+    deadline = time.monotonic() + 20  # (its supervisor names the router's PID once it has started it)
+    while not (before := _pids(demo))["router"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert before["router"], before
+    plan = demo.cli("plan", str(demo.spec), "--json")
+    assert plan.returncode == 2, plan.stderr
+    data = json.loads(plan.stdout)
+    assert {c["address"]: c["kept"] is not None for c in data["changes"]} == {
+        "role.prefill": True, "role.decode": True, "kv_link": True, "router": True}, data["changes"]
+    assert data["counts"] == [0, 0, 0]
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "restarting" not in r.stderr and f"{demo.name}-router.service unchanged" in r.stderr, r.stderr
+    assert _pids(demo) == before and demo.status()["healthy"]
 
 
 def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compared_with_what_runs(demo):
