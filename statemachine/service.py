@@ -182,7 +182,7 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
             out[name] = Runs(restart="it runs unsupervised (its supervisor is gone)")
         elif rec == STARTED + fp:
             out[name] = Runs(kept="the unfinished apply started it with this spec's definition" + (
-                " and proved it" if proven else "; apply waits for it while it loads, then proves it"))
+                " and proved it" if proven else "; apply waits until it serves, then proves it"))
         elif rec == fp and proven:
             out[name] = Runs(kept="the unfinished apply started it with this spec's definition and proved it")
         elif rec == RESTARTING:
