@@ -582,19 +582,27 @@ def _restarted_as_it_runs(deployed: Topology | None, desired: Topology, changes:
 
 def _kept_as_it_runs(desired: Topology, changes: list[ResourceChange],
                      runs: Mapping[str, Runs]) -> list[ResourceChange]:
-    """*changes* with what apply keeps as an unfinished apply left it (:attr:`Runs.kept`) marked
-    (:attr:`ResourceChange.kept`), restarting nothing: a create, update or replacement of a role or the router that
-    runs as the spec asks, and the KV link's create once both its ends are kept (apply only proves it again). Not the
-    router while another change restarts it (under systemd, a server's restart restarts it too)."""
-    kept = {("router" if n == "router" else f"role.{n}"): how.kept for n, how in runs.items() if how.kept is not None}
-    if any(c.address not in kept and c.address != "router" and "router" in c.restarts for c in changes):
+    """*changes* with what apply keeps as an unfinished apply left it (:attr:`Runs.kept`): the create, update or
+    replacement of a role or the router that runs as the spec asks is marked (:attr:`ResourceChange.kept`), the KV
+    link's create too once both its ends are kept (apply only proves it again), and so is a deployment-wide or KV link
+    change whose restarts are all kept; no change restarts a kept one any more. Not the router, though, while a
+    server that is not kept restarts it (under systemd, or to register a new model name)."""
+    kept = {n: how.kept for n, how in runs.items() if how.kept is not None}  # role names, router
+    if any("router" in c.restarts and any(r != "router" and r not in kept for r in c.restarts) for c in changes):
         kept.pop("router", None)
+    why = {("router" if n == "router" else f"role.{n}"): w for n, w in kept.items()}
     ends = [f"role.{r.name}" for r in desired.roles if r.kind in ("prefill", "decode")]
-    if ends and all(e in kept for e in ends):
-        kept["kv_link"] = "its prefill and decode run as the unfinished apply started them: apply proves the link again"
-    return [c.model_copy(update={"kept": kept[c.address], "restarts": ()})
-            if c.address in kept and c.action in ("create", "update", "replace") and (
-                c.address != "kv_link" or c.action == "create") else c for c in changes]
+    if ends and all(e in why for e in ends):
+        why["kv_link"] = "its prefill and decode run as the unfinished apply started them: apply proves the link again"
+    out: list[ResourceChange] = []
+    for c in changes:
+        left = tuple(r for r in c.restarts if r not in kept)
+        said = why.get(c.address) if c.action != "delete" and (c.address != "kv_link" or c.action == "create") else None
+        if said is None and c.address in ("deployment", "kv_link") and c.restarts and not left:
+            said = f"the unfinished apply started {', '.join(c.restarts)} with this spec's definition already"
+        out.append(c.model_copy(update={"kept": said, "restarts": left}) if said is not None or left != c.restarts
+                   else c)
+    return out
 
 
 def format_value(v: Any) -> str:
@@ -658,6 +666,8 @@ def _render_changes(plan: Plan) -> str:
         lines.append(f"{c.symbol:>3} {c.address}: {c.summary}")
         if c.kept is not None:  # (its attributes are what that apply changed already)
             lines.append(f"      kept: {c.kept}")
+            if c.restarts:  # (the router a kept server's new model name needs restarted)
+                lines.append(f"      restarts: {', '.join(c.restarts)}")
             lines.append("")
             continue
         if c.not_running is not None:

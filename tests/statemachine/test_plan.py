@@ -886,18 +886,41 @@ def test_what_an_unfinished_apply_left_running_as_asked_is_kept_not_created_nor_
     ctx["model"]["context_length"] = 8192
     assert make_plan(desired, topo(ctx)).restarts() == ["prefill", "router", "decode"]
     p = make_plan(desired, topo(ctx), runs={"prefill": proven})
-    assert p.restarts() == ["decode", "router"] and p.counts() == (0, 1, 0)
+    assert sorted(p.restarts()) == ["decode", "router"] and p.counts() == (0, 1, 0)
     (c,) = [c for c in p.changes if c.address == "role.prefill"]
-    assert (c.action, c.cls, c.restarts) == ("update", "disruptive", ())
+    assert (c.action, c.cls, c.restarts) == ("update", "disruptive", ("router",))  # (decode's restart stops it)
     # ...and the router, kept as it runs, is restarted all the same while a server's restart restarts it
     p = make_plan(desired, topo(ctx), runs={"prefill": proven, "router": proven})
     assert "router" in p.restarts() and "router" not in p.kept()
+    # under the process supervisor (no router stopped with its servers) a change made to both servers restarts nothing
+    before = topo({**seed, "service_manager": "process"})
+    p = make_plan(before, topo({**ctx, "service_manager": "process"}), runs={"prefill": proven, "decode": proven})
+    assert p.restarts() == [] and p.counts() == (0, 0, 0) and p.kept() == ["role.prefill", "role.decode"]
+    # a deployment-wide change the unfinished apply made to every role already restarts nothing either
+    env = copy.deepcopy(seed)
+    env["service_manager"] = "process"
+    env["engine"]["env"] = {"X": "1"}
+    assert make_plan(before, topo(env)).restarts() == ["decode", "prefill"]
+    p = make_plan(before, topo(env), runs={"prefill": proven})
+    assert p.restarts() == ["decode"] and p.kept() == []
+    p = make_plan(before, topo(env), runs={"prefill": proven, "decode": proven})
+    assert p.restarts() == [] and p.kept() == ["deployment"] and p.counts() == (0, 0, 0)
+    # servers the unfinished apply restarted under a new model name: the process supervisor's router still
+    # registers the old one and is restarted, unless that apply restarted it too
+    renamed = copy.deepcopy(seed)
+    renamed["service_manager"] = "process"
+    renamed["model"]["served_name"] = "another-name"
+    p = make_plan(before, topo(renamed), runs={"prefill": proven, "decode": proven})
+    assert p.restarts() == ["router"] and p.kept() == ["role.prefill", "role.decode"]
+    assert "      restarts: router" in render_text(p)
+    p = make_plan(before, topo(renamed), runs={"prefill": proven, "decode": proven, "router": proven})
+    assert p.restarts() == []
     # a reshape kept as it runs still needs its confirmation
     reshaped = copy.deepcopy(seed)
     reshaped["prefill"][0].update(tp=2, gpus=[0, 1])
     p = make_plan(desired, topo(reshaped), runs={"prefill": proven})
     assert p.requires_confirmation and p.plan_id == make_plan(desired, topo(reshaped)).plan_id
-    assert p.kept() == ["role.prefill"] and p.restarts() == []
+    assert p.kept() == ["role.prefill"] and p.restarts() == ["router"]  # (the systemd router its restart stopped)
 
 
 def test_a_role_an_unfinished_apply_left_running_otherwise_is_restarted_and_compared_with_what_runs():
