@@ -58,6 +58,56 @@ def discover_spec(tmp_path: Path) -> Path:
     return spec
 
 
+def process_gone(pid: int) -> bool:
+    """No process *pid* any more, or only its zombie (its parent exited, or has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def interrupted_while_nvidia_smi_runs(tmp_path: Path, command: list[str], sig: int,
+                                      smi_s: int = 30) -> tuple[subprocess.CompletedProcess, float, bool]:
+    """``pdctl *command* <discover spec>`` with a host whose ``nvidia-smi`` (a stand-in first on PATH) answers only after
+    *smi_s* seconds, sent *sig* once that stand-in has started: ``(the finished pdctl, seconds from the signal to its
+    exit, whether the stand-in had ended by then)``. The state directory is ``tmp_path / "state"``; the stand-in is
+    killed by its PID afterwards if it still runs. Bounded: 60 s for the start, 30 s for the exit."""
+    spec = discover_spec(tmp_path)
+    started = tmp_path / "smi.pid"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
+                                                 f"exec sleep {smi_s}\n")
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"),
+           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    argv = [sys.executable, "-m", "pdctl", command[0], str(spec), *command[1:]]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job's SIG_IGN)
+    smi = None
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert started.exists(), p.communicate(timeout=30)
+        smi = int(started.read_text())
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+        ended = process_gone(smi)  # as pdctl exits, not after a grace period
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if smi is not None and not process_gone(smi):  # (the stand-in started here, by its PID)
+            try:
+                os.kill(smi, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(argv, p.returncode, out, err), took, ended
+
+
 def dsv32_dict() -> dict:
     """The seed's shape serving DeepSeek-V3.2 with pdctl's kernels: the checkpoint whose sparse attention they compute
     (SGLang's dsa backend, 64-token pages, the 656-byte FP8 rows), with the plugin's decode path and V3.2's parsers

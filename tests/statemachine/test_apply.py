@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from harness import skip_or_fail
+from harness.deploy import process_gone
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
 from pdctl.statemachine.errors import ApplyFailed, LockHeld, RunCancelled, StepTimeout, VerifyFailed
@@ -1239,36 +1240,12 @@ def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, s
     # Ctrl-C (or SIGTERM) while the spec's hosts are discovered, before the engine has a plan: the --json stream ended
     # with no event at all (the engine emits apply_interrupted from its plan on). The host's nvidia-smi here answers
     # only after 20 s, and says when it was started.
-    from harness.deploy import discover_spec
+    from harness.deploy import interrupted_while_nvidia_smi_runs
 
-    spec = discover_spec(tmp_path)
-    started = tmp_path / "smi.pid"
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
-                                                 "exec sleep 20\n")
-    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"),
-           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(spec), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job's SIG_IGN)
-    try:
-        deadline = time.monotonic() + 60
-        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert started.exists(), p.communicate(timeout=30)
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=30)
-        ended = _gone(int(started.read_text()))  # ended with the apply (its own session: the signal never reached it)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        if started.exists() and not _gone(int(started.read_text())):  # (the stand-in this test started, by its PID)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(started.read_text()), signal.SIGKILL)
-    assert p.returncode == rc, err
-    assert ended, "the interrupted apply left its nvidia-smi running"
+    r, _took, ended = interrupted_while_nvidia_smi_runs(tmp_path, ["apply", "--json"], sig, smi_s=20)
+    out, err = r.stdout, r.stderr
+    assert r.returncode == rc, err
+    assert ended, "the interrupted apply left its nvidia-smi running"  # (its own session: the signal never reached it)
     events = [json.loads(x) for x in out.splitlines()]
     assert [e["kind"] for e in events] == ["apply_interrupted"], (events, err)
     assert events[0]["step"] is None and events[0]["data"] == {"plan_id": None}, events
@@ -1438,18 +1415,11 @@ def test_status_of_a_deployment_never_applied_says_not_deployed(demo):
     assert json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["healthy"] is False
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return b") Z" in open(f"/proc/{pid}/stat", "rb").read()
-    except FileNotFoundError:
-        return True
-
-
 def _kill_watchdog(demo, unit: str) -> int:
     wd = int((demo.state / "supervisor" / "services" / unit / "watchdog.pid").read_text())
     os.kill(wd, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not _gone(wd):
+    while time.monotonic() < deadline and not process_gone(wd):
         time.sleep(0.05)
     return wd
 
@@ -1527,7 +1497,7 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     sink = ListSink()
     demo.apply(sink=sink)
     assert ("step_verified", "decode_up") in sink.kinds()  # applied again, not skipped as satisfied
-    assert _gone(dec["main_pid"])
+    assert process_gone(dec["main_pid"])
     st = demo.status()
     d = next(r for r in st["roles"] if r["name"] == "decode")
     assert st["healthy"] and d["supervised"] and d["main_pid"] != dec["main_pid"]
@@ -1543,12 +1513,12 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     demo.apply(sink=sink)
     assert ("step_verified", "router_exposed") in sink.kinds()
     st = demo.status()
-    assert _gone(router["main_pid"]) and st["healthy"] and st["router"]["main_pid"] != router["main_pid"]
+    assert process_gone(router["main_pid"]) and st["healthy"] and st["router"]["main_pid"] != router["main_pid"]
     # And down ends an unsupervised role's server too (smg's included), leaving nothing on the demo's ports.
     router = st["router"]
     _kill_watchdog(demo, router["unit"])
     assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
-    assert _gone(router["main_pid"]) and demo.pids() == []
+    assert process_gone(router["main_pid"]) and demo.pids() == []
 
 
 def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):

@@ -40,6 +40,17 @@ def _collapse(d: dict, port: int) -> dict:
     return c
 
 
+def _collapse_interrupted(demo, sink: _InterruptAt):  # noqa: ANN001, ANN202
+    """The demo applied, then its collapse into one server (confirmed) interrupted by *sink*: (the collapse spec's path,
+    the confirmed plan)."""
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=sink)
+    return collapse, confirmed
+
+
 def _server_info(port: int) -> dict:
     with httpx.Client(trust_env=False) as c:
         return c.get(f"http://127.0.0.1:{port}/server_info").json()
@@ -161,11 +172,7 @@ def test_status_of_pd_roles_a_collapse_drops_but_that_still_run_says_what_each_c
 def test_status_of_pd_roles_removed_once_the_single_server_started_names_the_confirmation(demo):
     # (status said of the removed PD roles "applying the recorded spec starts it again", while going back is then a
     # topology change that apply refuses without --confirm-topology)
-    demo.apply()
-    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
-    confirmed = service.plan_spec(demo.load(collapse))
-    with pytest.raises(KeyboardInterrupt):
-        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("step_verified", step="server_up"))
+    _collapse_interrupted(demo, _InterruptAt("step_verified", step="server_up"))
     st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
     assert {u["name"] for u in st["removed"]} == {"prefill", "decode", "router"} and st["leftover"] == [], st
     assert st["recorded_requires_confirmation"] is True, st
@@ -230,16 +237,23 @@ def test_a_router_an_interrupted_first_deployment_started_is_kept_not_restarted(
     assert _pids(demo) == before and demo.status()["healthy"]
 
 
+def _context_change_interrupted_at(demo, step: str):  # noqa: ANN001, ANN202
+    """The demo applied, then a context_length change (131072 -> 65536) interrupted as *step* is proven: (the changed
+    spec as a dict, its path)."""
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 65536
+    changed = demo.write(d, "ctx65.toml")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(changed, sink=_InterruptAt("step_verified", step=step))
+    return d, changed
+
+
 def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compared_with_what_runs(demo):
     # A context_length change (131072 -> 65536) interrupted once prefill_up had proven prefill: prefill runs 65536,
     # decode still 131072 though its unit file was rewritten. A third spec's plan said "131072 → 8192" for prefill;
     # the recorded spec's said no changes, then apply restarted prefill and decode
-    demo.apply()
-    d = copy.deepcopy(demo.dict)
-    d["model"]["context_length"] = 65536
-    half = demo.write(d, "ctx65.toml")
-    with pytest.raises(KeyboardInterrupt):
-        demo.apply(half, sink=_InterruptAt("step_verified", step="prefill_up"))
+    d, _half = _context_change_interrupted_at(demo, "prefill_up")
     assert _server_info(demo.ports["prefill"])["context_length"] == 65536
     assert _server_info(demo.ports["decode"])["context_length"] == 131072
 
@@ -271,11 +285,7 @@ def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compare
 
 def test_resuming_a_collapse_whose_server_started_plans_the_server_as_kept(demo):
     # (the resumed collapse listed "+ role.server will be created" while the server it had started and proved ran)
-    demo.apply()
-    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
-    confirmed = service.plan_spec(demo.load(collapse))
-    with pytest.raises(KeyboardInterrupt):
-        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("step_verified", step="server_up"))
+    collapse, confirmed = _collapse_interrupted(demo, _InterruptAt("step_verified", step="server_up"))
     plan = demo.cli("plan", str(collapse))
     assert plan.returncode == 2, plan.stderr
     assert "role.server will be created" not in plan.stdout, plan.stdout
@@ -293,12 +303,7 @@ def test_resuming_a_collapse_whose_server_started_plans_the_server_as_kept(demo)
 def test_a_change_interrupted_once_both_servers_were_proven_is_planned_and_applied_as_kept(demo):
     # (the plan listed prefill and decode as updates that restart them, with a note that apply keeps one of them, and
     # apply's first event said "changes that restart roles" while it restarted nothing)
-    demo.apply()
-    d = copy.deepcopy(demo.dict)
-    d["model"]["context_length"] = 65536
-    changed = demo.write(d, "ctx65.toml")
-    with pytest.raises(KeyboardInterrupt):
-        demo.apply(changed, sink=_InterruptAt("step_verified", step="decode_up"))
+    _d, changed = _context_change_interrupted_at(demo, "decode_up")
     data = json.loads(demo.cli("plan", str(changed), "--json").stdout)
     assert [(c["address"], c["action"], c["restarts"], c["kept"] is not None) for c in data["changes"]] == [
         ("role.prefill", "update", [], True), ("role.decode", "update", [], True)], data["changes"]

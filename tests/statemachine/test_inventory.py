@@ -6,16 +6,14 @@ nvidia-smi is a script on PATH that prints what the real one prints for ``--quer
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from harness.deploy import discover_spec
+from harness.deploy import discover_spec, interrupted_while_nvidia_smi_runs
 from pdctl.statemachine.errors import HostError, SpecError
 from pdctl.statemachine.hosts import LocalHost
 from pdctl.statemachine.inventory import discover, parse_gpu_query, sysfs_bus_id
@@ -111,52 +109,15 @@ def test_the_cli_plan_names_the_host_and_the_fix_when_it_cannot_discover(tmp_pat
     assert r.returncode == 0, r.stderr
 
 
-def _gone(pid: int) -> bool:
-    """No process *pid* any more, or only its zombie (its parent, pdctl, exited without reaping it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.parametrize("sig,rc,said", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, "terminated (SIGTERM); ")])
 def test_an_interrupted_plan_ends_the_nvidia_smi_it_started(tmp_path, sig, rc, said):
     # pdctl runs a host's commands in their own session (a timeout kills the group): Ctrl-C at the terminal never
     # reached nvidia-smi and SIGTERM ended pdctl at once, so a wedged nvidia-smi ran on after pdctl had gone, with
     # nothing left to time it out. Here it answers only after 30 s, and says when it was started.
-    spec = discover_spec(tmp_path)
-    started = tmp_path / "smi.pid"
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
-                                                 "exec sleep 30\n")
-    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"),
-           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.Popen([sys.executable, "-m", "pdctl", "plan", str(spec)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job's SIG_IGN)
-    smi = None
-    try:
-        deadline = time.monotonic() + 60
-        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert started.exists(), p.communicate(timeout=30)
-        smi = int(started.read_text())
-        t0 = time.monotonic()
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=30)
-        took = time.monotonic() - t0
-        ended = _gone(smi)  # as pdctl exits, not after a grace period
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        if smi is not None and not _gone(smi):  # (the stand-in this test started, by its PID)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(smi, signal.SIGKILL)
-    assert p.returncode == rc, err
-    assert ended, f"nvidia-smi (PID {smi}) still runs after pdctl exited"
+    r, took, ended = interrupted_while_nvidia_smi_runs(tmp_path, ["plan"], sig)
+    out, err = r.stdout, r.stderr
+    assert r.returncode == rc, err
+    assert ended, "nvidia-smi still runs after pdctl exited"
     assert took < 10, took  # not nvidia-smi's 30 s
     assert out == "" and err.rstrip().splitlines()[-1] == said + "interrupted: a plan changes nothing; run it again", err
     assert not (tmp_path / "state").exists()
