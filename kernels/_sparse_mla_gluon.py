@@ -127,9 +127,9 @@ def _split_range(K, len_ptr, t, sp, SPLITS, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _store_split(acc0, acc1, acc2, acc3, m_i, l_i, t, hb, sp, H, SPLITS, o_ptr, stride_ot, stride_oh, lse_ptr,
                  stride_lt, mo_ptr, ml_ptr, SPLIT_OUT: gl.constexpr, BLOCK_H: gl.constexpr, MMA: gl.constexpr):
-    # Normalise Oᵀ by the softmax denominator and write either this split's fp32 partial and its LSE (merged by
-    # `_combine_kernel`) or, unsplit, the bf16 output and LSE. An empty split or row has l = 0: o = 0 and lse = −inf
-    # (partial) / +inf (FlashMLA's convention for the output).
+    # Normalise Oᵀ by the softmax denominator and write either this split's partial (fp32, or bf16 with
+    # DecodeConfig.bf16_partials) and its LSE (merged by `_combine_kernel`) or, unsplit, the bf16 output and LSE. An
+    # empty split or row has l = 0: o = 0 and lse = −inf (partial) / +inf (FlashMLA's convention for the output).
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     live = l_i > 0.0
