@@ -356,9 +356,7 @@ def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
             global _interrupted_hint
             _interrupted_hint = _APPLY_NOT_STARTED
             if rep.as_json:
-                from pdctl.statemachine.events import Event
-
-                rep.emit(Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None}))
+                rep.emit(_apply_not_started_event())
         raise
 
 
@@ -890,10 +888,14 @@ def _interrupted_before_the_command(args: list[str]) -> None:
     elif command == "apply":
         _interrupted_hint = _APPLY_NOT_STARTED
         if "--json" in args:
-            from pdctl.statemachine.events import Event
+            sys.stdout.write(json.dumps(_apply_not_started_event().to_json(), default=str) + "\n")
 
-            event = Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None})
-            sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
+
+def _apply_not_started_event():  # noqa: ANN202
+    """The ``apply_interrupted`` event that ends an ``apply --json`` stream interrupted before the engine's plan."""
+    from pdctl.statemachine.events import Event
+
+    return Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None})
 
 
 def _during_interrupt(exc: BaseException) -> bool:
