@@ -296,14 +296,17 @@ def _combine_block_d(row_heads: int, num_sms: int) -> int:
     return block_d
 
 
-def _combine_warps(block_s: int, block_d: int) -> int:
-    """Warps of one combine program: 1 for a [splits, lanes] tile of at most 2048 values, else 4. The merge is a
-    chain of dependent loads and reductions; one warp reduces over the splits with shuffles alone, where four
-    meet in shared memory behind barriers. Measured on the H200 (2026-11-30, CUDA-graph replays, whole decode
+def _combine_warps(block_s: int, block_d: int, bf16_partials: bool = False) -> int:
+    """Warps of one combine program: 1 for a [splits, lanes] tile of at most 2048 values (4096 with bf16 partials),
+    else 4. The merge is a chain of dependent loads and reductions; one warp reduces over the splits with shuffles
+    alone, where four meet in shared memory behind barriers. Measured on the H200 (CUDA-graph replays, whole decode
     call, ``kernels/RESULTS.md``): with 32-lane blocks it took h = 16, B = 1 from 7.27 to 6.9 µs, h = 32, B = 1 from
-    7.84 to 7.3, h = 128, B = 1 (16 splits) from 16.0 to 11.9, h = 16, B = 8 from 14.6 to 12.0; with 4096-value
-    tiles (h ≥ 64, B = 8) one warp was 1.3–1.7 µs slower, two warps 1.0–1.3 µs."""
-    return 1 if block_s * block_d <= 2048 else 4
+    7.84 to 7.3, h = 128, B = 1 (16 splits) from 16.0 to 11.9, h = 16, B = 8 from 14.6 to 12.0 (2026-11-30); with
+    4096-value tiles of fp32 partials (h ≥ 64, B = 8) one warp was 0.3–2.1 µs slower, but with bf16 partials four
+    warps were the slow choice: gluon-5 32,8 at h = 64, B = 8 23.2 µs plain and 30.1 with PDL against 21.1 and 22.2
+    with one warp; gluon-7 64,8 at h = 128, B = 8 34.3 / 38.2 against 30.1 / 30.9 (2026-12-01,
+    ``benchmarks/partials_probe.py``)."""
+    return 1 if block_s * block_d <= (4096 if bf16_partials else 2048) else 4
 
 
 def _num_sms(device: torch.device) -> int:
@@ -440,6 +443,7 @@ def sparse_mla_decode(
         block_s = max(2, _next_pow2(cfg.splits))
         comb_k[(t_rows, heads, D_V // block_d)](
             mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_combine_warps(block_s, block_d), **merge_launch,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_combine_warps(block_s, block_d, bool(cfg.bf16_partials)),
+            **merge_launch,
         )
     return out, lse

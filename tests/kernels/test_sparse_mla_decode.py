@@ -67,6 +67,8 @@ def test_split_merge_spread_over_lane_blocks_for_small_batches(monkeypatch, kv_f
     monkeypatch.setattr(_sparse_mla, "_num_sms", lambda device: 132)
     assert _sparse_mla._combine_block_d(2 * 8, 132) == 32 and _sparse_mla._combine_block_d(64 * 16, 132) == 512
     assert _sparse_mla._combine_warps(32, 64) == 1 and _sparse_mla._combine_warps(8, 512) == 4
+    assert _sparse_mla._combine_warps(8, 512, bf16_partials=True) == 1  # (slower with 4 warps on the H200)
+    assert _sparse_mla._combine_warps(16, 512, bf16_partials=True) == 4
     q, kv, idx, length = _case(8, rows=2)
     cache = quantize_kv656(kv) if kv_format == "fp8" else kv
     out = torch.full((2, 8, 512), float("nan"))
