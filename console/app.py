@@ -138,11 +138,13 @@ class ConsoleApp(App[int]):
 
     # -- messages ----------------------------------------------------------------------------------
     class TelemetryUpdated(Message):
-        """A new snapshot from the telemetry worker; a newer one replaces a queued older one."""
+        """A new snapshot from the telemetry worker; a newer one replaces a queued older one. *started*: when its
+        collection began (``time.monotonic()``)."""
 
-        def __init__(self, snapshot: Snapshot) -> None:
+        def __init__(self, snapshot: Snapshot, started: float | None = None) -> None:
             super().__init__()
             self.snapshot = snapshot
+            self.started = started
 
         def can_replace(self, message: Message) -> bool:
             return isinstance(message, ConsoleApp.TelemetryUpdated)
@@ -214,6 +216,7 @@ class ConsoleApp(App[int]):
         spec asks (``ResourceChange.kept``)."""
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
+        self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
         self.apply_ended = threading.Event()
@@ -343,7 +346,7 @@ class ConsoleApp(App[int]):
                 self.call_from_thread(self.notify, f"telemetry: {type(exc).__name__}: {exc}", severity="warning")
             else:
                 if not worker.is_cancelled:
-                    self.post_message(self.TelemetryUpdated(snap))
+                    self.post_message(self.TelemetryUpdated(snap, started=t0))
             self._wake.wait(max(0.05, self.refresh_s - (time.monotonic() - t0)))
             self._wake.clear()
 
@@ -542,18 +545,23 @@ class ConsoleApp(App[int]):
 
     # -- message handlers -------------------------------------------------------------------------
     def on_console_app_telemetry_updated(self, message: TelemetryUpdated) -> None:
+        # A snapshot whose collection began before the apply's last step event may have read the journal before that
+        # step's write: its steps would take the panel back (the last step "running" after the apply reached it).
+        fresh = message.started is None or message.started >= self._progressed_at
         try:
-            self.show_snapshot(message.snapshot)
+            self.show_snapshot(message.snapshot, steps=fresh)
         except NoMatches:  # the app is shutting down: its panels are gone
             self._panels_ready = False
 
-    def show_snapshot(self, snap: Snapshot) -> None:
-        """Render *snap* in every panel (also how tests feed fixed samples)."""
+    def show_snapshot(self, snap: Snapshot, *, steps: bool = True) -> None:
+        """Render *snap* in every panel (also how tests feed fixed samples); with ``steps=False`` all but the steps
+        (and the selected step's proof), which an apply's later step event has already shown."""
         if not self._panels_ready:
             return
         self.snapshot = snap
-        steps = self._w(StepsPanel)
-        steps.steps = snap.steps
+        if steps:
+            self._w(StepsPanel).steps = snap.steps
+            self._refresh_proof(snap.steps)
         topo_panel = self._w(TopologyPanel)
         topo_panel.topology = snap.topology
         topo_panel.services = dict(snap.services)
@@ -567,7 +575,6 @@ class ConsoleApp(App[int]):
             logs.roles = roles
         if snap.log_role is not None and snap.log_role == logs.role:
             logs.show(snap.log_role, snap.log_lines)
-        self._refresh_proof(snap.steps)
         self.sub_title = self._status_line()
         self.refresh_bindings()  # the apply key follows the lock (held by another apply, or free again)
         serial = snap.journal.serial if snap.journal is not None else 0
@@ -646,6 +653,7 @@ class ConsoleApp(App[int]):
             topo = current_topology(self.loaded, message.journal)
             steps = step_views(expected_states(topo), message.journal, self.clock())
             self._w(StepsPanel).steps = steps
+            self._progressed_at = time.monotonic()
             self._refresh_proof(steps)
         if ev.kind in ("step_failed", "role_removed"):
             self.notify(ev.message, severity="error" if ev.kind == "step_failed" else "information", timeout=8)

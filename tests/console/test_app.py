@@ -706,3 +706,42 @@ async def test_the_first_frame_shows_the_journals_steps_not_all_pending(console_
         await pilot.pause()
         assert app.snapshot is None
         assert [v.status for v in app.query_one(StepsPanel).steps] == ["done"] * len(PD_STATES)
+
+
+async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_steps_back(console_demo):
+    # The telemetry worker read the journal (parsers_configured running), the apply then journalled the step done and
+    # its event set the steps panel, and only then was the worker's snapshot delivered: it showed the last step
+    # "running" after the apply had reached it (seen in test_console_applies_the_demo_to_parsers_configured).
+    import time
+
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+
+    loaded = console_demo.load()
+    j = Journal(console_demo.state, console_demo.name)
+    target = topology_of(loaded.deployment)
+    done = {name: StepRecord(status="skipped" if name == "kernels_built" else "done") for name in PD_STATES}
+    client = httpx.Client(transport=metrics_transport(console_demo.ports, set()))
+    collector = Collector(loaded, interval_s=0.1, client=client, manager=FakeManager(), nvml=False)
+    app = ConsoleApp(loaded, refresh_s=3600, collector=collector, nvml=False, apply_fn=Recorder())
+
+    def status_of(step: str) -> str:
+        return next(s.status for s in app.query_one(StepsPanel).steps if s.name == step)
+
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None)
+        j.write(JournalState(name=console_demo.name, target=target,
+                             steps={**done, "parsers_configured": StepRecord(status="running")}))
+        began = time.monotonic()
+        stale = collector.collect()
+        state = JournalState(name=console_demo.name, deployed=target, steps=done)
+        j.write(state)
+        app.post_message(ConsoleApp.ApplyProgressed(Event("step_done", "parsers configured",
+                                                          step="parsers_configured"), state))
+        await wait_for(pilot, lambda: status_of("parsers_configured") == "done")
+        app.post_message(ConsoleApp.TelemetryUpdated(stale, started=began))
+        await wait_for(pilot, lambda: app.snapshot is stale)
+        assert status_of("parsers_configured") == "done"
+        # a snapshot begun after the step event is shown whole, steps too
+        app.post_message(ConsoleApp.TelemetryUpdated(stale, started=time.monotonic()))
+        await wait_for(pilot, lambda: status_of("parsers_configured") == "running")
