@@ -10,19 +10,29 @@ probe talks to the stranger). pdctl therefore checks, on the role's host:
 * in every proof, that the process listening on the role's HTTP port is the unit's main process
   or one of its descendants (:func:`listener_belongs`).
 
-Facts come from Linux's ``/proc/net/tcp``/``tcp6`` (state ``0A`` = LISTEN; the local port is hex),
-``/proc/<pid>/fd`` socket links and ``/proc/<pid>/stat`` (parent PID), read through the host object
-so that an SSH host answers the same way. The parsers are pure.
+A port is "held" against a server only where the server's own bind would fail: on Linux two sockets may listen on one
+TCP port when both are bound to specific, different addresses (127.0.0.1:P and 127.0.0.2:P), never when either is
+bound to a wildcard (0.0.0.0, ::) or both to the same address (``bind(2)`` EADDRINUSE; ``SO_REUSEADDR`` does not lift
+it for a listening socket, ``socket(7)``). Callers give each port the address the server binds it on
+(:func:`bind_address`), or None where any holder of the port is in the way (:func:`in_the_way`).
+
+Facts come from Linux's ``/proc/net/tcp``/``tcp6`` (state ``0A`` = LISTEN; the local address and port are hex),
+``/proc/<pid>/fd`` socket links, ``/proc/<pid>/stat`` (parent PID) and ``/sys/kernel/cpu_byteorder`` (how the tables
+print addresses), read through the host object so that an SSH host answers the same way. The parsers are pure.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Listener", "applied_with", "foreign_listeners", "held_outside", "is_descendant", "listeners",
-           "listener_belongs", "parse_proc_net_tcp", "started_as", "started_by"]
+__all__ = ["Listener", "applied_with", "bind_address", "foreign_listeners", "held_outside", "in_the_way",
+           "is_descendant", "listeners", "listener_belongs", "local_address", "parse_proc_net_tcp", "started_as",
+           "started_by"]
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True)
@@ -31,16 +41,66 @@ class Listener:
     pid: int | None
     """None when the socket's owner could not be found (another user's process, a namespace)."""
     command: str = ""
+    addresses: frozenset[IPAddress] | None = None
+    """The local addresses its listening sockets on *port* are bound to (``0.0.0.0`` / ``::``: every address; an
+    IPv4-mapped IPv6 address as its IPv4 one); None when one of them could not be read (the host's byte order
+    unknown): such a listener is in the way of any bind on its port."""
 
 
-def parse_proc_net_tcp(text: str) -> dict[str, int]:
-    """``{socket inode: local port}`` of the LISTEN sockets in a ``/proc/net/tcp*`` table."""
-    out: dict[str, int] = {}
+def parse_proc_net_tcp(text: str) -> dict[str, tuple[int, str]]:
+    """``{socket inode: (local port, local address field)}`` of the LISTEN sockets in a ``/proc/net/tcp*`` table; the
+    address field is the table's hex, which :func:`local_address` reads."""
+    out: dict[str, tuple[int, str]] = {}
     for row in text.splitlines()[1:]:
         f = row.split()
         if len(f) > 9 and f[3] == "0A":
-            out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+            addr, port = f[1].rsplit(":", 1)
+            out[f[9]] = (int(port, 16), addr)
     return out
+
+
+def local_address(field: str, byteorder: str) -> IPAddress | None:
+    """The address a ``/proc/net/tcp*`` local-address *field* names, None where it cannot be read. The kernel prints
+    the address as 32-bit words, each a number in the CPU's own byte order (``%08X`` of the ``__be32`` words:
+    ``get_tcp4_sock`` in net/ipv4/tcp_ipv4.c, ``get_tcp6_sock`` in net/ipv6/tcp_ipv6.c), so 127.0.0.1 reads
+    ``0100007F`` on a little-endian host and ``7F000001`` on a big-endian one: *byteorder* (``little`` or ``big``, as
+    ``/sys/kernel/cpu_byteorder`` says) is needed. An IPv4-mapped IPv6 address (a dual-stack socket bound to
+    ``::ffff:a.b.c.d``) is returned as its IPv4 address, which is what it holds."""
+    if byteorder not in ("little", "big") or len(field) not in (8, 32):
+        return None
+    try:
+        raw = b"".join(int(field[i:i + 8], 16).to_bytes(4, byteorder) for i in range(0, len(field), 8))
+    except ValueError:
+        return None
+    ip = ipaddress.ip_address(raw)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
+
+
+def bind_address(host: str) -> str | None:
+    """The one address a server given *host* to bind (``--host``, smg's ``--prometheus-host``) listens on, for
+    :func:`in_the_way`: an IP literal, normalised (``::ffff:127.0.0.1`` is 127.0.0.1; brackets dropped). None where
+    that is every address (a wildcard: ``0.0.0.0``, ``::``, or ``""``, the unspecified address) or not known for
+    sure: a host name is resolved by the server when it binds, to one address or several (aiohttp's ``TCPSite``,
+    SGLang's bootstrap server, binds every address ``getaddrinfo`` gives), which pdctl does not resolve the same
+    way here, so any holder of the port counts."""
+    try:
+        ip = ipaddress.ip_address(host.strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    ip = mapped if mapped is not None else ip
+    return None if ip.is_unspecified else str(ip)
+
+
+def in_the_way(listener: Listener, bind: str | None) -> bool:
+    """Whether *listener* keeps a server from binding its port on *bind* (:func:`bind_address`; None: on every
+    address, or where pdctl does not know which): a listener on a wildcard address, or on *bind* itself, is; one on
+    another specific address is not (Linux lets both listen). A listener whose addresses are unknown always is."""
+    if bind is None or listener.addresses is None:
+        return True
+    want = ipaddress.ip_address(bind)
+    return any(a.is_unspecified or a == want for a in listener.addresses)
 
 
 def _read(host, path: str) -> str:  # noqa: ANN001
@@ -59,24 +119,39 @@ def _shortened(command: str, limit: int = 160) -> str:
     return head + " …"
 
 
-def listeners(host, ports: set[int]) -> list[Listener]:  # noqa: ANN001
-    """The processes listening on any of *ports* on *host* (one entry per port and PID)."""
-    inodes: dict[str, int] = {}
+def _addresses(fields: Iterable[str], byteorder: str) -> frozenset[IPAddress] | None:
+    out = [local_address(f, byteorder) for f in fields]
+    return None if any(a is None for a in out) else frozenset(a for a in out if a is not None)
+
+
+def listeners(host, ports: Iterable[int]) -> list[Listener]:  # noqa: ANN001
+    """The processes listening on any of *ports* on *host* (one entry per port and PID, with the addresses its sockets
+    on that port are bound to)."""
+    ports = set(ports)
+    inodes: dict[str, tuple[int, str]] = {}  # inode -> (port, local address field)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for inode, port in parse_proc_net_tcp(_read(host, table)).items():
+        for inode, (port, field) in parse_proc_net_tcp(_read(host, table)).items():
             if port in ports:
-                inodes[inode] = port
+                inodes[inode] = (port, field)
     if not inodes:
         return []
-    found: dict[tuple[int, int], Listener] = {}
+    byteorder = _read(host, "/sys/kernel/cpu_byteorder").strip()  # (Linux >= 3.15; unreadable: addresses unknown)
+    found: dict[tuple[int, int], tuple[str, set[str]]] = {}  # (port, pid) -> (command, address fields)
+    owned: set[str] = set()
     for pid, inode in host.socket_links():
         if inode in inodes:
-            port = inodes[inode]
-            cmd = _read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()
-            found[(port, pid)] = Listener(port, pid, _shortened(cmd))
+            port, field = inodes[inode]
+            owned.add(inode)
+            if (port, pid) not in found:
+                found[(port, pid)] = (_shortened(_read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()), set())
+            found[(port, pid)][1].add(field)
+    out = [Listener(port, pid, cmd, _addresses(fields, byteorder)) for (port, pid), (cmd, fields) in found.items()]
     seen_ports = {p for p, _ in found}
-    out = list(found.values())
-    out += [Listener(p, None) for p in set(inodes.values()) - seen_ports]
+    unowned: dict[int, set[str]] = {}
+    for inode, (port, field) in inodes.items():
+        if inode not in owned and port not in seen_ports:
+            unowned.setdefault(port, set()).add(field)
+    out += [Listener(p, None, "", _addresses(fields, byteorder)) for p, fields in unowned.items()]
     return sorted(out, key=lambda x: (x.port, x.pid or 0))
 
 
@@ -107,10 +182,13 @@ def is_descendant(host, pid: int, ancestor: int) -> bool:  # noqa: ANN001
 
 
 def listener_belongs(host, port: int, main_pid: int | None,  # noqa: ANN001
-                     found: list[Listener] | None = None) -> tuple[bool, list[Listener]]:
-    """Whether every listener on *port* is *main_pid* or a descendant of it. *found*: listeners already read
+                     found: list[Listener] | None = None, *, bind: str | None = None) -> tuple[bool, list[Listener]]:
+    """Whether every listener on *port* that answers on *bind* (the server's bind address, :func:`bind_address`;
+    None: every listener on the port) is *main_pid* or a descendant of it: a process on another specific address of
+    the same port neither answers the server's clients nor keeps it from binding. *found*: listeners already read
     with :func:`listeners` for a set of ports including *port* (one scan for several checks)."""
     ls = listeners(host, {port}) if found is None else [x for x in found if x.port == port]
+    ls = [x for x in ls if in_the_way(x, bind)]
     if not ls or main_pid is None:
         return False, ls
     return all(lst.pid is not None and is_descendant(host, lst.pid, main_pid) for lst in ls), ls
@@ -158,16 +236,19 @@ def started_as(host, pid: int, *, args: Iterable[str] = (), cgroups: Iterable[st
     return False
 
 
-def foreign_listeners(host, ports: set[int], main_pid: int | None) -> list[Listener]:  # noqa: ANN001
-    """Listeners on *ports* that are not the unit's main process (or its descendants)."""
+def foreign_listeners(host, ports: Mapping[int, str | None], main_pid: int | None) -> list[Listener]:  # noqa: ANN001
+    """Listeners in the way of *ports* (``{port: bind address}``, as for :func:`held_outside`) that are not the unit's
+    main process (or its descendants)."""
     return held_outside(host, ports, [main_pid] if main_pid else [])
 
 
-def held_outside(host, ports: set[int], main_pids: list[int]) -> list[Listener]:  # noqa: ANN001
-    """Listeners on *ports* that are none of *main_pids* nor a descendant of one (all of them when the list is
+def held_outside(host, ports: Mapping[int, str | None], main_pids: list[int]) -> list[Listener]:  # noqa: ANN001
+    """Listeners in the way of *ports* (``{port: the address the server binds it on}``, None where any listener on the
+    port is: :func:`in_the_way`) that are none of *main_pids* nor a descendant of one (all of them when the list is
     empty; those whose owner is unknown always)."""
     return [
         lst
         for lst in listeners(host, ports)
-        if lst.pid is None or not any(is_descendant(host, lst.pid, pid) for pid in main_pids)
+        if in_the_way(lst, ports[lst.port])
+        and (lst.pid is None or not any(is_descendant(host, lst.pid, pid) for pid in main_pids))
     ]

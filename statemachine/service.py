@@ -715,7 +715,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
-        owned = bool(code) and st.main_pid is not None and ports.listener_belongs(host, r.port, st.main_pid, found)[0]
+        owned = bool(code) and st.main_pid is not None and ports.listener_belongs(
+            host, r.port, st.main_pid, found, bind=ports.bind_address(r.http_host))[0]
         roles.append(
             {
                 "name": r.name,

@@ -212,34 +212,73 @@ def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: flo
 # --- server roles --------------------------------------------------------------------------------
 
 
-def _router_ports(router: RouterTopology) -> set[int]:
-    """The router's HTTP port and its Prometheus port."""
-    return {router.port, int(router.settings.get("prometheus_port") or router.port)}
+def _bind(out: dict[int, str | None], port: int, bind: str | None) -> None:
+    # one port bound twice (the spec's rules refuse it): any holder counts
+    out[port] = bind if out.get(port, bind) == bind else None
 
 
-def _role_ports(role: RoleTopology) -> set[int]:
+def _router_ports(router: RouterTopology) -> dict[int, str | None]:
+    """``{port: bind address}`` (:func:`ports.bind_address`) of the router's HTTP port and its Prometheus port. smg
+    binds each on the address it is given: ``--host`` and ``--prometheus-host`` (smg 1.13.0 ``--help``,
+    shared/reference/router: "Host address to bind the router server", "… the Prometheus metrics server"); without
+    ``--prometheus-host`` (a journal older than the field) on "the unspecified address of --host's family": every
+    address, as ``bind_address("")`` says."""
+    out: dict[int, str | None] = {}
+    _bind(out, router.port, ports.bind_address(router.host))
+    prom = router.settings.get("prometheus_port")
+    _bind(out, int(prom or router.port), ports.bind_address(str(router.settings.get("prometheus_host") or ""))
+          if prom else ports.bind_address(router.host))
+    return out
+
+
+def _role_ports(role: RoleTopology) -> dict[int, str | None]:
+    """``{port: bind address}`` (:func:`ports.bind_address`; None: any holder of the port is in the way) of every port
+    *role*'s server listens on. Sources (SGLang 0.5.23 unless said):
+
+    * HTTP port: uvicorn binds ``--host`` (shared/reference/sglang-pd.md §1.2).
+    * KV bootstrap port (prefill): ``CommonKVBootstrapServer`` binds the prefill's ``--host`` too (sglang-pd.md §4:
+      "on prefill ``--host:--disaggregation-bootstrap-port``"; ``disaggregation/common/conn.py``,
+      ``web.TCPSite(runner, host=self.host, port=self.port)`` with ``host=server_args.host``).
+    * NCCL port: torch.distributed's rendezvous store, which SGLang's ``ModelRunner`` opens at
+      ``tcp://127.0.0.1:{nccl_port}`` (``model_executor/model_runner.py``, no ``--dist-init-addr``); its server
+      (``TCPStore``, torch ``c10d/TCPStoreLibUvBackend.cpp`` ``UvTcpServer::makeWithPort``) binds ``::`` or
+      ``0.0.0.0`` whatever host the init method names: every address, so any holder of the port is in the way.
+    * attention-DP's derived ports (``port+233 … port+239``): ZMQ endpoints that sglang-pd.md §1.2 puts on
+      127.0.0.1, but which of them a server binds, and how many, differs between SGLang releases (later ones reserve
+      more for their Rust server path) and was not read for every release pdctl targets: the port number alone
+      counts, as before addresses were compared.
+    """
     from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS
 
-    out = {role.port}
+    http = ports.bind_address(role.http_host)
+    out: dict[int, str | None] = {}
+    _bind(out, role.port, http)
     if role.kind == "prefill" and role.bootstrap_port:
-        out.add(role.bootstrap_port)
+        _bind(out, role.bootstrap_port, http)
     if role.nccl_port:
-        out.add(role.nccl_port)
+        _bind(out, role.nccl_port, None)
     if role.attn_dp > 1:
-        out |= {role.port + off for off in DERIVED_PORT_OFFSETS}
+        for off in DERIVED_PORT_OFFSETS:
+            _bind(out, role.port + off, None)
     return out
 
 
 def deployment_ports(topo: Topology) -> dict[int, str]:
     """``{port: role name}`` of every port *topo*'s roles and router listen on (HTTP, bootstrap, NCCL, the derived
     attention-DP ports, the router's metrics): what an apply needs free and what a running deployment holds."""
-    out: dict[int, str] = {}
+    return {port: name for port, (name, _bind_to) in deployment_binds(topo).items()}
+
+
+def deployment_binds(topo: Topology) -> dict[int, tuple[str, str | None]]:
+    """``{port: (role name, bind address)}``: :func:`deployment_ports` with the address each port is bound on
+    (:func:`_role_ports`, :func:`_router_ports`; None: any holder of the port is in the way)."""
+    out: dict[int, tuple[str, str | None]] = {}
     for role in topo.roles:
-        for port in _role_ports(role):
-            out.setdefault(port, role.name)
+        for port, bind in _role_ports(role).items():
+            out.setdefault(port, (role.name, bind))
     if topo.router is not None:
-        for port in _router_ports(topo.router):
-            out.setdefault(port, "router")
+        for port, bind in _router_ports(topo.router).items():
+            out.setdefault(port, ("router", bind))
     return out
 
 
@@ -247,8 +286,9 @@ def _describe(ls: list[ports.Listener]) -> str:
     return ", ".join(f"port {x.port} by PID {x.pid or '?'} ({x.command or 'unknown'})" for x in ls)
 
 
-def _preflight_ports(ctx: Context, name: str, wanted: set[int], main_pid: int | None, step: str) -> None:
-    """Refuse to start *name* while a process outside its unit holds one of its ports."""
+def _preflight_ports(ctx: Context, name: str, wanted: dict[int, str | None], main_pid: int | None, step: str) -> None:
+    """Refuse to start *name* while a process outside its unit holds one of its ports (*wanted*: ``{port: bind
+    address}``) in the way of its bind."""
     foreign = ports.foreign_listeners(ctx.host, wanted, main_pid)
     if foreign:
         raise ApplyFailed(
@@ -276,12 +316,14 @@ def _started_here(ctx: Context, units: set[str]) -> Callable[[int], bool]:
     return lambda pid: ports.started_as(ctx.host, pid, cgroups=[f"/{u}" for u in sorted(units)], not_cgroups=system)
 
 
-def _ports_wanted(ctx: Context, own_units: set[str]) -> tuple[dict[int, tuple[str, str]], list[int]]:
-    """``({port: (role, step)}, main PIDs of *own_units*)``: the ports the deployment will listen on, with the role
-    that needs each and the step an apply would fail at, and the processes that vouch for a listener."""
+def _ports_wanted(ctx: Context, own_units: set[str]) -> tuple[dict[int, tuple[str, str, str | None]], list[int]]:
+    """``({port: (role, step, bind address)}, main PIDs of *own_units*)``: the ports the deployment will listen on,
+    with the role that needs each, the step an apply would fail at and the address it binds the port on
+    (:func:`deployment_binds`), and the processes that vouch for a listener. Plan's warning and apply's refusal both
+    scan with this (:func:`ports_held_elsewhere`, :func:`ports_taken_elsewhere`)."""
     topo = ctx.topology
     step_of = role_steps(topo)
-    wanted = {port: (name, step_of[name]) for port, name in deployment_ports(topo).items()}  # port -> (role, step)
+    wanted = {port: (name, step_of[name], bind) for port, (name, bind) in deployment_binds(topo).items()}
     if not wanted:
         return {}, []
     # (a unit still stopping its main process, e.g. after an interrupted `pdctl down`, does not vouch for it: that
@@ -291,14 +333,18 @@ def _ports_wanted(ctx: Context, own_units: set[str]) -> tuple[dict[int, tuple[st
     return wanted, ours
 
 
-def _unowned_looked_again(ctx: Context, wanted: dict[int, tuple[str, str]], ours: list[int],
+def _binds(wanted: dict[int, tuple[str, str, str | None]]) -> dict[int, str | None]:
+    return {port: w[2] for port, w in wanted.items()}
+
+
+def _unowned_looked_again(ctx: Context, wanted: dict[int, tuple[str, str, str | None]], ours: list[int],
                           held: list[ports.Listener]) -> list[ports.Listener]:
     # A listener no process owns is a socket being torn down (its process exiting) or one of a process this user
     # cannot see; the first is gone within moments: look again for up to 2 s.
     deadline = time.monotonic() + 2.0
     while any(x.pid is None for x in held) and time.monotonic() < deadline:
         time.sleep(0.1)
-        held = ports.held_outside(ctx.host, set(wanted), ours)
+        held = ports.held_outside(ctx.host, _binds(wanted), ours)
     return held
 
 
@@ -313,7 +359,7 @@ def ports_held_elsewhere(ctx: Context, own_units: set[str]) -> list[PortHeld]:
     if not wanted:
         return []
     mine = _started_here(ctx, own_units)
-    held = [x for x in ports.held_outside(ctx.host, set(wanted), ours) if x.pid is None or not mine(x.pid)]
+    held = [x for x in ports.held_outside(ctx.host, _binds(wanted), ours) if x.pid is None or not mine(x.pid)]
     held = [x for x in _unowned_looked_again(ctx, wanted, ours, held) if x.pid is None or not mine(x.pid)]
     markers = set(ctx.unit_of.values())
     out = []
@@ -333,7 +379,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     wanted, ours = _ports_wanted(ctx, own_units)
     if not wanted:
         return
-    held = ports.held_outside(ctx.host, set(wanted), ours)
+    held = ports.held_outside(ctx.host, _binds(wanted), ours)
     # A process started for one of this deployment's own units but no longer its main process: a server its
     # supervisor is still stopping (an interrupted apply's restart; a server slow to exit on SIGTERM). Its unit ends
     # it within TimeoutStopSec: wait that long, saying so, rather than call it another deployment's.
@@ -347,7 +393,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         while leftover and time.monotonic() < deadline:
             ctx.checkpoint()
             time.sleep(min(ctx.timeouts.poll, 0.5))
-            held = ports.held_outside(ctx.host, set(wanted), ours)
+            held = ports.held_outside(ctx.host, _binds(wanted), ours)
             leftover = [x for x in held if x.pid is not None and mine(x.pid)]
         if leftover:
             raise ApplyFailed(
@@ -544,9 +590,11 @@ def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
                 ctx.manager.stop(unit)
 
 
-def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str) -> None:
-    """The process answering on *port* must be *unit*'s own (main PID or a descendant)."""
-    ok, ls = ports.listener_belongs(ctx.host, port, main_pid)
+def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str,
+                 bind: str | None) -> None:
+    """The process answering on *port* at *bind* (the server's bind address, :func:`ports.bind_address`) must be
+    *unit*'s own (main PID or a descendant); one on another specific address of the port answers other clients."""
+    ok, ls = ports.listener_belongs(ctx.host, port, main_pid, bind=bind)
     if not ok:
         who = _describe(ls) if ls else f"nobody listens on port {port}"
         raise UnmendableFault(
@@ -640,7 +688,7 @@ class ServersUp(Step):
         code = probes.health(ctx.client, role.url)
         if code != 200:
             raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)
-        _check_owner(ctx, role.name, unit, role.port, st.main_pid, self.name)
+        _check_owner(ctx, role.name, unit, role.port, st.main_pid, self.name, ports.bind_address(role.http_host))
         info = probes.server_info(ctx.client, role.url)
         exp = expected_server_info(role, ctx.topology)
         bad = server_info_mismatches(info, exp)
@@ -682,7 +730,7 @@ class ServersUp(Step):
             running = st.state in ("active", "activating")
             # Nothing starts while a process outside this unit holds one of its ports (after stopping any of this
             # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
-            _vacate_for(ctx, r.name, _role_ports(r))
+            _vacate_for(ctx, r.name, set(_role_ports(r)))
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
             # A server an interrupted apply started with the definition wanted now (journalled as started) is not
             # restarted again on resume: waited for while it loads, proven as it stands once loaded. Otherwise a role
@@ -1032,7 +1080,8 @@ class RouterExposed(Step):
         r0 = ctx.topology.router
         assert r0 is not None
         unit = ctx.unit_of["router"]
-        _check_owner(ctx, "router", unit, r0.port, ctx.manager.status(unit).main_pid, self.name)
+        _check_owner(ctx, "router", unit, r0.port, ctx.manager.status(unit).main_pid, self.name,
+                     ports.bind_address(r0.host))
         status, body = probes.router_readiness(ctx.client, url)
         if status != 200:
             raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)

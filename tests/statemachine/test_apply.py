@@ -897,20 +897,72 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     rj = demo.cli("plan", str(demo.spec), "--json")
     assert r.returncode == ExitCode.OK and "Warning" not in r.stdout, (r.stdout, r.stderr)
     assert rj.returncode == ExitCode.OK and json.loads(rj.stdout)["ports_held"] == [], rj.stdout
-    # a stranger on the router's port over IPv6 (the router listens on 127.0.0.1): no changes (exit 0), warned
+    # a stranger on the router's port over IPv6 (the router listens on 127.0.0.1): on [::1] it takes nothing from the
+    # router (Linux lets both listen), so no warning; on [::] it may take every address (whether it is IPv6-only does
+    # not show in /proc/net/tcp6), so warned; no changes either way (exit 0)
+    for address, warned in (("::1", False), ("::", True)):
+        try:
+            squatter = _socket.socket(_socket.AF_INET6)
+            squatter.setsockopt(_socket.IPPROTO_IPV6, _socket.IPV6_V6ONLY, 1)
+            squatter.bind((address, port))
+        except OSError:
+            squatter.close()
+            return  # (no IPv6 loopback here)
+        squatter.listen()
+        try:
+            r = demo.cli("plan", str(demo.spec))
+        finally:
+            squatter.close()
+        assert r.returncode == ExitCode.OK and "No changes." in r.stdout, r.stderr
+        assert (f"  ! {said} ({me})" in r.stdout) is warned, (address, r.stdout)
+
+
+def _listening(address: str, port: int) -> _socket.socket:
+    s = _socket.socket(_socket.AF_INET6 if ":" in address else _socket.AF_INET)
+    s.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    s.bind((address, port))
+    s.listen()
+    return s
+
+
+def test_a_port_held_on_another_loopback_address_is_no_conflict_unlike_one_on_a_wildcard_or_the_same_address(make_demo):
+    # A process on 127.0.0.2:P made apply refuse a role that binds 127.0.0.1:P (and plan warn of it), which Linux allows:
+    # the ports check compared port numbers only. Plan's warning and apply's refusal share one scan
+    # (steps._ports_wanted), which now also compares each port's bind address; NCCL's rendezvous store binds every
+    # address whatever the role's http_host, so any holder of that port is in the way.
+    from pdctl.statemachine import steps
+
+    demo = make_demo()
+    _ports_in_35k(demo)
+    ctx = _ctx(demo)
+    own = set(ctx.unit_of.values())
+    router, pnccl = demo.ports["router"], demo.ports["pnccl"]
+    for address, port, role, step in (("0.0.0.0", router, "router", "router_exposed"),
+                                      ("127.0.0.1", router, "router", "router_exposed"),
+                                      ("127.0.0.2", pnccl, "prefill", "prefill_up")):
+        holder = _listening(address, port)
+        try:
+            held = steps.ports_held_elsewhere(ctx, own)
+            with pytest.raises(ApplyFailed, match=f"{role} needs port {port} at {step}, held by PID {os.getpid()}"):
+                steps.ports_taken_elsewhere(ctx, own)
+            r = demo.cli("apply", str(demo.spec)) if address == "0.0.0.0" else None
+        finally:
+            holder.close()
+        assert [(h.port, h.role, h.step, h.pid) for h in held] == [(port, role, step, os.getpid())], (address, held)
+        if r is not None:  # the headless apply refuses it as the scan does: exit 3, nothing started
+            assert r.returncode == ExitCode.STEP_FAILED and f"{role} needs port {port} at {step}" in r.stderr, r.stderr
+    # On 127.0.0.2, every port the roles and router bind on 127.0.0.1 (HTTP, bootstrap, metrics): no warning, no
+    # refusal, and the whole apply goes through with them held, each proof finding its own process on its address
+    on_127_0_0_2 = [_listening("127.0.0.2", demo.ports[k]) for k in ("prefill", "bootstrap", "decode", "router", "prom")]
     try:
-        squatter = _socket.socket(_socket.AF_INET6)
-        squatter.bind(("::1", port))
-    except OSError:
-        squatter.close()
-        return  # (no IPv6 loopback here)
-    squatter.listen()
-    try:
-        r = demo.cli("plan", str(demo.spec))
+        rj = demo.cli("plan", str(demo.spec), "--json")
+        assert rj.returncode == ExitCode.CHANGES and json.loads(rj.stdout)["ports_held"] == [], (rj.stdout, rj.stderr)
+        assert demo.apply().state == "parsers_configured"
+        st = demo.status()
+        assert st["healthy"] and all(r["port_owned"] for r in st["roles"]), st
     finally:
-        squatter.close()
-    assert r.returncode == ExitCode.OK and "No changes." in r.stdout, r.stderr
-    assert f"  ! {said} ({me})" in r.stdout, r.stdout
+        for s in on_127_0_0_2:
+            s.close()
 
 
 def test_a_server_change_keeps_the_process_supervisors_router(make_demo):

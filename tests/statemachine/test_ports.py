@@ -1,0 +1,54 @@
+"""Who holds a port, by address: the pure readers of ``/proc/net/tcp*`` and the rule that says which holder is in the
+way of a bind (:mod:`pdctl.statemachine.ports`).
+
+``fixtures/proc_net_tcp.txt`` and ``proc_net_tcp6.txt`` were captured on a little-endian x86_64 host with listeners on
+127.0.0.2:30001, 0.0.0.0:30010, [::1]:30020, [::ffff:127.0.0.1]:30110 and [::]:30120 (IPV6_V6ONLY); row 3 of the IPv4
+table, an established connection (state 01) from 127.0.0.1:30010, was added by hand: it listens on nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pdctl.statemachine.ports import Listener, bind_address, in_the_way, local_address, parse_proc_net_tcp
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def test_listening_sockets_are_read_with_their_port_and_address_field():
+    v4 = parse_proc_net_tcp((FIX / "proc_net_tcp.txt").read_text())
+    v6 = parse_proc_net_tcp((FIX / "proc_net_tcp6.txt").read_text())
+    assert v4 == {"1879752": (30001, "0200007F"), "1879753": (30010, "00000000")}  # not the established one
+    assert v6 == {"1879755": (30110, "0000000000000000FFFF00000100007F"),
+                  "1879754": (30020, "00000000000000000000000001000000"),
+                  "1879756": (30120, "00000000000000000000000000000000")}
+    read = {port: local_address(field, "little") for port, field in [*v4.values(), *v6.values()]}
+    assert read == {30001: ipaddress.ip_address("127.0.0.2"), 30010: ipaddress.ip_address("0.0.0.0"),
+                    30020: ipaddress.ip_address("::1"), 30110: ipaddress.ip_address("127.0.0.1"),  # (IPv4-mapped)
+                    30120: ipaddress.ip_address("::")}
+
+
+def test_an_address_is_read_in_the_hosts_byte_order_and_not_at_all_without_it():
+    # the kernel prints each 32-bit word as a number in the CPU's order: a big-endian host prints 127.0.0.2 as 7F000002
+    assert local_address("7F000002", "big") == local_address("0200007F", "little") == ipaddress.ip_address("127.0.0.2")
+    assert local_address("0200007F", "big") == ipaddress.ip_address("2.0.0.127")
+    assert local_address("00000000000000000000000001000000", "big") == ipaddress.ip_address("::100:0")
+    assert local_address("0200007F", "") is None  # /sys/kernel/cpu_byteorder unreadable
+    assert local_address("0200007", "little") is None and local_address("0200007G", "little") is None
+
+
+def test_a_holder_on_another_specific_address_is_not_in_the_way_a_wildcard_or_the_same_one_is():
+    def holder(*addresses: str) -> Listener:
+        return Listener(30001, 4242, "squatter", frozenset(ipaddress.ip_address(a) for a in addresses))
+
+    assert not in_the_way(holder("127.0.0.2"), "127.0.0.1")
+    assert not in_the_way(holder("::1"), "127.0.0.1")  # another family's loopback
+    assert in_the_way(holder("127.0.0.1"), "127.0.0.1")
+    assert in_the_way(holder("0.0.0.0"), "127.0.0.1") and in_the_way(holder("::"), "127.0.0.1")
+    assert in_the_way(holder("127.0.0.2", "127.0.0.1"), "127.0.0.1")  # one of its sockets is
+    assert in_the_way(holder("127.0.0.2"), None)  # the server binds every address, or pdctl cannot tell which
+    assert in_the_way(Listener(30001, None), "127.0.0.1")  # its addresses unknown
+    # what each spec address binds: one normalised address, or None (every address, or not known for sure)
+    assert [bind_address(h) for h in ("127.0.0.1", "::ffff:127.0.0.2", "[::1]", "0.0.0.0", "::", "", "localhost")] \
+        == ["127.0.0.1", "127.0.0.2", "::1", None, None, None, None]
