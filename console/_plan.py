@@ -1,4 +1,6 @@
-"""The plan panel: the pending plan in Terraform's text (``render_text``), coloured by action."""
+"""The plan panel: the pending plan in Terraform's text (``render_text``), coloured by action, with ``pdctl plan``'s
+warning after it of ports held outside the deployment (``Plan.ports_held``), or a note that they could not be
+checked."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from pdctl.statemachine.plan import Plan, render_text
 __all__ = ["PlanPanel", "render_plan"]
 
 
-def render_plan(plan: Plan | None, *, error: str | None = None) -> Text:
-    """*plan* as ``pdctl plan`` prints it, each line coloured by what it does."""
+def render_plan(plan: Plan | None, *, error: str | None = None, ports_unchecked: str | None = None) -> Text:
+    """*plan* as ``pdctl plan`` prints it, each line coloured by what it does; *ports_unchecked*: why the ports it will
+    listen on could not be checked (``Plan.ports_held`` is None), said after it as ``pdctl plan`` says it on
+    stderr."""
     if error:
         return Text(f"The spec cannot be planned: {error}", style="bold red")
     if plan is None:
@@ -29,6 +33,8 @@ def render_plan(plan: Plan | None, *, error: str | None = None) -> Text:
             style = "yellow"
         elif s.startswith("!"):
             style = "bold red"
+        elif s.startswith("Warning:"):
+            style = "bold yellow"
         elif s.startswith("#"):
             style = "dim"
         elif s.startswith("Plan:") or s.startswith("No changes"):
@@ -36,6 +42,8 @@ def render_plan(plan: Plan | None, *, error: str | None = None) -> Text:
         if i:
             out.append("\n")
         out.append(line, style=style)
+    if ports_unchecked:
+        out.append(f"\n\nnote: {ports_unchecked}", style="yellow")
     return out
 
 
@@ -53,12 +61,15 @@ class PlanPanel(Widget):
     """The plan shown (None: not planned yet)."""
     error: reactive[str | None] = reactive(None, layout=True)
     """Why the spec could not be loaded or planned."""
+    ports_unchecked: reactive[str | None] = reactive(None, layout=True)
+    """Why the ports the plan's deployment will listen on could not be checked (the host or its service manager
+    could not be asked); None when they were (the plan's ``ports_held`` then says what holds them)."""
     last_failure: reactive[str | None] = reactive(None, layout=True)
     """Why the console's last apply failed or was refused, in full (its toast goes after 15 s, the header cuts
     it); shown above the plan until the next apply starts."""
 
     def render(self) -> Text:
-        plan = render_plan(self.plan, error=self.error)
+        plan = render_plan(self.plan, error=self.error, ports_unchecked=self.ports_unchecked)
         if not self.last_failure:
             return plan
         return Text.assemble((self.last_failure, "bold red"), "\n\n", plan)

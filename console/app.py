@@ -3,8 +3,10 @@
 It holds no deployment logic. Apply runs :func:`pdctl.statemachine.service.apply` in a thread
 worker (group ``apply``) with a sink that posts :class:`ConsoleApp.ApplyProgressed` messages;
 reloading the spec runs :func:`~pdctl.statemachine.service.plan_spec` in another (group
-``plan``); telemetry (journal, service manager, scrapes, NVML/sysfs, logs) runs in a third
-(group ``telemetry``) at the configured interval and posts :class:`ConsoleApp.TelemetryUpdated`
+``plan``), which also asks the host what ``pdctl plan`` says beside the changes: an apply unfinished or a role not
+serving (:func:`~pdctl.statemachine.service.plan_unsettled`), ports held outside the deployment
+(:func:`~pdctl.statemachine.service.ports_held_or_why`); telemetry (journal, service manager, scrapes, NVML/sysfs,
+logs) runs in a third (group ``telemetry``) at the configured interval and posts :class:`ConsoleApp.TelemetryUpdated`
 snapshots, each superseding the one before. The UI thread only renders.
 
 Key availability is computed in :meth:`ConsoleApp.check_action`: apply is hidden while the
@@ -169,7 +171,7 @@ class ConsoleApp(App[int]):
         """The spec was (re)loaded and planned (*error*: why it could not be)."""
 
         def __init__(self, loaded: Any, plan: Plan | None, error: str | None, unsettled: str | None = None,
-                     kept: tuple[str, ...] = ()) -> None:
+                     kept: tuple[str, ...] = (), ports_unchecked: str | None = None) -> None:
             super().__init__()
             self.loaded = loaded
             self.plan = plan
@@ -179,6 +181,9 @@ class ConsoleApp(App[int]):
             self.kept = kept
             """``service.Unsettled.kept``: roles the comparison restarts that the plan keeps as an interrupted apply
             left them (running what the spec asks)."""
+            self.ports_unchecked = ports_unchecked
+            """Why the plan's ``ports_held`` is None: the host could not be asked which of the deployment's ports are
+            held outside it."""
 
     # -- construction ------------------------------------------------------------------------------
     def __init__(
@@ -353,7 +358,7 @@ class ConsoleApp(App[int]):
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False, description="plan")
     def reload_spec(self, reread: bool = True) -> None:
         """(Re)load the spec from disk when *reread*, then plan it against the journal."""
-        from pdctl.statemachine.service import load, plan_spec, plan_unsettled
+        from pdctl.statemachine.service import load, plan_spec, plan_unsettled, ports_held_or_why
 
         loaded = self.loaded
         try:
@@ -373,8 +378,12 @@ class ConsoleApp(App[int]):
                                                         f"({type(exc).__name__}: {exc})"})
         if why is not None and why.text:
             plan = plan.model_copy(update={"unsettled": why.text})
+        # the ports a process outside the deployment holds: `pdctl plan`'s warning after the plan (apply refuses them);
+        # whatever keeps them from being checked is a note, never a plan left unshown
+        held, unchecked = ports_held_or_why(loaded, recorded, catch=(Exception,))
+        plan = plan.model_copy(update={"ports_held": held})
         self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None,
-                                       why.kept if why is not None else ()))
+                                       why.kept if why is not None else (), unchecked))
 
     @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
     def run_apply(self, confirm: str | None, expect_plan: str | None) -> None:
@@ -628,6 +637,7 @@ class ConsoleApp(App[int]):
             self._planned_serial = message.plan.from_serial
         panel = self._w(PlanPanel)
         panel.error = message.error
+        panel.ports_unchecked = message.ports_unchecked
         panel.plan = message.plan
         self._w(TopologyPanel).plan = message.plan
         if message.error:

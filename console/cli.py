@@ -224,17 +224,15 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
 
 def _ports_held(loaded, recorded):  # noqa: ANN001, ANN202
     """The ports apply would refuse (held outside the deployment), for the plan's warning; None, with a note, when
-    the host or its service manager cannot be asked: a warning is not worth failing the plan over, and apply checks
-    them again before its first step. They never change plan's exit code: apply refuses them itself (exit 3),
-    nothing changed, so a script that applies on exit 2 stays safe."""
-    from pdctl.statemachine.service import ports_held
+    the host or its service manager cannot be asked (:func:`~pdctl.statemachine.service.ports_held_or_why`, as the
+    console's plan tab). They never change plan's exit code: apply refuses them itself (exit 3), nothing changed, so
+    a script that applies on exit 2 stays safe."""
+    from pdctl.statemachine.service import ports_held_or_why
 
-    try:
-        return ports_held(loaded, recorded)
-    except (PdctlError, UnitsError, OSError) as exc:
-        _err(f"note: the plan could not check whether the deployment's ports are free (apply checks them before "
-             f"its first step): {getattr(exc, 'message', None) or exc}")
-        return None
+    held, why = ports_held_or_why(loaded, recorded)
+    if why:
+        _err(f"note: {why}")
+    return held
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001

@@ -324,6 +324,24 @@ def ports_held(loaded: Loaded, recorded, *, host=None) -> tuple[PortHeld, ...]: 
             the_host.close()
 
 
+def ports_held_or_why(loaded: Loaded, recorded, *,  # noqa: ANN001
+                      catch: tuple[type[Exception], ...] | None = None) -> tuple[tuple[PortHeld, ...] | None, str | None]:
+    """:func:`ports_held` for the warning after a plan (``pdctl plan``, the console's plan tab): ``(held, None)``, or
+    ``(None, why)`` where the host or its service manager cannot be asked (*catch*: the errors that say so, by default
+    PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks the ports
+    again before its first step. *why* is a sentence for people."""
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.units import UnitsError
+
+    expected = (PdctlError, UnitsError, OSError)
+    try:
+        return ports_held(loaded, recorded), None
+    except catch or expected as exc:
+        said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
+        return None, ("the plan could not check whether the deployment's ports are free (apply checks them before "
+                      f"its first step): {said}")
+
+
 # --- apply ---------------------------------------------------------------------------------------
 
 

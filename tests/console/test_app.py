@@ -745,3 +745,63 @@ async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_ste
         # a snapshot begun after the step event is shown whole, steps too
         app.post_message(ConsoleApp.TelemetryUpdated(stale, started=time.monotonic()))
         await wait_for(pilot, lambda: status_of("parsers_configured") == "running")
+
+
+async def test_the_plan_tab_warns_of_a_port_held_outside_the_deployment_as_pdctl_plan_does(console_demo, monkeypatch):
+    # `pdctl plan` warned of a port held outside the deployment (which apply then refuses, exit 3); the console's plan
+    # tab said nothing of it. It asks the host in its plan worker, off the UI thread, as it asks what runs.
+    import os
+    import socket
+
+    from pdctl.statemachine import service
+
+    real, threads = service.ports_held, []
+
+    def watched(loaded, recorded, **kw):  # noqa: ANN001, ANN202
+        threads.append(threading.current_thread())
+        return real(loaded, recorded, **kw)
+
+    monkeypatch.setattr(service, "ports_held", watched)
+    with open(f"/proc/{os.getpid()}/cmdline") as f:
+        me = f.read().replace("\0", " ").strip()
+    port = console_demo.ports["router"]
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))  # the router's address and port in the spec
+    squatter.listen()
+    app = make_app(console_demo)
+    try:
+        async with app.run_test(size=(160, 40)) as pilot:
+            await wait_for(pilot, lambda: app.plan is not None)
+            await pilot.press("6")
+            await pilot.pause()
+            [held] = app.plan.ports_held
+            assert (held.port, held.role, held.step, held.pid) == (port, "router", "router_exposed", os.getpid())
+            assert held.command and me.startswith(held.command.removesuffix(" …")), (held.command, me)
+            shown = app.query_one(PlanPanel).render().plain
+            assert "Warning: ports this deployment will listen on are held outside it" in shown, shown
+            assert (f"  ! router needs port {port} at router_exposed, held by PID {os.getpid()} ({held.command})"
+                    in shown), shown
+            assert shown.index("Plan:") < shown.index("Warning:")  # after the plan, as `pdctl plan` puts it
+            assert "note:" not in shown
+            assert threads and threading.main_thread() not in threads  # the plan worker's, never the UI's
+    finally:
+        squatter.close()
+
+
+async def test_the_plan_tab_notes_when_the_host_could_not_be_asked_which_ports_are_held(console_demo, monkeypatch):
+    from pdctl.statemachine import service
+    from pdctl.statemachine.errors import HostError
+
+    def unreachable(loaded, recorded, **kw):  # noqa: ANN001, ANN202
+        raise HostError("ssh gpu-1: connection refused")
+
+    monkeypatch.setattr(service, "ports_held", unreachable)
+    app = make_app(console_demo)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        assert app.plan.ports_held is None  # (null in `pdctl plan --json`)
+        shown = app.query_one(PlanPanel).render().plain
+        assert "Plan: 4 to add" in shown, shown  # the plan stands
+        assert ("note: the plan could not check whether the deployment's ports are free (apply checks them before its "
+                "first step): ssh gpu-1: connection refused") in shown, shown
+        assert "Warning:" not in shown
