@@ -352,7 +352,13 @@ class ConsoleApp(App[int]):
             else:
                 if not worker.is_cancelled:
                     self.post_message(self.TelemetryUpdated(snap, started=t0))
-            self._wake.wait(max(0.05, self.refresh_s - (time.monotonic() - t0)))
+            # Until the next interval or a wake, looking at the cancellation every 0.5 s: Textual cancels this worker
+            # without waking it (an exit, a failed test), and one wait of refresh_s (up to 3600 s) held the process's
+            # exit that long.
+            deadline = max(t0 + self.refresh_s, time.monotonic() + 0.05)
+            while not worker.is_cancelled and (left := deadline - time.monotonic()) > 0:
+                if self._wake.wait(min(left, 0.5)):
+                    break
             self._wake.clear()
 
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False, description="plan")

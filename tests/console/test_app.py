@@ -747,6 +747,39 @@ async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_ste
         await wait_for(pilot, lambda: status_of("parsers_configured") == "running")
 
 
+async def test_a_cancelled_telemetry_worker_leaves_its_wait_within_a_second(console_demo):
+    # Textual cancels the worker on exit without waking it; --refresh takes up to 3600 s, and one wait that long held
+    # the process's exit (seen as a test run that hung at its end).
+    import time
+
+    app = make_app(console_demo)
+    app.refresh_s = 3600
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None)
+        app._wake.set()  # (one more round, so that the worker waits with the new interval)
+        await pilot.pause(0.3)
+        assert _telemetry_threads()
+        app.workers.cancel_group(app, "telemetry")
+        deadline = time.monotonic() + 2
+        while _telemetry_threads() and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert not _telemetry_threads()
+
+
+def _telemetry_threads() -> list[int]:
+    """Threads now inside ``ConsoleApp.poll_telemetry``."""
+    import sys
+
+    def inside(frame) -> bool:  # noqa: ANN001
+        while frame is not None:
+            if frame.f_code.co_name == "poll_telemetry":
+                return True
+            frame = frame.f_back
+        return False
+
+    return [tid for tid, frame in sys._current_frames().items() if inside(frame)]
+
+
 async def test_the_plan_tab_warns_of_a_port_held_outside_the_deployment_as_pdctl_plan_does(console_demo, monkeypatch):
     # `pdctl plan` warned of a port held outside the deployment (which apply then refuses, exit 3); the console's plan
     # tab said nothing of it. It asks the host in its plan worker, off the UI thread, as it asks what runs.
