@@ -28,7 +28,7 @@ from pdctl.units.errors import UnitsError
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
     "plan (apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
-    "129 / 143 an apply, down or plan stopped by SIGHUP / SIGTERM."
+    "129 / 143 an apply, down, plan, status or chat stopped by SIGHUP / SIGTERM."
 )
 
 app = typer.Typer(
@@ -151,9 +151,7 @@ def plan(
     will listen on that a process outside it holds is a warning after the plan (`ports_held` in --json), which apply
     refuses (exit 3): it does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
     ending any command it had started here (nvidia-smi discovering GPUs)."""
-    global _interrupted_hint
-    _interrupted_hint = _PLAN_INTERRUPTED
-    with _signals_as_interrupt():  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
+    with _interruptible("plan"):  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
         _plan(spec, state_dir, as_json, out)
 
 
@@ -340,6 +338,17 @@ def _signals_as_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _interruptible(command: str) -> Iterator[None]:
+    # A command that changes nothing (plan, status, chat), stopped by Ctrl-C, SIGTERM or SIGHUP: main() ends it with
+    # exit 130 / 143 / 129 and its own one line (_SAID_WHEN_INTERRUPTED), no traceback, and LocalHost.run ends the
+    # command it was waiting on (nvidia-smi, systemctl: their own sessions, which no terminal signal reaches)
+    global _interrupted_hint
+    _interrupted_hint = _SAID_WHEN_INTERRUPTED[command]
+    with _signals_as_interrupt():
+        yield
+
+
+@contextlib.contextmanager
 def _interrupt_before_the_plan_reported(rep: _Reporter) -> Iterator[None]:
     # The engine ends a run it interrupts with apply_interrupted, from its plan on. Ctrl-C (SIGTERM, SIGHUP) before
     # that, while the engine's modules load, the spec is read, its hosts discovered (over SSH, seconds) or the plan
@@ -453,7 +462,13 @@ def status_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print status as JSON")] = False,
 ) -> None:
     """Each role's unit state, health and last proof (and its age); the router's view.
-    Exit 0 when everything is healthy, 1 otherwise."""
+    Exit 0 when everything is healthy, 1 otherwise; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), ending
+    any command it had started here (systemctl)."""
+    with _interruptible("status"):  # (SIGTERM would end pdctl at once, leaving a hung systemctl in its session)
+        _status(spec, state_dir, as_json)
+
+
+def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
     from pdctl.statemachine.service import load, status
 
     loaded = load(spec, state_dir=state_dir, rules=False)
@@ -704,8 +719,14 @@ def chat_cmd(
 
     The answer's JSON goes to stdout. Exit 0: HTTP 200; 1: a deployment that is not deployed (nothing recorded in the
     state directory: whatever listens on the spec's port is not asked), any other status, no connection, or no
-    answer within --timeout (120 s: a busy or frozen server).
+    answer within --timeout (120 s: a busy or frozen server); 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM /
+    SIGHUP).
     """
+    with _interruptible("chat"):  # (SIGTERM ended pdctl at once, with no word of why)
+        _chat(spec, message, state_dir, timeout)
+
+
+def _chat(spec: Path, message: str, state_dir: Path | None, timeout: float) -> None:
     import httpx
 
     from pdctl.statemachine.probes import PROBE_TOOL
@@ -881,8 +902,8 @@ def _interrupted_before_the_command(args: list[str]) -> None:
     stream with the same ``apply_interrupted`` event (plan id null)."""
     global _interrupted_hint
     command = next((a for a in args if not a.startswith("-")), None)
-    if command == "plan":
-        _interrupted_hint = _PLAN_INTERRUPTED
+    if command in _SAID_WHEN_INTERRUPTED:
+        _interrupted_hint = _SAID_WHEN_INTERRUPTED[command]
     elif command == "apply":
         _interrupted_hint = _APPLY_NOT_STARTED
         if "--json" in args:
@@ -922,7 +943,13 @@ def os_error_hint(e: OSError) -> str:
         return ("that path is not writable here (a read-only file system, or another user's): give a writable "
                 "--state-dir / PDCTL_STATE_DIR, or run as the user that owns it")
     return "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)"
-_PLAN_INTERRUPTED = "interrupted: a plan changes nothing; run it again"
+_SAID_WHEN_INTERRUPTED = {
+    "plan": "interrupted: a plan changes nothing; run it again",
+    "status": "interrupted: status only reads, it changes nothing; run it again",
+    "chat": "interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); run it again",
+}
+"""The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
+also while its command line is still being parsed."""
 _APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; run the same command again"
 _APPLY_NOT_STARTED_EVENT = "interrupted before the apply started: nothing was changed; apply again"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "

@@ -14,11 +14,11 @@ code  name            meaning
                       first step (the step is named on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
-129   HANGUP          ``apply``, ``down``, ``plan``, the console: SIGHUP (the terminal or SSH session went away), handled
-                      like Ctrl-C
+129   HANGUP          ``apply``, ``down``, ``plan``, ``status``, ``chat``, the console: SIGHUP (the terminal or SSH
+                      session went away), handled like Ctrl-C
 130   INTERRUPTED     Ctrl-C; the console: quit during an apply that then stopped where it was
-143   TERMINATED      ``apply``, ``down``, ``plan``: SIGTERM (``timeout``, a CI runner, a process manager), handled like
-                      Ctrl-C
+143   TERMINATED      ``apply``, ``down``, ``plan``, ``status``, ``chat``: SIGTERM (``timeout``, a CI runner, a process
+                      manager), handled like Ctrl-C
 ====  ==============  ==========================================================================
 
 It lives beside the CLI, not in the engine: the engine raises typed errors and never exits.

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.toml"
 SEED = ROOT / "examples" / "seed.toml"
 
-__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "discover_spec", "dsv32_dict", "dump_toml", "listening_pids",
-           "seed_dict"]
+__all__ = ["DEMO", "SEED", "Demo", "demo_dict", "discover_spec", "dsv32_dict", "dump_toml",
+           "interrupted_while_a_host_command_runs", "interrupted_while_nvidia_smi_runs", "listening_pids",
+           "process_gone", "seed_dict"]
 
 
 def dump_toml(d: dict) -> str:
@@ -69,40 +70,49 @@ def process_gone(pid: int) -> bool:
 
 def interrupted_while_nvidia_smi_runs(tmp_path: Path, command: list[str], sig: int,
                                       smi_s: int = 30) -> tuple[subprocess.CompletedProcess, float, bool]:
-    """``pdctl *command* <discover spec>`` with a host whose ``nvidia-smi`` (a stand-in first on PATH) answers only after
-    *smi_s* seconds, sent *sig* once that stand-in has started: ``(the finished pdctl, seconds from the signal to its
-    exit, whether the stand-in had ended by then)``. The state directory is ``tmp_path / "state"``; the stand-in is
-    killed by its PID afterwards if it still runs. Bounded: 60 s for the start, 30 s for the exit."""
-    spec = discover_spec(tmp_path)
-    started = tmp_path / "smi.pid"
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
-                                                 f"exec sleep {smi_s}\n")
-    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    """``pdctl *command* <discover spec>`` with a host whose ``nvidia-smi`` answers only after *smi_s* seconds, sent
+    *sig* once that stand-in has started: :func:`interrupted_while_a_host_command_runs`."""
+    return interrupted_while_a_host_command_runs(tmp_path, command, sig, discover_spec(tmp_path),
+                                                 executable="nvidia-smi", hang_s=smi_s)
+
+
+def interrupted_while_a_host_command_runs(tmp_path: Path, command: list[str], sig: int, spec: Path, *,
+                                          executable: str, hang_s: int = 30,
+                                          ) -> tuple[subprocess.CompletedProcess, float, bool]:
+    """``pdctl *command* <spec>`` whose host's *executable* (``nvidia-smi``, ``systemctl``, ``true``: a stand-in first
+    on PATH) answers only after *hang_s* seconds, sent *sig* once that stand-in has started: ``(the finished pdctl,
+    seconds from the signal to its exit, whether the stand-in had ended by then)``. The state directory is
+    ``tmp_path / "state"``; the stand-in is killed by its PID afterwards if it still runs. Bounded: 60 s for the start,
+    30 s for the exit."""
+    started = tmp_path / f"{executable}.pid"
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / executable).write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
+                                               f"exec sleep {hang_s}\n")
+    (tmp_path / "bin" / executable).chmod(0o755)
     env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"),
            "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     argv = [sys.executable, "-m", "pdctl", command[0], str(spec), *command[1:]]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job's SIG_IGN)
-    smi = None
+    stand_in = None
     try:
         deadline = time.monotonic() + 60
         while not started.exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert started.exists(), p.communicate(timeout=30)
-        smi = int(started.read_text())
+        stand_in = int(started.read_text())
         t0 = time.monotonic()
         p.send_signal(sig)
         out, err = p.communicate(timeout=30)
         took = time.monotonic() - t0
-        ended = process_gone(smi)  # as pdctl exits, not after a grace period
+        ended = process_gone(stand_in)  # as pdctl exits, not after a grace period
     finally:
         if p.poll() is None:
             p.kill()
             p.wait(10)
-        if smi is not None and not process_gone(smi):  # (the stand-in started here, by its PID)
+        if stand_in is not None and not process_gone(stand_in):  # (the stand-in started here, by its PID)
             try:
-                os.kill(smi, signal.SIGKILL)
+                os.kill(stand_in, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     return subprocess.CompletedProcess(argv, p.returncode, out, err), took, ended

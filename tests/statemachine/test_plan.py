@@ -1057,7 +1057,7 @@ def test_an_empty_list_is_shown_as_one_in_the_plan():
 
 
 @pytest.mark.parametrize("argv", [["apply", "s.toml", "--json"], ["--apply", "s.toml"], ["plan", "s.toml"],
-                                  ["status", "s.toml"]])
+                                  ["status", "s.toml"], ["chat", "s.toml"], ["down", "s.toml"]])
 def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_would(argv, monkeypatch, capsys):
     # Ctrl-C after pdctl's modules loaded but before the command's own code ran (typer building and parsing the
     # command line, a fraction of a second): plan printed apply's "what already runs stays as it is … converge", and
@@ -1077,7 +1077,12 @@ def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_wou
         assert err.strip() == "interrupted before the apply started: nothing was changed; run the same command again"
     elif command == "plan":
         assert err.strip() == "interrupted: a plan changes nothing; run it again"
-    else:  # the general words: other commands say their own once running
+    elif command == "status":  # (it said apply's "what already runs stays as it is … converge")
+        assert err.strip() == "interrupted: status only reads, it changes nothing; run it again"
+    elif command == "chat":
+        assert err.strip() == ("interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); "
+                               "run it again")
+    else:  # the general words: down says its own once running
         assert err.startswith("interrupted: what already runs stays as it is")
     if "--json" in argv:
         event = json.loads(out)
