@@ -267,8 +267,12 @@ class _Reporter:
         self.engine_spoke = True
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
         if event.kind == "apply_interrupted":
-            global _interrupted_step
+            from pdctl.statemachine.events import APPLY_NOT_STARTED
+
+            global _interrupted_step, _interrupted_hint
             _interrupted_step = event.step
+            if event.message == APPLY_NOT_STARTED:  # (the engine's, after its plan: a first deployment not begun)
+                _interrupted_hint = _APPLY_NOT_STARTED
         if self.as_json:
             sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
             sys.stdout.flush()
@@ -914,7 +918,7 @@ def _apply_not_started_event():  # noqa: ANN202
     """The ``apply_interrupted`` event that ends an ``apply --json`` stream interrupted before the engine's plan."""
     from pdctl.statemachine.events import Event
 
-    return Event("apply_interrupted", _APPLY_NOT_STARTED_EVENT, data={"plan_id": None})
+    return Event.apply_not_started(None)
 
 
 def _during_interrupt(exc: BaseException) -> bool:
@@ -951,6 +955,5 @@ _SAID_WHEN_INTERRUPTED = {
 """The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
 also while its command line is still being parsed."""
 _APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; run the same command again"
-_APPLY_NOT_STARTED_EVENT = "interrupted before the apply started: nothing was changed; apply again"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
-__all__ = ["Event", "EventKind", "EventSink", "ListSink", "NullSink"]
+__all__ = ["APPLY_NOT_STARTED", "Event", "EventKind", "EventSink", "ListSink", "NullSink"]
 
 EventKind = Literal[
     "plan",
@@ -29,6 +29,11 @@ EventKind = Literal[
 ]
 
 
+APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; apply again"
+"""What an apply interrupted before it changed anything says, where nothing of it runs (:meth:`Event.apply_not_started`):
+not "what already runs stays as it is", nor ``pdctl down``, which would have nothing to stop."""
+
+
 @dataclass(frozen=True)
 class Event:
     """One thing that happened. ``elapsed_s`` is the step's (or the run's) elapsed wall time."""
@@ -42,6 +47,13 @@ class Event:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def apply_not_started(cls, plan_id: str | None = None) -> Event:
+        """The ``apply_interrupted`` event of an apply stopped before it changed anything and with nothing of the
+        deployment recorded as running: before its plan (*plan_id* None: the CLI emits it), or after its plan but
+        before ``apply_started`` on a first deployment (the engine). Its message is :data:`APPLY_NOT_STARTED`."""
+        return cls("apply_interrupted", APPLY_NOT_STARTED, data={"plan_id": plan_id})
 
     @classmethod
     def apply_failed(cls, exc: BaseException) -> Event:

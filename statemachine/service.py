@@ -522,7 +522,8 @@ def apply(
     stopped and removed (router first). Raises :class:`StepError` naming the failed step; the
     journal then records the failure and what already runs stays as it was. A KeyboardInterrupt
     (Ctrl-C; SIGTERM in the CLI) from the plan on is re-raised after the running step is marked
-    ``interrupted``, ``apply-interrupted`` is audited and ``apply_interrupted`` emitted.
+    ``interrupted``, ``apply-interrupted`` is audited and ``apply_interrupted`` emitted (before the target is
+    journalled on a first deployment: :meth:`Event.apply_not_started`, nothing was changed).
     """
     from pdctl.statemachine.errors import StalePlanError, StepError
     from pdctl.statemachine.events import Event, NullSink
@@ -578,6 +579,7 @@ def apply(
             j.audit("apply-refused", plan_id=plan.plan_id, expected=expect_plan, reason=reason)
             raise StalePlanError(reason, plan_id=plan.plan_id, hint="review the new plan, then apply it")
         stale_steps = dict(state.steps)  # an earlier run's (a "running" one of a killed apply is not this run's)
+        changing = False  # until the target is journalled, nothing was changed (the plan and checks only read)
         try:
             what = {None: "no changes", "in_place": "in-place changes only", "disruptive": "changes that restart roles",
                     "topology": "a topology change" if plan.requires_confirmation else "a first deployment"}[plan.cls]
@@ -623,6 +625,7 @@ def apply(
 
             # Journal the target before touching anything: a kill from here on re-runs to the same end. With it, the
             # units of roles it drops: the interrupted target that names them is overwritten now
+            changing = True
             keep = set(unit_names(desired).values())
             state.removing = sorted({u for u in state.removing if u not in keep}
                                     | {u for t in (state.deployed, unfinished) if t is not None
@@ -661,7 +664,7 @@ def apply(
             # Ctrl-C, or SIGTERM through the CLI, or the console's cancel (at any event or a preflight's wait), from
             # the plan on: the journal keeps any target (a re-run converges), the step that ran is marked
             # interrupted, and a --json stream ends with an event too
-            _interrupted(j, state, plan, sink, stale=stale_steps)
+            _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing)
             raise
 
 
@@ -850,10 +853,19 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     }
 
 
-def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None) -> None:  # noqa: ANN001
+def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None,  # noqa: ANN001
+                 changing: bool = True) -> None:
     # *stale*: the steps as the run found them: before it journals its own target (the port checks), a "running"
-    # step there is a killed earlier apply's, not where this one stopped
+    # step there is a killed earlier apply's, not where this one stopped. *changing*: the run had begun to journal its
+    # target; before that it changed nothing, and where the journal records nothing deployed and no unfinished apply
+    # (a first deployment), nothing of it runs either: "what already runs stays as it is … or `pdctl down`" would
+    # describe what is not there
     from pdctl.statemachine.events import Event
+
+    if not changing and state.deployed is None and state.target is None:
+        j.audit("apply-interrupted", plan_id=plan.plan_id, step=None)
+        sink.emit(Event.apply_not_started(plan.plan_id))
+        return
 
     step = None if state.steps == stale else \
         next((name for name, rec in state.steps.items() if rec.status == "running"), None)

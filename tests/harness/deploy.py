@@ -85,6 +85,7 @@ def interrupted_while_a_host_command_runs(tmp_path: Path, command: list[str], si
     ``tmp_path / "state"``; the stand-in is killed by its PID afterwards if it still runs. Bounded: 60 s for the start,
     30 s for the exit."""
     started = tmp_path / f"{executable}.pid"
+    started.unlink(missing_ok=True)  # (an earlier call's, in the same folder)
     (tmp_path / "bin").mkdir(exist_ok=True)
     (tmp_path / "bin" / executable).write_text(f"#!/bin/sh\necho $$ > {started}.tmp && mv {started}.tmp {started}\n"
                                                f"exec sleep {hang_s}\n")

@@ -1287,6 +1287,50 @@ def test_a_json_apply_stopped_right_after_its_plan_ends_with_an_event(demo):
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-interrupted"
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_an_apply_stopped_after_its_plan_before_it_started_says_truly_what_runs(demo, as_json):
+    # Stopped after its plan was reported but before apply_started (the host proven with `true`, whose stand-in here
+    # answers only after 30 s), a first deployment said "what already runs stays as it is … or `pdctl down`": nothing
+    # runs, and nothing was changed. Where something of it runs, those words stay.
+    from harness.deploy import interrupted_while_a_host_command_runs
+
+    command = ["apply", "--json"] if as_json else ["apply"]
+
+    def stopped() -> tuple[list[dict], str, str]:
+        r, took, ended = interrupted_while_a_host_command_runs(demo.tmp, command, signal.SIGTERM, demo.spec,
+                                                               executable="true")
+        assert r.returncode == 143 and ended and took < 10, (r.returncode, ended, took, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+        events = [json.loads(x) for x in r.stdout.splitlines()] if as_json else []
+        plan_id = events[0]["data"]["plan_id"] if as_json else r.stderr.split("plan ", 1)[1].split(":", 1)[0]
+        if as_json:
+            assert [e["kind"] for e in events] == ["plan", "apply_interrupted"], events
+            assert events[1]["step"] is None and events[1]["data"] == {"plan_id": plan_id}, events
+        else:
+            assert r.stderr.startswith(f"· plan {plan_id}: "), r.stderr  # the plan was reported first
+        audited = demo.load().journal.audit_records()[-1]
+        assert (audited["event"], audited["plan_id"]) == ("apply-interrupted", plan_id), audited
+        return events, r.stderr.rstrip().splitlines()[-1], plan_id
+
+    events, last, _ = stopped()  # a first deployment
+    if as_json:
+        assert events[0]["message"].endswith(": a first deployment"), events
+        assert events[1]["message"] == "interrupted before the apply started: nothing was changed; apply again", events
+    assert last == ("terminated (SIGTERM); interrupted before the apply started: nothing was changed; run the same "
+                    "command again"), last
+    state = demo.load().journal.read()
+    assert state.deployed is None and state.target is None and demo.pids() == []  # nothing journalled, nothing runs
+    demo.apply()  # deployed: what runs stays as it is, as the words say
+    before = demo.pids()
+    events, last, _ = stopped()
+    if as_json:
+        assert events[1]["message"] == ("interrupted: what already runs stays as it is; apply again to converge, or "
+                                        "`pdctl down` to stop it"), events
+    assert last == ("terminated (SIGTERM); interrupted: what already runs stays as it is (`pdctl status SPEC` shows "
+                    "it); run the same command again to converge, or `pdctl down SPEC --yes` to stop it"), last
+    assert demo.pids() == before and demo.status()["healthy"]
+
+
 @pytest.mark.parametrize("sig,rc,said", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, "terminated (SIGTERM); ")])
 def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, sig, rc, said):
     # Ctrl-C (or SIGTERM) while the spec's hosts are discovered, before the engine has a plan: the --json stream ended
