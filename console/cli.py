@@ -12,6 +12,8 @@ import contextlib
 import errno
 import json
 import os
+import re
+import shlex
 import signal
 import stat
 import sys
@@ -142,7 +144,9 @@ def plan(
     spec: SpecArg,
     state_dir: StateDirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
-    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Save the plan to FILE (JSON)")] = None,
+    # (a string, not a Path: Path("") is ".", and `-o ''` was then reported as `-o .`, a folder)
+    out: Annotated[Optional[str], typer.Option("-o", "--out", metavar="FILE",
+                                               help="Save the plan to FILE (JSON); - prints it on stdout")] = None,
 ) -> None:
     """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
@@ -155,22 +159,28 @@ def plan(
         _plan(spec, state_dir, as_json, out)
 
 
-def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -> None:
+def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) -> None:
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec, plan_unsettled
 
-    to_stdout = out is not None and str(out) == "-"  # the usual spelling of stdout
+    to_stdout = given == "-"  # the usual spelling of stdout
     if to_stdout:
-        out, as_json = None, True
-    discard = out is not None and _is_null_device(out)  # -o /dev/null: the plan is shown, and saved nowhere
+        given, as_json = None, True
+    out = None if given is None else Path(given)
+    shown = None if given is None else shlex.quote(given)  # the path as given, as a shell would take it back
+    discard = out is not None and given != "" and _is_null_device(out)  # -o /dev/null: shown, and saved nowhere
     try:
+        if given == "":  # (refused before anything is read or written: Path("") would be the current folder)
+            raise PdctlError("-o '': an empty path names no file to save the plan to; nothing on any host changed",
+                             hint=f"give -o/--out {_PLAN_OUT_EXAMPLE}")
         refused = None if out is None or discard else _out_not_a_file(out)
         if refused is not None:  # (refused before anything is read or written)
-            raise _out_unwritable(out, refused, "the plan", _PLAN_OUT_EXAMPLE)
+            raise _out_unwritable(out, refused, "the plan", _PLAN_OUT_EXAMPLE, shown=shown,
+                                  hint=_DESCRIPTOR_OUT_HINT if _a_descriptor_link(out) else None)
         if out is not None and not out.parent.is_dir():  # (refused before anything is read or written, never created)
             # the path cannot be written, as one the OS refuses (_out_unwritable): exit 1 with the same error and hint,
             # and with --json the same {error, hint} object, not a usage error
-            raise PdctlError(f"-o {out}: cannot write the plan there: folder {out.parent} does not exist; nothing on "
+            raise PdctlError(f"-o {shown}: cannot write the plan there: folder {out.parent} does not exist; nothing on "
                              "any host changed",
                              hint="give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for "
                                   "stdout)")
@@ -200,14 +210,14 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, out: Path | None) -
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
             p = p.model_copy(update={"spec_path": str(spec.resolve())})
         if discard:
-            _err(f"plan not saved: -o {out} discards it")
+            _err(f"plan not saved: -o {shown} discards it")
         elif out is not None:
             from pdctl.statemachine.journal import atomic_write
 
             try:
                 atomic_write(out, p.to_json().encode())
             except OSError as exc:
-                raise _out_unwritable(out, exc, "the plan", _PLAN_OUT_EXAMPLE) from exc
+                raise _out_unwritable(out, exc, "the plan", _PLAN_OUT_EXAMPLE, shown=shown) from exc
             _err(f"plan saved to {out}")
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
@@ -671,6 +681,24 @@ def units_cmd(
 
 
 _PLAN_OUT_EXAMPLE = "a file path, e.g. -o plan.json (or -o - for stdout)"
+_DESCRIPTOR_OUT_HINT = "-o - prints the plan (JSON) on stdout; to save it, give -o/--out a file path, e.g. -o plan.json"
+"""The hint for ``-o /dev/stdout`` and its kin: what works instead (the path such a link points to never does)."""
+_DESCRIPTOR_LINK = re.compile(r"/(?:dev/(?:stdin|stdout|stderr|fd/\d+)|proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d+)")
+
+
+def _a_descriptor_link(path: Path) -> bool:
+    """*path* names an open file of the process that opens it (``/dev/stdout``, ``/dev/fd/1``, ``/proc/self/fd/1``),
+    or is a symbolic link that leads to such a name. Those links point at ``/proc/self/fd/N`` and from there at a pipe
+    or a terminal, never at a path a plan could be saved to."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # (as many links as the kernel follows)
+        if _DESCRIPTOR_LINK.fullmatch(p):
+            return True
+        try:
+            p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+        except OSError:  # not a link (any more)
+            return False
+    return False
 
 
 def _is_null_device(path: Path) -> bool:
@@ -690,8 +718,16 @@ def _out_not_a_file(out: Path) -> OSError | None:
     writing where it points: a link planted in a shared folder must not choose what a root ``pdctl`` replaces) and
     cannot replace a folder; a device (other than the null device), FIFO or socket would be replaced by a file."""
     if out.is_symlink():
-        return OSError(errno.ELOOP, "a symbolic link, which saving would replace (a plan is saved by renaming a new "
-                                    "file over the path): give the path it points to", str(out))
+        replaced = "a symbolic link, which saving would replace (a plan is saved by renaming a new file over the path)"
+        if _a_descriptor_link(out):  # /dev/stdout → /proc/self/fd/1 → a pipe or terminal: no path to point at
+            return OSError(errno.ELOOP, "a symbolic link to one of pdctl's own open files (its stdout, stderr…), "
+                                        "not a file the plan can be saved as", str(out))
+        target = Path(os.path.realpath(out))
+        if target.is_file() or (not os.path.lexists(target) and target.parent.is_dir()):
+            return OSError(errno.ELOOP, f"{replaced}: give the path it points to, {shlex.quote(str(target))}",
+                           str(out))
+        return OSError(errno.ELOOP, f"{replaced}, and what it points to, {target}, is not a file the plan can be saved "
+                                    "as either", str(out))
     if out.is_dir():
         return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(out))
     if os.path.lexists(out) and not out.is_file():
@@ -700,15 +736,17 @@ def _out_not_a_file(out: Path) -> OSError | None:
     return None
 
 
-def _out_unwritable(out: Path, exc: OSError, what: str, example: str) -> PdctlError:
+def _out_unwritable(out: Path, exc: OSError, what: str, example: str, *, shown: str | None = None,
+                    hint: str | None = None) -> PdctlError:
     """An ``-o/--out`` path the OS refused (``/proc/x``, a read-only mount, another user's folder): the error names
-    the option and the fix, a writable path. ``os_error_hint`` would point at ``--state-dir``, which is not where the
-    output goes. Only this machine's file system was touched: nothing on any host changed."""
+    the option (*shown*: the path as given, else *out*) and the fix, a writable path (or *hint*). ``os_error_hint``
+    would point at ``--state-dir``, which is not where the output goes. Only this machine's file system was touched:
+    nothing on any host changed."""
     failed = Path(exc.filename) if exc.filename else None
     own = failed is None or failed == out or (failed.name.startswith(".") and failed.name.endswith(".tmp"))
     why = (exc.strerror or str(exc)) + ("" if own else f" ({failed})")  # a temp file's name would only confuse
-    return PdctlError(f"-o {out}: cannot write {what} there: {why}; nothing on any host changed",
-                      hint=f"give -o/--out a path this user can write: {example}")
+    return PdctlError(f"-o {shown or out}: cannot write {what} there: {why}; nothing on any host changed",
+                      hint=hint or f"give -o/--out a path this user can write: {example}")
 
 
 @app.command("chat")

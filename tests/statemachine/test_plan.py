@@ -551,6 +551,61 @@ def test_cli_plan_out_refuses_a_link_or_a_fifo_and_discards_the_plan_at_dev_null
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
+def test_cli_plan_out_empty_is_named_as_given_and_refused(tmp_path):
+    # (`-o ''` became Path("") == ".": the error said "-o .: cannot write the plan there: Is a directory", a path the
+    # user never gave)
+    sd, cwd = tmp_path / "state", tmp_path / "cwd"
+    cwd.mkdir()
+    refused = {"error": "-o '': an empty path names no file to save the plan to; nothing on any host changed",
+               "hint": "give -o/--out a file path, e.g. -o plan.json (or -o - for stdout)"}
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "", cwd=cwd)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.stderr == f"error: {refused['error']}\n  hint: {refused['hint']}\n", r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "--out=", cwd=cwd)
+    assert r.returncode == 1 and json.loads(r.stdout) == refused, r.stdout
+    assert not any(cwd.iterdir()) and not sd.exists()  # nothing written, here or in the state directory
+
+
+def test_cli_plan_out_to_a_link_names_only_paths_that_work(tmp_path):
+    # `-o /dev/stdout` was refused as a link, "give the path it points to": /proc/self/fd/1, itself a link refused
+    # the same way (and from there a pipe or terminal). The hint now names what works, and a link to a file names
+    # the file, which then takes the plan.
+    sd = tmp_path / "state"
+    (tmp_path / "out").symlink_to("/dev/stdout")
+    descriptor_links = ["/dev/stdout", "/proc/self/fd/1", "/dev/stderr", str(tmp_path / "out")]
+    descriptor_links += ["/dev/fd/1"] if os.path.exists("/dev/fd") else []
+    hint = "-o - prints the plan (JSON) on stdout; to save it, give -o/--out a file path, e.g. -o plan.json"
+    for odd in descriptor_links:
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", odd)
+        assert r.returncode == 1 and r.stdout == "", (odd, r.stderr)
+        assert r.stderr == (f"error: -o {odd}: cannot write the plan there: a symbolic link to one of pdctl's own open "
+                            "files (its stdout, stderr…), not a file the plan can be saved as; nothing on any host "
+                            f"changed\n  hint: {hint}\n"), r.stderr
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "--json", "-o", odd)
+        assert r.returncode == 1 and json.loads(r.stdout)["hint"] == hint, r.stdout
+    assert os.path.islink(tmp_path / "out")
+    # what the hint names works: -o - prints the plan, -o plan.json saves it
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "-")
+    assert r.returncode == 2 and json.loads(r.stdout)["plan_id"], r.stderr
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", "plan.json", cwd=tmp_path)
+    assert r.returncode == 2 and json.loads((tmp_path / "plan.json").read_text())["plan_id"], r.stderr
+    # a link to a file (or to a new file in an existing folder) names that file, as given back by the kernel
+    (tmp_path / "sub").mkdir()
+    for name, target in (("to-file", tmp_path / "plan.json"), ("to-new", tmp_path / "sub" / "new.json")):
+        (tmp_path / name).symlink_to(target)
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / name))
+        assert r.returncode == 1, r.stderr
+        assert f"a symbolic link, which saving would replace (a plan is saved by renaming a new file over the path): " \
+               f"give the path it points to, {target}; nothing" in r.stderr, r.stderr
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(target))
+        assert r.returncode == 2 and json.loads(target.read_text())["plan_id"], r.stderr
+    # a link to a folder names no path to give instead
+    (tmp_path / "to-dir").symlink_to(tmp_path / "sub")
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "to-dir"))
+    assert r.returncode == 1 and "give the path it points to" not in r.stderr, r.stderr
+    assert f"and what it points to, {tmp_path / 'sub'}, is not a file the plan can be saved as either" in r.stderr
+
+
 def test_an_unwritable_out_path_is_named_with_its_fix_not_the_state_dir(tmp_path):
     # (`plan -o /proc/x` said "error: /proc/.x.PID.tmp: No such file or directory", hint: "the journal lives in
     # --state-dir", and `units -o /proc/x` the same: the output path was the fault, not the state directory)
