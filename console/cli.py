@@ -658,14 +658,18 @@ def down_cmd(
 @app.command("units")
 def units_cmd(
     spec: SpecArg,
-    out: Annotated[Path, typer.Option("-o", "--out",
-                                      help="Directory to write the unit files into (created if missing)")],
+    given: Annotated[str, typer.Option("-o", "--out",
+                                       help="Directory to write the unit files into (created if missing)")],
 ) -> None:
     """Write the deployment's systemd units (one per role and a target) into a directory."""
     from pdctl.statemachine.launch import write_units
     from pdctl.statemachine.service import load
 
     example = "a directory path, e.g. -o ./units"
+    if given == "":  # (Path("") is the current folder: the units were written there without a word)
+        raise PdctlError("-o '': an empty path names no directory to write the units into; nothing was written",
+                         hint=f"give -o/--out {example} (-o . for the current one)")
+    out = Path(given)
     # a file, device or link to neither where the folder should be: unwritable, as `plan -o` calls a folder (a link to
     # a folder is fine: the units are written inside it, and the link stays)
     if os.path.lexists(out) and not out.is_dir():
@@ -946,6 +950,8 @@ def _interrupted_before_the_command(args: list[str]) -> None:
     command = next((a for a in args if not a.startswith("-")), None)
     if command in _SAID_WHEN_INTERRUPTED:
         _interrupted_hint = _SAID_WHEN_INTERRUPTED[command]
+    elif command in _SAID_BEFORE_THE_COMMAND:
+        _interrupted_hint = _SAID_BEFORE_THE_COMMAND[command]
     elif command == "apply":
         _interrupted_hint = _APPLY_NOT_STARTED
         if "--json" in args:
@@ -992,6 +998,13 @@ _SAID_WHEN_INTERRUPTED = {
 }
 """The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
 also while its command line is still being parsed."""
+_SAID_BEFORE_THE_COMMAND = {
+    "down": "interrupted before down started: nothing was stopped; run it again",
+    "validate": "interrupted: validate only reads the spec, it changes nothing; run it again",
+    "units": "interrupted before the unit files were written: nothing was written; run it again",
+}
+"""The line for an interrupt while these commands' command lines are parsed (they said apply's "what already runs
+stays as it is … converge"); once running, down says its own (what is stopped stays stopped)."""
 _APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; run the same command again"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")

@@ -1112,7 +1112,8 @@ def test_an_empty_list_is_shown_as_one_in_the_plan():
 
 
 @pytest.mark.parametrize("argv", [["apply", "s.toml", "--json"], ["--apply", "s.toml"], ["plan", "s.toml"],
-                                  ["status", "s.toml"], ["chat", "s.toml"], ["down", "s.toml"]])
+                                  ["status", "s.toml"], ["chat", "s.toml"], ["down", "s.toml"], ["validate", "s.toml"],
+                                  ["units", "s.toml", "-o", "u"]])
 def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_would(argv, monkeypatch, capsys):
     # Ctrl-C after pdctl's modules loaded but before the command's own code ran (typer building and parsing the
     # command line, a fraction of a second): plan printed apply's "what already runs stays as it is … converge", and
@@ -1137,8 +1138,12 @@ def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_wou
     elif command == "chat":
         assert err.strip() == ("interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); "
                                "run it again")
-    else:  # the general words: down says its own once running
-        assert err.startswith("interrupted: what already runs stays as it is")
+    elif command == "down":  # (down, validate and units said apply's "what already runs stays as it is … converge")
+        assert err.strip() == "interrupted before down started: nothing was stopped; run it again"
+    elif command == "validate":
+        assert err.strip() == "interrupted: validate only reads the spec, it changes nothing; run it again"
+    else:
+        assert err.strip() == "interrupted before the unit files were written: nothing was written; run it again"
     if "--json" in argv:
         event = json.loads(out)
         assert (event["kind"], event["data"]["plan_id"]) == ("apply_interrupted", None), event
