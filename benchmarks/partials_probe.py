@@ -16,15 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _bootstrap, graph_us_multi, rotations  # noqa: E402
+from decode_floor import _NoLaunch  # noqa: E402
 
 DEFAULT_CASES = ["64,8,5,32,8", "128,8,7,64,8", "16,8,5,16,16", "128,1,5,16,16"]
-
-
-class _NoLaunch:
-    """Stands in for the merge kernel: ``k[grid](...)`` launches nothing."""
-
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
-        return lambda *a, **k: None
 
 
 def main(argv: list[str] | None = None) -> int:
