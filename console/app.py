@@ -20,9 +20,10 @@ engine re-checks the plan id it is given, so a plan that changed underneath is r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -221,6 +222,8 @@ class ConsoleApp(App[int]):
         spec asks (``ResourceChange.kept``)."""
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
+        self.early_signal: int | None = None
+        """The exit code of a SIGTERM / SIGHUP that came while the app started (:func:`early_signals`)."""
         self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
@@ -285,6 +288,8 @@ class ConsoleApp(App[int]):
                 self._signals.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal
                 pass
+        if self.early_signal is not None:  # (came while the app started, before these handlers: run_console)
+            self.terminate(self.early_signal)
         self._main = self.screen
         self._panels_ready = True
         self.title = f"pdctl · {self.loaded.deployment.name}"
@@ -748,7 +753,8 @@ class ConsoleApp(App[int]):
 def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:
     """Run the console in this terminal until the operator quits; returns the exit code."""
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
-    rc = int(app.run() or 0)
+    with early_signals(app):
+        rc = int(app.run() or 0)
     if app.applying:
         _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
         if not app.apply_ended.wait(_QUIT_WAIT_S):
@@ -760,6 +766,29 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
         if rc == ExitCode.INTERRUPTED:  # a quit, not a signal: the exit code says how the apply ended
             rc = code
     return rc
+
+
+@contextlib.contextmanager
+def early_signals(app: ConsoleApp) -> Iterator[None]:
+    """While *app* starts: SIGTERM and SIGHUP end it with 143 / 129 and the terminal restored, as once it has mounted
+    (``on_mount`` hands them to the event loop). Between Textual taking the terminal (alternate screen, raw mode, mouse
+    tracking) and ``on_mount``, their default action killed the process and left the terminal in that state. The
+    signal is kept in ``app.early_signal``, which ``on_mount`` acts on (ending the app earlier, while its widgets mount,
+    makes them fail). A signal already ignored stays ignored (``nohup``)."""
+    import signal
+
+    codes = {signal.SIGTERM: ExitCode.TERMINATED, signal.SIGHUP: ExitCode.HANGUP}
+
+    def on_signal(signum, frame) -> None:  # noqa: ANN001
+        if app.early_signal is None:
+            app.early_signal = codes[signal.Signals(signum)]
+
+    previous = {s: signal.signal(s, on_signal) for s in codes if signal.getsignal(s) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def quit_outcome(loaded: Any, outcome: Any) -> tuple[str, int]:

@@ -669,6 +669,9 @@ def units_cmd(
     if given == "":  # (Path("") is the current folder: the units were written there without a word)
         raise PdctlError("-o '': an empty path names no directory to write the units into; nothing was written",
                          hint=f"give -o/--out {example} (-o . for the current one)")
+    if given == "-":  # (stdout for `plan -o -`; here it made a folder named "-")
+        raise PdctlError("-o -: the units are several files, not one stream for stdout; nothing was written",
+                         hint=f"give -o/--out {example} (-o ./- for a folder named -)")
     out = Path(given)
     # a file, device or link to neither where the folder should be: unwritable, as `plan -o` calls a folder (a link to
     # a folder is fine: the units are written inside it, and the link stays)
@@ -853,10 +856,25 @@ def console_cmd(
         _err("error: the console needs a terminal (stdin and stderr); nothing was opened\n"
              "hint: for scripts use `pdctl status SPEC [--json]`, `pdctl plan SPEC` or `pdctl apply SPEC`")
         raise typer.Exit(ExitCode.USAGE)
+    if _in_the_background(sys.__stdin__.fileno()):
+        # (Textual would set the terminal up and be stopped by SIGTTOU, drawing nothing, until killed)
+        _err("error: the console needs the terminal to itself, and this process runs in the background of it (another "
+             "process group has the terminal); nothing was opened\n"
+             "hint: run it in the foreground (`fg`; under `timeout`, `timeout --foreground`)")
+        raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 
     _interrupted_hint = "interrupted: the console was quit during an apply (where it stopped is said above)"
     raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))
+
+
+def _in_the_background(fd: int) -> bool:
+    """Whether this process is not in the foreground process group of the terminal on *fd* (``tcgetpgrp(3)``): a job
+    in the background, or a command under ``timeout`` without ``--foreground`` (it makes its own group)."""
+    try:
+        return os.tcgetpgrp(fd) != os.getpgrp()
+    except OSError:  # (no controlling terminal: the isatty checks above decide)
+        return False
 
 
 def _rewrite(argv: list[str]) -> list[str]:
@@ -898,7 +916,10 @@ def main(argv: list[str] | None = None) -> None:
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
     args = _rewrite(list(sys.argv[1:] if argv is None else argv))
     try:
-        rc = app(args=args, prog_name="pdctl", standalone_mode=False)
+        # (SIGTERM / SIGHUP while typer parses the command line, before a command installs its own handling, ended pdctl
+        # at once with no word: they are Ctrl-C's KeyboardInterrupt here too, and say what the command would)
+        with _signals_as_interrupt():
+            rc = app(args=args, prog_name="pdctl", standalone_mode=False)
         sys.stdout.flush()  # a full disk or a dead terminal is this command's failure, not an error at exit
     except typer.Exit as e:
         rc = e.exit_code

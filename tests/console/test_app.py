@@ -838,3 +838,40 @@ async def test_the_plan_tab_notes_when_the_host_could_not_be_asked_which_ports_a
         assert ("note: the plan could not check whether the deployment's ports are free (apply checks them before its "
                 "first step): ssh gpu-1: connection refused") in shown, shown
         assert "Warning:" not in shown
+
+
+def test_a_sigterm_while_the_console_starts_ends_it_with_143(console_demo, tmp_path):
+    # Between Textual taking the terminal and on_mount handing SIGTERM / SIGHUP to the event loop, their default action
+    # killed the console and left the terminal raw, on the alternate screen (a fresh user, `timeout -s TERM 1.3 pdctl
+    # console`). run_console's early_signals ends it as a later SIGTERM does: exit 143, the app's own exit.
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    import pdctl.console.app as console_app
+
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal
+        from pdctl.console.app import ConsoleApp, early_signals
+        from pdctl.statemachine.service import load
+
+        class Early(ConsoleApp):
+            CSS_PATH = {str(Path(console_app.__file__).with_name("console.tcss"))!r}  # (beside ConsoleApp's file)
+
+            def compose(self):  # (before on_mount, where the event loop takes the signals)
+                os.kill(os.getpid(), signal.SIG{{}})
+                yield from super().compose()
+
+        app = Early(load({str(console_demo.spec)!r}, state_dir={str(console_demo.state)!r}), nvml=False, live=False)
+        with early_signals(app):
+            rc = app.run(headless=True)
+        print("rc", rc, "signal", app.early_signal, "handler back", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    """))
+    source = script.read_text()
+    for sig, code in (("TERM", 143), ("HUP", 129)):
+        script.write_text(source.replace("SIG{}", f"SIG{sig}"))  # (a file: Textual reads an app class's source file)
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (sig, r.returncode, r.stderr[-2000:])
+        assert r.stdout.split() == ["rc", str(code), "signal", str(code), "handler", "back", "True"], (sig, r.stdout)

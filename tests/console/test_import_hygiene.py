@@ -98,3 +98,37 @@ def test_the_console_refuses_when_its_stderr_is_no_terminal_and_runs_with_stdout
     finally:
         os.close(main_fd)
         os.close(tty)
+
+
+def test_the_console_in_the_background_of_its_terminal_refuses_at_once(tmp_path):
+    # Under `timeout` (its own process group) or `&`, Textual set the terminal up, was stopped by SIGTTOU and drew
+    # nothing until killed (a fresh user: `script -qec "timeout 20 pdctl console SPEC"`). It now refuses: exit 64.
+    script = tmp_path / "bg.py"
+    script.write_text(
+        "import os, pty, sys, time\n"
+        "pid, fd = pty.fork()\n"
+        "if pid == 0:  # the session leader, the pty its controlling terminal, in the foreground\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"
+        "        os.setpgid(0, 0)  # a process group of its own: the background of the terminal\n"
+        f"        os.execv(sys.executable, [sys.executable, '-m', 'pdctl', 'console', {str(DEMO)!r}, '--state-dir', "
+        f"{str(tmp_path / 'st')!r}])\n"
+        "    _, status = os.waitpid(child, 0)\n"
+        "    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)\n"
+        "out = b''\n"
+        "deadline = time.monotonic() + 60\n"
+        "while time.monotonic() < deadline:\n"
+        "    try:\n"
+        "        chunk = os.read(fd, 4096)\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if not chunk:\n"
+        "        break\n"
+        "    out += chunk\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.stdout.write(out.decode(errors='replace'))\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert r.returncode == 64, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "runs in the background" in r.stdout and "timeout --foreground" in r.stdout, r.stdout
+    assert "\x1b[?1049h" not in r.stdout  # (the alternate screen was never entered)

@@ -1150,3 +1150,26 @@ def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_wou
         assert "nothing was changed" in event["message"]
     else:
         assert out == ""
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_sigterm_or_sighup_while_the_command_line_is_parsed_says_what_the_command_would(sig, code, tmp_path):
+    # Ctrl-C there said plan's line; SIGTERM / SIGHUP (before plan installs its handler) ended pdctl at once, exit
+    # 143 / 129 with nothing said (a fresh user, `timeout -s TERM 0.4 pdctl plan SPEC`).
+    import subprocess
+    import sys
+
+    script = tmp_path / "parse.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from pdctl.console import cli\n"
+        "parse = type(cli.app).__call__\n"
+        "def parsing(self, *a, **k):\n"
+        f"    os.kill(os.getpid(), signal.{sig})\n"
+        "    return parse(self, *a, **k)\n"
+        "type(cli.app).__call__ = parsing\n"
+        "cli.main(['plan', 'absent.toml'])\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    said = {"SIGTERM": "terminated (SIGTERM); ", "SIGHUP": "hung up (SIGHUP); "}[sig]
+    assert r.stderr == f"{said}interrupted: a plan changes nothing; run it again\n" and r.stdout == "", r.stderr

@@ -400,7 +400,7 @@ def test_pdctl_units_command_refuses_a_file_as_the_output_directory(tmp_path):
     assert (tmp_path / "link").is_symlink() and sorted(os.listdir(tmp_path / "folder")) == sorted(GOLDEN)
 
 
-def test_pdctl_units_command_refuses_an_empty_output_path(tmp_path):
+def test_pdctl_units_command_refuses_an_empty_or_a_stdout_output_path(tmp_path):
     # `-o ''` wrote the unit files into the current folder without a word (Path("") is "."): refused, nothing written.
     import sys
 
@@ -409,4 +409,11 @@ def test_pdctl_units_command_refuses_an_empty_output_path(tmp_path):
     assert r.returncode == 1 and r.stdout == "", r.stderr
     assert r.stderr == ("error: -o '': an empty path names no directory to write the units into; nothing was written\n"
                         "  hint: give -o/--out a directory path, e.g. -o ./units (-o . for the current one)\n"), r.stderr
+    assert list(tmp_path.iterdir()) == []
+    # `-o -` is stdout for `plan`; here it made a folder named "-"
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(EXAMPLES / "seed.toml"), "-o", "-"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 1 and r.stdout == "", r.stderr
+    assert r.stderr.startswith("error: -o -: the units are several files, not one stream for stdout; nothing was "
+                               "written\n"), r.stderr
     assert list(tmp_path.iterdir()) == []
