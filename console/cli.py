@@ -180,8 +180,9 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         if out is not None and not out.parent.is_dir():  # (refused before anything is read or written, never created)
             # the path cannot be written, as one the OS refuses (_out_unwritable): exit 1 with the same error and hint,
             # and with --json the same {error, hint} object, not a usage error
-            raise PdctlError(f"-o {shown}: cannot write the plan there: folder {out.parent} does not exist; nothing on "
-                             "any host changed",
+            why = (f"{out.parent} is not a folder" if os.path.lexists(out.parent)  # (a file: -o FILE/sub)
+                   else f"folder {out.parent} does not exist")
+            raise PdctlError(f"-o {shown}: cannot write the plan there: {why}; nothing on any host changed",
                              hint="give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for "
                                   "stdout)")
         loaded = load(spec, state_dir=state_dir, discover=True)
@@ -592,8 +593,9 @@ def _status_text(st: dict) -> str:
         )
     if rt:
         lines.append(
-            f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}  "
-            f"restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
+            f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
+            + (" (from another process on its port)" if rt.get("readiness") and not rt.get("port_owned", True) else "")
+            + f"  restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
         )
@@ -658,7 +660,7 @@ def down_cmd(
 @app.command("units")
 def units_cmd(
     spec: SpecArg,
-    given: Annotated[str, typer.Option("-o", "--out",
+    given: Annotated[str, typer.Option("-o", "--out", metavar="DIR",
                                        help="Directory to write the unit files into (created if missing)")],
 ) -> None:
     """Write the deployment's systemd units (one per role and a target) into a directory."""

@@ -112,7 +112,9 @@ def _read(host, path: str) -> str:  # noqa: ANN001
 
 def _shortened(command: str, limit: int = 160) -> str:
     """*command* as messages name a port's holder: whole when it fits in *limit* characters, else cut after its last
-    whole argument that fits, with " …" (a cut mid-argument read as an argument: ``--kv-cache-dtype``)."""
+    whole argument that fits, with " …" (a cut mid-argument read as an argument: ``--kv-cache-dtype``). Control
+    characters (an argument holding a newline) are written as escapes, so that the holder stays on its one line."""
+    command = "".join(c if c.isprintable() else repr(c)[1:-1] for c in command)
     if len(command) <= limit:
         return command
     head = command[:limit + 1].rsplit(" ", 1)[0] if " " in command[:limit + 1] else command[:limit]

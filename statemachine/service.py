@@ -791,6 +791,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         except ProbeError as exc:
             router["readiness"] = 0
             router["error"] = str(exc)
+        # as the roles': an answer counts as the router's only from its unit's process tree (a never-deployed spec's
+        # router port answered by another deployment's router read as this one's)
+        router["port_owned"] = bool(router["readiness"]) and st.main_pid is not None and ports.listener_belongs(
+            host, topo.router.port, st.main_pid, bind=ports.bind_address(topo.router.host))[0]
     from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 
     order = PD_STATES if topo.mode == "pd" else SINGLE_STATES

@@ -1107,6 +1107,7 @@ def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
 
     def same_ports(d):
         d["prefill"][0].update(port=first.ports["prefill"], bootstrap_port=first.ports["bootstrap"], nccl_port=first.ports["pnccl"])
+        d["router"].update(port=first.ports["router"])
 
     second = make_demo(same_ports)
     from pdctl.statemachine.steps import ServersUp
@@ -1126,7 +1127,11 @@ def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
 
     line = next(x for x in _status_text(st2).splitlines() if x.strip().startswith(pre["name"]))
     assert pre["state"] != "active" and "(from another process on its port)" in line, line
-    assert first.status()["roles"][0]["port_owned"] is True
+    # the router's readiness too (it read as this deployment's router, ready)
+    assert (st2["router"]["readiness"], st2["router"]["port_owned"]) == (200, False), st2["router"]
+    line = next(x for x in _status_text(st2).splitlines() if x.strip().startswith("router"))
+    assert "readiness 200 (from another process on its port)" in line, line
+    assert first.status()["roles"][0]["port_owned"] is True and first.status()["router"]["port_owned"] is True
 
 
 def test_an_interrupted_change_is_never_mistaken_for_the_old_state(demo):

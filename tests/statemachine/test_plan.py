@@ -519,7 +519,12 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
         "error": f"-o {missing}: cannot write the plan there: folder {missing.parent} does not exist; nothing on any "
                  "host changed",
         "hint": "give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for stdout)"}, r.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
+    # a file where the folder should be (FILE/sub) is named as such, not as a folder that does not exist
+    (tmp_path / "afile").write_text("keep\n")
+    r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(tmp_path / "afile" / "p.json"))
+    assert r.returncode == 1 and (f"there: {tmp_path / 'afile'} is not a folder; nothing on any host changed"
+                                  in r.stderr), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir"] and not any((tmp_path / "dir").iterdir())
 
 
 def test_cli_plan_out_refuses_a_link_or_a_fifo_and_discards_the_plan_at_dev_null(tmp_path):

@@ -642,3 +642,5 @@ def test_a_port_holders_long_command_is_cut_after_a_whole_argument():
     assert kept == argv.split(" ")[:len(kept)] and len(kept) < len(argv.split(" "))  # whole arguments, in order
     assert _shortened("nc -l 30001") == "nc -l 30001"
     assert _shortened("x" * 200) == "x" * 160 + " …"  # one long word: cut where it must be
+    # an argument holding a newline (python3 -c 'import x\nserve()') broke the one-line warning in two
+    assert _shortened("python3 -c import os\nos.system('x')\t") == "python3 -c import os\\nos.system('x')\\t"
