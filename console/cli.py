@@ -681,6 +681,9 @@ def units_cmd(
         raise _out_unwritable(out, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out)),
                               "the units", example)
     loaded = load(spec)
+    global _interrupted_hint
+    _interrupted_hint = (f"interrupted while the unit files were written: some may be in {out}, none is installed; "
+                         "run it again")
     try:
         written = write_units(loaded.deployment, out)
     except OSError as exc:

@@ -417,3 +417,20 @@ def test_pdctl_units_command_refuses_an_empty_or_a_stdout_output_path(tmp_path):
     assert r.stderr.startswith("error: -o -: the units are several files, not one stream for stdout; nothing was "
                                "written\n"), r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pdctl_units_interrupted_while_writing_says_so(tmp_path, monkeypatch, capsys):
+    # (it said apply's "what already runs stays as it is … converge", and, once `main` took SIGTERM as Ctrl-C while
+    # the command line is parsed, "nothing was written" though some files may be)
+    from pdctl.console import cli
+    from pdctl.statemachine import launch
+
+    def interrupted(dep, out):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "write_units", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["units", str(EXAMPLES / "seed.toml"), "-o", str(tmp_path / "u")])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.strip() == (f"interrupted while the unit files were written: some may be in "
+                                               f"{tmp_path / 'u'}, none is installed; run it again")
