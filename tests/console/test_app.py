@@ -711,7 +711,8 @@ async def test_the_first_frame_shows_the_journals_steps_not_all_pending(console_
 async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_steps_back(console_demo):
     # The telemetry worker read the journal (parsers_configured running), the apply then journalled the step done and
     # its event set the steps panel, and only then was the worker's snapshot delivered: it showed the last step
-    # "running" after the apply had reached it (seen in test_console_applies_the_demo_to_parsers_configured).
+    # "running" after the apply had reached it (seen in test_console_applies_the_demo_to_parsers_configured). The
+    # snapshots are posted here as the worker posts them; live=False: no worker of its own posts others between.
     import time
 
     from pdctl.statemachine.journal import JournalState, StepRecord
@@ -721,19 +722,17 @@ async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_ste
     j = Journal(console_demo.state, console_demo.name)
     target = topology_of(loaded.deployment)
     done = {name: StepRecord(status="skipped" if name == "kernels_built" else "done") for name in PD_STATES}
-    client = httpx.Client(transport=metrics_transport(console_demo.ports, set()))
-    collector = Collector(loaded, interval_s=0.1, client=client, manager=FakeManager(), nvml=False)
-    app = ConsoleApp(loaded, refresh_s=3600, collector=collector, nvml=False, apply_fn=Recorder())
+    app = make_app(console_demo, live=False)
 
     def status_of(step: str) -> str:
         return next(s.status for s in app.query_one(StepsPanel).steps if s.name == step)
 
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.snapshot is not None)
+        await pilot.pause()
         j.write(JournalState(name=console_demo.name, target=target,
                              steps={**done, "parsers_configured": StepRecord(status="running")}))
         began = time.monotonic()
-        stale = collector.collect()
+        stale = app.collector.collect()
         state = JournalState(name=console_demo.name, deployed=target, steps=done)
         j.write(state)
         app.post_message(ConsoleApp.ApplyProgressed(Event("step_done", "parsers configured",
