@@ -730,9 +730,29 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     now = _time.time()
     roles = []
     seen = [(r, manager.status(names[r.name]), probes.health(client, r.url, timeout=2.0)) for r in topo.roles]
-    # one scan of the host's sockets for every role, after the probes: a server that began listening between a scan
-    # and its probe would answer while no listener was on record, and be called another process's
-    found = ports.listeners(host, {r.port for r in topo.roles})
+    router = None
+    if topo.router is not None:
+        st = manager.status(names["router"])
+        url = topo.router.url
+        router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
+                  "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state}
+        try:
+            code, body = probes.router_readiness(client, url, timeout=2.0)
+            router["readiness"] = code
+            workers, stats = probes.router_workers(client, url, timeout=2.0)
+            router["workers"] = [w.__dict__ for w in workers]
+            router["stats"] = stats
+        except ProbeError as exc:
+            router["readiness"] = 0
+            router["error"] = str(exc)
+    # one scan of the host's sockets for every role and the router, after the probes: a server that began listening
+    # between a scan and its probe would answer while no listener was on record, and be called another process's
+    found = ports.listeners(host, {r.port for r in topo.roles} | ({topo.router.port} if topo.router else set()))
+    if router is not None:
+        # as the roles': an answer counts as the router's only from its unit's process tree (a never-deployed spec's
+        # router port answered by another deployment's router read as this one's)
+        router["port_owned"] = bool(router["readiness"]) and router["main_pid"] is not None and ports.listener_belongs(
+            host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
@@ -776,25 +796,6 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     back_confirm = None
     if state.target is not None and state.deployed is not None:
         back_confirm = make_plan(plan_base(state, state.deployed), state.deployed).requires_confirmation
-    router = None
-    if topo.router is not None:
-        st = manager.status(names["router"])
-        url = topo.router.url
-        router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
-                  "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state}
-        try:
-            code, body = probes.router_readiness(client, url, timeout=2.0)
-            router["readiness"] = code
-            workers, stats = probes.router_workers(client, url, timeout=2.0)
-            router["workers"] = [w.__dict__ for w in workers]
-            router["stats"] = stats
-        except ProbeError as exc:
-            router["readiness"] = 0
-            router["error"] = str(exc)
-        # as the roles': an answer counts as the router's only from its unit's process tree (a never-deployed spec's
-        # router port answered by another deployment's router read as this one's)
-        router["port_owned"] = bool(router["readiness"]) and st.main_pid is not None and ports.listener_belongs(
-            host, topo.router.port, st.main_pid, bind=ports.bind_address(topo.router.host))[0]
     from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 
     order = PD_STATES if topo.mode == "pd" else SINGLE_STATES
