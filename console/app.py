@@ -21,6 +21,7 @@ engine re-checks the plan id it is given, so a plan that changed underneath is r
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -223,7 +224,9 @@ class ConsoleApp(App[int]):
         self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
         self.early_signal: int | None = None
-        """The exit code of a SIGTERM / SIGHUP that came while the app started (:func:`early_signals`)."""
+        """The exit code of a SIGINT / SIGTERM / SIGHUP that came while the app started (:func:`early_signals`)."""
+        self.signalled: int | None = None
+        """The exit code of the signal that ended the app (:meth:`terminate`); None when the operator quit."""
         self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
@@ -276,13 +279,15 @@ class ConsoleApp(App[int]):
         return self._main.query_one(cls)
 
     def on_mount(self) -> None:
-        # SIGTERM, and SIGHUP (the SSH session dropped), end the console as quitting does: a running apply is
-        # cancelled at its next event or poll (journalled and audited as interrupted) and the terminal restored
+        # SIGINT (`kill -INT`: in the console's raw mode Ctrl-C is a key, not this signal), SIGTERM, and SIGHUP (the SSH
+        # session dropped) end the console as quitting does: a running apply is cancelled at its next event or poll
+        # (journalled and audited as interrupted) and the terminal restored; the exit code is the signal's
         import asyncio
-        import signal
 
         self._signals: list[int] = []
-        for sig, code in ((signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGHUP, ExitCode.HANGUP)):
+        for sig, code in _SIGNAL_CODES.items():
+            if signal.getsignal(sig) == signal.SIG_IGN:  # ignored when started (nohup; SIGINT in a script's `&` job)
+                continue
             try:
                 asyncio.get_running_loop().add_signal_handler(sig, self.terminate, code)
                 self._signals.append(sig)
@@ -510,6 +515,7 @@ class ConsoleApp(App[int]):
 
     def terminate(self, code: int) -> None:
         """End on a signal (*code*: 128 + its number): cancel a running apply, then exit with *code*."""
+        self.signalled = self.signalled or code
         self._cancel.set()
         self.exit(code)
 
@@ -750,40 +756,50 @@ class ConsoleApp(App[int]):
         return " · ".join(bits)
 
 
-def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None, state_dir: str | Path | None = None) -> int:
-    """Run the console in this terminal until the operator quits; returns the exit code."""
+_SIGNAL_CODES = {signal.SIGINT: ExitCode.INTERRUPTED, signal.SIGTERM: ExitCode.TERMINATED,
+                 signal.SIGHUP: ExitCode.HANGUP}
+"""The signals that end the console, and its exit code for each (128 + the signal's number)."""
+
+
+def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None = None,
+                state_dir: str | Path | None = None) -> tuple[int, bool]:
+    """Run the console in this terminal until the operator quits or a signal ends it.
+
+    Returns ``(exit code, whether an apply was running then)``: 0 quit; 130 / 143 / 129 ended by SIGINT / SIGTERM /
+    SIGHUP; quit during an apply, how that apply ended (130 stopped, its error's code, 0 finished), which is said on
+    stderr after the console has left the screen."""
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
     with early_signals(app):
         rc = int(app.run() or 0)
-    if app.applying:
-        _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
-        if not app.apply_ended.wait(_QUIT_WAIT_S):
-            _say(f"pdctl: the apply has not stopped after {_QUIT_WAIT_S:g} s; it ends with this process: "
-                 "`pdctl status` shows where it got to")
-            return rc
-        said, code = quit_outcome(loaded, app.apply_outcome)
-        _say(said)
-        if rc == ExitCode.INTERRUPTED:  # a quit, not a signal: the exit code says how the apply ended
-            rc = code
-    return rc
+    if not app.applying:
+        return rc, False
+    _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
+    if not app.apply_ended.wait(_QUIT_WAIT_S):
+        _say(f"pdctl: the apply has not stopped after {_QUIT_WAIT_S:g} s; it ends with this process: "
+             "`pdctl status` shows where it got to")
+        return rc, True
+    said, code = quit_outcome(loaded, app.apply_outcome)
+    _say(said)
+    if app.signalled is None:  # a quit, not a signal: the exit code says how the apply ended
+        rc = code
+    return rc, True
 
 
 @contextlib.contextmanager
 def early_signals(app: ConsoleApp) -> Iterator[None]:
-    """While *app* starts: SIGTERM and SIGHUP end it with 143 / 129 and the terminal restored, as once it has mounted
-    (``on_mount`` hands them to the event loop). Between Textual taking the terminal (alternate screen, raw mode, mouse
-    tracking) and ``on_mount``, their default action killed the process and left the terminal in that state. The
-    signal is kept in ``app.early_signal``, which ``on_mount`` acts on (ending the app earlier, while its widgets mount,
-    makes them fail). A signal already ignored stays ignored (``nohup``)."""
+    """While *app* starts: SIGINT, SIGTERM and SIGHUP end it with 130 / 143 / 129 and the terminal restored, as once it
+    has mounted (``on_mount`` hands them to the event loop). Between Textual taking the terminal (alternate screen, raw
+    mode, mouse tracking) and ``on_mount``, their default action killed the process (SIGINT's raised KeyboardInterrupt
+    wherever start-up was) and left the terminal in that state. The signal is kept in ``app.early_signal``, which
+    ``on_mount`` acts on (ending the app earlier, while its widgets mount, makes them fail). A signal already ignored
+    stays ignored (``nohup``)."""
     import signal
-
-    codes = {signal.SIGTERM: ExitCode.TERMINATED, signal.SIGHUP: ExitCode.HANGUP}
 
     def on_signal(signum, frame) -> None:  # noqa: ANN001
         if app.early_signal is None:
-            app.early_signal = codes[signal.Signals(signum)]
+            app.early_signal = _SIGNAL_CODES[signal.Signals(signum)]
 
-    previous = {s: signal.signal(s, on_signal) for s in codes if signal.getsignal(s) != signal.SIG_IGN}
+    previous = {s: signal.signal(s, on_signal) for s in _SIGNAL_CODES if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:

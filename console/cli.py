@@ -845,7 +845,8 @@ def console_cmd(
     """Open the console on SPEC: steps and proofs, topology, GPU/NUMA, throughput, logs; apply from it (also `pdctl SPEC`).
 
     Needs a terminal: without one (stdin or stderr not a TTY) it exits 64 at once. Exit 0 when quit; 130 when quit
-    during an apply (which stops at its next step event; the journal records where); 143 / 129 on SIGTERM / SIGHUP.
+    during an apply (which stops at its next step event; the journal records where); 130 / 143 / 129 on SIGINT /
+    SIGTERM / SIGHUP.
     """
     # (Textual is imported here only: the headless commands never load it.)
     from pdctl.statemachine.service import load
@@ -870,7 +871,10 @@ def console_cmd(
     from pdctl.console.app import run_console
 
     _interrupted_hint = "interrupted: the console was quit during an apply (where it stopped is said above)"
-    raise typer.Exit(run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir))
+    rc, applying = run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir)
+    if not applying:  # (SIGINT from another process: in the console's raw mode Ctrl-C is a key)
+        _interrupted_hint = "interrupted (SIGINT): the console was closed; no apply was running"
+    raise typer.Exit(rc)
 
 
 def _in_the_background(fd: int) -> bool:

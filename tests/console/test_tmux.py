@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,31 @@ def test_console_in_tmux_shows_the_six_steps_and_the_gpu_panel(tmp_path, tmux):
     while tmux.alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not tmux.alive(), "q did not quit the console"
+
+
+@pytest.mark.parametrize("sig,code", [("INT", 130), ("TERM", 143)])
+def test_a_signal_ends_the_idle_console_with_its_exit_code_and_restores_the_terminal(tmp_path, tmux, sig, code):
+    # `kill -INT` (Ctrl-C is a key in the console's raw mode, so only another process sends SIGINT) raised
+    # KeyboardInterrupt wherever Textual was: a traceback and asyncio's "Task was destroyed but it is pending!" on the
+    # operator's terminal, and a line saying the console was quit during an apply. Now it ends as SIGTERM does (143).
+    import signal
+
+    demo = ConsoleDemo(tmp_path)
+    rc_file = tmp_path / "rc"
+    tmux.start(f"TERM=xterm-256color PDCTL_STATE_DIR={demo.state} {sys.executable} -m pdctl {demo.spec} --refresh 0.5; "
+               f"echo rc=$? > {rc_file}; tput rmcup >/dev/null 2>&1; echo shell-after; sleep 30")
+    tmux.wait_for(*STEPS)
+    shell = int(tmux.run("display-message", "-p", "-t", tmux.session, "#{pane_pid}").stdout)
+    children = (Path(f"/proc/{shell}/task/{shell}/children").read_text().split())
+    assert len(children) == 1, children  # the console, started by the pane's shell
+    os.kill(int(children[0]), getattr(signal, f"SIG{sig}"))
+    deadline = time.monotonic() + 15
+    while not rc_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rc_file.read_text().strip() == f"rc={code}"
+    screen = tmux.wait_for("shell-after")
+    assert "State machine" not in screen  # (the console left its screen)
+    assert "Traceback" not in screen and "Task was destroyed" not in screen, screen
+    if sig == "INT":
+        assert "interrupted (SIGINT): the console was closed; no apply was running" in screen, screen
+    assert "during an apply" not in screen, screen
