@@ -287,7 +287,9 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
         s0 = 1
         while s0 * progs < num_sms and s0 < 32:
             s0 *= 2
-        tiles = [(32, 8), (32, 4)] if bh == 64 else [(64, 4), (32, 4), (64, 8)]
+        # 32-row tiles with 8 warps for 16/32-head blocks too: half the registers a thread holds per tile, which the
+        # FP8 fold needs at B = 1 (h = 16: 6.35 against 6.56 µs with 4 warps; kernels/RESULTS.md, twentieth session)
+        tiles = [(32, 8), (32, 4)] if bh == 64 else [(64, 4), (32, 4), (64, 8), (32, 8)]
         for bn, warps in tiles:
             for prefetch in ((0, 1, 2) if kv_format == "fp8" else (0, 1)):
                 for splits in sorted({s0 // 2 if s0 >= 4 else s0, s0, min(64, s0 * 2)}):
@@ -320,10 +322,12 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
 def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms: int, pdl: bool) -> list[Any]:
     """Launch settings worth timing on top of the plain configs, given those configs fastest first.
 
-    Programmatic dependent launch (``pdl`` 1 and 2; only when ``pdl`` is True, i.e. ``_pdl_supported``) on the two
+    Programmatic dependent launch (``pdl`` 1 and 2; only when ``pdl`` is True, i.e. ``_pdl_supported``) on the three
     fastest; the in-kernel merge (``merge`` 1, with each PDL mode) on the two fastest warp-specialised Gluon configs
-    whose grid fits one program per SM; and each of those and the two fastest themselves, where they have splits, with
-    the partials stored in bf16 (``bf16_partials``). Every one is verified like a plain config before it can be chosen.
+    whose grid fits one program per SM; and each of those and the three fastest themselves, where they have splits,
+    with the partials stored in bf16 (``bf16_partials``). Every one is verified like a plain config before it can be
+    chosen. (Three, not two: on the H200 at FP8 h = 32, B = 1 the third plain config, 8.44 µs against 8.29, was the
+    fastest with PDL and bf16 partials, 6.9 against 7.3 µs; kernels/RESULTS.md, twentieth session.)
     """
     from pdctl.kernels._sparse_mla import check_decode_config
 
@@ -336,11 +340,11 @@ def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms
 
     out = []
     modes = (1, 2) if pdl else ()
-    for cfg in ranked[:2]:
+    for cfg in ranked[:3]:
         out += [dataclasses.replace(cfg, pdl=m) for m in modes]
     for cfg in [c for c in ranked if mergeable(c)][:2]:
         out += [dataclasses.replace(cfg, merge=1, pdl=m) for m in (0, *modes)]
-    return out + [dataclasses.replace(cfg, bf16_partials=1) for cfg in [*ranked[:2], *out] if cfg.splits > 1]
+    return out + [dataclasses.replace(cfg, bf16_partials=1) for cfg in [*ranked[:3], *out] if cfg.splits > 1]
 
 
 COMPILE_WORKERS_ENV = "PDCTL_KERNELS_COMPILE_WORKERS"

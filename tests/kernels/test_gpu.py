@@ -197,7 +197,7 @@ def test_programmatic_dependent_launches_chain_in_a_cuda_graph(kv_format, gluon,
 
 @pytest.mark.parametrize("kv_format,heads,block_h,rows,splits,gluon,merge",
                          [("bf16", 16, 16, 1, 64, 0, 0), ("fp8", 32, 16, 8, 16, 0, 0), ("fp8", 16, 16, 1, 64, 0, "fold"),
-                          ("fp8", 16, 16, 1, 32, 1, 0),
+                          ("fp8", 32, 16, 1, 64, 0, "fold-8-warps"), ("fp8", 16, 16, 1, 32, 1, 0),
                           ("fp8", 16, 16, 8, 16, 5, 0), ("fp8", 32, 16, 64, 2, 4, 0), ("fp8", 128, 64, 8, 8, 7, 0),
                           ("fp8", 64, 64, 1, 16, 5, 0), ("fp8", 16, 16, 1, 32, 5, 1), ("fp8", 128, 64, 1, 16, 7, 1)])
 def test_bf16_partials_match_the_reference(kv_format, heads, block_h, rows, splits, gluon, merge):
@@ -207,9 +207,10 @@ def test_bf16_partials_match_the_reference(kv_format, heads, block_h, rows, spli
 
     if gluon:
         _require_hopper_gluon()
-    fold = merge == "fold"  # the tl.dot kernel's FP8 rows dequantised with their scales, 32-row tiles
+    fold = str(merge).startswith("fold")  # the tl.dot kernel's FP8 rows dequantised with their scales, 32-row tiles
     config = DecodeConfig(block_h=block_h, splits=splits, gluon=gluon, merge=0 if fold else merge, bf16_partials=1,
-                          fold=int(fold), block_n=32 if fold else 64, prefetch=int(fold))
+                          fold=int(fold), block_n=32 if fold else 64, prefetch=int(fold),
+                          num_warps=8 if merge == "fold-8-warps" else 4)
     _check_decode(heads, rows, kv_format, config)
 
 

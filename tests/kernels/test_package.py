@@ -235,9 +235,9 @@ def test_a_manifest_this_pdctl_cannot_read_is_refused_with_the_fix(tmp_path, cle
 
 
 def test_the_build_tries_launch_settings_on_the_fastest_plain_configs():
-    # PDL (both trigger points) on the two fastest; the in-kernel merge (with each PDL mode) only on the two fastest
+    # PDL (both trigger points) on the three fastest; the in-kernel merge (with each PDL mode) only on the two fastest
     # warp-specialised configs whose grid fits one program per SM (132 here: 1 row × 1 head block × 32 splits fits,
-    # 9 rows × 1 × 16 = 144 does not). Then each of those and the two fastest with bf16 partials, where they split.
+    # 9 rows × 1 × 16 = 144 does not). Then each of those and the three fastest with bf16 partials, where they split.
     import dataclasses
 
     from pdctl.kernels._build import _launch_setting_candidates
@@ -248,11 +248,11 @@ def test_the_build_tries_launch_settings_on_the_fastest_plain_configs():
     got = _launch_setting_candidates(ranked, 16, 1, 132, pdl=True)
     fp32 = [c for c in got if not c.bf16_partials]
     assert [(c.gluon, c.splits, c.pdl, c.merge) for c in fp32] == [
-        (3, 32, 1, 0), (3, 32, 2, 0), (5, 32, 1, 0), (5, 32, 2, 0),
+        (3, 32, 1, 0), (3, 32, 2, 0), (5, 32, 1, 0), (5, 32, 2, 0), (4, 16, 1, 0), (4, 16, 2, 0),
         (5, 32, 0, 1), (5, 32, 1, 1), (5, 32, 2, 1), (4, 16, 0, 1), (4, 16, 1, 1), (4, 16, 2, 1)]
-    assert got[len(fp32):] == [dataclasses.replace(c, bf16_partials=1) for c in [*ranked[:2], *fp32]]
+    assert got[len(fp32):] == [dataclasses.replace(c, bf16_partials=1) for c in [*ranked[:3], *fp32]]
     got = _launch_setting_candidates(ranked, 16, 1, 132, pdl=False)
-    assert [(c.pdl, c.merge, c.bf16_partials) for c in got] == [(0, 1, 0), (0, 1, 0)] + [(0, 0, 1)] * 2 + [(0, 1, 1)] * 2
+    assert [(c.pdl, c.merge, c.bf16_partials) for c in got] == [(0, 1, 0), (0, 1, 0)] + [(0, 0, 1)] * 3 + [(0, 1, 1)] * 2
     assert all(c.merge == 0 for c in _launch_setting_candidates(ranked, 16, 9, 132, pdl=True))
     assert any(c.merge for c in _launch_setting_candidates(ranked, 16, 8, 132, pdl=True))  # 8 × 16 = 128 fits
     unsplit = [DecodeConfig(splits=1, gluon=5), DecodeConfig(splits=1, gluon=4)]

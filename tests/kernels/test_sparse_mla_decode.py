@@ -220,7 +220,8 @@ def test_fold_is_a_setting_of_the_fp8_tl_dot_kernel_and_a_build_candidate_at_32_
         sparse_mla_decode(q, kv, idx, SM, length, config=DecodeConfig(16, 32, 4, 1, splits=3, prefetch=1, fold=1))
 
     folded = [c for c in _decode_candidates(16, 1, 132, "fp8") if c.fold]
-    assert {(c.block_n, c.prefetch, c.splits) for c in folded} == {(32, 1, 16), (32, 1, 32), (32, 1, 64)}
+    assert {(c.block_n, c.num_warps, c.prefetch, c.splits) for c in folded} == {
+        (32, w, 1, s) for w in (4, 8) for s in (16, 32, 64)}
     for c in folded:
         check_decode_config(c, 16, 1, "fp8", 132)
     assert not [c for c in _decode_candidates(16, 1, 132, "bf16") if c.fold]
