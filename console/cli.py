@@ -870,7 +870,7 @@ def console_cmd(
         raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 
-    _interrupted_hint = "interrupted: the console was quit during an apply (where it stopped is said above)"
+    _interrupted_hint = "interrupted: the console was quit or signalled during an apply (where it stopped is said above)"
     rc, applying = run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir)
     if not applying:  # (SIGINT from another process: in the console's raw mode Ctrl-C is a key)
         _interrupted_hint = "interrupted (SIGINT): the console was closed; no apply was running"
