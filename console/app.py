@@ -227,6 +227,9 @@ class ConsoleApp(App[int]):
         """The exit code of a SIGINT / SIGTERM / SIGHUP that came while the app started (:func:`early_signals`)."""
         self.signalled: int | None = None
         """The exit code of the signal that ended the app (:meth:`terminate`); None when the operator quit."""
+        self.quit_during_apply = False
+        """The operator quit while an apply ran (and said yes to cancelling it): ``run_console`` waits for the apply
+        and exits with how it ended, also when it finished while the question was open."""
         self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
         self.last_apply_error: BaseException | None = None
         self._cancel = threading.Event()
@@ -527,6 +530,7 @@ class ConsoleApp(App[int]):
 
         def done(ok: bool | None) -> None:
             if ok:
+                self.quit_during_apply = True  # (the apply may have ended while the question was open)
                 self._cancel.set()
                 self.exit(ExitCode.INTERRUPTED)  # as a headless apply stopped by Ctrl-C: the apply did not finish
 
@@ -771,9 +775,16 @@ def run_console(loaded: Any, *, readonly: bool = False, refresh_s: float | None 
     app = ConsoleApp(loaded, readonly=readonly, refresh_s=refresh_s, state_dir=state_dir)
     with early_signals(app):
         rc = int(app.run() or 0)
-    if not app.applying:
+    return after_the_app(app, rc, loaded)
+
+
+def after_the_app(app: ConsoleApp, rc: int, loaded: Any) -> tuple[int, bool]:
+    """:func:`run_console`'s result once *app* has ended with *rc*: when it ended during an apply (quit, or a signal),
+    wait for that apply to stop and say how it ended; see :func:`run_console`."""
+    if not (app.applying or app.quit_during_apply):
         return rc, False
-    _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
+    if not app.apply_ended.is_set():
+        _say("pdctl: the apply stops at its next step event or poll; waiting for it…")
     if not app.apply_ended.wait(_QUIT_WAIT_S):
         _say(f"pdctl: the apply has not stopped after {_QUIT_WAIT_S:g} s; it ends with this process: "
              "`pdctl status` shows where it got to")

@@ -431,6 +431,27 @@ async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo)
     assert app.return_value == 130 and app.apply_ended.is_set()
 
 
+async def test_quitting_when_the_apply_finishes_before_the_answer_exits_with_how_it_ended(console_demo, capsys):
+    # (a fresh user: q, the apply finished while "An apply is running. Quit…?" was open, then y: exit 130 and main's
+    # line "interrupted (SIGINT): the console was closed; no apply was running", though no signal came and the
+    # apply had succeeded)
+    from pdctl.console.app import after_the_app
+
+    fake = BlockingApply()
+    app = make_app(console_demo, apply_fn=fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await _first_apply_running(pilot, app)
+        await pilot.press("q")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        fake.release.set()
+        await wait_for(pilot, lambda: not app.applying, timeout=5)
+        await pilot.press("y")
+    assert fake.error is None and app.return_value == 130 and app.signalled is None
+    assert after_the_app(app, app.return_value, console_demo.load()) == (0, True)
+    said = capsys.readouterr().err
+    assert "the apply finished before it could be stopped" in said and "waiting for it" not in said, said
+
+
 async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(console_demo):
     # (its toast expired and nothing said it: the header kept an earlier apply's words)
     from pdctl.statemachine.errors import ApplyFailed
