@@ -44,9 +44,19 @@ app = typer.Typer(
 )
 
 SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Deployment spec (TOML), e.g. examples/demo.toml")]
+def _state_dir_given(value: Optional[str]) -> Optional[Path]:
+    # `--state-dir ''` was Path(''), the current folder: a down wrote its audit log and lock there, and status said
+    # "not deployed" (an empty PDCTL_STATE_DIR is no value at all to click, so only the option reaches this)
+    if value is not None and not value.strip():
+        raise typer.BadParameter(f"{value!r} names no folder; give the journal's folder, or leave the option out for "
+                                 "the default (PDCTL_STATE_DIR, else per service scope)")
+    return None if value is None else Path(value)
+
+
 StateDirOpt = Annotated[
-    Optional[Path],
-    typer.Option("--state-dir", envvar="PDCTL_STATE_DIR", help="Journal directory (default per service scope)"),
+    Optional[str],
+    typer.Option("--state-dir", envvar="PDCTL_STATE_DIR", help="Journal directory (default per service scope)",
+                 callback=_state_dir_given),
 ]
 
 

@@ -571,6 +571,18 @@ def test_cli_plan_out_empty_is_named_as_given_and_refused(tmp_path):
     assert not any(cwd.iterdir()) and not sd.exists()  # nothing written, here or in the state directory
 
 
+def test_an_empty_state_dir_option_is_refused_before_anything_is_written(tmp_path):
+    # (`--state-dir ''` was Path("") == the current folder: a fresh user's `down --yes` wrote its audit log and lock
+    # there, and status said "not deployed"; an empty PDCTL_STATE_DIR was already no value)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for args in (["down", str(SEED), "--yes"], ["status", str(SEED)], ["plan", str(SEED)], ["apply", str(SEED)]):
+        r = _pdctl(*args, "--state-dir", "", cwd=cwd)
+        assert r.returncode == 64, (args, r.returncode, r.stderr)
+        assert "Invalid value for '--state-dir'" in r.stderr and "'' names no folder" in r.stderr, r.stderr
+        assert not any(cwd.iterdir()), (args, list(cwd.iterdir()))
+
+
 def test_cli_plan_out_to_a_link_names_only_paths_that_work(tmp_path):
     # `-o /dev/stdout` was refused as a link, "give the path it points to": /proc/self/fd/1, itself a link refused
     # the same way (and from there a pipe or terminal). The hint now names what works, and a link to a file names
