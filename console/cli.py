@@ -496,7 +496,13 @@ def status_cmd(
 def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
     from pdctl.statemachine.service import load, status
 
-    loaded = load(spec, state_dir=state_dir, rules=False)
+    try:
+        loaded = load(spec, state_dir=state_dir, rules=False)
+    except PdctlError as exc:  # a spec that does not parse or validate: no deployment name to report
+        if as_json:  # scripts still get an object, as from plan --json (they got nothing on stdout)
+            sys.stdout.write(json.dumps({"deployment": None, "healthy": False, "error": exc.message,
+                                         "hint": exc.hint}, indent=1) + "\n")
+        raise
     _broken_rules_note(loaded, "status reads what the journal records")
     try:
         st = status(loaded)

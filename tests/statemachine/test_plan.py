@@ -571,6 +571,20 @@ def test_cli_plan_out_empty_is_named_as_given_and_refused(tmp_path):
     assert not any(cwd.iterdir()) and not sd.exists()  # nothing written, here or in the state directory
 
 
+def test_status_json_on_a_spec_that_does_not_load_still_prints_an_object(tmp_path):
+    # (plan --json printed {error, hint}; status --json printed nothing on stdout, so a script parsing it failed on
+    # empty input instead of reading the error)
+    bad = tmp_path / "bad.toml"
+    for text, says in (("name = 'x'\n[prefill\n", "TOML syntax error"),
+                       ("name = 'x'\n[[prefill]]\nport = '1'\n", "prefill[0].port: must be a whole number")):
+        bad.write_text(text)
+        r = _pdctl("status", str(bad), "--state-dir", str(tmp_path / "state"), "--json")
+        assert r.returncode == 1, r.stderr
+        got = json.loads(r.stdout)
+        assert got["deployment"] is None and got["healthy"] is False and says in got["error"], got
+        assert says in r.stderr  # (and said for a person too)
+
+
 def test_an_empty_state_dir_option_is_refused_before_anything_is_written(tmp_path):
     # (`--state-dir ''` was Path("") == the current folder: a fresh user's `down --yes` wrote its audit log and lock
     # there, and status said "not deployed"; an empty PDCTL_STATE_DIR was already no value)
