@@ -601,7 +601,7 @@ def _status_text(st: dict) -> str:
     for r in st["roles"]:
         health = f"{r['health'] or 'down':<5}"
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
-            health += " (from another process on its port)"
+            health += _from_another_process(r)
         lines.append(
             f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
@@ -610,7 +610,7 @@ def _status_text(st: dict) -> str:
     if rt:
         lines.append(
             f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
-            + (" (from another process on its port)" if rt.get("readiness") and not rt.get("port_owned", True) else "")
+            + (_from_another_process(rt) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
@@ -637,7 +637,18 @@ def _status_text(st: dict) -> str:
             age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
             summary = (s.get("summary") or "").split("\n", 1)[0]  # a failure's log excerpt stays in --json
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}")
+    if any(x.get("port_held_for") for x in [*st["roles"], *([rt] if rt else [])]):
+        from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT
+
+        lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
     return "\n".join(lines)
+
+
+def _from_another_process(view: dict) -> str:
+    """A role's or the router's health answered by a process outside its unit, and which pdctl unit that process runs
+    for where another deployment's (``port_held_for``)."""
+    unit = view.get("port_held_for")
+    return f" (from another process on its port: pdctl unit {unit})" if unit else " (from another process on its port)"
 
 
 @app.command("down")

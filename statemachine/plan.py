@@ -131,6 +131,15 @@ class PortHeld(_Frozen):
     """Set when the holder is this deployment's own process, applied another way (another ``--state-dir``, user or
     service manager): how, in words (``state directory /x (process supervisor)``), "" where that does not tell.
     None: a process of something else."""
+    other_deployment: str | None = None
+    """Set when the holder runs for another pdctl deployment's unit (another name, e.g. this spec's deployment before
+    it was renamed): ``pdctl unit pdctl-<name>-<role>.service``, with how it was applied where that tells."""
+
+
+OTHER_DEPLOYMENT_HINT = (
+    "another pdctl deployment holds these ports (its unit is named above): `pdctl down` its spec, or give the roles other "
+    "ports; a deployment renamed in its spec runs on under its old name: put that name back, `pdctl down`, then rename")
+"""The hint where a port's holder runs for another pdctl deployment's unit (apply's refusal, plan's warning)."""
 
 
 class Runs(_Frozen):
@@ -627,11 +636,14 @@ def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
     for x in held:
         how = f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""
         own = "" if x.applied_elsewhere is None else f"; this deployment's own process, applied another way{how}"
+        other = f", started for {x.other_deployment}" if x.other_deployment else ""
         lines.append(f"  ! {x.role} needs port {x.port} at {x.step}, held by PID {x.pid or '?'} "
-                     f"({x.command or 'unknown'}){own}")
+                     f"({x.command or 'unknown'}){own}{other}")
     if all(x.applied_elsewhere is not None for x in held):
         lines.append("  hint: manage it the way it was applied (the same user, service_manager and --state-dir or "
                      "XDG_STATE_HOME), or `pdctl down` it that way before applying here")
+    elif any(x.other_deployment for x in held):
+        lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
     else:
         lines.append("  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
     return "\n".join(lines)

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = ["Listener", "applied_with", "bind_address", "foreign_listeners", "held_outside", "in_the_way",
-           "is_descendant", "listeners", "listener_belongs", "local_address", "parse_proc_net_tcp", "started_as",
-           "started_by"]
+           "is_descendant", "listeners", "listener_belongs", "local_address", "parse_proc_net_tcp", "pdctl_unit_of",
+           "started_as", "started_by"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -206,6 +206,21 @@ def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: A
         for text in (_read(host, f"/proc/{p}/cmdline").replace("\0", " "), _read(host, f"/proc/{p}/cgroup")):
             if any(m in text for m in markers):
                 return text.strip()
+    return None
+
+
+_PDCTL_UNIT = re.compile(r"(?:^|[/\s])(pdctl-[A-Za-z0-9_.@:-]+\.service)(?=$|[/\s])")
+
+
+def pdctl_unit_of(host, pid: int) -> tuple[str, str] | None:  # noqa: ANN001
+    """``(unit name, what started it)`` when *pid* or one of its ancestors (at most 64 up) runs for a pdctl unit
+    (``pdctl-<deployment>-<role>.service``: the supervisor's folder in its command line, or the unit's cgroup), of
+    whatever deployment; None when none does. *what started it* is :func:`started_by`'s text, for
+    :func:`applied_with`. Callers tell another deployment's unit from their own by its name."""
+    for p in _lineage(host, pid):
+        for text in (_read(host, f"/proc/{p}/cmdline").replace("\0", " "), _read(host, f"/proc/{p}/cgroup")):
+            if m := _PDCTL_UNIT.search(text):
+                return m.group(1), text.strip()
     return None
 
 

@@ -408,6 +408,17 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     return plan
 
 
+def _held_for_another_deployment(host, port: int, found, own: set[str]) -> str | None:  # noqa: ANN001
+    """The pdctl unit, of a deployment other than the one whose units are *own*, that a listener on *port* (among
+    *found*, :func:`ports.listeners`) runs for (:func:`ports.pdctl_unit_of`); None when none does."""
+    from pdctl.statemachine import ports
+
+    for x in found:
+        if x.port == port and x.pid is not None and (unit := ports.pdctl_unit_of(host, x.pid)) and unit[0] not in own:
+            return unit[0]
+    return None
+
+
 def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
     """Role name (and ``router``) → unit name, as :mod:`pdctl.statemachine.launch` names units."""
     out = {r.name: f"pdctl-{topo.name}-{r.name}.service" for r in topo.roles}
@@ -753,6 +764,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # router port answered by another deployment's router read as this one's)
         router["port_owned"] = bool(router["readiness"]) and router["main_pid"] is not None and ports.listener_belongs(
             host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
+        if router["readiness"] and not router["port_owned"]:
+            router["port_held_for"] = _held_for_another_deployment(host, topo.router.port, found, set(names.values()))
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
@@ -770,6 +783,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "url": r.url,
                 "health": code,
                 "port_owned": owned,
+                # (the answer came from another pdctl deployment's server, e.g. this spec's before it was renamed)
+                "port_held_for": None if owned or not code else _held_for_another_deployment(host, r.port, found,
+                                                                                             set(names.values())),
                 "supervised": st.supervised,
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
             }

@@ -24,7 +24,7 @@ from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
-from pdctl.statemachine.plan import PortHeld
+from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT, PortHeld
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
@@ -366,7 +366,8 @@ def ports_held_elsewhere(ctx: Context, own_units: set[str]) -> list[PortHeld]:
     for x in held:
         how = ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None
         out.append(PortHeld(port=x.port, role=wanted[x.port][0], step=wanted[x.port][1], pid=x.pid, command=x.command,
-                            applied_elsewhere=None if how is None else ports.applied_with(how) or ""))
+                            applied_elsewhere=None if how is None else ports.applied_with(how) or "",
+                            other_deployment=None if how is not None else _other_deployment(ctx, x.pid, markers)))
     return out
 
 
@@ -406,11 +407,14 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     if held:
         order = [st.name for st in steps_for(ctx.topology)]
         first = min(held, key=lambda x: order.index(wanted[x.port][1]) if wanted[x.port][1] in order else len(order))
-        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
-                          f"({x.command or 'unknown'})" for x in held)
         # This deployment's own roles, applied another way (another --state-dir, user or service manager), say which
         markers = set(ctx.unit_of.values())
         started = [ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None for x in held]
+        # ...and another pdctl deployment's (another name: a renamed spec's old deployment, say), its unit
+        other = [None if how else _other_deployment(ctx, x.pid, markers) for x, how in zip(held, started)]
+        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
+                          f"({x.command or 'unknown'})" + (f", started for {o}" if o else "")
+                          for x, o in zip(held, other))
         applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
         if all(started):
             raise ApplyFailed(
@@ -426,8 +430,19 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
             + (f" ({ours} of them this deployment's own, applied another way"
                + (f": it runs under {' and '.join(applied)})" if applied else ")") if ours else ""),
             step=wanted[first.port][1],
-            hint="stop those processes (another deployment?) or give the roles other ports in the spec",
+            hint=OTHER_DEPLOYMENT_HINT if any(other) else
+            "stop those processes (another deployment?) or give the roles other ports in the spec",
         )
+
+
+def _other_deployment(ctx: Context, pid: int | None, own: set[str]) -> str | None:
+    """``pdctl unit U`` (with how it was applied, where that tells) when *pid* runs for a pdctl unit that is none of
+    *own* (:func:`ports.pdctl_unit_of`): another deployment of pdctl's, by name; None otherwise."""
+    found = ports.pdctl_unit_of(ctx.host, pid) if pid is not None else None
+    if found is None or found[0] in own:
+        return None
+    how = ports.applied_with(found[1])
+    return f"pdctl unit {found[0]}" + (f" ({how})" if how else "")
 
 
 # Run on the deployment's host with its engine Python: each argument an address; prints {address: why unusable}.

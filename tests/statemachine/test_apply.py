@@ -706,6 +706,37 @@ def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_callin
     assert not [e for e in sink.events if "previous processes" in e.message]
 
 
+def test_a_port_held_for_another_pdctl_deployment_names_its_unit_and_how_to_take_it_down(demo, tmp_path):
+    # A fresh user renamed a deployed spec: plan warned and apply refused "held by PID … (smg::router) … hint: stop
+    # those processes (another deployment?)", though the holder ran for pdctl's own unit of the old name.
+    from pdctl.statemachine import steps
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.plan import _render_ports_held
+
+    old_state = tmp_path / "old-state"
+    unit = "pdctl-olddemo-decode.service"
+    code = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            f"s.bind(('127.0.0.1', {demo.ports['decode']})); s.listen(); print('up', flush=True); time.sleep(30)")
+    # (as pdctl's supervisor runs a server: … pdctl.units.supervise <state>/supervisor/services/<unit>)
+    old = subprocess.Popen([sys.executable, "-c", code, f"{old_state}/supervisor/services/{unit}"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout.readline().strip() == "up"
+        ctx = _ctx(demo)
+        held = steps.ports_held_elsewhere(ctx, set(ctx.unit_of.values()))
+        assert [(x.port, x.pid, x.applied_elsewhere) for x in held] == [(demo.ports["decode"], old.pid, None)]
+        assert held[0].other_deployment == f"pdctl unit {unit} (state directory {old_state} (process supervisor))"
+        text = _render_ports_held(tuple(held))
+        assert f"started for pdctl unit {unit}" in text and "put that name back, `pdctl down`" in text, text
+        with pytest.raises(ApplyFailed) as e:
+            steps.ports_taken_elsewhere(ctx, set(ctx.unit_of.values()))
+    finally:
+        old.kill()
+        old.wait(10)
+    assert f"held by PID {old.pid}" in str(e.value) and f"started for pdctl unit {unit}" in str(e.value), str(e.value)
+    assert "another pdctl deployment holds these ports" in e.value.hint and "put that name back" in e.value.hint
+
+
 def test_a_listener_no_process_owns_any_more_is_looked_at_again_not_refused(demo, monkeypatch):
     # The process waited for above exits; for a moment its socket is listed with no owning PID, and the apply was
     # refused as "held by PID ? (unknown)" (a clean-clone CI run failed the test above on it)
@@ -889,7 +920,8 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     assert f"  ! {said} ({me})" in r.stdout and "hint: stop those processes" in r.stdout, r.stdout
     assert rj.returncode == ExitCode.CHANGES, rj.stderr
     assert json.loads(rj.stdout)["ports_held"] == [{"port": port, "role": "router", "step": "router_exposed",
-                                                    "pid": os.getpid(), "command": me, "applied_elsewhere": None}]
+                                                    "pid": os.getpid(), "command": me, "applied_elsewhere": None,
+                                                    "other_deployment": None}]
     assert ra.returncode == ExitCode.STEP_FAILED and said in ra.stderr, ra.stderr  # what apply refuses, the same
     demo.apply()
     # its own running roles hold every port now: no warning
@@ -1126,11 +1158,15 @@ def test_a_server_answering_for_another_unit_is_never_taken_as_proof(make_demo):
     from pdctl.console.cli import _status_text
 
     line = next(x for x in _status_text(st2).splitlines() if x.strip().startswith(pre["name"]))
-    assert pre["state"] != "active" and "(from another process on its port)" in line, line
+    # ...and names the other deployment's unit it runs for (a fresh user's renamed spec read "not deployed" with no
+    # word of the old name still running)
+    assert pre["state"] != "active" and pre["port_held_for"] == f"pdctl-{first.name}-prefill.service", pre
+    assert f"(from another process on its port: pdctl unit pdctl-{first.name}-prefill.service)" in line, line
     # the router's readiness too (it read as this deployment's router, ready)
     assert (st2["router"]["readiness"], st2["router"]["port_owned"]) == (200, False), st2["router"]
     line = next(x for x in _status_text(st2).splitlines() if x.strip().startswith("router"))
-    assert "readiness 200 (from another process on its port)" in line, line
+    assert f"readiness 200 (from another process on its port: pdctl unit pdctl-{first.name}-router.service)" in line, line
+    assert _status_text(st2).splitlines()[-1].startswith("  hint: another pdctl deployment holds these ports")
     assert first.status()["roles"][0]["port_owned"] is True and first.status()["router"]["port_owned"] is True
 
 
