@@ -5,7 +5,7 @@ worker (group ``apply``) with a sink that posts :class:`ConsoleApp.ApplyProgress
 reloading the spec runs :func:`~pdctl.statemachine.service.plan_spec` in another (group
 ``plan``), which also asks the host what ``pdctl plan`` says beside the changes: an apply unfinished or a role not
 serving (:func:`~pdctl.statemachine.service.plan_unsettled`), ports held outside the deployment
-(:func:`~pdctl.statemachine.service.ports_held_or_why`); telemetry (journal, service manager, scrapes, NVML/sysfs,
+and bind addresses apply would refuse (:func:`~pdctl.statemachine.service.plan_host_checks`); telemetry (journal, service manager, scrapes, NVML/sysfs,
 logs) runs in a third (group ``telemetry``) at the configured interval and posts :class:`ConsoleApp.TelemetryUpdated`
 snapshots, each superseding the one before. The UI thread only renders.
 
@@ -377,7 +377,7 @@ class ConsoleApp(App[int]):
     @work(thread=True, exclusive=True, group="plan", exit_on_error=False, description="plan")
     def reload_spec(self, reread: bool = True) -> None:
         """(Re)load the spec from disk when *reread*, then plan it against the journal."""
-        from pdctl.statemachine.service import load, plan_spec, plan_unsettled, ports_held_or_why
+        from pdctl.statemachine.service import load, plan_host_checks, plan_spec, plan_unsettled
 
         loaded = self.loaded
         try:
@@ -399,8 +399,8 @@ class ConsoleApp(App[int]):
             plan = plan.model_copy(update={"unsettled": why.text})
         # the ports a process outside the deployment holds: `pdctl plan`'s warning after the plan (apply refuses them);
         # whatever keeps them from being checked is a note, never a plan left unshown
-        held, unchecked = ports_held_or_why(loaded, recorded, catch=(Exception,))
-        plan = plan.model_copy(update={"ports_held": held})
+        held, unusable, unchecked = plan_host_checks(loaded, recorded, catch=(Exception,))
+        plan = plan.model_copy(update={"ports_held": held, "binds_unusable": unusable})
         self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None,
                                        why.kept if why is not None else (), unchecked))
 

@@ -217,7 +217,8 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         unsettled = why.text
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
-        p = p.model_copy(update={"ports_held": _ports_held(loaded, recorded)})
+        held, unusable = _ports_held(loaded, recorded)
+        p = p.model_copy(update={"ports_held": held, "binds_unusable": unusable})
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
             p = p.model_copy(update={"spec_path": str(spec.resolve())})
         if discard:
@@ -242,16 +243,17 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
 
 
 def _ports_held(loaded, recorded):  # noqa: ANN001, ANN202
-    """The ports apply would refuse (held outside the deployment), for the plan's warning; None, with a note, when
-    the host or its service manager cannot be asked (:func:`~pdctl.statemachine.service.ports_held_or_why`, as the
-    console's plan tab). They never change plan's exit code: apply refuses them itself (exit 3), nothing changed, so
-    a script that applies on exit 2 stays safe."""
-    from pdctl.statemachine.service import ports_held_or_why
+    """``(ports held, binds unusable)``: the ports apply would refuse (held outside the deployment) and why it would
+    refuse the bind addresses, for the plan's warnings; ``(None, None)``, with a note, when the host or its service
+    manager cannot be asked (:func:`~pdctl.statemachine.service.plan_host_checks`, as the console's plan tab). They
+    never change plan's exit code: apply refuses them itself (exit 3), nothing changed, so a script that applies on
+    exit 2 stays safe."""
+    from pdctl.statemachine.service import plan_host_checks
 
-    held, why = ports_held_or_why(loaded, recorded)
+    held, unusable, why = plan_host_checks(loaded, recorded)
     if why:
         _err(f"note: {why}")
-    return held
+    return held, unusable
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001

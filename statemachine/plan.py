@@ -173,6 +173,9 @@ class Plan(_Frozen):
     ports_held: tuple[PortHeld, ...] | None = None
     """Ports of the deployment held outside it when ``pdctl plan`` looked (apply would refuse them, exit 3); not part
     of the id. None: not looked at (the host or service manager could not be asked, or not a CLI plan)."""
+    binds_unusable: str | None = None
+    """Why apply would refuse the spec's bind addresses (or its engine Python) on the host when ``pdctl plan`` looked,
+    with the fix: apply's own words (exit 3, nothing changed); not part of the id. None: it would not, or not looked."""
 
     @model_validator(mode="before")
     @classmethod
@@ -623,10 +626,14 @@ def format_value(v: Any) -> str:
 
 def render_text(plan: Plan) -> str:
     """Terraform-style text: one block per resource, topology changes in words, a summary line; then, as Terraform
-    puts its warnings after the plan, the ports apply would refuse (:attr:`Plan.ports_held`)."""
+    puts its warnings after the plan, the ports apply would refuse (:attr:`Plan.ports_held`) and the bind addresses
+    (:attr:`Plan.binds_unusable`)."""
     text = _render_changes(plan)
     if plan.ports_held:
         text += "\n\n" + _render_ports_held(plan.ports_held)
+    if plan.binds_unusable:
+        text += ("\n\nWarning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is "
+                 f"given): {plan.binds_unusable}")
     return text
 
 

@@ -303,20 +303,31 @@ def own_units(state, desired: Topology) -> set[str]:  # noqa: ANN001
     return own | set(state.removing)
 
 
-def ports_held(loaded: Loaded, recorded, *, host=None) -> tuple[PortHeld, ...]:  # noqa: ANN001
-    """The ports of the spec's deployment that a process outside it holds now, as apply's check before its first step
-    would find them (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`, without its wait for this deployment's
-    own previous processes): ``pdctl plan``'s warning. *recorded*: the journal's state. Reads ``/proc`` on the
-    deployment's host (*host*, else the spec's) and asks its service manager; raises what they raise (HostError,
-    ManagerUnavailable…). Changes nothing."""
-    from pdctl.statemachine.steps import ports_held_elsewhere
+def host_warnings(loaded: Loaded, recorded, *, host=None, binds: bool = True,  # noqa: ANN001
+                  ) -> tuple[tuple[PortHeld, ...], str | None]:
+    """``(ports held, binds unusable)``: the ports of the spec's deployment that a process outside it holds now, as
+    apply's check before its first step would find them (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`,
+    without its wait for this deployment's own previous processes), and (*binds*) why apply would refuse the spec's
+    bind addresses or engine Python on the host now (:func:`~pdctl.statemachine.steps.bind_addresses_unusable`'s
+    refusal and hint, in words; None: it would not). *recorded*: the journal's state. Reads ``/proc`` and runs one
+    probe on the deployment's host (*host*, else the spec's: one connection for both) and asks its service manager;
+    raises what they raise (HostError, ManagerUnavailable…). Changes nothing."""
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.steps import bind_addresses_unusable, ports_held_elsewhere
 
     desired = topology_of(loaded.deployment)
     the_host = host or deployment_host(loaded.deployment)
     try:
         ctx = build_context(loaded, host=the_host)
         try:
-            return tuple(ports_held_elsewhere(ctx, own_units(recorded, desired)))
+            held = tuple(ports_held_elsewhere(ctx, own_units(recorded, desired)))
+            unusable = None
+            if binds:
+                try:
+                    bind_addresses_unusable(ctx)
+                except ApplyFailed as exc:
+                    unusable = exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
+            return held, unusable
         finally:
             ctx.client.close()
     finally:
@@ -324,22 +335,22 @@ def ports_held(loaded: Loaded, recorded, *, host=None) -> tuple[PortHeld, ...]: 
             the_host.close()
 
 
-def ports_held_or_why(loaded: Loaded, recorded, *,  # noqa: ANN001
-                      catch: tuple[type[Exception], ...] | None = None) -> tuple[tuple[PortHeld, ...] | None, str | None]:
-    """:func:`ports_held` for the warning after a plan (``pdctl plan``, the console's plan tab): ``(held, None)``, or
-    ``(None, why)`` where the host or its service manager cannot be asked (*catch*: the errors that say so, by default
-    PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks the ports
-    again before its first step. *why* is a sentence for people."""
+def plan_host_checks(loaded: Loaded, recorded, *, catch: tuple[type[Exception], ...] | None = None,  # noqa: ANN001
+                     binds: bool = True) -> tuple[tuple[PortHeld, ...] | None, str | None, str | None]:
+    """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab): ``(held, binds
+    unusable, None)``, or ``(None, None, why)`` where the host or its service manager cannot be asked (*catch*: the
+    errors that say so, by default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over,
+    and apply checks again before its first step. *why* is a sentence for people."""
     from pdctl.statemachine.errors import PdctlError
     from pdctl.units import UnitsError
 
     expected = (PdctlError, UnitsError, OSError)
     try:
-        return ports_held(loaded, recorded), None
+        return (*host_warnings(loaded, recorded, binds=binds), None)
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
-        return None, ("the plan could not check whether the deployment's ports are free (apply checks them before "
-                      f"its first step): {said}")
+        return None, None, ("the plan could not check whether the deployment's ports are free (apply checks them "
+                            f"before its first step): {said}")
 
 
 # --- apply ---------------------------------------------------------------------------------------

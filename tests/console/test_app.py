@@ -808,13 +808,13 @@ async def test_the_plan_tab_warns_of_a_port_held_outside_the_deployment_as_pdctl
 
     from pdctl.statemachine import service
 
-    real, threads = service.ports_held, []
+    real, threads = service.host_warnings, []
 
     def watched(loaded, recorded, **kw):  # noqa: ANN001, ANN202
         threads.append(threading.current_thread())
         return real(loaded, recorded, **kw)
 
-    monkeypatch.setattr(service, "ports_held", watched)
+    monkeypatch.setattr(service, "host_warnings", watched)
     with open(f"/proc/{os.getpid()}/cmdline") as f:
         me = f.read().replace("\0", " ").strip()
     port = console_demo.ports["router"]
@@ -848,7 +848,7 @@ async def test_the_plan_tab_notes_when_the_host_could_not_be_asked_which_ports_a
     def unreachable(loaded, recorded, **kw):  # noqa: ANN001, ANN202
         raise HostError("ssh gpu-1: connection refused")
 
-    monkeypatch.setattr(service, "ports_held", unreachable)
+    monkeypatch.setattr(service, "host_warnings", unreachable)
     app = make_app(console_demo)
     async with app.run_test(size=(160, 40)) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)

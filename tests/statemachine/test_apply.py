@@ -794,6 +794,24 @@ def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
         assert demo.pids() == pids and demo.status()["healthy"]
 
 
+def test_plan_warns_of_a_bind_address_apply_would_refuse(demo):
+    # (a fresh user: plan showed only the change, exit 2; `apply --confirm-topology …` then said "bind addresses
+    # unusable" and exit 3: the operator confirmed a change to learn what plan could have said)
+    d = copy.deepcopy(demo.dict)
+    d["router"]["prometheus_host"] = "gpu-typo.invalid"  # never resolves (RFC 6761)
+    spec = demo.write(d, "typo.toml")
+    r = demo.cli("plan", str(spec))
+    assert r.returncode == ExitCode.CHANGES, r.stderr
+    said = ("Warning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is given): "
+            "bind addresses unusable, nothing was started or changed: router.prometheus_host = 'gpu-typo.invalid' "
+            "does not resolve on this host")
+    assert said in r.stdout and "hint: write an address this host has" in r.stdout, r.stdout
+    got = json.loads(demo.cli("plan", str(spec), "--json").stdout)["binds_unusable"]
+    assert got.startswith("bind addresses unusable") and "gpu-typo.invalid" in got, got
+    assert json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["binds_unusable"] is None
+    assert "Warning" not in demo.cli("plan", str(demo.spec)).stdout
+
+
 def test_down_with_nothing_installed_notes_ports_held_by_processes_it_cannot_see(demo, monkeypatch):
     # A non-root user cannot read another user's /proc/<pid>/fd: such a holder cannot be told from the deployment
     # applied as that user, so down stops nothing and says so instead of a bare "nothing to stop"
