@@ -412,13 +412,18 @@ async def test_sigterm_or_sighup_during_an_apply_cancels_it_and_exits_with_their
     assert isinstance(fake.error, ApplyCancelled) and app.return_value == 129  # run_console returns it
 
 
+async def _asked_to_quit_during_an_apply(pilot, app) -> None:  # noqa: ANN001
+    """Start the first deployment's apply from the console, then press q and wait for its question."""
+    await _first_apply_running(pilot, app)
+    await pilot.press("q")
+    await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+
+
 async def test_quitting_during_an_apply_asks_first_then_cancels_it(console_demo):
     fake = BlockingApply()
     app = make_app(console_demo, apply_fn=fake)
     async with app.run_test(size=SIZE) as pilot:
-        await _first_apply_running(pilot, app)
-        await pilot.press("q")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await _asked_to_quit_during_an_apply(pilot, app)
         await pilot.press("n")
         await pilot.pause(0.2)
         assert app.is_running and app.applying and fake.error is None
@@ -440,9 +445,7 @@ async def test_quitting_when_the_apply_finishes_before_the_answer_exits_with_how
     fake = BlockingApply()
     app = make_app(console_demo, apply_fn=fake)
     async with app.run_test(size=SIZE) as pilot:
-        await _first_apply_running(pilot, app)
-        await pilot.press("q")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await _asked_to_quit_during_an_apply(pilot, app)
         fake.release.set()
         await wait_for(pilot, lambda: not app.applying, timeout=5)
         await pilot.press("y")
