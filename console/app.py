@@ -232,6 +232,8 @@ class ConsoleApp(App[int]):
         and exits with how it ended, also when it finished while the question was open."""
         self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
         self.last_apply_error: BaseException | None = None
+        self._apply_began = False  # the engine said apply_started: past its plan and checks, it may change things
+        self._failed_journal_at: float | None = None  # the journal's updated_at when the last apply's error came
         self._cancel = threading.Event()
         self.apply_ended = threading.Event()
         """Set when the apply worker's call returns or raises (``run_console`` waits on it after a quit mid-apply)."""
@@ -505,6 +507,7 @@ class ConsoleApp(App[int]):
         self._cancel.clear()
         self.apply_ended.clear()
         self._interrupted_at = None
+        self._apply_began = False
         self.applying = True
         self.last_apply_error = None
         self._w(PlanPanel).last_failure = None
@@ -680,6 +683,8 @@ class ConsoleApp(App[int]):
         ev = message.event
         if ev.kind == "apply_interrupted":  # the engine names the step it journalled as interrupted
             self._interrupted_at = ev.step
+        if ev.kind == "apply_started":
+            self._apply_began = True
         if message.journal is not None:
             topo = current_topology(self.loaded, message.journal)
             steps = step_views(expected_states(topo), message.journal, self.clock())
@@ -701,6 +706,10 @@ class ConsoleApp(App[int]):
                         + ("; a resumes it" if stopped else ""), title="Apply cancelled", severity="warning")
         else:
             err = message.error
+            try:  # (another process's later apply or down writes the journal: the header then stops saying this)
+                self._failed_journal_at = self.loaded.journal.read().updated_at
+            except Exception:  # noqa: BLE001 - the error is said all the same; the journal's reader names its own fault
+                self._failed_journal_at = None
             hint = getattr(err, "hint", None)
             step = getattr(err, "step", None)
             text = f"{'step ' + step + ': ' if step else ''}{getattr(err, 'message', None) or err}"
@@ -714,6 +723,13 @@ class ConsoleApp(App[int]):
             self._wake.set()
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _error_outdated(self, snap: Snapshot | None) -> bool:
+        """Whether the journal has been written since the last apply's error came (another process's apply or down,
+        as *snap* read it): the header's "LAST APPLY FAILED" then no longer says how the deployment stands."""
+        at = self._failed_journal_at
+        later = snap.journal.updated_at if snap is not None and snap.journal is not None else None
+        return later is not None and (at is None or later > at)
+
     def _status_line(self, event: str | None = None) -> str:
         bits = []
         if self.readonly:
@@ -725,11 +741,12 @@ class ConsoleApp(App[int]):
         else:
             # most urgent first: an 80-column header cuts the line's end
             err = self.last_apply_error
-            if err is not None and not isinstance(err, ApplyCancelled):
+            snap = self.snapshot
+            if err is not None and not isinstance(err, ApplyCancelled) and not self._error_outdated(snap):
                 # (a refusal before the first step leaves no step failed: the plan tab keeps its words in full)
                 step = getattr(err, "step", None)
-                bits.append(f"LAST APPLY FAILED{' at ' + step if step else ''} (6: why)")
-            snap = self.snapshot
+                bits.append(f"LAST APPLY FAILED at {step} (6: why)" if self._apply_began and step else
+                            "LAST APPLY FAILED (6: why)" if self._apply_began else "LAST APPLY REFUSED (6: why)")
             where = None
             if snap is not None and snap.steps:
                 status = {s.name: s.status for s in snap.steps}

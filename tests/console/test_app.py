@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 
 import httpx
 import pytest
@@ -472,13 +473,27 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
         await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
         app.clear_notifications()
         await pilot.pause(0.3)
-        assert app.sub_title.startswith("LAST APPLY FAILED at router_exposed (6: why)")
+        # refused, nothing changed: not "FAILED at router_exposed" as though a step had run and failed there
+        assert app.sub_title.startswith("LAST APPLY REFUSED (6: why)"), app.sub_title
         # its words in full stay in the plan tab (a toast goes after 15 s and the header is cut at 80 columns)
         await pilot.press("6")
         await pilot.pause()
         shown = str(app.query_one(PlanPanel).render())
         assert "router needs port 35901 at router_exposed, held by PID 1 (init)" in shown
         assert shown.index("Last apply") < shown.index("plan id")
+        # another process's apply (or down) writes the journal since: the header stops saying it (a fresh user saw
+        # it stay after a headless apply had succeeded)
+        from dataclasses import replace
+
+        from pdctl.console.collect import Snapshot
+        from pdctl.statemachine.journal import JournalState
+
+        topo = app.plan.to_topology
+        app.show_snapshot(Snapshot(at=time.time(), topology=topo, journal=JournalState(name="x", updated_at=None)))
+        assert app.sub_title.startswith("LAST APPLY REFUSED"), app.sub_title  # (the journal as it was)
+        later = JournalState(name="x", serial=1, updated_at=time.time() + 1)
+        app.show_snapshot(replace(app.snapshot, journal=later))
+        assert "LAST APPLY" not in app.sub_title, app.sub_title
         fake = Recorder()
         app.apply_fn = fake
         await pilot.press("a", "y")  # the next apply clears them
@@ -631,7 +646,6 @@ def test_the_consoles_sink_halts_a_long_wait_at_its_checkpoint_once_cancel_is_as
 async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_units_run_unrecorded(console_demo):
     # (decode killed: the header still read "reached parsers_configured"; a journal moved aside, or a cancelled
     # collapse: "not deployed" while servers ran)
-    import time
 
     from pdctl.statemachine.journal import JournalState, StepRecord
     from pdctl.statemachine.topology import topology_of
@@ -737,8 +751,6 @@ async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_ste
     # its event set the steps panel, and only then was the worker's snapshot delivered: it showed the last step
     # "running" after the apply had reached it (seen in test_console_applies_the_demo_to_parsers_configured). The
     # snapshots are posted here as the worker posts them; live=False: no worker of its own posts others between.
-    import time
-
     from pdctl.statemachine.journal import JournalState, StepRecord
     from pdctl.statemachine.topology import topology_of
 
@@ -773,8 +785,6 @@ async def test_a_snapshot_begun_before_the_last_step_event_does_not_take_the_ste
 async def test_a_cancelled_telemetry_worker_leaves_its_wait_within_a_second(console_demo):
     # Textual cancels the worker on exit without waking it; --refresh takes up to 3600 s, and one wait that long held
     # the process's exit (seen as a test run that hung at its end).
-    import time
-
     app = make_app(console_demo)
     app.refresh_s = 3600
     async with app.run_test(size=SIZE) as pilot:
