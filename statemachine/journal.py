@@ -123,8 +123,9 @@ class JournalState:
     steps: dict[str, StepRecord] = field(default_factory=dict)
     units: dict[str, str] = field(default_factory=dict)
     """Unit name → fingerprint of the service definition last proven running; or ``restarting`` (its new definition
-    installed, its restart not yet issued) or ``started:<fingerprint>`` (started or restarted with that definition,
-    not yet proven): ``pdctl.statemachine.steps`` ``RESTARTING`` and ``STARTED``."""
+    installed, its restart not yet issued; ``restarting:<fingerprint>@<PID>`` where the process still running, that
+    main PID, is known to run the definition with that fingerprint) or ``started:<fingerprint>`` (started or
+    restarted with that definition, not yet proven): ``pdctl.statemachine.steps`` ``RESTARTING`` and ``STARTED``."""
     removing: list[str] = field(default_factory=list)
     """Units of roles an apply drops (its earlier topologies had them, its target has not), journalled with the target
     and cleared as each is removed: a kill before they are gone loses the topology that named them, not them."""

@@ -145,6 +145,8 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
     * kept: the unit runs, supervised, and its journal record is this spec's definition started (``steps.STARTED``:
       apply waits for it while it loads and proves it) or proven by that apply (its step done since that apply
       journalled its target);
+    * kept too: that apply rewrote its unit file for its own spec without restarting it, and the record tells that the
+      process (the same main PID) runs this spec's definition (``steps.running_definition``);
     * restarted: the unit runs, and its record is another definition than this spec's while that apply started it
       (its own spec's: what runs is compared from there) or rewrote its unit file without restarting it
       (``steps.RESTARTING``; what runs is still the from side's).
@@ -157,7 +159,7 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
     from pdctl.statemachine.errors import PdctlError
     from pdctl.statemachine.machine import role_steps
     from pdctl.statemachine.plan import Runs
-    from pdctl.statemachine.steps import RESTARTING, STARTED, fingerprint_of
+    from pdctl.statemachine.steps import RESTARTING, STARTED, fingerprint_of, running_definition
 
     dep = loaded.deployment
     desired = topology_of(dep)
@@ -185,7 +187,10 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
                 " and proved it" if proven else "; apply waits until it serves, then proves it"))
         elif rec == fp and proven:
             out[name] = Runs(kept="the unfinished apply started it with this spec's definition and proved it")
-        elif rec == RESTARTING:
+        elif rec.startswith(RESTARTING) and running_definition(rec, st.main_pid) == fp:
+            out[name] = Runs(kept="it runs this spec's definition (the unfinished apply rewrote its unit file for its "
+                                  "own spec and had not restarted it; apply writes the file back)")
+        elif rec.startswith(RESTARTING):
             out[name] = Runs(restart="its unit file differs from the running process (the unfinished apply rewrote "
                                      "the file for its own spec and had not restarted the process)")
         elif rec != fp and (rec.startswith(STARTED) or proven):

@@ -85,10 +85,28 @@ class Timeouts:
 
 
 RESTARTING = "restarting"
-"""A unit's journal record while its new definition is installed and its restart not yet proven (no fingerprint)."""
+"""A unit's journal record while its new definition is installed and its restart not yet issued: ``restarting``, or
+``restarting:<fingerprint>@<main PID>`` where the process still running is known to run the definition with that
+fingerprint (:func:`running_definition`)."""
 STARTED = "started:"
 """Prefix of a unit's journal record once its restart was issued with the definition whose fingerprint follows, not
 yet proven: a resumed apply waits for that process while it loads instead of restarting it again."""
+
+
+def running_definition(record: str | None, main_pid: int | None) -> str | None:
+    """The fingerprint of the definition the unit's running process runs, as its journal *record* tells it, or None
+    where it does not: a plain fingerprint (proven running; any later rewrite of the unit file journals it as
+    restarting first) and ``started:<fp>`` (restarted with it) tell it; ``restarting:<fp>@<pid>`` tells it while
+    *main_pid*, the unit's main process now, is still ``<pid>`` (a restart since, by its supervisor after a crash,
+    ran the rewritten file); a bare ``restarting`` does not."""
+    if not record or record == RESTARTING:
+        return None
+    if record.startswith(STARTED):
+        return record[len(STARTED):]
+    if record.startswith(RESTARTING + ":"):
+        fp, _, pid = record[len(RESTARTING) + 1:].rpartition("@")
+        return fp if fp and main_pid is not None and pid == str(main_pid) else None
+    return record
 
 
 def fingerprint_of(units: Any, unit: str) -> str:
@@ -163,20 +181,38 @@ class Context:
     def mark_restarting(self, *units: str) -> None:
         """Record (atomically) that *units* get a new definition and need a restart: until a step proves them again,
         they are neither proven (observe never skips them) nor servers loading what this apply wants (a resumed
-        apply restarts them rather than wait for, or prove, a process started from the old definition)."""
+        apply restarts them rather than wait for, or prove, a process started from the old definition). Where the
+        record tells which definition the running process runs, it keeps it, with that process's PID
+        (``restarting:<fp>@<pid>``): a resumed apply whose spec asks that definition again keeps the process."""
         if units:
-            self.journal_state.units.update(dict.fromkeys(units, RESTARTING))
+            for u in units:
+                pid = self.manager.status(u).main_pid
+                fp = running_definition(self.journal_state.units.get(u), pid)
+                self.journal_state.units[u] = f"{RESTARTING}:{fp}@{pid}" if fp and pid else RESTARTING
             self.journal.write(self.journal_state)
 
     def install_units(self) -> set[str]:
-        """``manager.install`` of every unit, returning the names it changed. First, every running unit whose
-        definition (file or secrets) it is about to change is journalled as restarting: whichever step restarts it,
-        and whenever a kill comes, nothing waits for or proves the process still running the old one."""
+        """``manager.install`` of every unit, returning the names it changed whose running process does not run the
+        new definition. First, every running unit whose definition (file or secrets) it is about to change is
+        journalled as restarting: whichever step restarts it, and whenever a kill comes, nothing waits for or proves
+        the process still running the old one. A running unit whose process runs the desired definition already (an
+        interrupted apply rewrote its file for another spec and had not restarted it: :func:`running_definition`)
+        gets its file back and its record back to that definition's fingerprint, and is not restarted for it."""
         services = set(self.unit_of.values())
         pending = [u for u in self.manager.pending_changes(self.units) if u in services]
-        self.mark_restarting(*[u for u in pending
-                               if self.manager.status(u).state in ("active", "activating", "deactivating")])
-        return set(self.manager.install(self.units))
+        running = {u: st for u in pending
+                   if (st := self.manager.status(u)).state in ("active", "activating", "deactivating")}
+        restored = {u for u, st in running.items() if st.state != "deactivating"
+                    and running_definition(self.journal_state.units.get(u), st.main_pid) == self.fingerprint(u)}
+        self.mark_restarting(*[u for u in running if u not in restored])
+        changed = set(self.manager.install(self.units))
+        if restored:
+            for u in restored:
+                rec = self.journal_state.units.get(u) or ""
+                # (started:<fp> stays so: that server may still be loading, and the step waits for it)
+                self.journal_state.units[u] = rec if rec.startswith(STARTED) else self.fingerprint(u)
+            self.journal.write(self.journal_state)
+        return changed - restored
 
     def definition_changed(self, unit: str) -> bool:
         """True when *unit*'s desired definition differs from the one last proven running."""

@@ -644,3 +644,18 @@ def test_a_port_holders_long_command_is_cut_after_a_whole_argument():
     assert _shortened("x" * 200) == "x" * 160 + " …"  # one long word: cut where it must be
     # an argument holding a newline (python3 -c 'import x\nserve()') broke the one-line warning in two
     assert _shortened("python3 -c import os\nos.system('x')\t") == "python3 -c import os\\nos.system('x')\\t"
+
+
+def test_running_definition_reads_what_the_running_process_runs_from_its_journal_record():
+    # restarting:<fp>@<pid>: an interrupted apply rewrote the unit file (for another spec) while that process ran <fp>;
+    # only that same main PID still runs it: one its supervisor restarted after a crash ran the rewritten file
+    from pdctl.statemachine.steps import RESTARTING, STARTED, running_definition
+
+    assert running_definition("ab12", 7) == "ab12"  # proven running
+    assert running_definition(STARTED + "ab12", 7) == "ab12"
+    assert running_definition(f"{RESTARTING}:ab12@7", 7) == "ab12"
+    assert running_definition(f"{RESTARTING}:ab12@7", 8) is None  # restarted since, from the rewritten file
+    assert running_definition(f"{RESTARTING}:ab12@7", None) is None  # not running
+    assert running_definition(f"{RESTARTING}:ab12@77", 7) is None
+    assert running_definition(RESTARTING, 7) is None and running_definition(None, 7) is None
+    assert running_definition(f"{RESTARTING}:@7", 7) is None
