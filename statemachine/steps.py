@@ -197,7 +197,7 @@ class Context:
         journalled as restarting: whichever step restarts it, and whenever a kill comes, nothing waits for or proves
         the process still running the old one. A running unit whose process runs the desired definition already (an
         interrupted apply rewrote its file for another spec and had not restarted it: :func:`running_definition`)
-        gets its file back and its record back to that definition's fingerprint, and is not restarted for it."""
+        gets its file back, is journalled as started with it (:data:`STARTED`), and is not restarted for it."""
         services = set(self.unit_of.values())
         pending = [u for u in self.manager.pending_changes(self.units) if u in services]
         running = {u: st for u in pending
@@ -207,10 +207,9 @@ class Context:
         self.mark_restarting(*[u for u in running if u not in restored])
         changed = set(self.manager.install(self.units))
         if restored:
-            for u in restored:
-                rec = self.journal_state.units.get(u) or ""
-                # (started:<fp> stays so: that server may still be loading, and the step waits for it)
-                self.journal_state.units[u] = rec if rec.startswith(STARTED) else self.fingerprint(u)
+            # (as a server started with that definition: its step waits for it while it loads and proves it as it
+            # stands, never skips it as proven; the record may have come from an unproven start)
+            self.journal_state.units.update({u: STARTED + self.fingerprint(u) for u in restored})
             self.journal.write(self.journal_state)
         return changed - restored
 
@@ -789,6 +788,8 @@ class ServersUp(Step):
             # unit whose supervisor is gone is never waited for (nothing would mark it active): it is restarted.
             recorded = ctx.journal_state.units.get(unit)
             fp = ctx.fingerprint(unit)
+            if (recorded or "").startswith(RESTARTING) and running_definition(recorded, st.main_pid) == fp:
+                recorded = STARTED + fp  # (file rewritten for another spec, the process runs this one: install_units)
             ours = recorded == STARTED + fp and st.supervised
             stale = not self._serves_as_specified(ctx, r) or (
                 not ours and (r.name in ctx.restart or ctx.definition_changed(unit)))
