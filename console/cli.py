@@ -903,6 +903,9 @@ def console_cmd(
     rc, applying = run_console(loaded, readonly=readonly, refresh_s=refresh, state_dir=state_dir)
     if not applying:  # (SIGINT from another process: in the console's raw mode Ctrl-C is a key)
         _interrupted_hint = "interrupted (SIGINT): the console was closed; no apply was running"
+        by = {ExitCode.TERMINATED: "terminated (SIGTERM)", ExitCode.HANGUP: "hung up (SIGHUP)"}.get(rc)
+        if by:  # (main says a line for 130 only; SIGTERM and SIGHUP said nothing where SIGINT did)
+            _err(f"{by}: the console was closed; no apply was running")
     raise typer.Exit(rc)
 
 

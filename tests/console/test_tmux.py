@@ -106,6 +106,6 @@ def test_a_signal_ends_the_idle_console_with_its_exit_code_and_restores_the_term
     screen = tmux.wait_for("shell-after")
     assert "State machine" not in screen  # (the console left its screen)
     assert "Traceback" not in screen and "Task was destroyed" not in screen, screen
-    if sig == "INT":
-        assert "interrupted (SIGINT): the console was closed; no apply was running" in screen, screen
+    said = {"INT": "interrupted (SIGINT)", "TERM": "terminated (SIGTERM)"}[sig]
+    assert f"{said}: the console was closed; no apply was running" in screen, screen  # (SIGTERM said nothing)
     assert "during an apply" not in screen, screen
