@@ -212,15 +212,18 @@ def started_by(host, pid: int, markers: Iterable[str]) -> str | None:  # noqa: A
 _PDCTL_UNIT = re.compile(r"(?:^|[/\s])(pdctl-[A-Za-z0-9_.@:-]+\.service)(?=$|[/\s])")
 
 
-def pdctl_unit_of(host, pid: int) -> tuple[str, str] | None:  # noqa: ANN001
+def pdctl_unit_of(host, pid: int | None, *, other_than: Iterable[str] = ()) -> tuple[str, str] | None:  # noqa: ANN001
     """``(unit name, what started it)`` when *pid* or one of its ancestors (at most 64 up) runs for a pdctl unit
-    (``pdctl-<deployment>-<role>.service``: the supervisor's folder in its command line, or the unit's cgroup), of
-    whatever deployment; None when none does. *what started it* is :func:`started_by`'s text, for
-    :func:`applied_with`. Callers tell another deployment's unit from their own by its name."""
+    (``pdctl-<deployment>-<role>.service``: the supervisor's folder in its command line, or the unit's cgroup) that
+    is none of *other_than* (the caller's own deployment's units); None when none does, or *pid* is None. *what
+    started it* is :func:`started_by`'s text, for :func:`applied_with`."""
+    if pid is None:
+        return None
+    own = set(other_than)
     for p in _lineage(host, pid):
         for text in (_read(host, f"/proc/{p}/cmdline").replace("\0", " "), _read(host, f"/proc/{p}/cgroup")):
             if m := _PDCTL_UNIT.search(text):
-                return m.group(1), text.strip()
+                return None if m.group(1) in own else (m.group(1), text.strip())
     return None
 
 

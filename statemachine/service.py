@@ -308,11 +308,10 @@ def own_units(state, desired: Topology) -> set[str]:  # noqa: ANN001
     return own | set(state.removing)
 
 
-def host_warnings(loaded: Loaded, recorded, *, host=None, binds: bool = True,  # noqa: ANN001
-                  ) -> tuple[tuple[PortHeld, ...], str | None]:
+def host_warnings(loaded: Loaded, recorded, *, host=None) -> tuple[tuple[PortHeld, ...], str | None]:  # noqa: ANN001
     """``(ports held, binds unusable)``: the ports of the spec's deployment that a process outside it holds now, as
     apply's check before its first step would find them (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`,
-    without its wait for this deployment's own previous processes), and (*binds*) why apply would refuse the spec's
+    without its wait for this deployment's own previous processes), and why apply would refuse the spec's
     bind addresses or engine Python on the host now (:func:`~pdctl.statemachine.steps.bind_addresses_unusable`'s
     refusal and hint, in words; None: it would not). *recorded*: the journal's state. Reads ``/proc`` and runs one
     probe on the deployment's host (*host*, else the spec's: one connection for both) and asks its service manager;
@@ -326,13 +325,11 @@ def host_warnings(loaded: Loaded, recorded, *, host=None, binds: bool = True,  #
         ctx = build_context(loaded, host=the_host)
         try:
             held = tuple(ports_held_elsewhere(ctx, own_units(recorded, desired)))
-            unusable = None
-            if binds:
-                try:
-                    bind_addresses_unusable(ctx)
-                except ApplyFailed as exc:
-                    unusable = exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
-            return held, unusable
+            try:
+                bind_addresses_unusable(ctx)
+            except ApplyFailed as exc:
+                return held, exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
+            return held, None
         finally:
             ctx.client.close()
     finally:
@@ -340,8 +337,9 @@ def host_warnings(loaded: Loaded, recorded, *, host=None, binds: bool = True,  #
             the_host.close()
 
 
-def plan_host_checks(loaded: Loaded, recorded, *, catch: tuple[type[Exception], ...] | None = None,  # noqa: ANN001
-                     binds: bool = True) -> tuple[tuple[PortHeld, ...] | None, str | None, str | None]:
+def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
+                     catch: tuple[type[Exception], ...] | None = None,
+                     ) -> tuple[tuple[PortHeld, ...] | None, str | None, str | None]:
     """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab): ``(held, binds
     unusable, None)``, or ``(None, None, why)`` where the host or its service manager cannot be asked (*catch*: the
     errors that say so, by default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over,
@@ -351,7 +349,7 @@ def plan_host_checks(loaded: Loaded, recorded, *, catch: tuple[type[Exception], 
 
     expected = (PdctlError, UnitsError, OSError)
     try:
-        return (*host_warnings(loaded, recorded, binds=binds), None)
+        return (*host_warnings(loaded, recorded), None)
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
         return None, None, ("the plan could not check whether the deployment's ports are free (apply checks them "
@@ -430,7 +428,7 @@ def _held_for_another_deployment(host, port: int, found, own: set[str]) -> str |
     from pdctl.statemachine import ports
 
     for x in found:
-        if x.port == port and x.pid is not None and (unit := ports.pdctl_unit_of(host, x.pid)) and unit[0] not in own:
+        if x.port == port and (unit := ports.pdctl_unit_of(host, x.pid, other_than=own)):
             return unit[0]
     return None
 
@@ -780,8 +778,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # router port answered by another deployment's router read as this one's)
         router["port_owned"] = bool(router["readiness"]) and router["main_pid"] is not None and ports.listener_belongs(
             host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
-        if router["readiness"] and not router["port_owned"]:
-            router["port_held_for"] = _held_for_another_deployment(host, topo.router.port, found, set(names.values()))
+        router["port_held_for"] = None if router["port_owned"] or not router["readiness"] else \
+            _held_for_another_deployment(host, topo.router.port, found, set(names.values()))
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -178,15 +178,16 @@ class Context:
         if self.journal_state.units.pop(unit, None) is not None:
             self.journal.write(self.journal_state)
 
-    def mark_restarting(self, *units: str) -> None:
+    def mark_restarting(self, *units: str, main_pids: Mapping[str, int | None] | None = None) -> None:
         """Record (atomically) that *units* get a new definition and need a restart: until a step proves them again,
         they are neither proven (observe never skips them) nor servers loading what this apply wants (a resumed
         apply restarts them rather than wait for, or prove, a process started from the old definition). Where the
         record tells which definition the running process runs, it keeps it, with that process's PID
-        (``restarting:<fp>@<pid>``): a resumed apply whose spec asks that definition again keeps the process."""
+        (``restarting:<fp>@<pid>``): a resumed apply whose spec asks that definition again keeps the process.
+        *main_pids*: each unit's main PID where the caller has just asked the manager (else it is asked here)."""
         if units:
             for u in units:
-                pid = self.manager.status(u).main_pid
+                pid = main_pids[u] if main_pids is not None and u in main_pids else self.manager.status(u).main_pid
                 fp = running_definition(self.journal_state.units.get(u), pid)
                 self.journal_state.units[u] = f"{RESTARTING}:{fp}@{pid}" if fp and pid else RESTARTING
             self.journal.write(self.journal_state)
@@ -204,7 +205,8 @@ class Context:
                    if (st := self.manager.status(u)).state in ("active", "activating", "deactivating")}
         restored = {u for u, st in running.items() if st.state != "deactivating"
                     and running_definition(self.journal_state.units.get(u), st.main_pid) == self.fingerprint(u)}
-        self.mark_restarting(*[u for u in running if u not in restored])
+        self.mark_restarting(*[u for u in running if u not in restored],
+                             main_pids={u: st.main_pid for u, st in running.items()})
         changed = set(self.manager.install(self.units))
         if restored:
             # (as a server started with that definition: its step waits for it while it loads and proves it as it
@@ -473,8 +475,8 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
 def _other_deployment(ctx: Context, pid: int | None, own: set[str]) -> str | None:
     """``pdctl unit U`` (with how it was applied, where that tells) when *pid* runs for a pdctl unit that is none of
     *own* (:func:`ports.pdctl_unit_of`): another deployment of pdctl's, by name; None otherwise."""
-    found = ports.pdctl_unit_of(ctx.host, pid) if pid is not None else None
-    if found is None or found[0] in own:
+    found = ports.pdctl_unit_of(ctx.host, pid, other_than=own)
+    if found is None:
         return None
     how = ports.applied_with(found[1])
     return f"pdctl unit {found[0]}" + (f" ({how})" if how else "")
@@ -774,9 +776,11 @@ class ServersUp(Step):
     def apply(self, ctx: Context) -> None:
         roles = self._roles(ctx)
         actions: dict[str, str | None] = {}
+        pids: dict[str, int | None] = {}
         for r in roles:
             unit = ctx.unit_of[r.name]
             st = ctx.manager.status(unit)
+            pids[unit] = st.main_pid
             running = st.state in ("active", "activating")
             # Nothing starts while a process outside this unit holds one of its ports (after stopping any of this
             # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
@@ -797,7 +801,7 @@ class ServersUp(Step):
                 ours or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
             actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
         # restarted below: a kill before it must not leave the unit looking like a server loading what is wanted
-        ctx.mark_restarting(*[unit for unit, action in actions.items() if action == "restart"])
+        ctx.mark_restarting(*[unit for unit, action in actions.items() if action == "restart"], main_pids=pids)
         for unit, action in actions.items():
             if action == "start":  # a kill from here on must never let observe skip this unit as proven
                 ctx.forget(unit)
