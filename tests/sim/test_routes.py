@@ -225,7 +225,12 @@ def test_signal_clean_exit_within_a_second(sig):
 def test_sigterm_during_load_exits_0():
     p = start_sim([], {"PDCTL_SIM_LOAD_SECONDS": "30"}, wait=False)
     try:
-        time.sleep(0.3)
+        # SIGTERM once the server is loading weights (its handlers are in place by then, as SGLang's are
+        # once it logs), not at a fixed delay that a loaded machine can spend still importing.
+        deadline = time.monotonic() + 20
+        while "Load weight begin" not in p.log_text() and p.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Load weight begin" in p.log_text(), p.log_text()
         os.kill(p.pid, signal.SIGTERM)
         assert p.popen.wait(5) == 0
     finally:
