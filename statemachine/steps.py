@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT, PortHeld
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
-from pdctl.units import SUPERVISOR_LINE
+from pdctl.units import SUPERVISOR_LINE, UnitSet
 
 __all__ = ["Context", "Timeouts", "steps_for"]
 
@@ -192,22 +192,31 @@ class Context:
                 self.journal_state.units[u] = f"{RESTARTING}:{fp}@{pid}" if fp and pid else RESTARTING
             self.journal.write(self.journal_state)
 
-    def install_units(self) -> set[str]:
-        """``manager.install`` of every unit, returning the names it changed whose running process does not run the
-        new definition. First, every running unit whose definition (file or secrets) it is about to change is
-        journalled as restarting: whichever step restarts it, and whenever a kill comes, nothing waits for or proves
-        the process still running the old one. A running unit whose process runs the desired definition already (an
+    def install_units(self, own: Collection[str]) -> set[str]:
+        """``manager.install`` of the units of the step that owns *own* (unit names), returning the names it changed
+        whose running process does not run the new definition. Another step's service that runs now keeps its file
+        until its own step restarts it: an apply stopped before that step (a kill, a failed step) never leaves a
+        file that its supervisor would start after a crash with settings the apply did not get to. Units that do
+        not run (and the target) are written too, so that what starts next runs what the spec asks.
+
+        First, every running unit whose definition (file or secrets) it is about to change is journalled as
+        restarting: whichever step restarts it, and whenever a kill comes, nothing waits for or proves the process
+        still running the old one. A running unit whose process runs the desired definition already (an
         interrupted apply rewrote its file for another spec and had not restarted it: :func:`running_definition`)
         gets its file back, is journalled as started with it (:data:`STARTED`), and is not restarted for it."""
         services = set(self.unit_of.values())
-        pending = [u for u in self.manager.pending_changes(self.units) if u in services]
-        running = {u: st for u in pending
-                   if (st := self.manager.status(u)).state in ("active", "activating", "deactivating")}
+        live = ("active", "activating", "deactivating")
+        status = {u: self.manager.status(u) for u in services if u not in own}
+        units = UnitSet(self.units.target, tuple(
+            s for s in self.units.services if s.name not in status or status[s.name].state not in live))
+        pending = [u for u in self.manager.pending_changes(units) if u in services]
+        status.update({u: self.manager.status(u) for u in pending if u not in status})
+        running = {u: status[u] for u in pending if status[u].state in live}
         restored = {u for u, st in running.items() if st.state != "deactivating"
                     and running_definition(self.journal_state.units.get(u), st.main_pid) == self.fingerprint(u)}
         self.mark_restarting(*[u for u in running if u not in restored],
                              main_pids={u: st.main_pid for u, st in running.items()})
-        changed = set(self.manager.install(self.units))
+        changed = set(self.manager.install(units))
         if restored:
             # (as a server started with that definition: its step waits for it while it loads and proves it as it
             # stands, never skips it as proven; the record may have come from an unproven start)
@@ -805,7 +814,7 @@ class ServersUp(Step):
         for unit, action in actions.items():
             if action == "start":  # a kill from here on must never let observe skip this unit as proven
                 ctx.forget(unit)
-        changed = ctx.install_units()  # (journals any running unit whose definition it changes as restarting)
+        changed = ctx.install_units(actions)  # (journals any running unit whose definition it changes as restarting)
         for unit, action in actions.items():
             if action in (None, "wait") and unit in changed:
                 action = "restart"
@@ -1123,7 +1132,7 @@ class RouterExposed(Step):
         wanted = _router_ports(r)
         _preflight_ports(ctx, "router", wanted, st.main_pid if st.state in ("active", "activating") else None, self.name)
         ctx.forget(unit)
-        ctx.install_units()
+        ctx.install_units([unit])
         st = ctx.manager.status(unit)
         if st.state in ("active", "activating"):
             ctx.restart_unit(unit, step=self.name)

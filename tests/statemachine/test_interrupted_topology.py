@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -238,25 +240,61 @@ def test_a_router_an_interrupted_first_deployment_started_is_kept_not_restarted(
     assert _pids(demo) == before and demo.status()["healthy"]
 
 
-def _context_change_interrupted_at(demo, step: str):  # noqa: ANN001, ANN202
-    """The demo applied, then a context_length change (131072 -> 65536) interrupted as *step* is proven: (the changed
-    spec as a dict, its path)."""
+def _context_change_interrupted_at(demo, step: str, kind: str = "step_verified"):  # noqa: ANN001, ANN202
+    """The demo applied, then a context_length change (131072 -> 65536) interrupted at *step*'s first event of *kind*
+    (default: as it is proven): (the changed spec as a dict, its path)."""
     demo.apply()
     d = copy.deepcopy(demo.dict)
     d["model"]["context_length"] = 65536
     changed = demo.write(d, "ctx65.toml")
     with pytest.raises(KeyboardInterrupt):
-        demo.apply(changed, sink=_InterruptAt("step_verified", step=step))
+        demo.apply(changed, sink=_InterruptAt(kind, step=step))
     return d, changed
 
 
+def _manager(demo):  # noqa: ANN001, ANN202
+    """(the recorded spec's unit set, its service manager)."""
+    from pdctl.statemachine import launch
+
+    loaded = demo.load()
+    return (launch.unit_set_for(loaded.deployment, state_dir=str(loaded.journal.dir)),
+            launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(loaded.journal.dir)))
+
+
+def test_a_change_interrupted_at_prefill_leaves_decode_its_file_so_a_crash_restarts_it_as_it_ran(demo):
+    # (the change's first step wrote every role's unit file: decode, which the apply never reached, kept serving
+    # 131072 from a file asking 65536, and its supervisor restarted it with 65536 after a crash)
+    _context_change_interrupted_at(demo, "prefill_up")
+    units, manager = _manager(demo)
+    prefill, decode = (f"pdctl-{demo.name}-{r}.service" for r in ("prefill", "decode"))
+    assert "65536" in manager.installed_text(prefill), manager.installed_text(prefill)
+    assert "131072" in manager.installed_text(decode) and "65536" not in manager.installed_text(decode)
+    assert manager.pending_changes(units) == [prefill], manager.pending_changes(units)
+    old = _pids(demo)["decode"]
+    os.kill(old, signal.SIGKILL)  # (a server process pdctl's own apply started, by its PID)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pid = _pids(demo)["decode"]
+        if pid not in (None, old):
+            try:
+                if _server_info(demo.ports["decode"]).get("context_length"):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+        time.sleep(0.2)
+    assert _pids(demo)["decode"] not in (None, old), "decode was not restarted after its crash"
+    assert _server_info(demo.ports["decode"])["context_length"] == 131072
+
+
 def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compared_with_what_runs(demo):
-    # A context_length change (131072 -> 65536) interrupted once prefill_up had proven prefill: prefill runs 65536,
-    # decode still 131072 though its unit file was rewritten. A third spec's plan said "131072 → 8192" for prefill;
-    # the recorded spec's said no changes, then apply restarted prefill and decode. Decode runs what the recorded
-    # spec asks (the same process, journalled as restarting:<its fingerprint>@<its PID>): kept, its file written
-    # back, not restarted (a fresh user saw it restarted, a needless model reload on a GPU host)
-    d, _half = _context_change_interrupted_at(demo, "prefill_up")
+    # A context_length change (131072 -> 65536) interrupted as decode_up was about to restart decode: prefill runs
+    # 65536, decode still 131072 though its unit file was rewritten. A third spec's plan said "131072 → 8192" for
+    # prefill; the recorded spec's said no changes, then apply restarted prefill and decode. Decode runs what the
+    # recorded spec asks (the same process, journalled as restarting:<its fingerprint>@<its PID>): kept, its file
+    # written back, not restarted (a fresh user saw it restarted, a needless model reload on a GPU host)
+    d, _half = _context_change_interrupted_at(demo, "decode_up", kind="info")
+    decode_unit = f"pdctl-{demo.name}-decode.service"
+    assert "65536" in _manager(demo)[1].installed_text(decode_unit)  # (rewritten, not restarted)
     assert _server_info(demo.ports["prefill"])["context_length"] == 65536
     assert _server_info(demo.ports["decode"])["context_length"] == 131072
 
