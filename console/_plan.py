@@ -1,6 +1,6 @@
 """The plan panel: the pending plan in Terraform's text (``render_text``), coloured by action, with ``pdctl plan``'s
-warning after it of ports held outside the deployment (``Plan.ports_held``), or a note that they could not be
-checked."""
+warning after it of ports held and GPUs used outside the deployment (``Plan.ports_held``, ``Plan.gpus_held``), or a note
+that they could not be checked."""
 
 from __future__ import annotations
 

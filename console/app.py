@@ -401,8 +401,8 @@ class ConsoleApp(App[int]):
             plan = plan.model_copy(update={"unsettled": why.text})
         # the ports a process outside the deployment holds: `pdctl plan`'s warning after the plan (apply refuses them);
         # whatever keeps them from being checked is a note, never a plan left unshown
-        held, unusable, unchecked = plan_host_checks(loaded, recorded, catch=(Exception,))
-        plan = plan.model_copy(update={"ports_held": held, "binds_unusable": unusable})
+        warnings, unchecked = plan_host_checks(loaded, recorded, catch=(Exception,))
+        plan = plan.model_copy(update=warnings)
         self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None,
                                        why.kept if why is not None else (), unchecked))
 

@@ -162,8 +162,9 @@ def plan(
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
     unsupervised or answered for by another process (`pdctl apply` has work either way: said on stdout); 1: error. A
     running server that only fails its health probe (busy?) is a note on stderr, not exit 2. A port the deployment
-    will listen on that a process outside it holds is a warning after the plan (`ports_held` in --json), which apply
-    refuses (exit 3): it does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
+    will listen on that a process outside it holds, or a GPU a role will run on that a compute process outside it uses
+    (nvidia-smi), is a warning after the plan (`ports_held`, `gpus_held` in --json), which apply refuses (exit 3): it
+    does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
     ending any command it had started here (nvidia-smi discovering GPUs)."""
     with _interruptible("plan"):  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
         _plan(spec, state_dir, as_json, out)
@@ -217,8 +218,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         unsettled = why.text
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
-        held, unusable = _ports_held(loaded, recorded)
-        p = p.model_copy(update={"ports_held": held, "binds_unusable": unusable})
+        p = p.model_copy(update=_host_warnings(loaded, recorded))
         if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
             p = p.model_copy(update={"spec_path": str(spec.resolve())})
         if discard:
@@ -242,18 +242,18 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         raise
 
 
-def _ports_held(loaded, recorded):  # noqa: ANN001, ANN202
-    """``(ports held, binds unusable)``: the ports apply would refuse (held outside the deployment) and why it would
-    refuse the bind addresses, for the plan's warnings; ``(None, None)``, with a note, when the host or its service
-    manager cannot be asked (:func:`~pdctl.statemachine.service.plan_host_checks`, as the console's plan tab). They
-    never change plan's exit code: apply refuses them itself (exit 3), nothing changed, so a script that applies on
-    exit 2 stays safe."""
+def _host_warnings(loaded, recorded):  # noqa: ANN001, ANN202
+    """The plan's warnings as its fields (``ports_held``, ``gpus_held``, ``binds_unusable``): the ports and GPUs apply
+    would refuse (used outside the deployment) and why it would refuse the bind addresses; none, with a note, when the
+    host or its service manager cannot be asked (:func:`~pdctl.statemachine.service.plan_host_checks`, as the
+    console's plan tab). They never change plan's exit code: apply refuses them itself (exit 3), nothing changed, so
+    a script that applies on exit 2 stays safe."""
     from pdctl.statemachine.service import plan_host_checks
 
-    held, unusable, why = plan_host_checks(loaded, recorded)
+    fields, why = plan_host_checks(loaded, recorded)
     if why:
         _err(f"note: {why}")
-    return held, unusable
+    return fields
 
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001

@@ -12,11 +12,15 @@ Facts and where they come from:
 * each NUMA node's CPUs: ``/sys/devices/system/node/node<N>/cpulist`` (``cpulist`` syntax, ``0-31,64-95``).
 
 ``pdctl plan`` and ``pdctl apply`` discover; ``pdctl validate`` never contacts a host.
+
+:func:`gpu_processes` lists the compute processes on each GPU (``nvidia-smi --query-compute-apps=gpu_bus_id,pid,
+used_memory --format=csv,noheader,nounits``: one line per process and GPU, memory in MiB, ``[N/A]`` where the driver
+does not tell), for apply's check that a role's GPUs are free before anything starts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdctl.statemachine.errors import HostError
 from pdctl.statemachine.rules import Inventory
@@ -24,9 +28,21 @@ from pdctl.statemachine.rules import Inventory
 if TYPE_CHECKING:  # pragma: no cover
     from pdctl.statemachine.hosts import Host
 
-__all__ = ["discover", "parse_gpu_query", "sysfs_bus_id"]
+__all__ = ["GpuProcess", "discover", "gpu_processes", "parse_compute_apps", "parse_gpu_query", "sysfs_bus_id"]
 
 GPU_QUERY = ("nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader")
+COMPUTE_APPS_QUERY = ("nvidia-smi", "--query-compute-apps=gpu_bus_id,pid,used_memory", "--format=csv,noheader,nounits")
+
+
+class GpuProcess(NamedTuple):
+    """One compute process on one GPU, as nvidia-smi lists it."""
+
+    gpu: int
+    """The GPU's nvidia-smi index (what a spec's ``gpus`` lists)."""
+    pid: int
+    """In the PID namespace nvidia-smi answers for (in a container without the host's PIDs, one ``/proc`` lacks)."""
+    used_mib: int | None
+    """GPU memory it holds, MiB; None where nvidia-smi prints ``[N/A]``."""
 
 
 def sysfs_bus_id(nvml_bus_id: str) -> str:
@@ -55,6 +71,42 @@ def parse_gpu_query(text: str) -> list[str]:
     if sorted(rows) != list(range(len(rows))):
         raise ValueError(f"nvidia-smi listed GPU indices {sorted(rows)}, not 0..{len(rows) - 1}")
     return [rows[i] for i in range(len(rows))]
+
+
+def parse_compute_apps(text: str) -> list[tuple[str, int, int | None]]:
+    """``(bus id, PID, used MiB or None)`` per line of ``COMPUTE_APPS_QUERY``'s output (none: no compute process).
+    Raises ValueError on a line it cannot read."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip() or line.strip().lower().startswith("no running"):
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or not fields[0] or not fields[1].isdigit():
+            raise ValueError(f"unexpected nvidia-smi line {line!r}")
+        out.append((fields[0], int(fields[1]), int(fields[2]) if fields[2].isdigit() else None))
+    return out
+
+
+def gpu_processes(host: Host) -> list[GpuProcess] | None:
+    """Every compute process on *host*'s GPUs (two nvidia-smi queries: the GPUs' indices, then the processes by bus
+    id), sorted by GPU and PID; None where that cannot be told (no nvidia-smi, as on a host without the NVIDIA driver;
+    a failing one; output it cannot read): the caller then checks nothing. Raises CommandTimeout after 60 s."""
+    from pdctl.statemachine.errors import CommandTimeout
+
+    try:
+        gpus = host.run(list(GPU_QUERY), timeout=60, check=False)
+        if gpus.returncode != 0:
+            return None
+        apps = host.run(list(COMPUTE_APPS_QUERY), timeout=60, check=False)
+        if apps.returncode != 0:
+            return None
+        index = {sysfs_bus_id(bus): i for i, bus in enumerate(parse_gpu_query(gpus.stdout))}
+        rows = parse_compute_apps(apps.stdout)
+    except CommandTimeout:
+        raise
+    except (HostError, ValueError):
+        return None
+    return sorted(GpuProcess(index[sysfs_bus_id(bus)], pid, mib) for bus, pid, mib in rows if sysfs_bus_id(bus) in index)
 
 
 def discover(host: Host, *, pci_root: str = "/sys/bus/pci/devices",

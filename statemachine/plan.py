@@ -35,15 +35,15 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, is_wildcard
 
-__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "Plan", "PortHeld", "ResourceChange", "Runs", "format_value",
-           "make_plan", "plan_id_of", "render_text"]
+__all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "GpuHeld", "Plan", "PortHeld", "ResourceChange", "Runs",
+           "format_value", "gpu_holder", "gpus_held_hint", "make_plan", "plan_id_of", "render_gpus_held", "render_text"]
 
 ChangeClass = Literal["topology", "disruptive", "in_place"]
 Action = Literal["create", "update", "replace", "delete"]
@@ -136,6 +136,29 @@ class PortHeld(_Frozen):
     it was renamed): ``pdctl unit pdctl-<name>-<role>.service``, with how it was applied where that tells."""
 
 
+class GpuHeld(_Frozen):
+    """A GPU a role will run on that a compute process outside the deployment uses now (nvidia-smi): ``pdctl apply``
+    would refuse before its first step, starting nothing (``steps.gpus_taken_elsewhere``), since SGLang sizes its KV
+    cache from the memory left and fails to start ("Not enough memory") or starts small. ``pdctl plan`` shows it as
+    a warning."""
+
+    gpu: int
+    """The GPU's nvidia-smi index (as the spec's ``gpus`` lists it)."""
+    role: str
+    step: str
+    """The step an apply would have failed at."""
+    pid: int
+    used_mib: int | None = None
+    """GPU memory the process holds, MiB (None: nvidia-smi does not tell)."""
+    command: str = ""
+    """Its command line; "" when the host's ``/proc`` does not show the PID (a process in another PID namespace,
+    e.g. a container's)."""
+    applied_elsewhere: str | None = None
+    """As :attr:`PortHeld.applied_elsewhere`: this deployment's own process, applied another way."""
+    other_deployment: str | None = None
+    """As :attr:`PortHeld.other_deployment`: another pdctl deployment's process."""
+
+
 OTHER_DEPLOYMENT_HINT = (
     "another pdctl deployment holds these ports (its unit is named above): `pdctl down` its spec, or give the roles other "
     "ports; a deployment renamed in its spec runs on under its old name: put that name back, `pdctl down`, then rename")
@@ -173,6 +196,10 @@ class Plan(_Frozen):
     ports_held: tuple[PortHeld, ...] | None = None
     """Ports of the deployment held outside it when ``pdctl plan`` looked (apply would refuse them, exit 3); not part
     of the id. None: not looked at (the host or service manager could not be asked, or not a CLI plan)."""
+    gpus_held: tuple[GpuHeld, ...] | None = None
+    """GPUs of the deployment's roles that compute processes outside it use when ``pdctl plan`` looked (apply would
+    refuse them, exit 3); not part of the id. None: not looked at (no nvidia-smi on the host, or it could not be
+    asked)."""
     binds_unusable: str | None = None
     """Why apply would refuse the spec's bind addresses (or its engine Python) on the host when ``pdctl plan`` looked,
     with the fix: apply's own words (exit 3, nothing changed); not part of the id. None: it would not, or not looked."""
@@ -626,11 +653,13 @@ def format_value(v: Any) -> str:
 
 def render_text(plan: Plan) -> str:
     """Terraform-style text: one block per resource, topology changes in words, a summary line; then, as Terraform
-    puts its warnings after the plan, the ports apply would refuse (:attr:`Plan.ports_held`) and the bind addresses
-    (:attr:`Plan.binds_unusable`)."""
+    puts its warnings after the plan, the ports and GPUs apply would refuse (:attr:`Plan.ports_held`,
+    :attr:`Plan.gpus_held`) and the bind addresses (:attr:`Plan.binds_unusable`)."""
     text = _render_changes(plan)
     if plan.ports_held:
         text += "\n\n" + _render_ports_held(plan.ports_held)
+    if plan.gpus_held:
+        text += "\n\n" + render_gpus_held(plan.gpus_held)
     if plan.binds_unusable:
         text += ("\n\nWarning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is "
                  f"given): {plan.binds_unusable}")
@@ -653,6 +682,36 @@ def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
         lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
     else:
         lines.append("  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
+    return "\n".join(lines)
+
+
+def gpu_holder(x: GpuHeld) -> str:
+    """One held GPU in words, as plan's warning and apply's refusal name it."""
+    mem = f", {x.used_mib} MiB" if x.used_mib is not None else ""
+    who = x.command or "not visible in the host's /proc: another PID namespace?"
+    own = "" if x.applied_elsewhere is None else ("; this deployment's own process, applied another way"
+                                                  + (f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""))
+    other = f", started for {x.other_deployment}" if x.other_deployment else ""
+    return f"{x.role} needs GPU {x.gpu} at {x.step}, used by PID {x.pid} ({who}{mem}){own}{other}"
+
+
+def gpus_held_hint(held: Sequence[GpuHeld]) -> str:
+    """The fix for GPUs held outside the deployment, by who holds them."""
+    if all(x.applied_elsewhere is not None for x in held):
+        return ("manage it the way it was applied (the same user, service_manager and --state-dir or XDG_STATE_HOME), "
+                "or `pdctl down` it that way before applying here")
+    if any(x.other_deployment for x in held):
+        return ("another pdctl deployment runs on these GPUs (its unit is named above): `pdctl down` its spec, or give "
+                "the roles other GPUs in the spec")
+    return "stop those processes (nvidia-smi lists them) or give the roles other GPUs in the spec"
+
+
+def render_gpus_held(held: tuple[GpuHeld, ...]) -> str:
+    """Plan's warning of GPUs in use outside the deployment (:attr:`Plan.gpus_held`)."""
+    lines = ["Warning: GPUs this deployment's roles will run on are in use outside it: while they are, `pdctl apply` "
+             "stops before its first step (exit 3, once any confirmation it needs is given), starting nothing:"]
+    lines += [f"  ! {gpu_holder(x)}" for x in held]
+    lines.append(f"  hint: {gpus_held_hint(held)}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pdctl.statemachine.errors import HostError, RunCancelled
 from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, Journal, default_state_dir
-from pdctl.statemachine.plan import Plan, PortHeld, make_plan
+from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
 from pdctl.statemachine.topology import Topology, topology_of, with_legacy_secrets_bridged
@@ -308,28 +308,35 @@ def own_units(state, desired: Topology) -> set[str]:  # noqa: ANN001
     return own | set(state.removing)
 
 
-def host_warnings(loaded: Loaded, recorded, *, host=None) -> tuple[tuple[PortHeld, ...], str | None]:  # noqa: ANN001
-    """``(ports held, binds unusable)``: the ports of the spec's deployment that a process outside it holds now, as
-    apply's check before its first step would find them (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`,
-    without its wait for this deployment's own previous processes), and why apply would refuse the spec's
-    bind addresses or engine Python on the host now (:func:`~pdctl.statemachine.steps.bind_addresses_unusable`'s
-    refusal and hint, in words; None: it would not). *recorded*: the journal's state. Reads ``/proc`` and runs one
-    probe on the deployment's host (*host*, else the spec's: one connection for both) and asks its service manager;
-    raises what they raise (HostError, ManagerUnavailable…). Changes nothing."""
+def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # noqa: ANN001
+    """What apply's checks before its first step would refuse on the host now, as :class:`~pdctl.statemachine.plan.Plan`
+    fields for the warnings after a plan: ``ports_held``, the ports of the spec's deployment that a process outside it
+    holds (:func:`~pdctl.statemachine.steps.ports_held_elsewhere`, without its wait for this deployment's own previous
+    processes); ``gpus_held``, its roles' GPUs that a compute process outside it uses
+    (:func:`~pdctl.statemachine.steps.gpus_held_elsewhere`; None on a host without nvidia-smi); ``binds_unusable``,
+    why apply would refuse the spec's bind addresses or engine Python (:func:`~pdctl.statemachine.steps.
+    bind_addresses_unusable`'s refusal and hint, in words; None: it would not). *recorded*: the journal's state.
+    Reads ``/proc``, runs nvidia-smi and one probe on the deployment's host (*host*, else the spec's: one connection
+    for all) and asks its service manager; raises what they raise (HostError, ManagerUnavailable…). Changes
+    nothing."""
     from pdctl.statemachine.errors import ApplyFailed
-    from pdctl.statemachine.steps import bind_addresses_unusable, ports_held_elsewhere
+    from pdctl.statemachine.steps import bind_addresses_unusable, gpus_held_elsewhere, ports_held_elsewhere
 
     desired = topology_of(loaded.deployment)
     the_host = host or deployment_host(loaded.deployment)
     try:
         ctx = build_context(loaded, host=the_host)
         try:
-            held = tuple(ports_held_elsewhere(ctx, own_units(recorded, desired)))
+            own = own_units(recorded, desired)
+            held = tuple(ports_held_elsewhere(ctx, own))
+            gpus = gpus_held_elsewhere(ctx, own)
+            unusable = None
             try:
                 bind_addresses_unusable(ctx)
             except ApplyFailed as exc:
-                return held, exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
-            return held, None
+                unusable = exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
+            return {"ports_held": held, "gpus_held": None if gpus is None else tuple(gpus),
+                    "binds_unusable": unusable}
         finally:
             ctx.client.close()
     finally:
@@ -339,21 +346,21 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> tuple[tuple[PortHel
 
 def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
                      catch: tuple[type[Exception], ...] | None = None,
-                     ) -> tuple[tuple[PortHeld, ...] | None, str | None, str | None]:
-    """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab): ``(held, binds
-    unusable, None)``, or ``(None, None, why)`` where the host or its service manager cannot be asked (*catch*: the
-    errors that say so, by default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over,
-    and apply checks again before its first step. *why* is a sentence for people."""
+                     ) -> tuple[dict[str, Any], str | None]:
+    """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab): ``(fields, None)``,
+    or ``({}, why)`` where the host or its service manager cannot be asked (*catch*: the errors that say so, by
+    default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks again
+    before its first step. *why* is a sentence for people."""
     from pdctl.statemachine.errors import PdctlError
     from pdctl.units import UnitsError
 
     expected = (PdctlError, UnitsError, OSError)
     try:
-        return (*host_warnings(loaded, recorded), None)
+        return host_warnings(loaded, recorded), None
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
-        return None, None, ("the plan could not check whether the deployment's ports are free (apply checks them "
-                            f"before its first step): {said}")
+        return {}, ("the plan could not check whether the deployment's ports and GPUs are free (apply checks them "
+                    f"before its first step): {said}")
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -555,6 +562,7 @@ def apply(
     from pdctl.statemachine.machine import run_steps
     from pdctl.statemachine.steps import (
         bind_addresses_unusable,
+        gpus_taken_elsewhere,
         numa_nodes_missing,
         ports_taken_elsewhere,
         router_executable_unusable,
@@ -641,6 +649,7 @@ def apply(
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
                 ports_taken_elsewhere(ctx, own)
+                gpus_taken_elsewhere(ctx, own)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
                 sink.emit(Event.apply_failed(exc))

@@ -24,7 +24,7 @@ from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
-from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT, PortHeld
+from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT, GpuHeld, PortHeld, gpu_holder, gpus_held_hint
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
@@ -479,6 +479,59 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
             hint=OTHER_DEPLOYMENT_HINT if any(other) else
             "stop those processes (another deployment?) or give the roles other ports in the spec",
         )
+
+
+def gpus_held_elsewhere(ctx: Context, own_units: set[str]) -> list[GpuHeld] | None:
+    """Each GPU a role will run on (its ``gpus``, nvidia-smi indices) that a compute process outside *own_units*
+    uses now (:func:`~pdctl.statemachine.inventory.gpu_processes`), with the role, the step an apply would fail at,
+    and who the process runs for (this deployment applied another way, or another pdctl deployment), as
+    :func:`ports_held_elsewhere` tells a port's holder. This deployment's own processes (those of roles it restarts
+    or keeps, and previous ones their units are still stopping) are not listed. None where the host cannot tell (no
+    nvidia-smi: a host without the NVIDIA driver, as the demo's). Raises CommandTimeout (nvidia-smi hung)."""
+    from pdctl.statemachine.inventory import gpu_processes
+
+    step_of = role_steps(ctx.topology)
+    wanted = {g: r for r in ctx.topology.roles for g in r.gpus}
+    if not wanted:
+        return []
+    procs = gpu_processes(ctx.host)
+    if procs is None:
+        return None
+    mine = _started_here(ctx, own_units)
+    markers = set(ctx.unit_of.values())
+    out = []
+    for p in procs:
+        role = wanted.get(p.gpu)
+        if role is None:
+            continue
+        command = ports._shortened(ports._read(ctx.host, f"/proc/{p.pid}/cmdline").replace("\0", " ").strip())
+        if command and mine(p.pid):
+            continue
+        how = ports.started_by(ctx.host, p.pid, markers) if command else None
+        out.append(GpuHeld(gpu=p.gpu, role=role.name, step=step_of[role.name], pid=p.pid, used_mib=p.used_mib,
+                           command=command, applied_elsewhere=None if how is None else ports.applied_with(how) or "",
+                           other_deployment=None if how is not None or not command
+                           else _other_deployment(ctx, p.pid, markers)))
+    return out
+
+
+def gpus_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
+    """Before anything starts: refuse the apply if a compute process outside this deployment uses a GPU a role will
+    run on (:func:`gpus_held_elsewhere`). SGLang sizes its KV cache from the GPU memory left when it starts: on a GPU
+    another process uses, a server fails after loading its weights ("Not enough memory"), minutes in, or runs with
+    a cache too small. Nothing is checked where the host has no nvidia-smi. Raises :class:`ApplyFailed` naming every
+    process and the step it would have failed at."""
+    held = gpus_held_elsewhere(ctx, own_units)
+    if not held:
+        return
+    order = [st.name for st in steps_for(ctx.topology)]
+    first = min(held, key=lambda x: order.index(x.step) if x.step in order else len(order))
+    raise ApplyFailed(
+        "GPUs in use outside this deployment, nothing was started or changed: "
+        + "; ".join(gpu_holder(x) for x in held),
+        step=first.step,
+        hint=gpus_held_hint(held),
+    )
 
 
 def _other_deployment(ctx: Context, pid: int | None, own: set[str]) -> str | None:

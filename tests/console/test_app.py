@@ -868,8 +868,8 @@ async def test_the_plan_tab_notes_when_the_host_could_not_be_asked_which_ports_a
         assert app.plan.ports_held is None  # (null in `pdctl plan --json`)
         shown = app.query_one(PlanPanel).render().plain
         assert "Plan: 4 to add" in shown, shown  # the plan stands
-        assert ("note: the plan could not check whether the deployment's ports are free (apply checks them before its "
-                "first step): ssh gpu-1: connection refused") in shown, shown
+        assert ("note: the plan could not check whether the deployment's ports and GPUs are free (apply checks them "
+                "before its first step): ssh gpu-1: connection refused") in shown, shown
         assert "Warning:" not in shown
 
 

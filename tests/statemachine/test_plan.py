@@ -474,6 +474,27 @@ def test_ports_held_are_a_warning_after_the_plan_and_read_back_from_its_json():
     assert json.loads(p.to_json())["ports_held"] is None
 
 
+def test_gpus_held_are_a_warning_after_the_ports_and_read_back_from_its_json():
+    from pdctl.statemachine.plan import GpuHeld, PortHeld
+
+    p = make_plan(None, topo(seed_dict()))
+    assert p.gpus_held is None and json.loads(p.to_json())["gpus_held"] is None  # not looked at (no nvidia-smi)
+    assert "Warning" not in render_text(p.model_copy(update={"gpus_held": ()}))
+    gpus = (GpuHeld(gpu=2, role="prefill", step="prefill_up", pid=4242, used_mib=70000, command="python train.py"),
+            GpuHeld(gpu=6, role="decode", step="decode_up", pid=99, used_mib=None, command=""))
+    ports = (PortHeld(port=30001, role="router", step="router_exposed", pid=4242, command="python train.py"),)
+    text = render_text(p.model_copy(update={"gpus_held": gpus, "ports_held": ports}))
+    assert text.index("Warning: ports") < text.index("Warning: GPUs"), text
+    assert text.endswith(
+        "\n\nWarning: GPUs this deployment's roles will run on are in use outside it: while they are, `pdctl apply` "
+        "stops before its first step (exit 3, once any confirmation it needs is given), starting nothing:"
+        "\n  ! prefill needs GPU 2 at prefill_up, used by PID 4242 (python train.py, 70000 MiB)"
+        "\n  ! decode needs GPU 6 at decode_up, used by PID 99 (not visible in the host's /proc: another PID namespace?)"
+        "\n  hint: stop those processes (nvidia-smi lists them) or give the roles other GPUs in the spec"), text
+    back = Plan.model_validate_json(p.model_copy(update={"gpus_held": gpus}).to_json())
+    assert back.gpus_held == gpus and back.plan_id == p.plan_id  # not part of the id
+
+
 def test_cli_validate_prints_its_verdict_on_stdout(tmp_path):
     spec = tmp_path / "ok.toml"
     spec.write_text(_toml_dump(seed_dict(), list(range(8))))
