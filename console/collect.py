@@ -197,11 +197,17 @@ class Collector:
                 out[role] = ServiceView(role, unit, f"unknown ({type(exc).__name__})")
         return out
 
-    def scrape(self, topo: Topology, at: float) -> tuple[ThroughputSample, ...]:
+    def scrape(self, topo: Topology, at: float,
+               services: Mapping[str, ServiceView] | None = None) -> tuple[ThroughputSample, ...]:
+        """One scrape of every source (:func:`scrape_sources`). A source whose unit does not run (*services*: its
+        state ``inactive`` or ``failed``) and whose port answers anyway is reported down, not shown: what answers is
+        another process's (a renamed spec's old deployment on the same ports), whose figures are not this
+        deployment's."""
         import httpx
 
         out = []
         for source, kind, url in scrape_sources(topo):
+            sv = (services or {}).get(source)
             try:
                 r = self.client.get(url, timeout=self.scrape_timeout_s)
                 if r.status_code != 200:
@@ -212,6 +218,11 @@ class Collector:
             except (httpx.HTTPError, ValueError) as exc:
                 msg = "connection refused" if isinstance(exc, httpx.ConnectError) else f"{type(exc).__name__}: {exc}"[:120]
                 out.append(self.tracker.observe(source, kind, url, at, None, msg))
+                continue
+            if sv is not None and sv.state in ("inactive", "failed"):
+                out.append(self.tracker.observe(
+                    source, kind, url, at, None,
+                    f"{sv.unit} is {sv.state}, yet its port answers: another process's figures, not shown"))
                 continue
             out.append(self.tracker.observe(source, kind, url, at, sc))
         return tuple(out)
@@ -255,7 +266,7 @@ class Collector:
         except Exception as exc:  # noqa: BLE001 - the lock's state is a courtesy
             notes.append(f"lock: {exc}")
         services = self.services(topo)
-        tp = self.scrape(topo, at) if throughput else ()
+        tp = self.scrape(topo, at, services) if throughput else ()
         g = None
         if gpu:
             try:

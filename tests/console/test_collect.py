@@ -77,3 +77,18 @@ def test_a_source_going_down_is_reported_and_the_rest_still_collected(tmp_path):
     assert by["router"].state == "ok"
     assert s.services["prefill"].state == "failed"
     assert s.gpu is not None and not s.gpu.nvml_ok
+
+
+def test_a_port_answering_for_a_unit_that_does_not_run_is_not_shown_as_this_deployments(tmp_path):
+    # A fresh user renamed a deployed spec: the new name's console showed the old deployment's throughput, scraped
+    # from the same router and server ports while none of the new name's units ran.
+    mgr = FakeManager()
+    mgr.down |= {"router", "decode"}
+    c = Collector(load(ROOT / "examples" / "demo.toml", state_dir=tmp_path), client=httpx.Client(transport=_transport(set())),
+                  manager=mgr, nvml=False)
+    by = {t.source: t for t in c.collect().throughput}
+    assert by["prefill"].state == "ok" and by["prefill"].error is None
+    for source in ("router", "decode"):
+        assert by[source].state == "down", by[source]
+        assert by[source].error == (f"pdctl-demo-{source}.service is failed, yet its port answers: another process's "
+                                    "figures, not shown"), by[source].error
