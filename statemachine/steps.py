@@ -687,21 +687,50 @@ def router_executable_unusable(ctx: Context) -> None:
         )
 
 
-def _vacate_for(ctx: Context, role_name: str, wanted: set[int]) -> None:
-    """Stop the deployment's other units that hold one of *wanted* and are themselves (re)started later in this
-    apply (their settings changed): two roles swapping ports would otherwise each find its new port taken by
-    the other. A holder whose role does not change is left alone (the preflight then names it)."""
-    mine = ctx.unit_of[role_name]
+def _visible_gpus(ctx: Context, pid: int) -> set[int]:
+    """The GPUs process *pid* runs on, as its ``CUDA_VISIBLE_DEVICES`` names them (pdctl's launch sets it to the
+    role's physical ids: ``units/_argv.py``); empty when unreadable or unset."""
+    try:
+        environ = ctx.host.read_file(f"/proc/{pid}/environ").decode(errors="replace")
+    except OSError:
+        return set()
+    for entry in environ.split("\0"):
+        if entry.startswith("CUDA_VISIBLE_DEVICES="):
+            return {int(g) for g in entry.split("=", 1)[1].split(",") if g.strip().isdigit()}
+    return set()
+
+
+def _vacate_for(ctx: Context, role: RoleTopology) -> None:
+    """Stop the deployment's other units that hold one of *role*'s ports or run on one of its GPUs and are themselves
+    (re)started later in this apply (their settings changed): two roles swapping ports would otherwise each find its
+    new port taken by the other, and a role moved onto GPUs another role leaves (a swap, or prefill growing from 4
+    to 6 GPUs while decode moves from 4-7 to 6-7) would load next to that role's server, which SGLang does not
+    survive (the memory it sizes its KV cache from is taken). A holder whose role does not change is left alone (the
+    preflight then names a port it holds; the rules refuse two roles on one GPU)."""
+    mine = ctx.unit_of[role.name]
     changing = [unit for name, unit in ctx.unit_of.items()
                 if unit != mine and (name in ctx.restart or ctx.definition_changed(unit))]
     holders = [(unit, pid) for unit in changing if (pid := ctx.manager.status(unit).main_pid)]
     if not holders:
         return  # the usual case: no socket scan
-    for lst in ports.listeners(ctx.host, wanted):
+    stopped: set[str] = set()
+
+    def stop(unit: str, why: str) -> None:
+        if unit not in stopped:
+            stopped.add(unit)
+            ctx.say(f"stopping {unit} first: {why}; its own step starts it again", step=role_steps(ctx.topology).get(
+                role.name), unit=unit)
+            ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
+            ctx.manager.stop(unit)
+
+    for lst in ports.listeners(ctx.host, set(_role_ports(role))):
         for unit, pid in holders:
             if lst.pid is not None and ports.is_descendant(ctx.host, lst.pid, pid):
-                ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
-                ctx.manager.stop(unit)
+                stop(unit, f"it holds port {lst.port}, which {role.name} will listen on")
+    for unit, pid in holders:
+        shared = _visible_gpus(ctx, pid) & set(role.gpus)
+        if shared:
+            stop(unit, f"it runs on GPU {','.join(map(str, sorted(shared)))}, which {role.name} will use")
 
 
 def _check_owner(ctx: Context, name: str, unit: str, port: int, main_pid: int | None, step: str,
@@ -846,7 +875,7 @@ class ServersUp(Step):
             running = st.state in ("active", "activating")
             # Nothing starts while a process outside this unit holds one of its ports (after stopping any of this
             # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
-            _vacate_for(ctx, r.name, set(_role_ports(r)))
+            _vacate_for(ctx, r)
             _preflight_ports(ctx, r.name, _role_ports(r), st.main_pid if running else None, self.name)
             # A server an interrupted apply started with the definition wanted now (journalled as started) is not
             # restarted again on resume: waited for while it loads, proven as it stands once loaded. Otherwise a role

@@ -1052,6 +1052,30 @@ def test_two_roles_swapping_ports_apply_in_one_go(demo):
     assert info["disaggregation_mode"] == "prefill"
 
 
+def test_two_roles_swapping_gpus_apply_with_the_one_leaving_them_stopped_first(demo):
+    # prefill moved onto decode's GPUs (and back the other way): restarted first, it loaded next to decode's running
+    # server on GPUs 4-7, which SGLang does not survive on a real host (the memory it sizes its KV cache from is
+    # taken); the stand-in never noticed
+    demo.apply()
+    decode_pid = demo.status()["roles"][1]["main_pid"]
+    swapped = copy.deepcopy(demo.dict)
+    swapped["prefill"][0]["gpus"], swapped["decode"][0]["gpus"] = [4, 5, 6, 7], [0, 1, 2, 3]
+    spec = demo.write(swapped, "gpus-swapped.toml")
+    plan = service.plan_spec(demo.load(spec))
+    sink = ListSink()
+    res = demo.apply(spec, sink=sink, confirm=plan.plan_id if plan.requires_confirmation else None)
+    assert res.state == "parsers_configured"
+    said = [e.message for e in sink.events if e.kind == "info"]
+    decode_unit, prefill_unit = (f"pdctl-{demo.name}-{r}.service" for r in ("decode", "prefill"))
+    stop = f"stopping {decode_unit} first: it runs on GPU 4,5,6,7, which prefill will use; its own step starts it again"
+    assert stop in said, said
+    assert said.index(stop) < next(i for i, m in enumerate(said) if m.startswith(f"restarting {prefill_unit}")), said
+    st = service.status(demo.load(spec))
+    assert st["healthy"] and st["roles"][1]["main_pid"] != decode_pid, st
+    environ = {r["name"]: Path(f"/proc/{r['main_pid']}/environ").read_bytes().split(b"\0") for r in st["roles"]}
+    assert b"CUDA_VISIBLE_DEVICES=4,5,6,7" in environ["prefill"] and b"CUDA_VISIBLE_DEVICES=0,1,2,3" in environ["decode"]
+
+
 def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
 
     squatter = _socket.socket()
