@@ -152,7 +152,8 @@ class GpuHeld(_Frozen):
     """GPU memory the process holds, MiB (None: nvidia-smi does not tell)."""
     command: str = ""
     """Its command line; "" when the host's ``/proc`` does not show the PID (a process in another PID namespace,
-    e.g. a container's)."""
+    e.g. a container's, or pdctl's own server seen from one: nvidia-smi may name PIDs of the root namespace): apply
+    then warns, not refuses."""
     applied_elsewhere: str | None = None
     """As :attr:`PortHeld.applied_elsewhere`: this deployment's own process, applied another way."""
     other_deployment: str | None = None
@@ -688,11 +689,15 @@ def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
 def gpu_holder(x: GpuHeld) -> str:
     """One held GPU in words, as plan's warning and apply's refusal name it."""
     mem = f", {x.used_mib} MiB" if x.used_mib is not None else ""
-    who = x.command or "not visible in the host's /proc: another PID namespace?"
+    who = x.command or "not in the host's /proc"
     own = "" if x.applied_elsewhere is None else ("; this deployment's own process, applied another way"
                                                   + (f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""))
     other = f", started for {x.other_deployment}" if x.other_deployment else ""
     return f"{x.role} needs GPU {x.gpu} at {x.step}, used by PID {x.pid} ({who}{mem}){own}{other}"
+
+
+HIDDEN_GPU_PROCESS = ("apply only warns: nvidia-smi may name PIDs of another PID namespace (a container's), this "
+                      "deployment's own servers included")
 
 
 def gpus_held_hint(held: Sequence[GpuHeld]) -> str:
@@ -708,9 +713,11 @@ def gpus_held_hint(held: Sequence[GpuHeld]) -> str:
 
 def render_gpus_held(held: tuple[GpuHeld, ...]) -> str:
     """Plan's warning of GPUs in use outside the deployment (:attr:`Plan.gpus_held`)."""
-    lines = ["Warning: GPUs this deployment's roles will run on are in use outside it: while they are, `pdctl apply` "
-             "stops before its first step (exit 3, once any confirmation it needs is given), starting nothing:"]
-    lines += [f"  ! {gpu_holder(x)}" for x in held]
+    seen = [x for x in held if x.command]
+    lines = ["Warning: GPUs this deployment's roles will run on are in use outside it"
+             + (": while they are, `pdctl apply` stops before its first step (exit 3, once any confirmation it needs "
+                "is given), starting nothing:" if seen else ":")]
+    lines += [f"  ! {gpu_holder(x)}" + ("" if x.command else f"; {HIDDEN_GPU_PROCESS}") for x in held]
     lines.append(f"  hint: {gpus_held_hint(held)}")
     return "\n".join(lines)
 

@@ -24,7 +24,14 @@ from pdctl.statemachine import ports, probes
 from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
-from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT, GpuHeld, PortHeld, gpu_holder, gpus_held_hint
+from pdctl.statemachine.plan import (
+    HIDDEN_GPU_PROCESS,
+    OTHER_DEPLOYMENT_HINT,
+    GpuHeld,
+    PortHeld,
+    gpu_holder,
+    gpus_held_hint,
+)
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
@@ -519,9 +526,14 @@ def gpus_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     """Before anything starts: refuse the apply if a compute process outside this deployment uses a GPU a role will
     run on (:func:`gpus_held_elsewhere`). SGLang sizes its KV cache from the GPU memory left when it starts: on a GPU
     another process uses, a server fails after loading its weights ("Not enough memory"), minutes in, or runs with
-    a cache too small. Nothing is checked where the host has no nvidia-smi. Raises :class:`ApplyFailed` naming every
-    process and the step it would have failed at."""
-    held = gpus_held_elsewhere(ctx, own_units)
+    a cache too small. Nothing is checked where the host has no nvidia-smi. A PID the host's ``/proc`` does not show
+    is a warning event, not refused: nvidia-smi can name PIDs of another namespace, this deployment's own servers
+    among them. Raises :class:`ApplyFailed` naming every process and the step it would have failed at."""
+    found = gpus_held_elsewhere(ctx, own_units) or []
+    for x in found:
+        if not x.command:  # (whose it is cannot be told: this deployment's own server, seen from another PID namespace?)
+            ctx.say(f"warning: {gpu_holder(x)}; {HIDDEN_GPU_PROCESS}", step="gpus")
+    held = [x for x in found if x.command]
     if not held:
         return
     order = [st.name for st in steps_for(ctx.topology)]

@@ -97,7 +97,9 @@ def test_plan_warns_and_apply_refuses_gpus_used_outside_the_deployment_starting_
         text = demo.cli("plan", str(demo.spec)).stdout
         assert "Warning: GPUs this deployment's roles will run on are in use outside it" in text, text
         assert f"  ! prefill needs GPU 1 at prefill_up, used by PID {foreign.pid} (" in text, text
-        assert f"  ! decode needs GPU 5 at decode_up, used by PID {hidden} (not visible in the host's /proc" in text
+        assert (f"  ! decode needs GPU 5 at decode_up, used by PID {hidden} (not in the host's /proc); apply only warns: "
+                "nvidia-smi may name PIDs of another PID namespace (a container's), this deployment's own servers "
+                "included") in text, text
         assert "hint: stop those processes (nvidia-smi lists them) or give the roles other GPUs" in text, text
 
         r = demo.cli("apply", str(demo.spec))
@@ -105,6 +107,15 @@ def test_plan_warns_and_apply_refuses_gpus_used_outside_the_deployment_starting_
         assert "GPUs in use outside this deployment, nothing was started or changed" in r.stderr, r.stderr
         assert f"prefill needs GPU 1 at prefill_up, used by PID {foreign.pid}" in r.stderr, r.stderr
         assert demo.pids() == [] and demo.load().journal.read().deployed is None
+        refusal = next(line for line in r.stderr.splitlines() if "GPUs in use outside" in line)
+        assert f"PID {hidden}" not in refusal, refusal  # (a warning before it, not part of the refusal)
+        assert f"warning: decode needs GPU 5 at decode_up, used by PID {hidden}" in r.stderr, r.stderr
+
+        # that PID alone does not refuse the apply: nvidia-smi may name this deployment's own servers so
+        smi.write_text(f"5, {hidden}, 512\n")
+        r = demo.cli("apply", str(demo.spec))
+        assert r.returncode == 0, r.stderr
+        assert f"warning: decode needs GPU 5 at decode_up, used by PID {hidden}" in r.stderr, r.stderr
     finally:
         foreign.kill()
         foreign.wait(10)

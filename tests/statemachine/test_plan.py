@@ -489,7 +489,8 @@ def test_gpus_held_are_a_warning_after_the_ports_and_read_back_from_its_json():
         "\n\nWarning: GPUs this deployment's roles will run on are in use outside it: while they are, `pdctl apply` "
         "stops before its first step (exit 3, once any confirmation it needs is given), starting nothing:"
         "\n  ! prefill needs GPU 2 at prefill_up, used by PID 4242 (python train.py, 70000 MiB)"
-        "\n  ! decode needs GPU 6 at decode_up, used by PID 99 (not visible in the host's /proc: another PID namespace?)"
+        "\n  ! decode needs GPU 6 at decode_up, used by PID 99 (not in the host's /proc); apply only warns: nvidia-smi "
+        "may name PIDs of another PID namespace (a container's), this deployment's own servers included"
         "\n  hint: stop those processes (nvidia-smi lists them) or give the roles other GPUs in the spec"), text
     back = Plan.model_validate_json(p.model_copy(update={"gpus_held": gpus}).to_json())
     assert back.gpus_held == gpus and back.plan_id == p.plan_id  # not part of the id
