@@ -759,8 +759,15 @@ class ConsoleApp(App[int]):
                 failed = [s.name for s in snap.steps if s.status == "failed"]
                 stopped = [s.name for s in snap.steps if s.status == "interrupted"]
                 running = [v.role for v in snap.services.values() if v.state in ("active", "activating", "deactivating")]
+                j = snap.journal
+                # an apply stopped before its first step (while it removed the roles a topology change drops, say)
+                # journals its target and no step: it is unfinished, not "not deployed", as `pdctl status` says
+                unfinished = None if j is None or j.target is None else (
+                    "an apply was interrupted" + (f" ({j.deployed.mode} → {j.target.mode})"
+                                                  if j.deployed is not None and j.deployed.mode != j.target.mode else ""))
                 where = (f"failed at {failed[0]}" if failed else f"interrupted at {stopped[0]}" if stopped
-                         else f"reached {reached}" if reached
+                         else f"reached {reached} · {unfinished}" if reached and unfinished
+                         else f"reached {reached}" if reached else unfinished if unfinished
                          else "not deployed, yet units run" if running else "not deployed")
                 # a role whose step was proven may have gone down since: the header says so, not only the panels
                 # (a role whose step never ran, e.g. the router of an apply stopped at decode_up, is not "down")

@@ -61,12 +61,13 @@ class FakeManager:
 
 
 def metrics_transport(ports: dict[str, int], down: set[str]) -> httpx.MockTransport:
-    """Serves the fixture expositions on the demo's ports; a role in *down* refuses connections."""
+    """Serves the fixture expositions on the demo's ports; a role in *down*, and any other port, refuses
+    connections."""
     texts = {ports["prefill"]: ("prefill", "prefill_metrics.txt"), ports["decode"]: ("decode", "decode_metrics.txt"), ports["prom"]: ("router", "smg_metrics.txt")}
 
     def handler(req: httpx.Request) -> httpx.Response:
-        role, name = texts[req.url.port]
-        if role in down:
+        role, name = texts.get(req.url.port, (None, None))  # (another port: nothing listens there)
+        if role is None or role in down:
             raise httpx.ConnectError("connection refused", request=req)
         return httpx.Response(200, text=(FIX / name).read_text())
 

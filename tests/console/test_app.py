@@ -676,6 +676,21 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         assert "NOT serving" not in app.sub_title
         manager.down = {"router", "prefill"}
         await wait_for(pilot, lambda: "NOT serving: prefill ·" in app.sub_title)
+        assert "reached decode_up · an apply was interrupted" in app.sub_title, app.sub_title
+    # a collapse into one server stopped while it removed PD, before its first step: no step journalled, nothing
+    # runs, and the header said "not deployed" where `pdctl status` said "(pd → single) … an apply was interrupted"
+    pd = topology_of(console_demo.load().deployment)
+    single = console_demo.dict | {"server": [{"gpus": list(range(8)), "tp": 8, "port": console_demo.ports["router"]}]}
+    for k in ("prefill", "decode", "kv_transfer", "router"):
+        single.pop(k)
+    Journal(console_demo.state, console_demo.name).write(JournalState(
+        name=console_demo.name, deployed=pd,
+        target=topology_of(console_demo.load(console_demo.write(single, "single.toml")).deployment)))
+    manager.down = {"prefill", "decode", "router", "server"}
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sub_title.endswith("an apply was interrupted (pd → single)"))
+        assert "not deployed" not in app.sub_title, app.sub_title
 
 
 @pytest.mark.parametrize("shows,hides", [("question_mark", "question_mark"), ("question_mark", "escape"),
