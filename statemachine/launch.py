@@ -140,12 +140,15 @@ def _cache_dir(dep: Deployment) -> str:
 
 
 def _bootstrap_port(dep: Deployment, kind: str, role: ServerRole) -> int | None:
+    """The ``--disaggregation-bootstrap-port`` a server gets: a prefill server's own (SGLang's 8998 unless set); a
+    decode server's only where its role sets one. On decode the flag is only the fallback for a request whose
+    ``bootstrap_port`` is null (``shared/reference/sglang-pd.md``), and the router pdctl renders names every prefill's
+    port: derived from the prefill groups, it changed decode's command line (a restart, a model reload) whenever a
+    prefill group was added or removed."""
     if role.bootstrap_port is not None:
         return role.bootstrap_port
     if kind == "prefill":
         return SGLANG_DEFAULT_BOOTSTRAP_PORT
-    if kind == "decode" and len(dep.prefill) == 1:
-        return dep.prefill[0].bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT
     return None
 
 

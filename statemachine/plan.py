@@ -435,10 +435,16 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         diffs = _diff("backend", o["backend"], n["backend"], "topology")
         diffs += _diff("ib_device", o["ib_device"], n["ib_device"], "disruptive")
         diffs += _diff("ucx_net_devices", o["ucx_net_devices"], n["ucx_net_devices"], "disruptive")
-        diffs += _diff("bootstrap", o["bootstrap"], n["bootstrap"], "disruptive")
+        # The prefill set (a group added or removed, a bootstrap port moved) restarts no server for the link: each
+        # prefill server's bootstrap port is its own setting (its own role restarts for it), and the decode side
+        # learns each request's bootstrap host, port and room from the router (which restarts for its worker list),
+        # not from its command line (the request fields ``bootstrap_host/port/room`` the router injects, SGLang 0.5.23
+        # and smg; pdctl always gives the router each prefill's bootstrap port).
+        diffs += _diff("bootstrap", o["bootstrap"], n["bootstrap"], "in_place")
         if diffs:
             if any(d.path == "backend" for d in diffs):
                 words.append(f"KV transfer backend {ok.backend} → {nk.backend}")
+            restart = any(d.path != "bootstrap" for d in diffs)
             pd_roles = tuple(r.name for r in desired.roles if r.kind in ("prefill", "decode"))
             changes.append(
                 ResourceChange(
@@ -446,8 +452,9 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
                     action="update",
                     cls=_worst(diffs),
                     changes=tuple(diffs),
-                    restarts=pd_roles,
-                    reason="prefill and decode restart to change the link",
+                    restarts=pd_roles if restart else (),
+                    reason="prefill and decode restart to change the link" if restart
+                    else "the link is proven again over the new prefill set; no server restarts for it",
                     summary=nk.backend,
                 )
             )

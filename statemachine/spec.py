@@ -446,13 +446,14 @@ class Deployment(_Model):
     def roles(self) -> list[tuple[str, str, ServerRole]]:
         """``(role_name, kind, role)`` for every server, names defaulted and unique.
 
-        Default names: ``prefill``/``decode``/``server`` for a single group, ``prefill-0``,
-        ``prefill-1``… when there are several.
+        Default names, by position: ``prefill``/``decode``/``server`` for the first group, ``prefill-1``,
+        ``prefill-2``… after it, so that adding a group at the end (or removing the last one) renames no running
+        role (a role's name is its unit's); give ``name`` to keep a name when a group before it is removed.
         """
         out: list[tuple[str, str, ServerRole]] = []
         for kind, group in (("prefill", self.prefill), ("decode", self.decode), ("server", self.server)):
             for i, role in enumerate(group):
-                name = role.name or (kind if len(group) == 1 else f"{kind}-{i}")
+                name = role.name or (kind if i == 0 else f"{kind}-{i}")
                 out.append((name, kind, role))
         return out
 

@@ -1076,6 +1076,42 @@ def test_two_roles_swapping_gpus_apply_with_the_one_leaving_them_stopped_first(d
     assert b"CUDA_VISIBLE_DEVICES=4,5,6,7" in environ["prefill"] and b"CUDA_VISIBLE_DEVICES=0,1,2,3" in environ["decode"]
 
 
+def test_adding_then_removing_a_prefill_group_restarts_no_running_server(demo):
+    # A fresh user added a second prefill group: the plan's KV link update listed prefill, decode (and the new group)
+    # as restarts and apply restarted them all, and the first group, renamed prefill → prefill-0, was replaced by an
+    # identical server. Decode learns each request's bootstrap address from the router, so only the router restarts.
+    from harness.sim import free_ports
+
+    demo.apply()
+    before = {r["name"]: r["main_pid"] for r in demo.status()["roles"]}
+    port, boot, nccl = free_ports(3)
+    grown = copy.deepcopy(demo.dict)
+    grown["prefill"].append({"host": "local", "gpus": [8, 9, 10, 11], "tp": 4, "port": port, "bootstrap_port": boot,
+                             "nccl_port": nccl})
+    spec = demo.write(grown, "two-prefill.toml")
+    plan = service.plan_spec(demo.load(spec))
+    by = {c.address: c for c in plan.changes}
+    assert set(by) == {"role.prefill-1", "kv_link", "router"}, by
+    assert by["role.prefill-1"].action == "create" and by["kv_link"].restarts == (), by["kv_link"]
+    assert set(plan.restarts()) == {"router"}, plan.restarts()
+    sink = ListSink()
+    demo.apply(spec, sink=sink, confirm=plan.plan_id)
+    restarted = [e.message.split()[1] for e in sink.events if e.kind == "info" and e.message.startswith("restarting ")]
+    assert restarted == [f"pdctl-{demo.name}-router.service"], restarted
+    st = service.status(demo.load(spec))
+    assert st["healthy"], st
+    assert {r["name"]: r["main_pid"] for r in st["roles"] if r["name"] in before} == before
+    assert sorted(w["url"] for w in st["router"]["workers"] if w["worker_type"] == "prefill") == sorted(
+        f"http://127.0.0.1:{p}" for p in (demo.ports["prefill"], port))
+
+    plan = service.plan_spec(demo.load())  # and back to one group
+    assert set(plan.restarts()) == {"router"} and {c.address for c in plan.changes} == {
+        "role.prefill-1", "kv_link", "router"}, plan.changes
+    demo.apply(confirm=plan.plan_id)
+    st = demo.status()
+    assert st["healthy"] and {r["name"]: r["main_pid"] for r in st["roles"]} == before, st
+
+
 def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
 
     squatter = _socket.socket()

@@ -65,8 +65,8 @@ SEED_DECODE_ARGV = [
     "--nccl-port", "30120",
     "--disaggregation-mode", "decode",
     "--disaggregation-transfer-backend", "nixl",
-    # decode has no bootstrap port of its own: the single prefill's, 8998, is its fallback
-    "--disaggregation-bootstrap-port", "8998",
+    # (no --disaggregation-bootstrap-port: on decode it is only the fallback for a request without one, and the
+    # router names each prefill's)
     "--mem-fraction-static", "0.85",
     "--reasoning-parser", "deepseek-v4",
     "--tool-call-parser", "deepseekv4",
@@ -306,7 +306,7 @@ def test_every_prefill_of_several_gets_its_bootstrap_port_on_the_router():
     assert r.prefill == (("http://127.0.0.1:1000", 9001), ("http://127.0.0.1:1010", 8998))
     # two prefills: decode has no single fallback port to take
     assert "--disaggregation-bootstrap-port" not in server_argv(launch_for_role(dep, "decode"))
-    assert [n for n, _, _ in dep.roles()] == ["prefill-0", "prefill-1", "decode"]
+    assert [n for n, _, _ in dep.roles()] == ["prefill", "prefill-1", "decode"]
 
 
 def test_wildcard_bind_is_reached_on_loopback():

@@ -94,7 +94,7 @@ StartLimitBurst=3
 [Service]
 Type=exec
 ExecStart={SERVER_COMMON} --port 30020 --nccl-port 30120 --disaggregation-mode decode \
---disaggregation-transfer-backend nixl --disaggregation-bootstrap-port 8998 {PARSERS}
+--disaggregation-transfer-backend nixl {PARSERS}
 ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30020/health 3000
 Environment=CUDA_VISIBLE_DEVICES=4,5,6,7
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
