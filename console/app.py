@@ -120,6 +120,9 @@ class ConsoleApp(App[int]):
         Binding("question_mark,f1", "toggle_keys", "Keys"),
         Binding("escape", "hide_keys", "Hide keys", show=False),
         Binding("q", "quit", "Quit"),
+        # (Textual's own Ctrl-C only says "press ctrl+q to quit": an operator's Ctrl-C quits as q does, asking first
+        # while an apply runs; a text field that has focus keeps Ctrl-C for copy)
+        Binding("ctrl+c", "quit", "Quit", show=False),
     ]
     """
     | Key(s) | Description |
@@ -132,7 +135,7 @@ class ConsoleApp(App[int]):
     | s | Focus the state-machine panel (↑/↓, Enter shows a proof). |
     | ?, F1 | Show or hide every key of the screen (Textual's keys panel). |
     | Escape | Hide the keys panel. |
-    | q | Quit (a running apply stops at its next event; exit 130). |
+    | q, Ctrl-C | Quit (while an apply runs, after a y/N: it stops at its next event; exit 130). |
     """
 
     applying: reactive[bool] = reactive(False, bindings=True)

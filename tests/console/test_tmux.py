@@ -83,9 +83,25 @@ def test_console_in_tmux_shows_the_six_steps_and_the_gpu_panel(tmp_path, tmux):
     assert not tmux.alive(), "q did not quit the console"
 
 
+def test_ctrl_c_quits_the_idle_console_as_q_does(tmp_path, tmux):
+    # (a fresh user's Ctrl-C, twice, got Textual's "Do you want to quit? Press ctrl+q to quit the app" and the console
+    # kept running: neither the README nor the keys panel said so)
+    demo = ConsoleDemo(tmp_path)
+    rc_file = tmp_path / "rc"
+    tmux.start(f"TERM=xterm-256color PDCTL_STATE_DIR={demo.state} {sys.executable} -m pdctl {demo.spec} --refresh 0.5; "
+               f"echo rc=$? > {rc_file}; sleep 30")
+    tmux.wait_for(*STEPS)
+    tmux.keys("C-c")
+    deadline = time.monotonic() + 15
+    while not rc_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rc_file.exists(), tmux.capture()
+    assert rc_file.read_text().strip() == "rc=0"
+
+
 @pytest.mark.parametrize("sig,code", [("INT", 130), ("TERM", 143)])
 def test_a_signal_ends_the_idle_console_with_its_exit_code_and_restores_the_terminal(tmp_path, tmux, sig, code):
-    # `kill -INT` (Ctrl-C is a key in the console's raw mode, so only another process sends SIGINT) raised
+    # `kill -INT` (Ctrl-C is a key in the console's raw mode, which quits as q does; only another process sends SIGINT) raised
     # KeyboardInterrupt wherever Textual was: a traceback and asyncio's "Task was destroyed but it is pending!" on the
     # operator's terminal, and a line saying the console was quit during an apply. Now it ends as SIGTERM does (143).
     import signal
