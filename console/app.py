@@ -776,10 +776,13 @@ class ConsoleApp(App[int]):
                 # (a role whose step never ran, e.g. the router of an apply stopped at decode_up, is not "down")
                 step_of = role_steps(snap.topology)
                 proven = {r: status.get(step_of.get(r, "")) in ("done", "skipped") for r in snap.services}
-                down = [v.role for r, v in snap.services.items()
-                        if proven[r] and (v.state != "active" or not v.supervised)]
+                down = [v.role for r, v in snap.services.items() if proven[r] and v.state != "active"]
                 if down:
                     bits.append(f"NOT serving: {', '.join(down)}")
+                # (serving, but a crash would not be restarted: `pdctl status` says UNSUPERVISED, apply restarts it)
+                loose = [v.role for r, v in snap.services.items() if proven[r] and v.state == "active" and not v.supervised]
+                if loose:
+                    bits.append(f"UNSUPERVISED: {', '.join(loose)}")
             if self.plan is not None and self.plan.has_changes:
                 bits.append(f"pending: {self.plan.cls}")
             if where:

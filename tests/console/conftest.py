@@ -48,13 +48,16 @@ class FakeManager:
 
     def __init__(self) -> None:
         self.down: set[str] = set()
+        self.unsupervised: set[str] = set()
+        """Roles whose unit is active with its supervisor gone."""
 
     def status(self, unit: str):  # noqa: ANN201
         from pdctl.units import ServiceStatus
 
         if any(f"-{d}." in unit for d in self.down):
             return ServiceStatus(unit, "failed")
-        return ServiceStatus(unit, "active", main_pid=os.getpid(), restarts=0)
+        return ServiceStatus(unit, "active", main_pid=os.getpid(), restarts=0,
+                             supervised=not any(f"-{d}." in unit for d in self.unsupervised))
 
     def logs(self, unit: str, *, lines: int = 50) -> list[str]:
         return [f"{unit}: line {i}" for i in range(3)]

@@ -665,6 +665,11 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         await wait_for(pilot, lambda: app.sub_title.startswith("NOT serving: decode · reached parsers_configured"))
         manager.down = set()
         await wait_for(pilot, lambda: "NOT serving" not in app.sub_title and "reached parsers_configured" in app.sub_title)
+        # a server whose supervisor is gone still serves: the header said "NOT serving: decode"
+        manager.unsupervised = {"decode"}
+        await wait_for(pilot, lambda: app.sub_title.startswith("UNSUPERVISED: decode · reached parsers_configured"))
+        assert "NOT serving" not in app.sub_title, app.sub_title
+        manager.unsupervised = set()
     # an apply stopped after decode_up: the router never started, which is not "NOT serving" (it never served)
     Journal(console_demo.state, console_demo.name).write(JournalState(
         name=console_demo.name, target=topology_of(console_demo.load().deployment),
