@@ -880,10 +880,12 @@ class ServersUp(Step):
         roles = self._roles(ctx)
         actions: dict[str, str | None] = {}
         pids: dict[str, int | None] = {}
+        was: dict[str, str] = {}
         for r in roles:
             unit = ctx.unit_of[r.name]
             st = ctx.manager.status(unit)
             pids[unit] = st.main_pid
+            was[unit] = st.state
             running = st.state in ("active", "activating")
             # Nothing starts while a process outside this unit holds one of its ports (after stopping any of this
             # deployment's roles that hold one and are restarted later anyway, e.g. two roles swapping ports).
@@ -918,6 +920,9 @@ class ServersUp(Step):
             elif action == "restart":
                 ctx.restart_unit(unit, step=self.name)
             elif action == "start":
+                # (said as a restart is: a unit this apply stopped for another role, or a failed one, starts again)
+                ctx.say(f"starting {unit}" + (f" (it was {was[unit]})" if was[unit] != "inactive" else ""),
+                        step=self.name, unit=unit)
                 ctx.manager.start(unit)
                 ctx.started(unit)
         for r in roles:

@@ -1070,6 +1070,7 @@ def test_two_roles_swapping_gpus_apply_with_the_one_leaving_them_stopped_first(d
     stop = f"stopping {decode_unit} first: it runs on GPU 4,5,6,7, which prefill will use; its own step starts it again"
     assert stop in said, said
     assert said.index(stop) < next(i for i, m in enumerate(said) if m.startswith(f"restarting {prefill_unit}")), said
+    assert f"starting {decode_unit}" in said, said  # (its own step starts it again, and says so: it said nothing)
     st = service.status(demo.load(spec))
     assert st["healthy"] and st["roles"][1]["main_pid"] != decode_pid, st
     environ = {r["name"]: Path(f"/proc/{r['main_pid']}/environ").read_bytes().split(b"\0") for r in st["roles"]}
