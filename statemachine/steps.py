@@ -465,9 +465,18 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
         started = [ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None for x in held]
         # ...and another pdctl deployment's (another name: a renamed spec's old deployment, say), its unit
         other = [None if how else _other_deployment(ctx, x.pid, markers) for x, how in zip(held, started)]
-        where = "; ".join(f"{wanted[x.port][0]} needs port {x.port} at {wanted[x.port][1]}, held by PID {x.pid or '?'} "
-                          f"({x.command or 'unknown'})" + (f", started for {o}" if o else "")
-                          for x, o in zip(held, other))
+        # one clause per holder, its ports together: a renamed deployment's old processes hold every port, and each
+        # port repeating its holder's whole command line made a refusal of several KB
+        by_pid: dict[int | None, list[tuple[ports.Listener, str | None]]] = {}
+        rank = {name: i for i, name in enumerate(order)}
+        for x, o in sorted(zip(held, other), key=lambda xo: (rank.get(wanted[xo[0].port][1], len(order)), xo[0].port)):
+            by_pid.setdefault(x.pid, []).append((x, o))
+        where = "; ".join(
+            ", ".join(f"{wanted[x.port][0]}{' needs' if i == 0 else ''} port {x.port} at {wanted[x.port][1]}"
+                      for i, (x, _o) in enumerate(xs))
+            + f", held by PID {xs[0][0].pid or '?'} ({xs[0][0].command or 'unknown'})"
+            + (f", started for {xs[0][1]}" if xs[0][1] else "")
+            for xs in by_pid.values())
         applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
         if all(started):
             raise ApplyFailed(

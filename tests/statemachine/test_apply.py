@@ -975,6 +975,27 @@ def _listening(address: str, port: int) -> _socket.socket:
     return s
 
 
+def test_ports_one_process_holds_are_refused_in_one_clause_naming_it_once(demo):
+    # (a renamed spec's old deployment held every port: the refusal repeated each holder's whole command line per
+    # port, one line of several KB)
+    from pdctl.statemachine import steps
+
+    ctx = _ctx(demo)
+    held = [_listening("127.0.0.1", demo.ports[k]) for k in ("prefill", "decode", "router")]
+    try:
+        with pytest.raises(ApplyFailed) as e:
+            steps.ports_taken_elsewhere(ctx, set(ctx.unit_of.values()))
+    finally:
+        for h in held:
+            h.close()
+    p, d, r = demo.ports["prefill"], demo.ports["decode"], demo.ports["router"]
+    assert (f"prefill needs port {p} at prefill_up, decode port {d} at decode_up, router port {r} at router_exposed, "
+            f"held by PID {os.getpid()} (") in e.value.message, e.value.message
+    with open(f"/proc/{os.getpid()}/cmdline") as f:
+        me = f.read().replace("\0", " ").strip()[:40]
+    assert e.value.message.count(me) == 1, e.value.message
+
+
 def test_a_port_held_on_another_loopback_address_is_no_conflict_unlike_one_on_a_wildcard_or_the_same_address(make_demo):
     # A process on 127.0.0.2:P made apply refuse a role that binds 127.0.0.1:P (and plan warn of it), which Linux allows:
     # the ports check compared port numbers only. Plan's warning and apply's refusal share one scan
