@@ -639,18 +639,27 @@ def _status_text(st: dict) -> str:
             age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
             summary = (s.get("summary") or "").split("\n", 1)[0]  # a failure's log excerpt stays in --json
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}")
-    if any(x.get("port_held_for") for x in [*st["roles"], *([rt] if rt else [])]):
+    views = [*st["roles"], *([rt] if rt else [])]
+    if any(x.get("port_held_for") for x in views):
         from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT
 
         lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
+    elif any(x.get("port_applied_elsewhere") is not None for x in views):
+        lines.append("  hint: this deployment runs, applied another way: give status, plan, apply and down the way it "
+                     "was applied (the same user, service_manager and --state-dir or XDG_STATE_HOME)")
     return "\n".join(lines)
 
 
 def _from_another_process(view: dict) -> str:
     """A role's or the router's health answered by a process outside its unit, and which pdctl unit that process runs
-    for where another deployment's (``port_held_for``)."""
-    unit = view.get("port_held_for")
-    return f" (from another process on its port: pdctl unit {unit})" if unit else " (from another process on its port)"
+    for where another deployment's (``port_held_for``), or how this deployment's own was applied where it runs under
+    another state directory, user or service manager (``port_applied_elsewhere``)."""
+    unit, how = view.get("port_held_for"), view.get("port_applied_elsewhere")
+    if unit:
+        return f" (from another process on its port: pdctl unit {unit})"
+    if how is not None:
+        return " (from this deployment's own process, applied another way" + (f": it runs under {how})" if how else ")")
+    return " (from another process on its port)"
 
 
 @app.command("down")

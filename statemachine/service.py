@@ -429,15 +429,21 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     return plan
 
 
-def _held_for_another_deployment(host, port: int, found, own: set[str]) -> str | None:  # noqa: ANN001
-    """The pdctl unit, of a deployment other than the one whose units are *own*, that a listener on *port* (among
-    *found*, :func:`ports.listeners`) runs for (:func:`ports.pdctl_unit_of`); None when none does."""
+def _port_holder(host, port: int, found, own: set[str]) -> tuple[str | None, str | None]:  # noqa: ANN001
+    """Who a listener on *port* (among *found*, :func:`ports.listeners`) runs for, where the status's own unit does
+    not: ``(another deployment's pdctl unit, None)`` (:func:`ports.pdctl_unit_of`), ``(None, how)`` for this
+    deployment's own unit (one of *own*) applied another way (another ``--state-dir``, user or service manager:
+    :func:`ports.applied_with`'s words, "" where they do not tell), ``(None, None)`` otherwise."""
     from pdctl.statemachine import ports
 
     for x in found:
-        if x.port == port and (unit := ports.pdctl_unit_of(host, x.pid, other_than=own)):
-            return unit[0]
-    return None
+        if x.port != port or x.pid is None:
+            continue
+        if unit := ports.pdctl_unit_of(host, x.pid, other_than=own):
+            return unit[0], None
+        if how := ports.started_by(host, x.pid, own):
+            return None, ports.applied_with(how) or ""
+    return None, None
 
 
 def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
@@ -787,13 +793,17 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # router port answered by another deployment's router read as this one's)
         router["port_owned"] = bool(router["readiness"]) and router["main_pid"] is not None and ports.listener_belongs(
             host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
-        router["port_held_for"] = None if router["port_owned"] or not router["readiness"] else \
-            _held_for_another_deployment(host, topo.router.port, found, set(names.values()))
+        router["port_held_for"], router["port_applied_elsewhere"] = (None, None) if router["port_owned"] or not \
+            router["readiness"] else _port_holder(host, topo.router.port, found, set(names.values()))
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
         owned = bool(code) and st.main_pid is not None and ports.listener_belongs(
             host, r.port, st.main_pid, found, bind=ports.bind_address(r.http_host))[0]
+        # (the answer came from another pdctl deployment's server, e.g. this spec's before it was renamed, or from this
+        # deployment's own, applied with another --state-dir, user or service manager)
+        held_for, elsewhere = (None, None) if owned or not code else _port_holder(host, r.port, found,
+                                                                                   set(names.values()))
         roles.append(
             {
                 "name": r.name,
@@ -806,9 +816,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "url": r.url,
                 "health": code,
                 "port_owned": owned,
-                # (the answer came from another pdctl deployment's server, e.g. this spec's before it was renamed)
-                "port_held_for": None if owned or not code else _held_for_another_deployment(host, r.port, found,
-                                                                                             set(names.values())),
+                "port_held_for": held_for,
+                "port_applied_elsewhere": elsewhere,
                 "supervised": st.supervised,
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
             }

@@ -704,6 +704,16 @@ def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_callin
     assert f"it runs under state directory {demo.state} (process supervisor)" in str(e.value), str(e.value)
     assert "--state-dir" in e.value.hint
     assert not [e for e in sink.events if "previous processes" in e.message]
+    # ...and status with that state directory says whose the answers are, as plan and apply do (it said "from another
+    # process on its port", with no hint, as for a stranger's)
+    st = service.status(other)
+    assert [(r["name"], r["port_applied_elsewhere"], r["port_held_for"]) for r in st["roles"]] == [
+        ("prefill", f"state directory {demo.state} (process supervisor)", None),
+        ("decode", f"state directory {demo.state} (process supervisor)", None)], st["roles"]
+    r = demo.cli("status", str(demo.spec), "--state-dir", str(demo.tmp / "other-state"))
+    assert (f"(from this deployment's own process, applied another way: it runs under state directory {demo.state} "
+            "(process supervisor))") in r.stdout, r.stdout
+    assert "hint: this deployment runs, applied another way" in r.stdout and "--state-dir" in r.stdout, r.stdout
 
 
 def test_a_port_held_for_another_pdctl_deployment_names_its_unit_and_how_to_take_it_down(demo, tmp_path):
