@@ -97,6 +97,10 @@ class ResourceChange(_Frozen):
     """Why apply keeps this resource as it runs, while an apply is unfinished: that apply already started it with the
     definition the spec asks (and proved it, or it is still loading: apply waits for it). Apply creates, restarts and
     destroys nothing of it; its action and class are still what comparing the two sides gives. None: not kept."""
+    kept_restarts: tuple[str, ...] = ()
+    """Roles (and ``router``) this change would restart that apply keeps, as an unfinished apply already started them
+    with the spec's definition (a deployment-wide change interrupted after prefill restarted: prefill kept, decode in
+    :attr:`restarts`); the whole resource kept is :attr:`kept` instead."""
     runs: str | None = None
     """Why apply restarts this role (or the router), running, although the from side alone does not say so, while an
     apply is unfinished: what runs is what that apply started for its own spec, or its unit file differs from the
@@ -647,8 +651,13 @@ def _kept_as_it_runs(desired: Topology, changes: list[ResourceChange],
         said = why.get(c.address) if c.action != "delete" and (c.address != "kv_link" or c.action == "create") else None
         if said is None and c.address in ("deployment", "kv_link") and c.restarts and not left:
             said = f"the unfinished apply started {', '.join(c.restarts)} with this spec's definition already"
-        out.append(c.model_copy(update={"kept": said, "restarts": left}) if said is not None or left != c.restarts
-                   else c)
+        if said is not None:
+            out.append(c.model_copy(update={"kept": said, "restarts": left}))
+        elif left != c.restarts:
+            out.append(c.model_copy(update={"restarts": left,
+                                            "kept_restarts": tuple(r for r in c.restarts if r in kept)}))
+        else:
+            out.append(c)
     return out
 
 
@@ -771,6 +780,9 @@ def _render_changes(plan: Plan) -> str:
             lines.append(f"      ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}{mark}")
         if c.restarts and (c.action == "update" or c.runs is not None):
             lines.append(f"      restarts: {', '.join(c.restarts)}")
+        if c.kept_restarts:
+            lines.append(f"      kept: {', '.join(c.kept_restarts)}, as the unfinished apply started "
+                         f"{'it' if len(c.kept_restarts) == 1 else 'them'} with this spec's definition")
         lines.append("")
     if plan.topology_changes:
         lines.append(f"Topology changes (confirm with --confirm-topology {plan.plan_id}):")

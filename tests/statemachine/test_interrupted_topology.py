@@ -370,3 +370,24 @@ def test_a_change_interrupted_once_both_servers_were_proven_is_planned_and_appli
                                    "they run", events[0]
     assert not [e for e in events if e["message"].startswith("restarting ")], events
     assert _pids(demo) == before and demo.status()["healthy"]
+
+
+def test_a_deployment_wide_change_interrupted_once_prefill_was_proven_lists_prefill_as_kept(demo):
+    # (an engine.env change interrupted after prefill_up: its plan said only "restarts: decode", with no word of the
+    # prefill that apply keeps, while the same change interrupted after decode_up said "= deployment … kept: …")
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["engine"]["env"]["PDCTL_TEST_SETTING"] = "1"
+    changed = demo.write(d, "env.toml")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(changed, sink=_InterruptAt("step_verified", step="prefill_up"))
+    data = json.loads(demo.cli("plan", str(changed), "--json").stdout)
+    assert [(c["address"], c["restarts"], c["kept_restarts"], c["kept"]) for c in data["changes"]] == [
+        ("deployment", ["decode"], ["prefill"], None)], data["changes"]
+    text = demo.cli("plan", str(changed)).stdout
+    assert "      restarts: decode\n      kept: prefill, as the unfinished apply started it with this spec's " \
+           "definition" in text, text
+    prefill = _pids(demo)["prefill"]
+    r = demo.cli("apply", str(changed))
+    assert r.returncode == 0, r.stderr
+    assert _pids(demo)["prefill"] == prefill and f"restarting pdctl-{demo.name}-decode.service" in r.stderr, r.stderr
