@@ -324,6 +324,12 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
 
     desired = topology_of(loaded.deployment)
     the_host = host or deployment_host(loaded.deployment)
+    # (what the checks read never depends on a secret's value: a spec whose env: secret is unset here, which apply
+    # refuses by name, still has its ports and GPUs checked)
+    if loaded.deployment.secrets:
+        import dataclasses
+
+        loaded = dataclasses.replace(loaded, deployment=loaded.deployment.model_copy(update={"secrets": {}}))
     try:
         ctx = build_context(loaded, host=the_host)
         try:

@@ -416,6 +416,10 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=without)
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
     assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
+    # ...and still checks the ports and GPUs apply would refuse (it said it could not, for the secret)
+    assert "could not check whether the deployment's ports" not in r.stderr, r.stderr
+    assert json.loads(_pdctl("plan", str(spec), "--state-dir", str(sd), "--json", env=without).stdout)[
+        "ports_held"] is not None
     # status finds the deployment differs from the spec (and says so while units run): the same note says why
     r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json", env=without)
     assert json.loads(r.stdout)["matches_spec"] is False, r.stdout
