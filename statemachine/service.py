@@ -216,7 +216,39 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
             runs = runs_now(loaded, state, host=host)
         finally:
             host.close()
+    elif state.target is None and state.deployed is not None:
+        runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial))
     return make_plan(base, desired, from_serial=state.serial, not_running=down, runs=runs)
+
+
+def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN001
+    """With no apply unfinished: the spec's roles (and ``router``) that *plan* (the comparison of the recorded
+    topology with the spec's) does not restart, yet whose unit definition (command line, environment, limits: its
+    fingerprint, ``steps.fingerprint_of``) differs from the one apply proved running (the journal's record), each a
+    :class:`~pdctl.statemachine.plan.Runs` that restarts it: apply restarts such a unit (its step never skips it), so
+    the plan says so. That is what a pdctl that renders a unit otherwise (an upgrade) or an ``engine.python`` or
+    router executable resolved otherwise gives. Empty where the units cannot be rendered here (an unset secret, which
+    apply refuses first). Contacts no host."""
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.plan import Runs
+    from pdctl.statemachine.steps import fingerprint_of
+
+    try:
+        units = launch.unit_set_for(loaded.deployment, state_dir=str(loaded.journal.dir))
+    except PdctlError:
+        return {}
+    restarted = set(plan.restarts()) | {c.address.removeprefix("role.") for c in plan.changes
+                                        if c.action in ("create", "replace", "delete")}
+    out: dict = {}
+    for name, unit in unit_names(topology_of(loaded.deployment)).items():
+        rec = state.units.get(unit)
+        if name in restarted or rec is None or rec == fingerprint_of(units, unit):
+            continue
+        out[name] = Runs(restart="its unit's definition (command line, environment, limits) differs from the one apply "
+                                 "proved running, though the settings compared above do not: pdctl renders it "
+                                 "otherwise now (after an upgrade), or a path it resolves changed; apply restarts it")
+    return out
 
 
 def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
@@ -592,6 +624,8 @@ def apply(
         plan = make_plan(base, desired, from_serial=state.serial,
                          not_running=not_running(loaded, state, base, host=host),
                          runs=runs_now(loaded, state, host=host))
+        if state.target is None and state.deployed is not None:  # (as `pdctl plan` lists them)
+            plan = make_plan(base, desired, from_serial=state.serial, runs=rendered_otherwise(loaded, state, plan))
         if saved_plan is not None:
             if saved_plan.from_topology != base:
                 raise StalePlanError(

@@ -1144,6 +1144,29 @@ def test_adding_then_removing_a_prefill_group_restarts_no_running_server(demo):
     assert st["healthy"] and {r["name"]: r["main_pid"] for r in st["roles"]} == before, st
 
 
+def test_a_unit_rendered_otherwise_with_the_same_settings_is_planned_as_the_restart_apply_does(demo):
+    # (a pdctl that renders a unit otherwise, as this one dropped decode's fallback bootstrap port: plan said "No
+    # changes" and exit 0, then apply restarted decode, its definition no longer the one proven)
+    demo.apply()
+    journal = demo.load().journal
+    st = journal.read()
+    decode = f"pdctl-{demo.name}-decode.service"
+    st.units[decode] = "0123456789abcdef"  # (the fingerprint of the definition an older pdctl proved)
+    journal.write(st)
+    data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    assert [(c["address"], c["action"], c["restarts"]) for c in data["changes"]] == [
+        ("role.decode", "update", ["decode"])], data["changes"]
+    assert "differs from the one apply proved running" in data["changes"][0]["runs"]
+    before = {r["name"]: r["main_pid"] for r in demo.status()["roles"]}
+    r = demo.cli("apply", str(demo.spec), "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(x) for x in r.stdout.splitlines()]
+    assert events[0]["message"].endswith("changes that restart roles"), events[0]
+    after = {r["name"]: r["main_pid"] for r in demo.status()["roles"]}
+    assert after["prefill"] == before["prefill"] and after["decode"] != before["decode"]
+    assert json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["changes"] == []
+
+
 def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
 
     squatter = _socket.socket()
