@@ -450,12 +450,31 @@ class Deployment(_Model):
         ``prefill-2``… after it, so that adding a group at the end (or removing the last one) renames no running
         role (a role's name is its unit's); give ``name`` to keep a name when a group before it is removed.
         """
-        out: list[tuple[str, str, ServerRole]] = []
+        return [(name, kind, role) for name, kind, role, _where in self._named_roles()]
+
+    def _named_roles(self) -> list[tuple[str, str, ServerRole, str]]:
+        """:meth:`roles` with where each name comes from (``prefill[1].name``, or ``prefill[1]`` for a default)."""
+        out = []
         for kind, group in (("prefill", self.prefill), ("decode", self.decode), ("server", self.server)):
             for i, role in enumerate(group):
                 name = role.name or (kind if i == 0 else f"{kind}-{i}")
-                out.append((name, kind, role))
+                out.append((name, kind, role, f"{kind}[{i}]" + (".name" if role.name else "")))
         return out
+
+    @model_validator(mode="after")
+    def _role_names_unique(self) -> Deployment:
+        # (a role's name is its unit's, pdctl-<deployment>-<name>.service: two alike made one unit of two roles, and
+        # "router" is the router's)
+        seen: dict[str, str] = {}
+        for name, _kind, role, where in self._named_roles():
+            said = f"{where} = {name!r}" if role.name else f"{where} (named {name!r} by its position)"
+            if name == "router":
+                raise ValueError(f"{said}: 'router' is the router's unit name; give the role another name")
+            if name in seen:
+                raise ValueError(f"{said} repeats the name of {seen[name]}: each role needs its own name, its unit's "
+                                 f"(pdctl-{self.name}-{name}.service); set `name` on one of them to another")
+            seen[name] = f"{where} = {name!r}" if role.name else f"{where} (named {name!r} by its position)"
+        return self
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -1111,3 +1111,24 @@ def _refused_or_not(where: tuple[str, str], value: str, ok: bool, words: str) ->
     d[where[0]][where[1]] = value
     errors = [f for f in _errors(d) if f.field == ".".join(where)]
     assert not errors if ok else errors and words in errors[0].message, errors
+
+
+@pytest.mark.parametrize("index,name,said", [
+    (0, "prefill-1", "prefill[1] (named 'prefill-1' by its position) repeats the name of prefill[0].name = 'prefill-1'"),
+    (1, "prefill", "prefill[1].name = 'prefill' repeats the name of prefill[0] (named 'prefill' by its position)"),
+    (0, "decode", "decode[0] (named 'decode' by its position) repeats the name of prefill[0].name = 'decode'"),
+    (1, "router", "prefill[1].name = 'router': 'router' is the router's unit name"),
+])
+def test_role_names_that_collide_are_refused_naming_both_fields(index, name, said):
+    # (validate said valid, then plan, apply and units died with a traceback: "unit names repeat")
+    d = seed_dict()
+    extra = copy.deepcopy(d["prefill"][0])
+    extra.update(gpus=[8, 9, 10, 11], port=30011, bootstrap_port=8999, nccl_port=30111)
+    d["prefill"].append(extra)
+    d["prefill"][index]["name"] = name
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert said in str(e.value), str(e.value)
+    assert "Traceback" not in str(e.value)
+    d["prefill"][index]["name"] = "p-extra"  # (a name of its own is fine)
+    parse_spec(d)
