@@ -89,23 +89,36 @@ def parse_compute_apps(text: str) -> list[tuple[str, int, int | None]]:
 
 def gpu_processes(host: Host) -> list[GpuProcess] | None:
     """Every compute process on *host*'s GPUs (two nvidia-smi queries: the GPUs' indices, then the processes by bus
-    id), sorted by GPU and PID; None where that cannot be told (no nvidia-smi, as on a host without the NVIDIA driver;
-    a failing one; output it cannot read): the caller then checks nothing. Raises CommandTimeout after 60 s."""
+    id), sorted by GPU and PID; None where the host has no nvidia-smi (a host without the NVIDIA driver, as the
+    demo's): nothing to check there. Raises HostError naming the host when nvidia-smi is there but exits non-zero
+    ("couldn't communicate with the NVIDIA driver") or answers what cannot be read, and CommandTimeout after 60 s."""
     from pdctl.statemachine.errors import CommandTimeout
 
-    try:
-        gpus = host.run(list(GPU_QUERY), timeout=60, check=False)
-        if gpus.returncode != 0:
+    def ask(argv: tuple[str, ...]) -> str | None:
+        try:
+            res = host.run(list(argv), timeout=60, check=False)
+        except CommandTimeout:
+            raise
+        except HostError:  # (it cannot be run here: not installed)
             return None
-        apps = host.run(list(COMPUTE_APPS_QUERY), timeout=60, check=False)
-        if apps.returncode != 0:
+        if res.returncode == 127:  # (a shell's "command not found", over SSH)
             return None
-        index = {sysfs_bus_id(bus): i for i, bus in enumerate(parse_gpu_query(gpus.stdout))}
-        rows = parse_compute_apps(apps.stdout)
-    except CommandTimeout:
-        raise
-    except (HostError, ValueError):
+        if res.returncode != 0:
+            raise HostError(f"nvidia-smi on host {host.name} exited {res.returncode}: "
+                            f"{(res.stderr or res.stdout).strip()[-300:]}", host=host.name)
+        return res.stdout
+
+    gpus = ask(GPU_QUERY)
+    if gpus is None:
         return None
+    apps = ask(COMPUTE_APPS_QUERY)
+    if apps is None:
+        return None
+    try:
+        index = {sysfs_bus_id(bus): i for i, bus in enumerate(parse_gpu_query(gpus))}
+        rows = parse_compute_apps(apps)
+    except ValueError as exc:
+        raise HostError(f"nvidia-smi on host {host.name} answered what pdctl cannot read: {exc}", host=host.name) from None
     return sorted(GpuProcess(index[sysfs_bus_id(bus)], pid, mib) for bus, pid, mib in rows if sysfs_bus_id(bus) in index)
 
 

@@ -205,6 +205,10 @@ class Plan(_Frozen):
     """GPUs of the deployment's roles that compute processes outside it use when ``pdctl plan`` looked (apply would
     refuse them, exit 3); not part of the id. None: not looked at (no nvidia-smi on the host, or it could not be
     asked)."""
+    gpus_unchecked: str | None = None
+    """Why the GPUs could not be checked for processes outside the deployment when ``pdctl plan`` looked (nvidia-smi
+    failed, hung, or answered what cannot be read); not part of the id. None: they were, or the host has no
+    nvidia-smi (:attr:`gpus_held` None)."""
     binds_unusable: str | None = None
     """Why apply would refuse the spec's bind addresses (or its engine Python) on the host when ``pdctl plan`` looked,
     with the fix: apply's own words (exit 3, nothing changed); not part of the id. None: it would not, or not looked."""
@@ -677,6 +681,10 @@ def render_text(plan: Plan) -> str:
         text += "\n\n" + _render_ports_held(plan.ports_held)
     if plan.gpus_held:
         text += "\n\n" + render_gpus_held(plan.gpus_held)
+    if plan.gpus_unchecked:
+        text += (f"\n\nWarning: the GPUs could not be checked for processes outside the deployment: "
+                 f"{plan.gpus_unchecked}; `pdctl apply` looks again before its first step, and goes ahead with a "
+                 "warning if it cannot tell either")
     if plan.binds_unusable:
         text += ("\n\nWarning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is "
                  f"given): {plan.binds_unusable}")

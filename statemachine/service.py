@@ -367,14 +367,17 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         try:
             own = own_units(recorded, desired)
             held = tuple(ports_held_elsewhere(ctx, own))
-            gpus = gpus_held_elsewhere(ctx, own)
+            try:
+                gpus, gpus_unchecked = gpus_held_elsewhere(ctx, own), None
+            except HostError as exc:  # (nvidia-smi failed, hung or answered garbage: the ports stand on their own)
+                gpus, gpus_unchecked = None, exc.message
             unusable = None
             try:
                 bind_addresses_unusable(ctx)
             except ApplyFailed as exc:
                 unusable = exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
             return {"ports_held": held, "gpus_held": None if gpus is None else tuple(gpus),
-                    "binds_unusable": unusable}
+                    "gpus_unchecked": gpus_unchecked, "binds_unusable": unusable}
         finally:
             ctx.client.close()
     finally:

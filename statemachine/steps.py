@@ -21,7 +21,15 @@ from typing import Any, TypeVar
 import httpx
 
 from pdctl.statemachine import ports, probes
-from pdctl.statemachine.errors import ApplyFailed, ProbeError, StepTimeout, UnmendableFault, VerifyFailed
+from pdctl.statemachine.errors import (
+    ApplyFailed,
+    CommandTimeout,
+    HostError,
+    ProbeError,
+    StepTimeout,
+    UnmendableFault,
+    VerifyFailed,
+)
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
 from pdctl.statemachine.plan import (
@@ -498,8 +506,8 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
 
 
 def gpus_held_elsewhere(ctx: Context, own_units: set[str]) -> list[GpuHeld] | None:
-    """Each GPU a role will run on (its ``gpus``, nvidia-smi indices) that a compute process outside *own_units*
-    uses now (:func:`~pdctl.statemachine.inventory.gpu_processes`), with the role, the step an apply would fail at,
+    """Each GPU a role this apply starts or restarts will run on (its ``gpus``, nvidia-smi indices; a role kept as it
+    runs loads nothing) that a compute process outside *own_units* uses now (:func:`~pdctl.statemachine.inventory.gpu_processes`), with the role, the step an apply would fail at,
     and who the process runs for (this deployment applied another way, or another pdctl deployment), as
     :func:`ports_held_elsewhere` tells a port's holder. This deployment's own processes (those of roles it restarts
     or keeps, and previous ones their units are still stopping) are not listed. None where the host cannot tell (no
@@ -507,7 +515,13 @@ def gpus_held_elsewhere(ctx: Context, own_units: set[str]) -> list[GpuHeld] | No
     from pdctl.statemachine.inventory import gpu_processes
 
     step_of = role_steps(ctx.topology)
-    wanted = {g: r for r in ctx.topology.roles for g in r.gpus}
+
+    def starts(r: RoleTopology) -> bool:  # (a role kept as it runs loads nothing: what shares its GPUs is not this apply's)
+        unit = ctx.unit_of[r.name]
+        return r.name in ctx.restart or ctx.definition_changed(unit) or ctx.manager.status(unit).state not in (
+            "active", "activating")
+
+    wanted = {g: r for r in ctx.topology.roles if starts(r) for g in r.gpus}
     if not wanted:
         return []
     procs = gpu_processes(ctx.host)
@@ -535,10 +549,19 @@ def gpus_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
     """Before anything starts: refuse the apply if a compute process outside this deployment uses a GPU a role will
     run on (:func:`gpus_held_elsewhere`). SGLang sizes its KV cache from the GPU memory left when it starts: on a GPU
     another process uses, a server fails after loading its weights ("Not enough memory"), minutes in, or runs with
-    a cache too small. Nothing is checked where the host has no nvidia-smi. A PID the host's ``/proc`` does not show
-    is a warning event, not refused: nvidia-smi can name PIDs of another namespace, this deployment's own servers
-    among them. Raises :class:`ApplyFailed` naming every process and the step it would have failed at."""
-    found = gpus_held_elsewhere(ctx, own_units) or []
+    a cache too small. Nothing is checked where the host has no nvidia-smi; one that fails or answers what cannot be
+    read is a warning event, and the apply goes ahead. A PID the host's ``/proc`` does not show is a warning event,
+    not refused: nvidia-smi can name PIDs of another namespace, this deployment's own servers among them. Raises
+    :class:`ApplyFailed` naming every process and the step it would have failed at; CommandTimeout when nvidia-smi
+    hangs (a wedged GPU)."""
+    try:
+        found = gpus_held_elsewhere(ctx, own_units) or []
+    except CommandTimeout:
+        raise
+    except HostError as exc:  # (failing, or unreadable: what shares the GPUs cannot be told, the servers tell later)
+        ctx.say(f"warning: the GPUs could not be checked for processes outside the deployment: {exc.message}; going "
+                "ahead", step="gpus")
+        return
     for x in found:
         if not x.command:  # (whose it is cannot be told: this deployment's own server, seen from another PID namespace?)
             ctx.say(f"warning: {gpu_holder(x)}; {HIDDEN_GPU_PROCESS}", step="gpus")

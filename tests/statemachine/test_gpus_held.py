@@ -10,6 +10,7 @@ ones this test starts (or the demo's own servers), so that pdctl reads their com
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pdctl.statemachine.errors import HostError
 from pdctl.statemachine.hosts import LocalHost
 from pdctl.statemachine.inventory import gpu_processes, parse_compute_apps
 
@@ -79,8 +81,50 @@ def test_gpu_processes_maps_bus_ids_to_indices_and_says_none_without_nvidia_smi(
     smi.write_text("3, 100, 512\n0, 200, [N/A]\n")
     host = LocalHost()
     assert [tuple(p) for p in gpu_processes(host)] == [(0, 200, None), (3, 100, 512)]
+    (smi.parent / "bin" / "nvidia-smi").write_text(
+        '#!/bin/sh\ncase "$*" in --query-gpu*) echo "0, 00000000:17:00.0" ;; *) echo "what, is, this line" ;; esac\n')
+    with pytest.raises(HostError, match="nvidia-smi on host .* answered what pdctl cannot read"):
+        gpu_processes(host)  # (an nvidia-smi there that answers garbage is no "none")
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # (a host without the NVIDIA driver)
     assert gpu_processes(host) is None
+
+
+def _failing_smi(tmp_path: Path) -> None:
+    (tmp_path / "bin" / "nvidia-smi").write_text(
+        "#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\" >&2\nexit 9\n")
+
+
+def test_a_failing_nvidia_smi_is_a_warning_in_plan_and_apply_not_silence(demo, smi, tmp_path):
+    # (a driver that would not answer read as a host without nvidia-smi: no word in plan or apply)
+    _failing_smi(tmp_path)
+    data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    assert data["gpus_held"] is None and data["ports_held"] == [], data
+    assert "nvidia-smi on host" in data["gpus_unchecked"] and "exited 9" in data["gpus_unchecked"], data
+    text = demo.cli("plan", str(demo.spec)).stdout
+    assert "Warning: the GPUs could not be checked for processes outside the deployment: nvidia-smi on host" in text
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert "warning: the GPUs could not be checked for processes outside the deployment" in r.stderr, r.stderr
+
+
+def test_a_process_on_the_gpu_of_a_role_the_apply_keeps_refuses_nothing(demo, smi):
+    # (a monitoring process on decode's GPU refused every later apply, a no-change one too, naming decode_up, a step
+    # that would start nothing)
+    demo.apply()
+    foreign = _sleeper("--monitor")
+    try:
+        smi.write_text(f"4, {foreign.pid}, 300\n")
+        assert json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["gpus_held"] == []
+        r = demo.cli("apply", str(demo.spec))
+        assert r.returncode == 0, r.stderr
+        changed = copy.deepcopy(demo.dict)
+        changed["model"]["context_length"] = 65536  # (now decode restarts: its GPU 4 is in the way)
+        spec = demo.write(changed, "ctx.toml")
+        r = demo.cli("apply", str(spec))
+        assert r.returncode == 3 and f"decode needs GPU 4 at decode_up, used by PID {foreign.pid}" in r.stderr, r.stderr
+    finally:
+        foreign.kill()
+        foreign.wait(10)
 
 
 def test_plan_warns_and_apply_refuses_gpus_used_outside_the_deployment_starting_nothing(demo, smi):
@@ -131,15 +175,18 @@ def test_the_deployments_own_servers_on_its_gpus_are_no_warning_and_another_depl
     r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 0, r.stderr  # (the servers it keeps use their GPUs)
 
-    # a spec renamed while deployed leaves its old name's servers on the GPUs
+    # a spec renamed while deployed leaves its old name's servers on the GPUs (of decode, which a change restarts)
     unit = "pdctl-olddemo-decode.service"
     old = _sleeper(f"{demo.tmp}/old-state/supervisor/services/{unit}")
+    changed = copy.deepcopy(demo.dict)
+    changed["model"]["context_length"] = 65536
+    spec = demo.write(changed, "ctx.toml")
     try:
         smi.write_text(f"0, {own['prefill']}, 120000\n6, {old.pid}, 90000\n")
-        held = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["gpus_held"]
+        held = json.loads(demo.cli("plan", str(spec), "--json").stdout)["gpus_held"]
         assert [(x["gpu"], x["pid"], x["other_deployment"]) for x in held] == [
             (6, old.pid, f"pdctl unit {unit} (state directory {demo.tmp}/old-state (process supervisor))")], held
-        r = demo.cli("apply", str(demo.spec))
+        r = demo.cli("apply", str(spec))
         assert r.returncode == 3 and f"started for pdctl unit {unit}" in r.stderr, r.stderr
         assert "another pdctl deployment runs on these GPUs" in r.stderr, r.stderr
         assert {r["name"]: r["main_pid"] for r in demo.status()["roles"]} == own  # nothing restarted
