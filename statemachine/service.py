@@ -146,7 +146,9 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
       apply waits for it while it loads and proves it) or proven by that apply (its step done since that apply
       journalled its target);
     * kept too: that apply rewrote its unit file for its own spec without restarting it, and the record tells that the
-      process (the same main PID) runs this spec's definition (``steps.running_definition``);
+      process (the same main PID) runs this spec's definition (``steps.running_definition``); or that apply left it
+      alone, its record still the proven fingerprint of this spec's definition (the router of a prefill group added
+      and then taken back before the router's step);
     * restarted: the unit runs, and its record is another definition than this spec's while that apply started it
       (its own spec's: what runs is compared from there) or rewrote its unit file without restarting it
       (``steps.RESTARTING``; what runs is still the from side's).
@@ -187,6 +189,9 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
                 " and proved it" if proven else "; apply waits until it serves, then proves it"))
         elif rec == fp and proven:
             out[name] = Runs(kept="the unfinished apply started it with this spec's definition and proved it")
+        elif rec == fp:  # (proven running with it before that apply, which never rewrote nor restarted it)
+            out[name] = Runs(kept="it runs this spec's definition, as proven before the unfinished apply, which left it "
+                                  "alone")
         elif rec.startswith(RESTARTING) and running_definition(rec, st.main_pid) == fp:
             out[name] = Runs(kept="it runs this spec's definition (the unfinished apply rewrote its unit file for its "
                                   "own spec and had not restarted it; apply writes the file back)")

@@ -391,3 +391,29 @@ def test_a_deployment_wide_change_interrupted_once_prefill_was_proven_lists_pref
     r = demo.cli("apply", str(changed))
     assert r.returncode == 0, r.stderr
     assert _pids(demo)["prefill"] == prefill and f"restarting pdctl-{demo.name}-decode.service" in r.stderr, r.stderr
+
+
+def test_taking_back_a_prefill_group_added_by_an_interrupted_apply_keeps_the_router(demo):
+    # (the router, never told of the new group and never rewritten, was restarted by the way back: seconds of refused
+    # connections and 503s for clients)
+    from harness.sim import free_ports
+
+    demo.apply()
+    port, boot, nccl = free_ports(3)
+    grown = copy.deepcopy(demo.dict)
+    grown["prefill"].append({"host": "local", "gpus": [8, 9, 10, 11], "tp": 4, "port": port, "bootstrap_port": boot,
+                             "nccl_port": nccl})
+    spec = demo.write(grown, "two-prefill.toml")
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(spec, confirm=service.plan_spec(demo.load(spec)).plan_id,
+                   sink=_InterruptAt("step_verified", step="prefill_up"))
+    router = _pids(demo)["router"]
+    data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    by = {c["address"]: c for c in data["changes"]}
+    assert by["router"]["kept"] is not None and by["router"]["restarts"] == [], by["router"]
+    assert by["role.prefill-1"]["action"] == "delete", by
+    assert "router" not in {r for c in data["changes"] for r in c["restarts"]}, data["changes"]
+    r = demo.cli("apply", str(demo.spec), "--confirm-topology", data["plan_id"])
+    assert r.returncode == 0, r.stderr
+    assert f"restarting pdctl-{demo.name}-router.service" not in r.stderr, r.stderr
+    assert _pids(demo)["router"] == router and demo.status()["healthy"]
