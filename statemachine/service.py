@@ -199,8 +199,8 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
             out[name] = Runs(restart="its unit file differs from the running process (the unfinished apply rewrote "
                                      "the file for its own spec and had not restarted the process)")
         elif rec != fp and (rec.startswith(STARTED) or proven):
-            out[name] = Runs(restart="its unit file differs from the running process, which the unfinished apply "
-                                     "started for its own spec", was=target.get(name))
+            out[name] = Runs(restart="it runs what the unfinished apply started for its own spec, not this spec's "
+                                     "definition", was=target.get(name))
     return out
 
 

@@ -307,7 +307,7 @@ def test_after_an_interrupted_change_plan_lists_every_restart_apply_does_compare
     assert plan.returncode == 2 and "No changes" not in plan.stdout, plan.stdout
     assert "      ~ settings.model.context_length: 65536 → 131072" in plan.stdout, plan.stdout
     assert "  # role.prefill will be restarted (disruptive)" in plan.stdout, plan.stdout
-    assert "runs now: its unit file differs from the running process" in plan.stdout, plan.stdout
+    assert "runs now: it runs what the unfinished apply started for its own spec" in plan.stdout, plan.stdout
     assert "role.decode" not in plan.stdout, plan.stdout  # what runs is what the recorded spec asks
     data = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
     planned = {r for c in data["changes"] for r in c["restarts"]}

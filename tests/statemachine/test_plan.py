@@ -1132,7 +1132,8 @@ def test_how_an_unfinished_apply_left_each_role_is_read_as_its_steps_will_judge_
     spec.write_text(_toml_dump(third, list(range(8))))
     runs = service.runs_now(service.load(spec, state_dir=loaded.journal.dir), state)
     assert runs["prefill"].kept is None and runs["prefill"].was == state.target.roles_of("prefill")[0]
-    assert runs["prefill"].restart.endswith("which the unfinished apply started for its own spec")
+    assert runs["prefill"].restart == "it runs what the unfinished apply started for its own spec, not this spec's " \
+        "definition"
     assert runs["router"].was == state.target.router and runs["decode"].was is None
     # a unit that does not run is left to not_running (apply starts it); with no apply unfinished there is nothing
     states["decode"] = "inactive"
