@@ -111,8 +111,9 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         line.append("none (single server)", style="dim")
     else:
         decodes = ",".join(r.name for r in show.roles if r.kind == "decode") or "?"
-        for pre, host, port in kv.bootstrap:
-            line.append(f"{kv.backend}: {pre} ⇢ {decodes} via bootstrap {host}:{port}")
+        line.append(f"{kv.backend}: ")
+        # (one pair per prefill group, apart: several ran together, "…:37098nixl: prefill-1 ⇢ …")
+        line.append("; ".join(f"{pre} ⇢ {decodes} via bootstrap {host}:{port}" for pre, host, port in kv.bootstrap))
         if kv.ib_device:
             line.append(f"  ib {kv.ib_device}", style="dim")
     parts.append(line)

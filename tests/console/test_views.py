@@ -63,3 +63,26 @@ def test_log_tail_appends_only_new_lines():
 
 def test_a_rotated_log_is_shown_afresh():
     assert new_lines(("a", "b", "c"), ("x", "y")) == (("x", "y"), True)
+
+
+def test_the_topology_panel_keeps_each_prefill_groups_kv_pair_apart():
+    # (two prefill groups ran together: "… via bootstrap 127.0.0.1:37098nixl: prefill-1 ⇢ decode …")
+    import copy
+
+    from rich.console import Console
+
+    from pdctl.console._topology import render_topology
+    from pdctl.statemachine.spec import parse_spec
+    from pdctl.statemachine.topology import topology_of
+
+    from ..statemachine.specs import seed_dict
+
+    d = seed_dict()
+    extra = copy.deepcopy(d["prefill"][0])
+    extra.update(gpus=[8, 9, 10, 11], port=30011, bootstrap_port=8999, nccl_port=30111)
+    d["prefill"].append(extra)
+    out = io.StringIO()
+    Console(file=out, width=400).print(render_topology(topology_of(parse_spec(d))))
+    line = next(x for x in out.getvalue().splitlines() if "KV link" in x)
+    assert line.rstrip().endswith(": prefill ⇢ decode via bootstrap 127.0.0.1:8998; prefill-1 ⇢ decode via bootstrap "
+                                  "127.0.0.1:8999"), line
