@@ -715,9 +715,14 @@ class ConsoleApp(App[int]):
                 self._failed_journal_at = None
             hint = getattr(err, "hint", None)
             step = getattr(err, "step", None)
-            text = f"{'step ' + step + ': ' if step else ''}{getattr(err, 'message', None) or err}"
-            self.notify(text + (f"\nhint: {hint}" if hint else ""), title=type(err).__name__, severity="error", timeout=15)
-            title = getattr(err, "title", None) or type(err).__name__
+            # a refusal before the first step (a port or GPU held outside, an unusable address) names the step it would
+            # have failed at, yet no step ran: said as the header says it, never as a step that failed
+            refused = not self._apply_began
+            text = (f"{'step ' + step + ': ' if step and not refused else ''}"
+                    f"{getattr(err, 'message', None) or err}"
+                    + (f" (it would have failed at {step})" if step and refused else ""))
+            title = "Apply refused" if refused else getattr(err, "title", None) or type(err).__name__
+            self.notify(text + (f"\nhint: {hint}" if hint else ""), title=title, severity="error", timeout=15)
             self._w(PlanPanel).last_failure = (f"Last apply ({time.strftime('%H:%M:%S')}): {title}: {text}"
                                                + (f"\nhint: {hint}" if hint else ""))
         self.sub_title = self._status_line()

@@ -481,6 +481,9 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
         shown = str(app.query_one(PlanPanel).render())
         assert "router needs port 35901 at router_exposed, held by PID 1 (init)" in shown
         assert shown.index("Last apply") < shown.index("plan id")
+        # ...as a refusal, not as a step that failed (it read "Step failed: step router_exposed: ports taken …")
+        assert "Apply refused: ports taken" in shown and "(it would have failed at router_exposed)" in shown, shown
+        assert "step router_exposed:" not in shown, shown
         # another process's apply (or down) writes the journal since: the header stops saying it (a fresh user saw
         # it stay after a headless apply had succeeded)
         from dataclasses import replace
