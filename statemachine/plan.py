@@ -164,6 +164,10 @@ class GpuHeld(_Frozen):
     """As :attr:`PortHeld.other_deployment`: another pdctl deployment's process."""
 
 
+APPLIED_ELSEWHERE_HINT = ("manage it the way it was applied (the same user, service_manager and --state-dir or "
+                          "XDG_STATE_HOME), or `pdctl down` it that way before applying here")
+"""The fix where this deployment's own processes, applied another way, hold what an apply needs (ports, GPUs)."""
+
 OTHER_DEPLOYMENT_HINT = (
     "another pdctl deployment holds these ports (its unit is named above): `pdctl down` its spec, or give the roles other "
     "ports; a deployment renamed in its spec runs on under its old name: put that name back, `pdctl down`, then rename")
@@ -701,8 +705,7 @@ def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
         lines.append(f"  ! {x.role} needs port {x.port} at {x.step}, held by PID {x.pid or '?'} "
                      f"({x.command or 'unknown'}){own}{other}")
     if all(x.applied_elsewhere is not None for x in held):
-        lines.append("  hint: manage it the way it was applied (the same user, service_manager and --state-dir or "
-                     "XDG_STATE_HOME), or `pdctl down` it that way before applying here")
+        lines.append(f"  hint: {APPLIED_ELSEWHERE_HINT}")
     elif any(x.other_deployment for x in held):
         lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
     else:
@@ -727,8 +730,7 @@ HIDDEN_GPU_PROCESS = ("apply only warns: nvidia-smi may name PIDs of another PID
 def gpus_held_hint(held: Sequence[GpuHeld]) -> str:
     """The fix for GPUs held outside the deployment, by who holds them."""
     if all(x.applied_elsewhere is not None for x in held):
-        return ("manage it the way it was applied (the same user, service_manager and --state-dir or XDG_STATE_HOME), "
-                "or `pdctl down` it that way before applying here")
+        return APPLIED_ELSEWHERE_HINT
     if any(x.other_deployment for x in held):
         return ("another pdctl deployment runs on these GPUs (its unit is named above): `pdctl down` its spec, or give "
                 "the roles other GPUs in the spec")

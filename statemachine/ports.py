@@ -121,6 +121,12 @@ def _shortened(command: str, limit: int = 160) -> str:
     return head + " …"
 
 
+def command_line(host, pid: int) -> str:  # noqa: ANN001
+    """*pid*'s command line on *host* as messages name a holder (:func:`_shortened`); "" when ``/proc`` does not
+    show the process (gone, or of another PID namespace)."""
+    return _shortened(_read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip())
+
+
 def _addresses(fields: Iterable[str], byteorder: str) -> frozenset[IPAddress] | None:
     out = [local_address(f, byteorder) for f in fields]
     return None if any(a is None for a in out) else frozenset(a for a in out if a is not None)
@@ -145,7 +151,7 @@ def listeners(host, ports: Iterable[int]) -> list[Listener]:  # noqa: ANN001
             port, field = inodes[inode]
             owned.add(inode)
             if (port, pid) not in found:
-                found[(port, pid)] = (_shortened(_read(host, f"/proc/{pid}/cmdline").replace("\0", " ").strip()), set())
+                found[(port, pid)] = (command_line(host, pid), set())
             found[(port, pid)][1].add(field)
     out = [Listener(port, pid, cmd, _addresses(fields, byteorder)) for (port, pid), (cmd, fields) in found.items()]
     seen_ports = {p for p, _ in found}

@@ -473,7 +473,7 @@ class Deployment(_Model):
             if name in seen:
                 raise ValueError(f"{said} repeats the name of {seen[name]}: each role needs its own name, its unit's "
                                  f"(pdctl-{self.name}-{name}.service); set `name` on one of them to another")
-            seen[name] = f"{where} = {name!r}" if role.name else f"{where} (named {name!r} by its position)"
+            seen[name] = said
         return self
 
 

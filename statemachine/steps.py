@@ -33,6 +33,7 @@ from pdctl.statemachine.errors import (
 from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
 from pdctl.statemachine.plan import (
+    APPLIED_ELSEWHERE_HINT,
     HIDDEN_GPU_PROCESS,
     OTHER_DEPLOYMENT_HINT,
     GpuHeld,
@@ -491,8 +492,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
                 f"ports taken by this deployment's own processes, applied another way, nothing was started or "
                 f"changed: {where}" + (f"; it runs under {' and '.join(applied)}" if applied else ""),
                 step=wanted[first.port][1],
-                hint="manage it the way it was applied (the same user, service_manager and --state-dir or "
-                     "XDG_STATE_HOME), or `pdctl down` it that way before applying here",
+                hint=APPLIED_ELSEWHERE_HINT,
             )
         ours = sum(1 for how in started if how)
         raise ApplyFailed(
@@ -534,7 +534,7 @@ def gpus_held_elsewhere(ctx: Context, own_units: set[str]) -> list[GpuHeld] | No
         role = wanted.get(p.gpu)
         if role is None:
             continue
-        command = ports._shortened(ports._read(ctx.host, f"/proc/{p.pid}/cmdline").replace("\0", " ").strip())
+        command = ports.command_line(ctx.host, p.pid)
         if command and mine(p.pid):
             continue
         how = ports.started_by(ctx.host, p.pid, markers) if command else None
