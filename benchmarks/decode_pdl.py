@@ -7,8 +7,10 @@ PDL-launched, the split kernel triggering the merge at its start) and 2 (trigger
 Every output is checked against the fp32 reference first.
 
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
---cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch[,flags]] ... [--merge] [--kv fp8|bf16]`` (the
-fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``, 2 ``fold``, 4 ``bf16_partials``)
+--cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch[,flags]] ... [--merge] [--kv fp8|bf16] [--max-splits N]``
+(the fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``,
+2 ``fold``, 4 ``bf16_partials``, 8 ``num_stages`` 1 instead of 2). ``--max-splits`` lifts the launcher's split limit
+(64) for this process only, to time more and shorter splits than the build tries.
 """
 
 from __future__ import annotations
@@ -30,8 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="also time DecodeConfig.merge = 1 (splits merged in the split kernel) for each PDL mode")
     ap.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="latent cache format of every case")
+    ap.add_argument("--max-splits", type=int, default=0, help="raise the launcher's split limit (probe only)")
+    ap.add_argument("--merge-lanes", type=int, nargs="+", default=[0],
+                    help="lanes per merge program (0: _combine_block_d's choice)")
+    ap.add_argument("--merge-warps", type=int, nargs="+", default=[0], help="warps per merge program (0: the rule's)")
     args = ap.parse_args(argv)
     _bootstrap()
+    from pdctl.kernels import _sparse_mla
+
+    if args.max_splits:
+        _sparse_mla._MAX_SPLITS = max(_sparse_mla._MAX_SPLITS, args.max_splits)
+    rule_lanes, rule_warps = _sparse_mla._combine_block_d, _sparse_mla._combine_warps
     import torch
 
     from pdctl.kernels._build import _decode_tolerance_check, make_decode_case
@@ -44,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     heads_ += [f"merged in kernel, {x}" for x in heads_] if args.merge else []
     print("| h | B | config | " + " | ".join(heads_) + " |")
     print("|---|---|---|" + "---|" * len(heads_))
-    for case in args.cases:
+    for case, lanes, mwarps in [(c, la, w) for c in args.cases for la in args.merge_lanes for w in args.merge_warps]:
+        _sparse_mla._combine_block_d = (lambda rh, sms, n=lanes: n) if lanes else rule_lanes
+        _sparse_mla._combine_warps = (lambda bs, bd, bf=False, n=mwarps: n) if mwarps else rule_warps
         h, rows, gluon, bh, splits, *tile = (int(x) for x in case.split(","))
         bn, warps, prefetch, flags = (list(tile) + [0])[:4] if len(tile) >= 3 else (64, 4, 0, tile[0] if tile else 0)
         q, kv, idx, _ = make_decode_case(h, rows, args.kv, slots=262144, ragged=False, with_length=False)
@@ -59,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         for pdl, merge in settings:
             cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, splits=splits, prefetch=prefetch, gluon=gluon,
                                pdl=pdl, merge=merge, mma_f16=flags & 1, fold=(flags >> 1) & 1,
-                               bf16_partials=(flags >> 2) & 1)
+                               bf16_partials=(flags >> 2) & 1, num_stages=1 if flags & 8 else 2)
             o.fill_(float("nan"))
             try:
                 sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
@@ -74,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             res.append(f"{us:.2f}{'' if ok else ' WRONG'}")
         name = f"gluon-{gluon}: {bh},{splits}" if gluon else f"tl.dot: {bh},{bn},{warps},{splits},{prefetch}"
         name = f"{args.kv} {name}{' fp16-mma' if flags & 1 else ''}{' fold' if flags & 2 else ''}"
-        name += f"{' bf16-partials' if flags & 4 else ''} ({regs})"
+        name += f"{' bf16-partials' if flags & 4 else ''}{' 1-stage' if flags & 8 else ''}"
+        name += f"{f' merge lanes {lanes}' if lanes else ''}{f' merge warps {mwarps}' if mwarps else ''} ({regs})"
         print(f"| {h} | {rows} | {name} | " + " | ".join(res) + " |", flush=True)
     return 0
 
