@@ -187,6 +187,7 @@ class Journal:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            self._refuse_a_base()
             return JournalState(name=self.name)
         try:
             data = json.loads(raw)
@@ -232,9 +233,35 @@ class Journal:
         atomic_write(self.path, json.dumps(state.to_json(), indent=1, sort_keys=True).encode())
         return state
 
+    _BASE_SCAN = 256
+    """Entries of a journal-less state directory looked at for other deployments' journals (a bound: it may be /tmp)."""
+
+    def _refuse_a_base(self) -> None:
+        """Raise :class:`PdctlError` when the state directory has no journal of its own but folders holding other
+        deployments' journals: it is their base (``--state-dir`` given ``…/pdctl`` rather than ``…/pdctl/<name>``).
+        Planned against it, every deployment there would read as not deployed; a ``down`` would leave its lock and
+        audit log beside theirs. At most :attr:`_BASE_SCAN` entries are looked at."""
+        try:
+            entries = [e for _, e in zip(range(self._BASE_SCAN), os.scandir(self.dir))]
+        except OSError:  # not there yet (a first apply creates it), or not a readable folder
+            return
+        held = sorted(e.name for e in entries if e.is_dir() and Path(e.path, "journal.json").is_file())
+        if held:
+            mine = self.dir / self.name
+            raise PdctlError(
+                f"state directory {self.dir} has no journal of its own but holds the state directories of "
+                f"{', '.join(map(repr, held[:5]))}{' …' if len(held) > 5 else ''}: it is their base, not the directory of "
+                f"deployment {self.name!r}; nothing was changed",
+                hint=f"give --state-dir {mine}" + (" (it is there)" if self.name in held else
+                                                    " or the directory this deployment was applied with"),
+            )
+
     # -- audit ----------------------------------------------------------------------------------
     def _make_dir(self) -> None:
         # The state directory, created on first use; a file in its way is named with the fix (not "File exists").
+        # A base of other deployments' directories is refused before anything is written into it.
+        if not self.path.exists():
+            self._refuse_a_base()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):

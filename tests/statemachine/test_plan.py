@@ -764,6 +764,26 @@ def test_another_deployments_journal_in_the_state_dir_is_refused_by_every_comman
     assert r.returncode == 2 and "holds the journal" not in r.stderr, r.stderr
 
 
+def test_a_base_of_other_deployments_state_directories_is_refused_and_nothing_is_written_there(tmp_path):
+    # `--state-dir ~/.local/state/pdctl` (the base) instead of `…/pdctl/<name>`: plan said every role would be created,
+    # and a refused down left its lock and audit log beside the deployments' directories
+    base = tmp_path / "pdctl"
+    Journal(base / "other", "other").write(JournalState(name="other", deployed=topo(seed_dict())))
+    for cmd in (("plan",), ("status",), ("apply",), ("down", "--yes")):
+        r = _pdctl(*cmd[:1], str(SEED), "--state-dir", str(base), *cmd[1:])
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert (f"state directory {base} has no journal of its own but holds the state directories of 'other': it is "
+                "their base") in r.stderr, r.stderr
+        assert f"give --state-dir {base / 'dsv4-flash'} or the directory this deployment was applied with" in r.stderr
+    assert sorted(p.name for p in base.iterdir()) == ["other"]  # no lock, no audit log, no journal
+    # the deployment's own directory beside 'other' is used as before; a directory with its own journal is not a base
+    r = _pdctl("plan", str(SEED), "--state-dir", str(base / "dsv4-flash"))
+    assert r.returncode == 2, r.stderr
+    Journal(base, "dsv4-flash").write(JournalState(name="dsv4-flash"))
+    r = _pdctl("plan", str(SEED), "--state-dir", str(base))
+    assert r.returncode == 2 and "their base" not in r.stderr, r.stderr
+
+
 def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitting_hint(tmp_path):
     import errno
 
