@@ -833,7 +833,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
 def _closest(what: str, value: str, names: frozenset[str], *, where: str = "the target version") -> str:
     import difflib
 
-    near = difflib.get_close_matches(value, sorted(names), n=3, cutoff=0.5)
+    near = difflib.get_close_matches(value, sorted(names), n=3, cutoff=0.6)  # 0.5 offered 'nanbeige' for 'nonsense'
     every = f"use a {what} {where} has: {', '.join(sorted(names))}"
     return f"did you mean {' or '.join(repr(n) for n in near)}? Or {every}" if near else every
 

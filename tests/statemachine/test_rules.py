@@ -238,6 +238,9 @@ def test_parser_names_must_exist_in_the_target_version():
     d["parsers"]["tool_call_parser"] = "nonsense"
     f = _one(d, "parsers.tool_call_parser", "not a tool-call parser of SGLang 0.5.23")
     assert "use a tool-call parser the target version has:" in f.fix and "deepseekv4" in f.fix, f.fix
+    assert "did you mean" not in f.fix, f.fix  # (it offered 'nanbeige')
+    d["parsers"]["tool_call_parser"] = "deepsek-v4"
+    assert "did you mean 'deepseekv4'" in _one(d, "parsers.tool_call_parser", "not a tool-call parser").fix
 
 
 def test_reasoning_parser_valid_in_new_version_is_invalid_for_an_old_target():
