@@ -176,7 +176,8 @@ class ConsoleApp(App[int]):
         """The spec was (re)loaded and planned (*error*: why it could not be)."""
 
         def __init__(self, loaded: Any, plan: Plan | None, error: str | None, unsettled: str | None = None,
-                     kept: tuple[str, ...] = (), ports_unchecked: str | None = None) -> None:
+                     kept: tuple[str, ...] = (), ports_unchecked: str | None = None,
+                     notes: tuple[str, ...] = ()) -> None:
             super().__init__()
             self.loaded = loaded
             self.plan = plan
@@ -189,6 +190,9 @@ class ConsoleApp(App[int]):
             self.ports_unchecked = ports_unchecked
             """Why the plan's ``ports_held`` is None: the host could not be asked which of the deployment's ports are
             held outside it."""
+            self.notes = notes
+            """``service.Unsettled.notes``: what ``pdctl plan`` notes beside the plan (an earlier apply that did not
+            finish, a role not serving as proven)."""
 
     # -- construction ------------------------------------------------------------------------------
     def __init__(
@@ -407,7 +411,8 @@ class ConsoleApp(App[int]):
         warnings, unchecked = plan_host_checks(loaded, recorded, catch=(Exception,))
         plan = plan.model_copy(update=warnings)
         self.post_message(self.Planned(loaded, plan, None, why.kind if why is not None else None,
-                                       why.kept if why is not None else (), unchecked))
+                                       why.kept if why is not None else (), unchecked,
+                                       why.notes if why is not None else ()))
 
     @work(thread=True, exclusive=True, group="apply", exit_on_error=False, description="apply")
     def run_apply(self, confirm: str | None, expect_plan: str | None) -> None:
@@ -665,6 +670,7 @@ class ConsoleApp(App[int]):
         panel = self._w(PlanPanel)
         panel.error = message.error
         panel.ports_unchecked = message.ports_unchecked
+        panel.notes = message.notes
         panel.plan = message.plan
         self._w(TopologyPanel).plan = message.plan
         if message.error:

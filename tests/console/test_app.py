@@ -233,6 +233,12 @@ async def test_the_y_n_after_an_interrupted_change_names_what_apply_keeps(consol
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.plan is not None)
         assert "prefill" not in app.plan.restarts() and app.plan.kept() == ["role.prefill"]
+        # the plan tab says what `pdctl plan` notes on stderr (it did not: only "an earlier apply … did not finish")
+        from pdctl.console._plan import PlanPanel
+
+        text = app.query_one(PlanPanel).render().plain
+        assert "note: an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left " \
+               "half-changed" in " ".join(text.split()), text
         await pilot.press("a")
         await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
         question = str(app.screen.question)
