@@ -613,6 +613,17 @@ for a in sys.argv[1:]:
 print(json.dumps(out))
 """
 
+_WATCHDOG_IMPORT = """
+try:
+    import pdctl.units.supervise
+except Exception as e:  # noqa: BLE001
+    import sys
+    sys.stderr.write(type(e).__name__ + ": " + str(e))
+    sys.exit(97)
+"""
+"""Run before :data:`_BIND_PROBE` for the process supervisor, whose watchdogs run ``engine.python -m
+pdctl.units.supervise`` on the host: exit 97 when that interpreter cannot import it."""
+
 
 def numa_nodes_missing(ctx: Context) -> None:
     """Before anything starts or stops: the NUMA node each role's unit binds its memory to (``NUMAMask=``; the process
@@ -652,9 +663,10 @@ def bind_addresses_unusable(ctx: Context) -> None:
     """Before anything starts or stops: every bind address of *ctx*'s topology (each role's ``http_host``, the
     router's host and metrics host) must resolve on the deployment's host and be bindable there, as the server's
     own bind will need (a typo such as ``127.0.0.l`` passes the spec as a host name; the server then fails after its
-    predecessor was stopped). One command on the host with the engine Python, which must exist there too. Raises
+    predecessor was stopped). One command on the host with the engine Python, which must exist there too, and with
+    the process supervisor (``service_manager = "process"``) import pdctl's watchdog there, which it runs. Raises
     :class:`ApplyFailed` naming each field and why; a host where the probe cannot run at all is left to the steps."""
-    from pdctl.statemachine.launch import python_for
+    from pdctl.statemachine.launch import python_for, scope_for
 
     from pdctl.statemachine.rules import _role_field
 
@@ -669,8 +681,10 @@ def bind_addresses_unusable(ctx: Context) -> None:
         if prom:
             where.setdefault(prom, []).append(("router.prometheus_host", "router_exposed"))
     python = python_for(ctx.dep)
+    watchdogs = scope_for(ctx.dep) == "process"
     try:
-        res = ctx.host.run([python, "-c", _BIND_PROBE, *where], timeout=30, check=False)
+        res = ctx.host.run([python, "-c", (_WATCHDOG_IMPORT if watchdogs else "") + _BIND_PROBE, *where], timeout=30,
+                           check=False)
         bad = json.loads(res.stdout) if res.ok else {}
     except (OSError, ValueError) as exc:
         res, bad = None, {}
@@ -693,6 +707,16 @@ def bind_addresses_unusable(ctx: Context) -> None:
                      "`which python` inside it says)",
             )
         return
+    if res.returncode == 97:  # (_WATCHDOG_IMPORT: the process supervisor's watchdogs could not start on the host)
+        first = topo.roles[0]
+        which = f"engine.python = {python!r}" if ctx.dep.engine.python else f"pdctl's Python {python} (engine.python unset)"
+        raise ApplyFailed(
+            f"{which} cannot import pdctl on host {ctx.host.name} ({why}), and the process supervisor's watchdogs run "
+            "on it (service_manager = \"process\"); nothing was started or changed",
+            step=f"{first.kind}_up",
+            hint=f"install pdctl into that environment on the host ({python} -m pip install pdctl), set engine.python "
+                 "to a Python that has it, or use service_manager = \"systemd-system\" or \"systemd-user\"",
+        )
     if bad:
         said = "; ".join(f"{what} = {addr!r} {why}" for addr, why in bad.items() for what, _step in where[addr])
         raise ApplyFailed(

@@ -429,6 +429,41 @@ def test_an_engine_python_the_host_lacks_is_refused_before_anything_starts(make_
     assert demo.pids() == [] and demo.load().journal.read().target is None
 
 
+def _python_script(path: Path, body: str) -> str:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_process_supervisor_runs_its_watchdogs_with_engine_python(make_demo, tmp_path):
+    # (they ran pdctl's own interpreter path, which a host reached over SSH need not have: every role then failed
+    # "watchdog-gone", the cause only in the host's supervise.log)
+    mark = tmp_path / "watchdogs"
+    python = _python_script(tmp_path / "engine-python", f'[ "$1 $2" = "-m pdctl.units.supervise" ] && echo "$3" >> {mark}'
+                                                        f'\nexec {sys.executable} "$@"')
+    demo = make_demo(lambda d: d["engine"].update(python=python))
+    assert demo.apply().state == "parsers_configured"
+    started = sorted(line.split("/services/")[-1] for line in mark.read_text().splitlines())
+    assert started == sorted(f"pdctl-{demo.name}-{r}.service" for r in ("prefill", "decode", "router")), started
+
+
+def test_an_engine_python_without_pdctl_is_refused_before_anything_starts_under_the_process_supervisor(make_demo,
+                                                                                                       tmp_path):
+    # an interpreter that runs but lacks pdctl: Python's own, isolated from this checkout and the venv
+    bare = _python_script(tmp_path / "bare-python", f'exec {Path(sys.base_prefix) / "bin" / "python3"} -I "$@"')
+    demo = make_demo(lambda d: d["engine"].update(python=bare))
+    with pytest.raises(ApplyFailed, match=rf"engine.python = '{bare}' cannot import pdctl on host \S+ "
+                                          r"\(ModuleNotFoundError: No module named 'pdctl'\), and the process "
+                                          r"supervisor's watchdogs run on it .*nothing was started or changed") as e:
+        demo.apply()
+    assert e.value.step == "prefill_up" and f"{bare} -m pip install pdctl" in e.value.hint
+    assert demo.pids() == [] and demo.load().journal.read().target is None
+    # plan says so beforehand, in apply's words
+    loaded = demo.load()
+    warned = service.host_warnings(loaded, loaded.journal.read())["binds_unusable"]
+    assert warned and "cannot import pdctl" in warned and "pip install pdctl" in warned, warned
+
+
 def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
     def bad(d):
         d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects
