@@ -613,16 +613,25 @@ for a in sys.argv[1:]:
 print(json.dumps(out))
 """
 
-_WATCHDOG_IMPORT = """
+def _watchdog_probe(state_dir: str) -> str:
+    """Run before :data:`_BIND_PROBE` for the process supervisor, whose watchdogs run ``engine.python -m
+    pdctl.units.supervise`` on the host and keep their state under *state_dir* there: exit 97 (the error on stderr)
+    when that interpreter cannot import it, 98 (the folder on stderr) when *state_dir*, or the nearest folder of it
+    that exists, cannot be written there. Creates nothing."""
+    return f"""
+import os, sys
 try:
     import pdctl.units.supervise
 except Exception as e:  # noqa: BLE001
-    import sys
     sys.stderr.write(type(e).__name__ + ": " + str(e))
     sys.exit(97)
+d = {state_dir!r}
+while not os.path.exists(d) and os.path.dirname(d) != d:
+    d = os.path.dirname(d)
+if not os.access(d, os.W_OK | os.X_OK):
+    sys.stderr.write(d)
+    sys.exit(98)
 """
-"""Run before :data:`_BIND_PROBE` for the process supervisor, whose watchdogs run ``engine.python -m
-pdctl.units.supervise`` on the host: exit 97 when that interpreter cannot import it."""
 
 
 def numa_nodes_missing(ctx: Context) -> None:
@@ -681,10 +690,11 @@ def bind_addresses_unusable(ctx: Context) -> None:
         if prom:
             where.setdefault(prom, []).append(("router.prometheus_host", "router_exposed"))
     python = python_for(ctx.dep)
-    watchdogs = scope_for(ctx.dep) == "process"
+    first = topo.roles[0]  # (the step an unusable interpreter or supervisor folder would fail at)
+    supervisor = ctx.manager.state_dir if scope_for(ctx.dep) == "process" else None
     try:
-        res = ctx.host.run([python, "-c", (_WATCHDOG_IMPORT if watchdogs else "") + _BIND_PROBE, *where], timeout=30,
-                           check=False)
+        res = ctx.host.run([python, "-c", (_watchdog_probe(supervisor) if supervisor else "") + _BIND_PROBE, *where],
+                           timeout=30, check=False)
         bad = json.loads(res.stdout) if res.ok else {}
     except (OSError, ValueError) as exc:
         res, bad = None, {}
@@ -697,7 +707,6 @@ def bind_addresses_unusable(ctx: Context) -> None:
         except OSError:
             missing = False
         if missing or (res is not None and res.returncode in (126, 127)):
-            first = topo.roles[0]
             raise ApplyFailed(
                 f"engine.python = {python!r} " + ("does not exist" if missing else "cannot run") + f" on host "
                 f"{ctx.host.name} ({why or 'exit ' + str(res.returncode if res else '?')}), nothing was started or "
@@ -707,8 +716,16 @@ def bind_addresses_unusable(ctx: Context) -> None:
                      "`which python` inside it says)",
             )
         return
-    if res.returncode == 97:  # (_WATCHDOG_IMPORT: the process supervisor's watchdogs could not start on the host)
-        first = topo.roles[0]
+    if res.returncode == 98:  # (_watchdog_probe: the supervisor's state folder cannot be written on the host)
+        raise ApplyFailed(
+            f"the process supervisor keeps its state in {supervisor} on host {ctx.host.name} (under the state "
+            f"directory's path, on that host too), and {why or 'that folder'} cannot be written there; nothing was "
+            "started or changed",
+            step=f"{first.kind}_up",
+            hint=f"give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a path this user can write both here and on "
+                 f"host {ctx.host.name}, or use service_manager = \"systemd-system\" or \"systemd-user\"",
+        )
+    if res.returncode == 97:  # (_watchdog_probe: the process supervisor's watchdogs could not start on the host)
         which = f"engine.python = {python!r}" if ctx.dep.engine.python else f"pdctl's Python {python} (engine.python unset)"
         raise ApplyFailed(
             f"{which} cannot import pdctl on host {ctx.host.name} ({why}), and the process supervisor's watchdogs run "

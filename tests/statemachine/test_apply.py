@@ -464,6 +464,20 @@ def test_an_engine_python_without_pdctl_is_refused_before_anything_starts_under_
     assert warned and "cannot import pdctl" in warned and "pip install pdctl" in warned, warned
 
 
+def test_a_supervisor_folder_that_cannot_be_written_on_the_host_is_refused_before_anything_starts(make_demo):
+    # the process supervisor keeps its state under the state directory's path on the deployment's host (over SSH a
+    # folder there too): one that cannot be written failed prefill_up with "choose a writable state directory"
+    demo = make_demo()
+    demo.state.mkdir(parents=True, exist_ok=True)
+    (demo.state / "supervisor").write_text("not a folder")  # in the way, as a read-only or foreign folder would be
+    with pytest.raises(ApplyFailed, match=rf"the process supervisor keeps its state in {demo.state}/supervisor on "
+                                          r"host \S+ \(under the state directory's path, on that host too\), and "
+                                          rf"{demo.state}/supervisor cannot be written there; nothing was started") as e:
+        demo.apply()
+    assert e.value.step == "prefill_up" and "a path this user can write both here and on host" in e.value.hint
+    assert demo.pids() == [] and demo.load().journal.read().target is None
+
+
 def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
     def bad(d):
         d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects
