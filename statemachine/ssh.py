@@ -139,8 +139,9 @@ class SshHost(Host):
                                      "its key out of band (on the host: ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) "
                                      f"before replacing its line in {known}") from None
             raise HostError(f"ssh {where}: host key not verifiable ({exc.reason})", host=self.name,
-                            hint=f"add the host's key to {known} "
-                                 f"(ssh-keyscan -p {self.port} {self.address})") from None
+                            hint=f"add the host's key to {known} once its fingerprint matches the host's own, checked "
+                                 f"out of band (`ssh-keyscan -p {self.port} {self.address} | ssh-keygen -lf -` here, "
+                                 "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the host)") from None
         except asyncssh.PermissionDenied as exc:
             raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
                             hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only)") from None
@@ -223,7 +224,9 @@ class SshHost(Host):
         except asyncssh.SFTPNoSuchFile:
             raise FileNotFoundError(2, f"{path} on {self.name}", path) from None
         except asyncssh.SFTPError as exc:
-            raise HostError(f"cannot {op} {path} on {self.name}: {exc.reason}", host=self.name) from None
+            denied = isinstance(exc, asyncssh.SFTPPermissionDenied)
+            raise HostError(f"cannot {op} {path} on {self.name}: {exc.reason}", host=self.name,
+                            hint=self._denied_hint(op) if denied else None) from None
         except (OSError, asyncssh.Error) as exc:
             self._conn = None
             self.connection_error = HostError(f"ssh {self.name}: {exc}", host=self.name,
@@ -280,7 +283,14 @@ class SshHost(Host):
         if "No such file" in err:
             return FileNotFoundError(2, f"{path} on {self.name}", path)
         return HostError(f"cannot {op} {path} on {self.name}: {err.strip()[-300:] or f'exit {status}'}",
-                         host=self.name)
+                         host=self.name, hint=self._denied_hint(op) if "Permission denied" in err else None)
+
+    def _denied_hint(self, op: str) -> str:
+        """The fix for a file the SSH login may not *op*: most often logged in as another user than the one the
+        deployment was applied as (its supervisor's files and units are that user's)."""
+        who = repr(self.user) if self.user else "this machine's user name (ssh_user unset)"
+        return (f"pdctl logs in to host {self.name} as {who}, which may not {op} it: set hosts.{self.name}.ssh_user to "
+                "the user the deployment was applied as, or give this one access")
 
     def read_file(self, path: str) -> bytes:
         async def _read(sftp):  # noqa: ANN001, ANN202

@@ -183,7 +183,7 @@ def test_wrong_key_and_unknown_or_changed_host_key_are_clear_errors(sshd, tmp_pa
     unknown = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(empty)}))
     with pytest.raises(HostError, match="host key not verifiable") as e:
         unknown.run(["true"])
-    assert "ssh-keyscan" in (e.value.hint or "")
+    assert "ssh-keyscan" in (e.value.hint or "") and "fingerprint matches the host's own" in e.value.hint
     # a known_hosts that records another key for this host: a changed key, said as such and never keyscan'd
     other = tmp_path / "other_host_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
@@ -347,6 +347,21 @@ def test_a_port_that_accepts_but_never_speaks_ssh_is_named_as_such(tmp_path):
             h.close()
     assert "hosts.gpu1.address / ssh_port" in (e.value.hint or "")
 
+
+
+def test_a_file_the_ssh_user_may_not_read_names_ssh_user_as_the_fix():
+    # (a login as another user than the deployment's said only "cannot read …/unit.json on gpu1: Permission denied",
+    # with no hint, in status, plan and down; root, as these tests log in, is denied nothing, so the host's answer
+    # is the one a shell's cat gives, the path taken without SFTP)
+    from pdctl.statemachine.ssh import SshHost
+
+    for user, who in (("nobody", "'nobody'"), (None, "this machine's user name (ssh_user unset)")):
+        h = SshHost("gpu1.example.com", name="gpu1", user=user)
+        e = h._file_error("read", "/srv/state/unit.json", 1, "cat: /srv/state/unit.json: Permission denied\n")
+        assert isinstance(e, HostError) and "cannot read /srv/state/unit.json on gpu1: cat:" in e.message
+        assert e.hint == (f"pdctl logs in to host gpu1 as {who}, which may not read it: set hosts.gpu1.ssh_user to the "
+                          "user the deployment was applied as, or give this one access"), e.hint
+    assert h._file_error("read", "/x", 1, "cat: /x: Is a directory").hint is None
 
 
 def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field():
