@@ -40,6 +40,10 @@ from pdctl.statemachine.hosts import CommandResult, Host
 __all__ = ["SshHost"]
 
 _CONNECT_TIMEOUT_S = 15.0
+RETRY_AFTER_S = 60.0
+"""After a connect attempt that timed out, how long later calls on the same host fail at once with its error
+instead of waiting the connect timeout again (a refused or unresolvable address fails fast by itself, and a dropped
+connection is still reconnected): a status, plan or down asks the host many times."""
 
 
 class SshHost(Host):
@@ -73,6 +77,8 @@ class SshHost(Host):
         self._connecting: asyncio.Lock | None = None
         self.connection_error: HostError | None = None
         """The last failure to reach the host (None once a command went through): steps report it as such."""
+        self._timed_out: tuple[float, HostError] | None = None
+        """When the last connect attempt timed out, and its error: repeated at once for :data:`RETRY_AFTER_S`."""
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -98,12 +104,14 @@ class SshHost(Host):
             if self._conn is not None and not self._conn.is_closed():
                 return self._conn
             self._forwards.clear()  # listeners of a dropped connection are gone with it
+            if self._timed_out is not None and time.monotonic() - self._timed_out[0] < RETRY_AFTER_S:
+                raise self._timed_out[1]  # (one command's many calls each waited the whole connect timeout again)
             try:
                 conn = await self._connect()
             except HostError as exc:
                 self.connection_error = exc
                 raise
-            self.connection_error = None
+            self.connection_error = self._timed_out = None
             return conn
 
     async def _connect(self):  # noqa: ANN202
@@ -147,10 +155,14 @@ class SshHost(Host):
                             hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only)") from None
         except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
             # a port that accepts but never speaks SSH times out with an empty message: say what did not happen
-            why = str(exc) or (f"no SSH greeting within {self.connect_timeout:g} s (is it an sshd?)"
-                               if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else type(exc).__name__)
-            raise HostError(f"ssh {where}: cannot connect: {why}", host=self.name,
-                            hint=f"is sshd running there, and hosts.{self.name}.address / ssh_port right?") from None
+            timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+            why = str(exc) or (f"no SSH greeting within {self.connect_timeout:g} s (is it an sshd?)" if timed_out
+                               else type(exc).__name__)
+            err = HostError(f"ssh {where}: cannot connect: {why}", host=self.name,
+                            hint=f"is sshd running there, and hosts.{self.name}.address / ssh_port right?")
+            if timed_out:
+                self._timed_out = (time.monotonic(), err)
+            raise err from None
         return self._conn
 
     def _known_keys(self, path: str) -> list:

@@ -343,6 +343,16 @@ def test_a_port_that_accepts_but_never_speaks_ssh_is_named_as_such(tmp_path):
         try:
             with pytest.raises(HostError, match=r"cannot connect: no SSH greeting within 1 s \(is it an sshd\?\)") as e:
                 h.run(["true"])
+            silent.settimeout(2.0)
+            silent.accept()[0].close()  # the one connection it made
+            # the calls after it in the same command fail with that error at once, without connecting again: a status
+            # asked 3-5 times and took 46-77 s against such a host
+            for call in (lambda: h.run(["true"]), lambda: h.read_file("/etc/hostname")):
+                with pytest.raises(HostError, match="no SSH greeting within 1 s"):
+                    call()
+            silent.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                silent.accept()
         finally:
             h.close()
     assert "hosts.gpu1.address / ssh_port" in (e.value.hint or "")
