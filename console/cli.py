@@ -258,18 +258,17 @@ def _host_warnings(loaded, recorded):  # noqa: ANN001, ANN202
 
 def _unset_secrets_note(dep) -> None:  # noqa: ANN001
     """A ``[secrets]`` entry ``env:NAME`` whose variable pdctl's environment lacks, or any secret whose value is empty
-    (a CI system's missing secret): the plan shows the roles' secrets as changed, and apply refuses it by name; say
-    both."""
+    (a CI system's missing secret): the plan shows the roles' secrets as changed; say why (that apply refuses it is a
+    warning after the plan, ``Plan.secrets_refused``)."""
     from pdctl.statemachine.spec import secret_value
 
     for key, value in sorted(dep.secrets.items()):
         got = secret_value(value, os.environ)
         if got is None:
             _err(f"note: secrets.{key} = {value!r}: {value[4:]} is not set here, so the plan cannot compare the secret "
-                 "with the deployed one and shows it as changed; `pdctl apply` refuses until it is set")
+                 "with the deployed one and shows it as changed")
         elif not got:
-            _err(f"note: secrets.{key} = {value!r} is empty here, so the plan shows it as changed; `pdctl apply` "
-                 "refuses an empty secret")
+            _err(f"note: secrets.{key} = {value!r} is empty here, so the plan shows it as changed")
 
 
 class _Reporter:

@@ -216,6 +216,10 @@ class Plan(_Frozen):
     binds_unusable: str | None = None
     """Why apply would refuse the spec's bind addresses (or its engine Python) on the host when ``pdctl plan`` looked,
     with the fix: apply's own words (exit 3, nothing changed); not part of the id. None: it would not, or not looked."""
+    secrets_refused: str | None = None
+    """Why apply would refuse the spec's ``[secrets]`` in the environment ``pdctl plan`` ran in (an ``env:`` variable
+    unset, a value empty), with the fix: apply's own words (exit 1, nothing changed); not part of the id. None: it
+    would not, or not looked."""
 
     @model_validator(mode="before")
     @classmethod
@@ -679,7 +683,7 @@ def format_value(v: Any) -> str:
 def render_text(plan: Plan) -> str:
     """Terraform-style text: one block per resource, topology changes in words, a summary line; then, as Terraform
     puts its warnings after the plan, the ports and GPUs apply would refuse (:attr:`Plan.ports_held`,
-    :attr:`Plan.gpus_held`) and the bind addresses (:attr:`Plan.binds_unusable`)."""
+    :attr:`Plan.gpus_held`), the bind addresses (:attr:`Plan.binds_unusable`) and the secrets (:attr:`Plan.secrets_refused`)."""
     text = _render_changes(plan)
     if plan.ports_held:
         text += "\n\n" + _render_ports_held(plan.ports_held)
@@ -692,6 +696,8 @@ def render_text(plan: Plan) -> str:
     if plan.binds_unusable:
         text += ("\n\nWarning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is "
                  f"given): {plan.binds_unusable}")
+    if plan.secrets_refused:
+        text += f"\n\nWarning: `pdctl apply` refuses the spec in this environment (exit 1): {plan.secrets_refused}"
     return text
 
 

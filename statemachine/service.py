@@ -393,20 +393,29 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
 def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
                      catch: tuple[type[Exception], ...] | None = None,
                      ) -> tuple[dict[str, Any], str | None]:
-    """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab): ``(fields, None)``,
-    or ``({}, why)`` where the host or its service manager cannot be asked (*catch*: the errors that say so, by
+    """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab), and
+    ``secrets_refused`` (:func:`~pdctl.statemachine.launch.resolve_secrets`'s refusal, in words) where apply would
+    refuse the spec's secrets here: ``(fields, None)``, or (only the secrets' field, *why*) where the host or its
+    service manager cannot be asked (*catch*: the errors that say so, by
     default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks again
     before its first step. *why* is a sentence for people."""
     from pdctl.statemachine.errors import PdctlError
     from pdctl.units import UnitsError
 
+    from pdctl.statemachine.launch import resolve_secrets
+
     expected = (PdctlError, UnitsError, OSError)
+    refused = {}
+    try:  # (no host involved: said whether or not the host can be asked)
+        resolve_secrets(loaded.deployment)
+    except PdctlError as exc:
+        refused = {"secrets_refused": exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")}
     try:
-        return host_warnings(loaded, recorded), None
+        return {**host_warnings(loaded, recorded), **refused}, None
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
-        return {}, ("the plan could not check whether the deployment's ports and GPUs are free (apply checks them "
-                    f"before its first step): {said}")
+        return refused, ("the plan could not check whether the deployment's ports and GPUs are free (apply checks them "
+                         f"before its first step): {said}")
 
 
 # --- apply ---------------------------------------------------------------------------------------

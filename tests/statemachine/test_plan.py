@@ -416,10 +416,14 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=without)
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': PDCTL_TEST_HF_TOKEN is not set here" in r.stderr, r.stderr
     assert "shows it as changed" in r.stderr and "hf_abc" not in r.stdout + r.stderr
+    # that apply refuses it is a warning after the plan, in apply's words (it was only the stderr note's last clause)
+    assert ("Warning: `pdctl apply` refuses the spec in this environment (exit 1): secrets.HF_TOKEN = "
+            "'env:PDCTL_TEST_HF_TOKEN': not set in pdctl's environment; nothing was changed\n  hint: export "
+            "PDCTL_TEST_HF_TOKEN where pdctl runs") in r.stdout, r.stdout
     # ...and still checks the ports and GPUs apply would refuse (it said it could not, for the secret)
     assert "could not check whether the deployment's ports" not in r.stderr, r.stderr
-    assert json.loads(_pdctl("plan", str(spec), "--state-dir", str(sd), "--json", env=without).stdout)[
-        "ports_held"] is not None
+    planned = json.loads(_pdctl("plan", str(spec), "--state-dir", str(sd), "--json", env=without).stdout)
+    assert planned["ports_held"] is not None and "not set in pdctl's environment" in planned["secrets_refused"]
     # status finds the deployment differs from the spec (and says so while units run): the same note says why
     r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json", env=without)
     assert json.loads(r.stdout)["matches_spec"] is False, r.stdout
@@ -427,10 +431,13 @@ def test_a_plan_without_an_env_secrets_variable_says_it_cannot_compare_it(tmp_pa
     r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json", env=with_it)
     assert json.loads(r.stdout)["matches_spec"] is True and "not set here" not in r.stderr, r.stdout + r.stderr
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env=with_it)
-    assert "is not set here" not in r.stderr and "is empty here" not in r.stderr
+    assert "is not set here" not in r.stderr and "is empty here" not in r.stderr and "refuses the spec" not in r.stdout
+    assert json.loads(_pdctl("plan", str(spec), "--state-dir", str(sd), "--json", env=with_it).stdout)[
+        "secrets_refused"] is None
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), env={**with_it, "PDCTL_TEST_HF_TOKEN": ""})
     assert "secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN' is empty here" in r.stderr, r.stderr
-    assert "refuses an empty secret" in r.stderr
+    assert ("refuses the spec in this environment (exit 1): secrets.HF_TOKEN = 'env:PDCTL_TEST_HF_TOKEN': the value "
+            "is empty") in r.stdout, r.stdout
 
 
 def test_plan_of_a_deployment_on_a_host_it_cannot_reach_is_an_error_not_no_changes(tmp_path):
