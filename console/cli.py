@@ -29,8 +29,10 @@ from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
-    "plan (apply); 3 a step failed or a taken port refused the apply; 4 deployment locked; 64 usage; 130 interrupted; "
-    "129 / 143 an apply, down, plan, status or chat stopped by SIGHUP / SIGTERM."
+    "plan (apply); 3 a step failed, or apply refused before its first step (a port or GPU taken, or what the host "
+    "lacks: bind address, engine.python, router executable, NUMA node, supervisor folder), or the host's connection "
+    "was lost; 4 deployment locked; 64 usage; 130 interrupted; 129 / 143 an apply, down, plan, status, chat or the "
+    "console stopped by SIGHUP / SIGTERM."
 )
 
 app = typer.Typer(
@@ -406,7 +408,7 @@ def apply_cmd(
 
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this exact plan. A saved plan applies only while the deployment still matches its "from" side.
 
-    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a taken port refused the apply (named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
+    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a check refused the apply before its first step (a port or GPU taken, or a bind address, engine.python, router executable, NUMA node or supervisor folder unusable on the host; named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
     global _apply_entered
     _apply_entered = True

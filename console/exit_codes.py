@@ -10,8 +10,10 @@ code  name            meaning
                       all the same (an earlier apply did not finish; what runs no longer serves as proven);
                       ``apply``: a topology change refused (no or wrong ``--confirm-topology``),
                       or a saved plan that no longer matches the deployment
-3     STEP_FAILED     ``apply``: a state-machine step failed, or a port check refused the apply before its
-                      first step (the step is named on stderr)
+3     STEP_FAILED     ``apply``: a state-machine step failed (a lost connection to the host included), or a
+                      check refused the apply before its first step: a port or GPU used outside the
+                      deployment, a bind address, ``engine.python``, the router executable, a NUMA node or
+                      the process supervisor's folder unusable on the host (the step is named on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
 129   HANGUP          ``apply``, ``down``, ``plan``, ``status``, ``chat``, the console: SIGHUP (the terminal or SSH
