@@ -221,8 +221,8 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
         p = p.model_copy(update=_host_warnings(loaded, recorded))
-        if out is not None or to_stdout:  # (apply PLANFILE re-reads the spec it names)
-            p = p.model_copy(update={"spec_path": str(spec.resolve())})
+        # (apply PLANFILE re-reads the spec it names: what --json prints is a plan file too, as -o - prints it)
+        p = p.model_copy(update={"spec_path": str(spec.resolve())})
         if discard:
             _err(f"plan not saved: -o {shown} discards it")
         elif out is not None:

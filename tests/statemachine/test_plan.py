@@ -369,7 +369,7 @@ def test_cli_plan_exit_codes_and_json(tmp_path):
     raw = json.loads(out.read_text())  # the derived class and counts too, as apply's plan event says them
     assert raw["class"] == "topology" == saved.cls and raw["counts"] == list(saved.counts())
     r = _pdctl("plan", str(spec), "--state-dir", str(sd), "--json")
-    assert Plan.model_validate_json(r.stdout) == saved.model_copy(update={"spec_path": None})
+    assert Plan.model_validate_json(r.stdout) == saved  # spec_path too: `plan --json > f; apply f` found no spec
 
 
 def test_cli_plan_out_dash_is_stdout_and_a_plan_during_an_apply_says_one_runs(tmp_path):
