@@ -330,8 +330,15 @@ class Journal:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = self.lock_holder() or {}
-                who = f"PID {holder.get('pid', '?')} ({holder.get('user', '?')}@{holder.get('host', '?')}: {holder.get('purpose', '?')})"
-                raise LockHeld(f"deployment {self.name!r} is locked by {who} since {holder.get('since', '?')}", holder=holder) from None
+                argv = holder.get("argv") if isinstance(holder.get("argv"), list) else []
+                # (its command line: two specs sharing one state directory lock each other, under either's name)
+                prog = str(argv[0]) if argv else ""
+                prog = "python -m pdctl" if prog.endswith("pdctl/__main__.py") else os.path.basename(prog)
+                cmd = f", `{' '.join([prog, *map(str, argv[1:])])[:200]}`" if argv[1:] else ""
+                who = (f"PID {holder.get('pid', '?')} ({holder.get('user', '?')}@{holder.get('host', '?')}: "
+                       f"{holder.get('purpose', '?')}{cmd})")
+                raise LockHeld(f"deployment {self.name!r} (state directory {self.dir}) is locked by {who} since "
+                               f"{holder.get('since', '?')}", holder=holder) from None
             abandoned = self.lock_holder()  # a release empties the file: a record left means a holder killed (SIGKILL)
             if abandoned:
                 self.audit("lock-abandoned", holder=abandoned, taken_by=purpose)

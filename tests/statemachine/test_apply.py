@@ -188,6 +188,10 @@ def test_a_second_concurrent_apply_is_refused_naming_the_holder(demo):
         with pytest.raises(LockHeld) as e:
             demo.apply()
         assert f"PID {os.getpid()}" in str(e.value)
+        # the directory and the holder's command line: two specs sharing a state directory lock each other, and the
+        # message named only the refused one's deployment
+        assert f"deployment {demo.name!r} (state directory {demo.state.absolute()}) is locked by" in str(e.value)
+        assert ": test holder, `" in str(e.value) and f" {sys.argv[1]}" in str(e.value), str(e.value)
         r = demo.cli("apply", str(demo.spec))
         assert r.returncode == 4 and f"PID {os.getpid()}" in r.stderr
     assert demo.pids() == []
