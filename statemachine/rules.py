@@ -411,7 +411,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     def claim(host: str, port: int, owner: str, field: str) -> None:
         other = ports.get((host, port))
         if other is not None:
-            err(field, f"port {port} on host {host!r} is also {other}", "choose a free port (space server ports >= 10 apart)")
+            err(field, f"port {port} on host {host!r} is also {other}",
+                f"choose a port nothing else on host {host!r} uses (a server with attention-DP also takes SGLang's "
+                f"derived ports, its port +{min(DERIVED_PORT_OFFSETS)} to +{max(DERIVED_PORT_OFFSETS)})")
         else:
             ports[(host, port)] = owner
 

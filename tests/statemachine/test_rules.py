@@ -161,7 +161,10 @@ def test_gpu_numa_naming_a_node_numa_cpus_does_not_declare_is_refused():
 def test_port_collision_between_http_and_nccl_on_one_host():
     d = seed_dict()
     d["decode"][0]["nccl_port"] = 30010
-    _one(d, "decode[0].nccl_port", "port 30010", "HTTP of prefill")
+    f = _one(d, "decode[0].nccl_port", "port 30010", "HTTP of prefill")
+    # (the fix said "space server ports >= 10 apart", which the rules never asked: ports 1 apart are valid)
+    assert f.fix == ("choose a port nothing else on host 'local' uses (a server with attention-DP also takes SGLang's "
+                     "derived ports, its port +233 to +239)"), f.fix
 
 
 def test_sglang_derived_ports_collide_with_attention_dp():
