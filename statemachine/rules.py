@@ -283,6 +283,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             "put prefill, decode and the router on one [hosts.*] entry",
         )
     for key, host in sorted(dep.hosts.items()):
+        ignored = [a for a in ("ssh_user", "ssh_identity", "ssh_known_hosts") if getattr(host, a) is not None]
+        ignored += ["ssh_port"] if host.ssh_port != 22 else []
+        if host.is_local and ignored:  # (a host meant to be reached over SSH, driven here by mistake)
+            why = ('connect = "local"' if host.connect == "local"
+                   else f"address {host.address!r} is this machine's loopback (connect = \"auto\")")
+            warn(f"hosts.{key}.{ignored[0]}",
+                 f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored: {why}, so pdctl drives this "
+                 "machine directly, without SSH",
+                 f'for the machine at that address, write its reachable address or connect = "ssh"; for this machine, '
+                 f"remove {', '.join(ignored)}")
         for attr in ("ssh_identity", "ssh_known_hosts"):
             path = getattr(host, attr)
             if path and not host.is_local and not os.path.isfile(path):

@@ -232,6 +232,19 @@ def test_parser_flags_in_router_extra_args_are_refused():
     _one(d, "router.extra_args", "--reasoning-parser on the router")
 
 
+def test_ssh_fields_of_a_host_driven_directly_are_a_warning_naming_why():
+    # (connect = "local", or a loopback address, with ssh_user etc. validated with no word: pdctl drove this machine)
+    d = seed_dict()
+    d["hosts"]["local"].update(ssh_user="ops", ssh_port=2222)
+    f = _one(d, "hosts.local.ssh_user", "ssh_user, ssh_port are ignored: address 'localhost' is this machine's "
+             "loopback", 'connect = "ssh"', "remove ssh_user, ssh_port", level="warning")
+    d["hosts"]["local"].update(connect="local", address="gpu1.example.com")
+    f = _one(d, "hosts.local.ssh_user", 'are ignored: connect = "local", so pdctl drives this machine directly',
+             level="warning")
+    d["hosts"]["local"]["connect"] = "ssh"
+    assert not [x for x in validate(parse_spec(d)) if x.field.startswith("hosts.local.ssh")], f
+
+
 def test_parser_names_must_exist_in_the_target_version():
     d = seed_dict()
     d["parsers"]["tool_call_parser"] = "deepseek-v4"
