@@ -57,9 +57,13 @@ class Event:
 
     @classmethod
     def apply_failed(cls, exc: BaseException) -> Event:
-        """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them) and its type."""
+        """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them) and its type; for
+        a spec error, ``findings`` too (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
+        data = {"hint": getattr(exc, "hint", None), "error": type(exc).__name__}
+        if hasattr(exc, "findings_json"):  # a spec error: each field, what is wrong and the fix, for scripts
+            data["findings"] = exc.findings_json()
         return cls("apply_failed", getattr(exc, "message", None) or str(exc), step=getattr(exc, "step", None),
-                   data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__})
+                   data=data)
 
 
 class EventSink(Protocol):

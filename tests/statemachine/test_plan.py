@@ -803,7 +803,19 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     r = _pdctl("plan", str(spec), "--json")
     assert r.returncode == 1
     out = json.loads(r.stdout)  # (it printed nothing, while status --json and apply --json give an object)
-    assert "decode[0].gpus" in out["error"] and set(out) == {"error", "hint"}
+    assert "decode[0].gpus" in out["error"] and set(out) == {"error", "hint", "findings"}
+    # each finding apart, for scripts (the field and fix were only inside the multi-line message)
+    assert out["findings"][0] == {"field": "decode[0].gpus", "message": "GPU 0 on host 'local' is already used by "
+                                  "prefill[0] (prefill)", "fix": "give each role its own GPUs"}, out["findings"]
+    assert {f["field"] for f in out["findings"]} == {"decode[0].gpus", "decode[0].numa_node"}, out["findings"]
+    d["decode"][0]["port"] = "30020"  # a parse error: its line split at the field, the fix inside the message
+    spec.write_text(_toml_dump(d, list(range(8))))
+    for cmd in (("plan", "--json"), ("status", "--json")):
+        out = json.loads(_pdctl(cmd[0], str(spec), *cmd[1:]).stdout)
+        assert out["findings"] == [{"field": "decode[0].port", "message": "must be a whole number, not '30020': "
+                                    "remove the quotes", "fix": None}], (cmd, out)
+    events = [json.loads(x) for x in _pdctl("apply", str(spec), "--json").stdout.splitlines()]
+    assert events[-1]["kind"] == "apply_failed" and events[-1]["data"]["findings"][0]["field"] == "decode[0].port"
     # a read-only state directory (a ro mount, another user's): "check the path" did not help
     assert "not writable here" in os_error_hint(OSError(errno.EROFS, "Read-only file system", "/srv/state/journal.json"))
     assert "not writable here" in os_error_hint(PermissionError(errno.EACCES, "Permission denied", "/srv/state"))
