@@ -250,8 +250,8 @@ class Journal:
             mine = self.dir / self.name
             raise PdctlError(
                 f"state directory {self.dir} has no journal of its own but holds the state directories of "
-                f"{', '.join(map(repr, held[:5]))}{' …' if len(held) > 5 else ''}: it is their base, not the directory of "
-                f"deployment {self.name!r}; nothing was changed",
+                f"{', '.join(map(repr, held[:5]))}{' …' if len(held) > 5 else ''}: it is their base, not the "
+                f"directory of deployment {self.name!r}; nothing was changed",
                 hint=f"give --state-dir {mine}" + (" (it is there)" if self.name in held else
                                                     " or the directory this deployment was applied with"),
             )

@@ -416,8 +416,8 @@ def manager_for(
 
     ``"systemd-system"`` → :class:`SystemdManager` (system scope), ``"systemd-user"`` → the same
     in user scope, ``"process"`` → :class:`ProcessSupervisor` keeping its state under
-    ``<state_dir>/supervisor``, its watchdogs run by :func:`python_for` (``engine.python``, else pdctl's own). *unit_dir*, *systemctl* and *env* reach a systemd manager
-    (tests point them at a private user manager)."""
+    ``<state_dir>/supervisor``, its watchdogs run by :func:`python_for` (``engine.python``, else pdctl's own).
+    *unit_dir*, *systemctl* and *env* reach a systemd manager (tests point them at a private user manager)."""
     scope = scope_for(dep)
     if scope == "process":
         # (its watchdogs run with the engine's Python, which the host has: pdctl's own path here may not exist there)

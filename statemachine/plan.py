@@ -683,7 +683,8 @@ def format_value(v: Any) -> str:
 def render_text(plan: Plan) -> str:
     """Terraform-style text: one block per resource, topology changes in words, a summary line; then, as Terraform
     puts its warnings after the plan, the ports and GPUs apply would refuse (:attr:`Plan.ports_held`,
-    :attr:`Plan.gpus_held`), the bind addresses (:attr:`Plan.binds_unusable`) and the secrets (:attr:`Plan.secrets_refused`)."""
+    :attr:`Plan.gpus_held`), the bind addresses (:attr:`Plan.binds_unusable`) and the secrets
+    (:attr:`Plan.secrets_refused`)."""
     text = _render_changes(plan)
     if plan.ports_held:
         text += "\n\n" + _render_ports_held(plan.ports_held)

@@ -726,7 +726,8 @@ def bind_addresses_unusable(ctx: Context) -> None:
                  f"host {ctx.host.name}, or use service_manager = \"systemd-system\" or \"systemd-user\"",
         )
     if res.returncode == 97:  # (_watchdog_probe: the process supervisor's watchdogs could not start on the host)
-        which = f"engine.python = {python!r}" if ctx.dep.engine.python else f"pdctl's Python {python} (engine.python unset)"
+        which = (f"engine.python = {python!r}" if ctx.dep.engine.python
+                 else f"pdctl's Python {python} (engine.python unset)")
         raise ApplyFailed(
             f"{which} cannot import pdctl on host {ctx.host.name} ({why}), and the process supervisor's watchdogs run "
             "on it (service_manager = \"process\"); nothing was started or changed",
