@@ -613,18 +613,12 @@ for a in sys.argv[1:]:
 print(json.dumps(out))
 """
 
-def _watchdog_probe(state_dir: str) -> str:
+def _watchdog_probe(state_dir: str | None) -> str:
     """Run before :data:`_BIND_PROBE` for the process supervisor, whose watchdogs run ``engine.python -m
     pdctl.units.supervise`` on the host and keep their state under *state_dir* there: exit 97 (the error on stderr)
     when that interpreter cannot import it, 98 (the folder on stderr) when *state_dir*, or the nearest folder of it
-    that exists, cannot be written there. Creates nothing."""
-    return f"""
-import os, sys
-try:
-    import pdctl.units.supervise
-except Exception as e:  # noqa: BLE001
-    sys.stderr.write(type(e).__name__ + ": " + str(e))
-    sys.exit(97)
+    that exists, cannot be written there (not looked at when None). Creates nothing."""
+    folder = "" if state_dir is None else f"""
 d = {state_dir!r}
 while not os.path.exists(d) and os.path.dirname(d) != d:
     d = os.path.dirname(d)
@@ -632,6 +626,14 @@ if not os.access(d, os.W_OK | os.X_OK):
     sys.stderr.write(d)
     sys.exit(98)
 """
+    return """
+import os, sys
+try:
+    import pdctl.units.supervise
+except Exception as e:  # noqa: BLE001
+    sys.stderr.write(type(e).__name__ + ": " + str(e))
+    sys.exit(97)
+""" + folder
 
 
 def numa_nodes_missing(ctx: Context) -> None:
@@ -691,9 +693,10 @@ def bind_addresses_unusable(ctx: Context) -> None:
             where.setdefault(prom, []).append(("router.prometheus_host", "router_exposed"))
     python = python_for(ctx.dep)
     first = topo.roles[0]  # (the step an unusable interpreter or supervisor folder would fail at)
-    supervisor = ctx.manager.state_dir if scope_for(ctx.dep) == "process" else None
+    watchdogs = scope_for(ctx.dep) == "process"
+    supervisor = getattr(ctx.manager, "state_dir", None) if watchdogs else None  # (ProcessSupervisor's folder)
     try:
-        res = ctx.host.run([python, "-c", (_watchdog_probe(supervisor) if supervisor else "") + _BIND_PROBE, *where],
+        res = ctx.host.run([python, "-c", (_watchdog_probe(supervisor) if watchdogs else "") + _BIND_PROBE, *where],
                            timeout=30, check=False)
         bad = json.loads(res.stdout) if res.ok else {}
     except (OSError, ValueError) as exc:
