@@ -613,6 +613,7 @@ for a in sys.argv[1:]:
 print(json.dumps(out))
 """
 
+
 def _watchdog_probe(state_dir: str | None) -> str:
     """Run before :data:`_BIND_PROBE` for the process supervisor, whose watchdogs run ``engine.python -m
     pdctl.units.supervise`` on the host and keep their state under *state_dir* there: exit 97 (the error on stderr)
