@@ -730,8 +730,14 @@ def units_cmd(
     global _interrupted_hint
     _interrupted_hint = (f"interrupted while the unit files were written: some may be in {out}, none is installed; "
                          "run it again")
+    from pdctl.units.errors import ForeignUnit
+
     try:
         written = write_units(loaded.deployment, out)
+    except ForeignUnit as exc:  # (a file of that name pdctl did not write: this user could write there all the same)
+        raise _out_unwritable(out, exc, "the units", example,
+                              hint=f"give -o/--out another folder (e.g. -o ./units), or move {out / exc.unit} aside "
+                                   "if it is an old copy of it") from exc
     except OSError as exc:
         raise _out_unwritable(out, exc, "the units", example) from exc
     for p in written:

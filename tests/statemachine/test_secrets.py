@@ -43,6 +43,9 @@ def test_units_into_a_directory_with_a_foreign_file_is_refused_cleanly(tmp_path)
     r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "not written by pdctl" in r.stderr and "Traceback" not in r.stderr
+    # the fix is another folder or moving that file (it said "give -o/--out a path this user can write", which it was)
+    assert (f"hint: give -o/--out another folder (e.g. -o ./units), or move {out / 'pdctl-dsv4-flash-prefill.service'} "
+            "aside if it is an old copy of it") in r.stderr, r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["pdctl-dsv4-flash-prefill.service"]
 
 
