@@ -93,7 +93,10 @@ class SystemdManager(ServiceManager):
             raise ManagerUnavailable(
                 f"no systemd {self.scope} manager answers on host {self.host.name}: "
                 f"{(res.stderr or res.stdout).strip().splitlines()[-1:] or ['(no output)']}",
-                hint='set service_manager = "process" (or "systemd-user" with a running user manager)',
+                hint=('set service_manager = "process" (or "systemd-user" with a running user manager)'
+                      if self.scope == "system" else
+                      "start the user's manager and keep it past logout (`loginctl enable-linger USER` as root), and "
+                      "reach it with XDG_RUNTIME_DIR=/run/user/$(id -u) set; or set service_manager = \"process\""),
             )
         self._have_manager = True
 

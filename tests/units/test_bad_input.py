@@ -167,4 +167,6 @@ def test_systemctl_without_a_manager_is_a_clear_error_that_changes_nothing(tmp_p
     with pytest.raises(ManagerUnavailable, match="no systemd user manager answers") as err:
         m.install(units)
     assert "process" in (err.value.hint or "")
+    # how to get a user manager (it said "systemd-user with a running user manager" to a user-scope spec)
+    assert "loginctl enable-linger" in err.value.hint and "XDG_RUNTIME_DIR=/run/user/" in err.value.hint, err.value.hint
     assert not d.exists()
