@@ -1164,8 +1164,10 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:
         was = manager.status(n).state
-        manager.stop(n)
         ran = was in ("active", "activating", "deactivating")
+        if ran:  # (a server or router may take seconds to exit: said before, not only after)
+            sink.emit(Event("info", f"stopping {n}", data={"unit": n, "was": was}))
+        manager.stop(n)
         sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
     manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
     state.deployed = None

@@ -504,6 +504,10 @@ def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo
     assert down.returncode == 0
     assert f"stopped pdctl-{demo.name}-prefill.service" in down.stderr
     assert f"pdctl-{demo.name}-decode.service was not running (failed)" in down.stderr
+    # a running unit is announced before its stop (the router's took 7 s with nothing on the screen)
+    said = down.stderr.index(f"stopping pdctl-{demo.name}-prefill.service")
+    assert said < down.stderr.index(f"stopped pdctl-{demo.name}-prefill.service"), down.stderr
+    assert f"stopping pdctl-{demo.name}-decode.service" not in down.stderr
 
 
 def test_parsers_missing_on_decode_fails_parsers_configured(demo):
