@@ -542,7 +542,10 @@ def _applying_text(st: dict) -> str:
                 f"({holder.get('user', '?')}@{holder.get('host', '?')}) since {holder.get('since', '?')}]")
     down = st.get("unfinished_down")
     if down and down["event"] == "down-failed":  # (refused before stopping anything, perhaps: its error says)
-        return f" [the last `pdctl down` failed at {down.get('ts') or '?'}: {down.get('error') or 'see the audit log'}]"
+        # (its first line: the error's hint, or a multi-line spec error, would break the header line)
+        error = (down.get("error") or "").strip().splitlines()
+        said = error[0] + (" …" if len(error) > 1 else "") if error else "see the audit log"
+        return f" [the last `pdctl down` failed at {down.get('ts') or '?'}: {said}]"
     if down:
         return (f" [{_DOWN_UNFINISHED.get(down['event'], 'a `pdctl down` did not finish')} at {down.get('ts') or '?'}: "
                 "what it stopped stays stopped; `pdctl down` again finishes it, `pdctl apply` brings the deployment "

@@ -1958,6 +1958,10 @@ def test_status_tells_a_down_that_did_not_finish_and_what_finishes_it(demo):
     demo.load().journal.audit("down-failed", error="HostError: nothing of it is installed here")
     head = _status_text(demo.status()).splitlines()[0]
     assert "[the last `pdctl down` failed at " in head and ": HostError: nothing of it is installed here]" in head, head
+    # ...on the header's one line, its hint left out (it was crammed inside the brackets, a line break and all)
+    demo.load().journal.audit("down-failed", error="HostError: cannot connect\n  hint: is sshd running there?")
+    head = _status_text(demo.status()).splitlines()[0]
+    assert head.endswith(": HostError: cannot connect …]"), head
     # Finished by a second down: nothing recorded, nothing running, nothing to say about the first
     assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
     st = demo.status()
