@@ -141,13 +141,29 @@ def _warnings(loaded) -> None:  # noqa: ANN001
 
 
 @app.command()
-def validate(spec: SpecArg) -> None:
+def validate(
+    spec: SpecArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {spec, valid, findings, warnings} as JSON")] = False,
+) -> None:
     """Check SPEC against pdctl's rules. Contacts no host, changes nothing. Exit 0: valid, printing "SPEC: valid (N
-    warning(s))" on stdout; 1: invalid. Warnings and errors go to stderr."""
+    warning(s))" on stdout; 1: invalid. Warnings and errors go to stderr. With --json, stdout has one object:
+    {spec, valid, findings: [{field, message, fix}] (the errors), warnings: [...], error, hint}."""
     from pdctl.statemachine.service import load
 
-    loaded = load(spec)
+    try:
+        loaded = load(spec)
+    except SpecError as exc:
+        if as_json:
+            sys.stdout.write(json.dumps({"spec": str(spec), "valid": False, **_findings(exc),
+                                         "warnings": exc.findings_json("warning"), "error": exc.message,
+                                         "hint": exc.hint}, indent=1) + "\n")
+        raise
     _warnings(loaded)
+    if as_json:
+        warned = [{"field": w.field, "message": w.message, "fix": w.fix} for w in loaded.warnings]
+        sys.stdout.write(json.dumps({"spec": str(spec), "valid": True, "findings": [], "warnings": warned,
+                                     "error": None, "hint": None}, indent=1) + "\n")
+        return
     sys.stdout.write(f"{spec}: valid ({len(loaded.warnings)} warning(s))\n")
 
 

@@ -76,16 +76,18 @@ class SpecError(PdctlError, ValueError):
         self.findings = findings or []
         self.path = path
 
-    def findings_json(self) -> list[dict[str, str | None]]:
-        """:attr:`findings` for ``--json`` output: ``[{field, message, fix}]``. A rule's finding (``rules.Finding``)
-        as it is; a parse error's line, ``"field: message"`` (its fix in the message), split at its first ``": "``
-        with ``fix`` null. Empty for a spec that cannot be read at all (the message says why)."""
+    def findings_json(self, level: str = "error") -> list[dict[str, str | None]]:
+        """The errors among :attr:`findings` (*level* ``"warning"``: the warnings found beside them) for ``--json``
+        output: ``[{field, message, fix}]``. A rule's finding (``rules.Finding``) as it is; a parse error's line,
+        ``"field: message"`` (its fix in the message; always an error), split at its first ``": "`` with ``fix`` null.
+        Empty for a spec that cannot be read at all (the message says why)."""
         out: list[dict[str, str | None]] = []
         for f in self.findings:
             if isinstance(f, str):
                 field, sep, message = f.partition(": ")
-                out.append({"field": field if sep else None, "message": message if sep else f, "fix": None})
-            else:
+                if level == "error":
+                    out.append({"field": field if sep else None, "message": message if sep else f, "fix": None})
+            elif f.level == level:
                 out.append({"field": f.field, "message": f.message, "fix": f.fix})
         return out
 

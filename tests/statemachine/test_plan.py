@@ -807,7 +807,14 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     # each finding apart, for scripts (the field and fix were only inside the multi-line message)
     assert out["findings"][0] == {"field": "decode[0].gpus", "message": "GPU 0 on host 'local' is already used by "
                                   "prefill[0] (prefill)", "fix": "give each role its own GPUs"}, out["findings"]
-    assert {f["field"] for f in out["findings"]} == {"decode[0].gpus", "decode[0].numa_node"}, out["findings"]
+    assert {f["field"] for f in out["findings"]} == {"decode[0].gpus"}, out["findings"]  # (errors: not the warning)
+    r = _pdctl("validate", str(spec), "--json")
+    v = json.loads(r.stdout)
+    assert r.returncode == 1 and v["valid"] is False and v["findings"] == out["findings"], v
+    assert [w["field"] for w in v["warnings"]] == ["decode[0].numa_node"], v["warnings"]
+    r = _pdctl("validate", str(SEED), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"spec": str(SEED), "valid": True, "findings": [],
+                                                         "warnings": [], "error": None, "hint": None}, r.stdout
     d["decode"][0]["port"] = "30020"  # a parse error: its line split at the field, the fix inside the message
     spec.write_text(_toml_dump(d, list(range(8))))
     for cmd in (("plan", "--json"), ("status", "--json")):
