@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from pdctl.console.exit_codes import ExitCode, exit_code_for
-from pdctl.statemachine.errors import PdctlError, SpecError
+from pdctl.statemachine.errors import PdctlError, SpecError, findings_fields
 from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
@@ -154,7 +154,7 @@ def validate(
         loaded = load(spec)
     except SpecError as exc:
         if as_json:
-            sys.stdout.write(json.dumps({"spec": str(spec), "valid": False, **_findings(exc),
+            sys.stdout.write(json.dumps({"spec": str(spec), "valid": False, **findings_fields(exc),
                                          "warnings": exc.findings_json("warning"), "error": exc.message,
                                          "hint": exc.hint}, indent=1) + "\n")
         raise
@@ -257,14 +257,8 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
     except (PdctlError, UnitsError) as exc:
         if as_json:  # scripts still get an object, as from status --json, whatever refused the plan
             sys.stdout.write(json.dumps({"error": getattr(exc, "message", str(exc)), "hint": exc.hint,
-                                         **_findings(exc)}, indent=1) + "\n")
+                                         **findings_fields(exc)}, indent=1) + "\n")
         raise
-
-
-def _findings(exc: BaseException) -> dict[str, list]:
-    """``{"findings": [{field, message, fix}]}`` for a spec error's ``--json`` object, so that scripts need not parse
-    the message; empty for any other error."""
-    return {"findings": exc.findings_json()} if isinstance(exc, SpecError) else {}
 
 
 def _host_warnings(loaded, recorded):  # noqa: ANN001, ANN202
@@ -527,7 +521,7 @@ def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
     except PdctlError as exc:  # a spec that does not parse or validate: no deployment name to report
         if as_json:  # scripts still get an object, as from plan --json (they got nothing on stdout)
             sys.stdout.write(json.dumps({"deployment": None, "healthy": False, "error": exc.message,
-                                         "hint": exc.hint, **_findings(exc)}, indent=1) + "\n")
+                                         "hint": exc.hint, **findings_fields(exc)}, indent=1) + "\n")
         raise
     _broken_rules_note(loaded, "status reads what the journal records")
     try:

@@ -43,6 +43,7 @@ __all__ = [
     "TopologyNotConfirmed",
     "UndoFailed",
     "VerifyFailed",
+    "findings_fields",
 ]
 
 
@@ -90,6 +91,12 @@ class SpecError(PdctlError, ValueError):
             elif f.level == level:
                 out.append({"field": f.field, "message": f.message, "fix": f.fix})
         return out
+
+
+def findings_fields(exc: BaseException) -> dict[str, list]:
+    """``{"findings": [{field, message, fix}]}`` (:meth:`SpecError.findings_json`) for a spec error's ``--json``
+    object or event, so that scripts need not parse the message; empty for any other error."""
+    return {"findings": exc.findings_json()} if isinstance(exc, SpecError) else {}
 
 
 class PlanError(PdctlError):

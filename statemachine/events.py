@@ -59,11 +59,10 @@ class Event:
     def apply_failed(cls, exc: BaseException) -> Event:
         """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them) and its type; for
         a spec error, ``findings`` too (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
-        data = {"hint": getattr(exc, "hint", None), "error": type(exc).__name__}
-        if hasattr(exc, "findings_json"):  # a spec error: each field, what is wrong and the fix, for scripts
-            data["findings"] = exc.findings_json()
+        from pdctl.statemachine.errors import findings_fields
+
         return cls("apply_failed", getattr(exc, "message", None) or str(exc), step=getattr(exc, "step", None),
-                   data=data)
+                   data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__, **findings_fields(exc)})
 
 
 class EventSink(Protocol):
