@@ -478,8 +478,9 @@ def _f(x, fmt="{:.1f}"):
 
 def _kernel_label(c: dict) -> str:
     """``gluon-N: BH,splits`` for the Gluon kernel, ``tl.dot: BH,BN,warps,splits,prefetch`` otherwise; then
-    `` fold`` (``DecodeConfig.fold``), `` pdl-N``, `` merged`` and `` bf16-partials`` where set."""
-    pdl = ((" fold" if c.get("fold") else "") + (f" pdl-{c['pdl']}" if c.get("pdl") else "")
+    `` fold`` (``DecodeConfig.fold``), `` qk-chains``, `` pdl-N``, `` merged`` and `` bf16-partials`` where set."""
+    pdl = ((" fold" if c.get("fold") else "") + (" qk-chains" if c.get("qk_chains") else "")
+           + (f" pdl-{c['pdl']}" if c.get("pdl") else "")
            + (" merged" if c.get("merge") else "") + (" bf16-partials" if c.get("bf16_partials") else ""))
     if c.get("gluon"):
         return f"gluon-{c['gluon']}: {c['block_h']},{c['splits']}{pdl}"

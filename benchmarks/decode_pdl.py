@@ -9,8 +9,8 @@ Every output is checked against the fp32 reference first.
 Usage (device machine, repo root): ``PDCTL_KERNELS_GPU=1 python3 benchmarks/decode_pdl.py
 --cases h,B,gluon,block_h,splits[,block_n,num_warps,prefetch[,flags]] ... [--merge] [--kv fp8|bf16] [--max-splits N]``
 (the fields after splits for the ``tl.dot`` kernel, gluon 0; FP8 KV unless ``--kv bf16``; flags: 1 ``mma_f16``,
-2 ``fold``, 4 ``bf16_partials``, 8 ``num_stages`` 1 instead of 2). ``--max-splits`` lifts the launcher's split limit
-(64) for this process only, to time more and shorter splits than the build tries.
+2 ``fold``, 4 ``bf16_partials``, 8 ``num_stages`` 1 instead of 2, 16 ``qk_chains``). ``--max-splits`` lifts the
+launcher's split limit (64) for this process only, to time more and shorter splits than the build tries.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         for pdl, merge in settings:
             cfg = DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, splits=splits, prefetch=prefetch, gluon=gluon,
                                pdl=pdl, merge=merge, mma_f16=flags & 1, fold=(flags >> 1) & 1,
-                               bf16_partials=(flags >> 2) & 1, num_stages=1 if flags & 8 else 2)
+                               bf16_partials=(flags >> 2) & 1, num_stages=1 if flags & 8 else 2,
+                               qk_chains=(flags >> 4) & 1)
             o.fill_(float("nan"))
             try:
                 sparse_mla_decode(q, kv, idx, sm, None, out=o, lse=lse, config=cfg)
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"gluon-{gluon}: {bh},{splits}" if gluon else f"tl.dot: {bh},{bn},{warps},{splits},{prefetch}"
         name = f"{args.kv} {name}{' fp16-mma' if flags & 1 else ''}{' fold' if flags & 2 else ''}"
         name += f"{' bf16-partials' if flags & 4 else ''}{' 1-stage' if flags & 8 else ''}"
+        name += ' qk-chains' if flags & 16 else ''
         name += f"{f' merge lanes {lanes}' if lanes else ''}{f' merge warps {mwarps}' if mwarps else ''} ({regs})"
         print(f"| {h} | {rows} | {name} | " + " | ".join(res) + " |", flush=True)
     return 0

@@ -296,9 +296,12 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                     cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
                                            splits=splits, prefetch=prefetch))
                     if kv_format == "fp8" and bn == 32 and prefetch == 1:
-                        # rows dequantised with their scales (DecodeConfig.fold): no spills at 32-row tiles only
-                        cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
-                                               splits=splits, prefetch=prefetch, fold=1))
+                        # rows dequantised with their scales (DecodeConfig.fold): no spills at 32-row tiles only; and
+                        # the same with QKᵀ as independent MMA chains (DecodeConfig.qk_chains: 6.36 -> 6.26 µs at h = 16,
+                        # B = 1, 8 warps, PDL 1; neutral on the bf16 cache; kernels/RESULTS.md, 23rd session)
+                        for chains in (0, 1):
+                            cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2,
+                                                   splits=splits, prefetch=prefetch, fold=1, qk_chains=chains))
     if kv_format == "fp8":
         from pdctl.kernels._sparse_mla import WS_HEAD_BLOCKS, gluon_available
 
@@ -316,7 +319,8 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                     for gl_variant in variants:
                         cands.add(DecodeConfig(block_h=bh, block_n=64, num_warps=4, num_stages=2, splits=splits,
                                                gluon=gl_variant))
-    return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.fold, c.splits))
+    return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.fold, c.qk_chains,
+                                       c.splits))
 
 
 def _launch_setting_candidates(ranked: list[Any], heads: int, rows: int, num_sms: int, pdl: bool) -> list[Any]:

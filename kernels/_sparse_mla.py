@@ -60,6 +60,12 @@ class DecodeConfig:
     mma_f16: int = 0
     """FP8 KV only, experimental: fp16 instead of q's bf16 as the MMA operand type (needs |q|, |k_pe| < 65504;
     not chosen by ``build_and_verify``)."""
+    qk_chains: int = 0
+    """``tl.dot`` kernel (gluon 0) with prefetch 0 or 1, bf16 cache or FP8 ``fold``: 1 = QKᵀ as five independent MMA
+    chains (the 64 rope lanes and each 128-lane chunk, each scaled, then summed), 0 = one accumulator chain over all
+    576 lanes. With a 16-head block and 32-row tiles each warp holds one m16n8 score tile, so the single chain is
+    36 dependent ``mma.sync`` deep (SASS of Triton 3.6 for sm_90a); split, ptxas interleaves them. (The FP8 path
+    without ``fold`` scales each chunk's scores and is already split.)"""
     gluon: int = 0
     """FP8 KV on sm_90 only: the Gluon tokens-as-M wgmma kernels (``_sparse_mla_gluon``; 64-token tiles;
     block_n, num_warps, num_stages and prefetch are ignored). 1–3 (block_h 16 or 32, 4 warps): 1: two cp.async
@@ -265,6 +271,10 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
                                                  or cfg.mma_f16)):
         raise ValueError(f"fold=1 is a setting of the tl.dot kernel (gluon 0) on the FP8 cache with prefetch 0 or 1 "
                          f"and bf16 MMA operands (mma_f16 0), got {cfg} for a {kv_format} cache")
+    if cfg.qk_chains not in (0, 1) or (cfg.qk_chains and (cfg.gluon or cfg.prefetch not in (0, 1)
+                                                          or (kv_format == "fp8" and not cfg.fold))):
+        raise ValueError(f"qk_chains=1 is a setting of the tl.dot kernel (gluon 0) with prefetch 0 or 1 on the bf16 "
+                         f"cache or the FP8 cache with fold=1, got {cfg} for a {kv_format} cache")
     if cfg.bf16_partials not in (0, 1) or (cfg.bf16_partials and cfg.splits < 2):
         raise ValueError(f"bf16_partials must be 0 or 1, and 1 only with splits > 1 (the partials a merge reads), "
                          f"got {cfg}")
@@ -433,7 +443,7 @@ def sparse_mla_decode(
             heads, k, float(sm_scale) * 1.4426950408889634, cfg.splits,
             ROPE_OFF=rope_off, FP8=fp8, HAS_LEN=topk_length is not None, SPLIT_OUT=cfg.splits > 1,
             PREFETCH=cfg.prefetch == 1, RELOAD=fp8 and cfg.prefetch == 2,
-            FOLD=fp8 and bool(cfg.fold), MMA_F16=fp8 and bool(cfg.mma_f16),
+            FOLD=fp8 and bool(cfg.fold), MMA_F16=fp8 and bool(cfg.mma_f16), QK_CHAINS=bool(cfg.qk_chains),
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **split_launch,
         )

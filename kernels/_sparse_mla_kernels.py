@@ -85,6 +85,7 @@ def _sparse_mla_decode_kernel(
     RELOAD: tl.constexpr,
     FOLD: tl.constexpr,
     MMA_F16: tl.constexpr,
+    QK_CHAINS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GDC: tl.constexpr,
@@ -195,12 +196,23 @@ def _sparse_mla_decode_kernel(
                 s += tl.dot(q1, tl.trans(k1)) * s1[None, :]
                 s += tl.dot(q2, tl.trans(k2)) * s2[None, :]
                 s += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+                s = s * qk_scale_log2
+            elif QK_CHAINS:
+                # Five independent MMA chains (rope, then each 128-lane chunk), each scaled before the sum: the
+                # multiply keeps Triton's combine pass (add(d, dot(a, b, 0)) -> dot(a, b, d)) from folding them back
+                # into one accumulator chain, 36 dependent mma.sync deep at 576 lanes.
+                s = s * qk_scale_log2
+                s += tl.dot(q0, tl.trans(k0)) * qk_scale_log2
+                s += tl.dot(q1, tl.trans(k1)) * qk_scale_log2
+                s += tl.dot(q2, tl.trans(k2)) * qk_scale_log2
+                s += tl.dot(q3, tl.trans(k3)) * qk_scale_log2
             else:
                 s = tl.dot(q0, tl.trans(k0), s)
                 s = tl.dot(q1, tl.trans(k1), s)
                 s = tl.dot(q2, tl.trans(k2), s)
                 s = tl.dot(q3, tl.trans(k3), s)
-            s = tl.where(cur_valid[None, :], s * qk_scale_log2, float("-inf"))
+                s = s * qk_scale_log2
+            s = tl.where(cur_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])

@@ -214,6 +214,21 @@ def test_bf16_partials_match_the_reference(kv_format, heads, block_h, rows, spli
     _check_decode(heads, rows, kv_format, config)
 
 
+@pytest.mark.parametrize("kv_format,heads,block_h,rows,splits,block_n,warps,prefetch",
+                         [("fp8", 16, 16, 1, 64, 32, 8, 1), ("fp8", 32, 16, 1, 64, 32, 8, 1), ("fp8", 16, 16, 8, 16, 32, 4, 0),
+                          ("bf16", 16, 16, 1, 64, 32, 4, 0), ("bf16", 32, 32, 8, 16, 64, 8, 0),
+                          ("bf16", 128, 32, 64, 1, 64, 4, 1)])
+def test_qk_as_independent_chains_matches_the_reference(kv_format, heads, block_h, rows, splits, block_n, warps,
+                                                        prefetch):
+    # DecodeConfig.qk_chains: QKᵀ as five separately scaled MMA chains (FP8 with fold), bf16 partials as the B = 1
+    # winners store them.
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    config = DecodeConfig(block_h=block_h, block_n=block_n, num_warps=warps, splits=splits, prefetch=prefetch,
+                          fold=int(kv_format == "fp8"), qk_chains=1, bf16_partials=int(splits > 1))
+    _check_decode(heads, rows, kv_format, config)
+
+
 @pytest.mark.parametrize("heads,block_h,rows,splits,variant", [(16, 16, 1, 32, 5), (16, 16, 1, 24, 5), (32, 32, 1, 32, 5),
                                                               (16, 16, 8, 16, 5), (8, 16, 2, 64, 4), (128, 32, 1, 32, 4),
                                                               (64, 64, 1, 16, 5), (32, 16, 4, 3, 4), (128, 64, 1, 16, 7),

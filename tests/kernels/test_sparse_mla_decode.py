@@ -8,6 +8,8 @@ multiples of the row tile, split counts that do not divide the rows, short and e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,6 +227,39 @@ def test_fold_is_a_setting_of_the_fp8_tl_dot_kernel_and_a_build_candidate_at_32_
     for c in folded:
         check_decode_config(c, 16, 1, "fp8", 132)
     assert not [c for c in _decode_candidates(16, 1, 132, "bf16") if c.fold]
+    chained = {dataclasses.replace(c, qk_chains=0) for c in folded if c.qk_chains}
+    assert chained == {c for c in folded if not c.qk_chains}  # each folded config is also tried with split chains
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-layout", "fp8-fold"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_qk_as_independent_chains_matches_the_reference_and_the_single_chain(fp8, prefetch):
+    # The scores summed from five separately scaled products instead of one accumulator chain: the same function up
+    # to fp32 rounding of the sum, ragged lengths and an empty row included.
+    q, kv, idx, length = _case(20, rows=3, topk=96)
+    cache = quantize_kv656(kv) if fp8 else kv
+    length[1] = 0
+    base = DecodeConfig(16, 32, 4, 1, splits=2, prefetch=prefetch, fold=int(fp8))
+    out = torch.full((3, 20, 512), float("nan"))
+    lse = torch.full((3, 20), float("nan"))
+    sparse_mla_decode(q, cache, idx, SM, length, out=out, lse=lse, config=dataclasses.replace(base, qk_chains=1))
+    ro, rl = reference_sparse_mla_decode(q, cache, idx, SM, length)
+    _check(out, lse, ro, rl, atol=2e-5)
+    so, sl = sparse_mla_decode(q, cache, idx, SM, length, config=base)
+    assert torch.allclose(out, so, atol=1e-5, rtol=1e-4) and torch.allclose(lse, sl, atol=1e-5, rtol=1e-5)
+
+
+def test_qk_chains_is_refused_where_the_scores_are_not_one_chain():
+    from pdctl.kernels._sparse_mla import check_decode_config
+
+    for cfg, fmt in [(DecodeConfig(16, 32, 4, 1, splits=2, prefetch=1, qk_chains=1), "fp8"),  # no fold: split already
+                     (DecodeConfig(16, 32, 4, 1, splits=2, prefetch=2, qk_chains=1), "fp8"),
+                     (DecodeConfig(16, 64, 4, 1, splits=2, gluon=5, qk_chains=1), "fp8"),
+                     (DecodeConfig(16, 32, 4, 1, splits=2, qk_chains=2), "bf16")]:
+        with pytest.raises(ValueError, match="qk_chains=1 is a setting of the tl.dot kernel"):
+            check_decode_config(cfg, 16, 1, fmt, 132)
+    check_decode_config(DecodeConfig(16, 32, 4, 1, splits=2, prefetch=1, fold=1, qk_chains=1), 16, 1, "fp8", 132)
+    check_decode_config(DecodeConfig(16, 32, 4, 1, splits=2, qk_chains=1), 16, 1, "bf16", 132)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-layout", "fp8"])
