@@ -241,7 +241,8 @@ def bench_decode(ceil: dict, heads, batches, fmts, log, with_flashmla: bool, wit
             r["error"] = traceback.format_exc()[-600:]
     # as build_and_verify: launch settings (PDL, the in-kernel merge) on each shape's fastest plain configs
     settings = {key: _launch_setting_candidates([cfg for _, cfg, _, _ in sorted(st["timed"], key=lambda x: x[0])],
-                                                key[1], key[2], nsm, _pdl_supported(torch.device("cuda")))
+                                                key[1], key[2], nsm, _pdl_supported(torch.device("cuda")),
+                                                plain_us=sorted(us for us, _, _, _ in st["timed"]))
                 for key, st in state.items() if "error" not in st["r"]}
     precompile(settings)
     rows_out = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -258,6 +259,33 @@ def test_the_build_tries_launch_settings_on_the_fastest_plain_configs():
     unsplit = [DecodeConfig(splits=1, gluon=5), DecodeConfig(splits=1, gluon=4)]
     assert not [c for c in _launch_setting_candidates(unsplit, 16, 64, 132, pdl=True) if c.bf16_partials]
 
+
+
+def test_launch_settings_reach_plain_configs_near_the_fastest_and_count_qk_chains_twins_once():
+    # Plain times within 5 % of the fastest do not predict which config PDL helps most: up to two more such configs
+    # get launch settings beyond the three fastest; a config's qk_chains twin is not one of the three.
+    from pdctl.kernels._build import _launch_setting_candidates
+    from pdctl.kernels._sparse_mla import DecodeConfig
+
+    fold = DecodeConfig(16, 32, 4, 2, splits=64, prefetch=1, fold=1)
+    twin = DecodeConfig(16, 32, 4, 2, splits=64, prefetch=1, fold=1, qk_chains=1)
+    g5, g4 = DecodeConfig(splits=32, gluon=5), DecodeConfig(splits=32, gluon=4)
+    wide = DecodeConfig(16, 32, 8, 2, splits=64, prefetch=1, fold=1)
+    far = DecodeConfig(16, 64, 4, 2, splits=32)
+    ranked, us = [twin, fold, g5, g4, wide, far], [8.33, 8.33, 8.35, 8.39, 8.51, 9.0]
+
+    def pdl_targets(got):
+        return [c for c in got if c.pdl == 1 and not c.merge and not c.bf16_partials]
+
+    assert pdl_targets(_launch_setting_candidates(ranked, 32, 1, 132, pdl=True, plain_us=us)) == [
+        dataclasses.replace(c, pdl=1) for c in (twin, g5, g4, wide)]
+    # without times: the three fastest families only
+    assert pdl_targets(_launch_setting_candidates(ranked, 32, 1, 132, pdl=True)) == [
+        dataclasses.replace(c, pdl=1) for c in (twin, g5, g4)]
+    # at most two beyond the three, however many are near
+    near = [DecodeConfig(16, 64, 4, 2, splits=s) for s in (4, 8, 16, 32, 64, 2)]
+    got = pdl_targets(_launch_setting_candidates(near, 32, 1, 132, pdl=True, plain_us=[10.0] * 6))
+    assert [c.splits for c in got] == [4, 8, 16, 32, 64]
 
 _RUNNERS = '''
 import os, time
