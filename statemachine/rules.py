@@ -346,11 +346,20 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "use GPU ids the host has (nvidia-smi -L)",
                 )
             nodes = sorted({hinv.gpu_numa[g] for g in role.gpus if g < len(hinv.gpu_numa) and hinv.gpu_numa[g] >= 0})
-            if role.numa_node is not None and nodes and nodes != [role.numa_node]:
+            exists = hinv.numa_cpus is None or role.numa_node in hinv.numa_cpus  # (else: its own error, below)
+            if role.numa_node is not None and len(nodes) == 1 and nodes != [role.numa_node] and exists:
+                # every GPU of the role on one other node: its unit would bind memory and threads to the far socket
+                err(
+                    f"{f}.numa_node",
+                    f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} all sit on NUMA node {nodes[0]}: "
+                    "the role's memory and CPU threads would be bound to the other socket from its GPUs",
+                    f"set numa_node = {nodes[0]} (or leave it out: the GPUs' node is used)",
+                )
+            elif role.numa_node is not None and len(nodes) > 1:
                 warn(
                     f"{f}.numa_node",
-                    f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} sit on NUMA node(s) {nodes}",
-                    f"set numa_node = {nodes[0]}" if len(nodes) == 1 else "pick GPUs from one NUMA node",
+                    f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} sit on NUMA nodes {nodes}",
+                    "pick GPUs from one NUMA node",
                 )
         if hinv and hinv.numa_cpus:
             node = role_node(role.numa_node, role.gpus, hinv.gpu_numa)

@@ -68,6 +68,16 @@ def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str]
                 finally:
                     host.close()
     warnings = check(dep, inventories=inventories)
+    if inventories:
+        # What was discovered is what the units bind to (topology.numa_binding reads the hosts' gpu_numa and
+        # numa_cpus), as the rules just checked it: a discovering host otherwise ran its roles unpinned.
+        dep = dep.model_copy(update={"hosts": {
+            key: h.model_copy(update={"gpu_numa": list(inventories[key].gpu_numa)
+                                      if inventories[key].gpu_numa is not None else h.gpu_numa,
+                                      "numa_cpus": inventories[key].numa_cpus
+                                      if inventories[key].numa_cpus is not None else h.numa_cpus})
+            if key in inventories else h
+            for key, h in dep.hosts.items()}})
     return Loaded(Path(spec_path), dep, warnings, journal_for(dep, state_dir))
 
 

@@ -180,7 +180,27 @@ class SystemdManager(ServiceManager):
                 changed.append(name)
         if changed:
             self._ctl("daemon-reload")
+        if self._target_enabled(units.target.name) is False:
+            # The target's [Install] WantedBy= (multi-user.target / default.target) only takes effect once enabled:
+            # without it nothing of the deployment starts at boot (or at the user manager's next start).
+            self._ctl("enable", "--", units.target.name)
+            if units.target.name not in changed:
+                changed.append(units.target.name)
         return changed
+
+    def _target_enabled(self, name: str) -> bool | None:
+        """Whether ``name`` is enabled (``systemctl is-enabled``: "enabled"); None when systemctl cannot say (no unit
+        file, no manager: nothing to enable, or an error for the caller's next systemctl call to report)."""
+        if not self.host.exists(self._unit_path(name)):
+            return None
+        try:
+            res = self._ctl("is-enabled", "--", name, check=False)
+        except Exception:  # the host's own errors (no systemctl, a lost SSH link): the next systemctl call reports
+            return None
+        state = res.stdout.strip().splitlines()[-1:] if res.stdout else []
+        if state == ["enabled"]:
+            return True
+        return False if state and state[0] in ("disabled", "linked") else None
 
     def pending_changes(self, units: UnitSet) -> list[str]:
         out = []
@@ -189,6 +209,8 @@ class SystemdManager(ServiceManager):
                 out.append(name)
         out += [s.name for s in units.services
                 if s.secrets and s.name not in out and secrets_pending(self.host, s, s.secrets_file)]
+        if units.target.name not in out and self._target_enabled(units.target.name) is False:
+            out.append(units.target.name)  # installed by a pdctl that did not enable it: install() enables it
         return out
 
     def remove(self, names: Sequence[str]) -> None:
@@ -203,6 +225,9 @@ class SystemdManager(ServiceManager):
                     secrets.append(line.removeprefix("EnvironmentFile=").lstrip("-"))
         if present:
             self._ctl("stop", "--", *present, check=False, timeout=max(self.command_timeout, 300))
+        targets = [n for n in present if n.endswith(".target")]
+        if targets:  # the WantedBy= links enable made; a unit file removed without this leaves them dangling
+            self._ctl("disable", "--", *targets, check=False)
         for n in present:
             self.host.remove_file(self._unit_path(n))
         for p in secrets:

@@ -117,6 +117,9 @@ class UserSystemd:
         for p in self.unit_dir.iterdir():
             if p.is_file():
                 p.unlink()
+            elif p.is_dir() and p.name.endswith(".wants"):  # the links `systemctl enable` of a target made
+                for link in p.iterdir():
+                    link.unlink()
         self.systemctl("daemon-reload", check=False)
         self.systemctl("reset-failed", check=False)
 

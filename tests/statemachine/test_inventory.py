@@ -121,3 +121,19 @@ def test_an_interrupted_plan_ends_the_nvidia_smi_it_started(tmp_path, sig, rc, s
     assert took < 10, took  # not nvidia-smi's 30 s
     assert out == "" and err.rstrip().splitlines()[-1] == said + "interrupted: a plan changes nothing; run it again", err
     assert not (tmp_path / "state").exists()
+
+
+def test_what_plan_discovers_is_what_the_units_bind_to(tmp_path, monkeypatch):
+    # inventory = "discover": the GPUs' NUMA nodes and each node's CPUs read at plan time reach the roles' units
+    # (NUMAMask= / CPUAffinity=), as declared facts do; before, only the rules saw them and the units ran unpinned.
+    from pdctl.statemachine import inventory
+    from pdctl.statemachine.launch import numa_for
+    from pdctl.statemachine.rules import Inventory
+
+    spec = discover_spec(tmp_path)
+    assert numa_for(load(spec, state_dir=tmp_path / "state").deployment, "decode")[1] is None  # nothing declared
+    found = Inventory((0, 0, 0, 0, 1, 1, 1, 1), {0: "0-31,64-95", 1: "32-63,96-127"})
+    monkeypatch.setattr(inventory, "discover", lambda host: found)
+    dep = load(spec, state_dir=tmp_path / "state", discover=True).deployment
+    assert numa_for(dep, "prefill") == (0, "0-31,64-95")
+    assert numa_for(dep, "decode") == (1, "32-63,96-127")

@@ -797,7 +797,7 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     from pdctl.console.cli import os_error_hint
 
     d = seed_dict()
-    d["decode"][0]["gpus"] = [0, 1, 2, 3]  # overlaps prefill
+    d["decode"][0]["gpus"] = [3, 4, 5, 6]  # overlaps prefill at GPU 3, and spans NUMA nodes 0 and 1 (a warning)
     spec = tmp_path / "bad.toml"
     spec.write_text(_toml_dump(d, list(range(8))))
     r = _pdctl("plan", str(spec), "--json")
@@ -805,7 +805,7 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     out = json.loads(r.stdout)  # (it printed nothing, while status --json and apply --json give an object)
     assert "decode[0].gpus" in out["error"] and set(out) == {"error", "hint", "findings"}
     # each finding apart, for scripts (the field and fix were only inside the multi-line message)
-    assert out["findings"][0] == {"field": "decode[0].gpus", "message": "GPU 0 on host 'local' is already used by "
+    assert out["findings"][0] == {"field": "decode[0].gpus", "message": "GPU 3 on host 'local' is already used by "
                                   "prefill[0] (prefill)", "fix": "give each role its own GPUs"}, out["findings"]
     assert {f["field"] for f in out["findings"]} == {"decode[0].gpus"}, out["findings"]  # (errors: not the warning)
     r = _pdctl("validate", str(spec), "--json")

@@ -96,12 +96,20 @@ def test_gpu_ids_checked_against_a_discovered_inventory_too():
     assert "0-3" in f.message
 
 
-def test_numa_node_not_matching_the_gpus_is_a_warning_with_the_fix():
+def test_numa_node_away_from_all_the_gpus_is_an_error_and_across_nodes_a_warning():
+    # numa_node = 0 for GPUs 4-7, all on node 1: the unit would bind the role to the other socket (it was a warning,
+    # and `pdctl units` wrote NUMAMask=0 and node 0's CPUs for decode)
     d = seed_dict()
     d["decode"][0]["numa_node"] = 0
-    f = _one(d, "decode[0].numa_node", "NUMA node(s) [1]", "set numa_node = 1", level="warning")
+    f = _one(d, "decode[0].numa_node", "all sit on NUMA node 1", "set numa_node = 1")
+    assert f.level == "error"
+    with pytest.raises(SpecError, match=r"decode\[0\]\.numa_node"):
+        check(parse_spec(d))
+    d = seed_dict()
+    d["decode"][0]["gpus"] = [3, 5, 6, 7]  # GPU 3 on node 0, the rest on node 1: a choice to question, not an error
+    d["prefill"][0]["gpus"], d["prefill"][0]["tp"] = [0, 1, 2], 3
+    f = _one(d, "decode[0].numa_node", "sit on NUMA nodes [0, 1]", "pick GPUs from one NUMA node", level="warning")
     assert f.level == "warning"
-    check(parse_spec(d))  # a warning does not fail the check
 
 
 def test_numa_node_the_host_lacks_is_an_error():

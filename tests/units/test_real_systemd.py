@@ -5,6 +5,7 @@ secrets arrive through the 0600 EnvironmentFile, and foreign units are refused.
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 import time
@@ -149,3 +150,23 @@ def test_a_refused_command_line_is_not_restarted(clean_user_systemd, tmp_path):
     _start_until_failed(m, svc)
     time.sleep(1.0)  # five restart delays: none happens
     assert (m.status(svc.name).state, m.status(svc.name).restarts) == ("failed", 0)
+
+
+def test_install_enables_the_target_and_remove_disables_it(clean_user_systemd, tmp_path):
+    """The target's WantedBy= (default.target here, multi-user.target in system scope) only brings the deployment back
+    at boot once enabled; a target installed but not enabled is a pending change; remove leaves no dangling link."""
+    sd = clean_user_systemd
+    m = sd.manager()
+    svc = ServiceSpec(name="pdctl-boot-role.service", description="sleeps", deployment="boot", role="role",
+                      argv=("/bin/sleep", "300"), timeout_start_s=10)
+    units = UnitSet(target=TargetSpec(name="pdctl-boot.target", description="b", deployment="boot",
+                                      wants=(svc.name,)), services=(svc,))
+    assert "pdctl-boot.target" in m.install(units)
+    assert sd.systemctl("is-enabled", "pdctl-boot.target").stdout.strip() == "enabled"
+    assert m.pending_changes(units) == [] and m.install(units) == []
+    sd.systemctl("disable", "pdctl-boot.target")  # as a pdctl that did not enable it left it
+    assert m.pending_changes(units) == ["pdctl-boot.target"]
+    assert m.install(units) == ["pdctl-boot.target"]
+    assert sd.systemctl("is-enabled", "pdctl-boot.target").stdout.strip() == "enabled"
+    m.remove(list(units.names))
+    assert not os.path.lexists(sd.unit_dir / "default.target.wants" / "pdctl-boot.target")
