@@ -721,8 +721,10 @@ def units_cmd(
     spec: SpecArg,
     given: Annotated[str, typer.Option("-o", "--out", metavar="DIR",
                                        help="Directory to write the unit files into (created if missing)")],
+    state_dir: StateDirOpt = None,
 ) -> None:
-    """Write the deployment's systemd units (one per role and a target) into a directory."""
+    """Write the deployment's systemd units (one per role and a target) into a directory: what apply installs
+    (a user-scope spec's secrets file named under the state directory, as apply keeps it)."""
     from pdctl.statemachine.launch import write_units
     from pdctl.statemachine.service import load
 
@@ -739,14 +741,14 @@ def units_cmd(
     if os.path.lexists(out) and not out.is_dir():
         raise _out_unwritable(out, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out)),
                               "the units", example)
-    loaded = load(spec)
+    loaded = load(spec, state_dir=state_dir)
     global _interrupted_hint
     _interrupted_hint = (f"interrupted while the unit files were written: some may be in {out}, none is installed; "
                          "run it again")
     from pdctl.units.errors import ForeignUnit
 
     try:
-        written = write_units(loaded.deployment, out)
+        written = write_units(loaded.deployment, out, state_dir=str(loaded.journal.dir))
     except ForeignUnit as exc:  # (a file of that name pdctl did not write: this user could write there all the same)
         raise _out_unwritable(out, exc, "the units", example,
                               hint=f"give -o/--out another folder (e.g. -o ./units), or move {out / exc.unit} aside "

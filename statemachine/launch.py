@@ -425,13 +425,14 @@ def manager_for(
     return SystemdManager(host, scope=scope, unit_dir=unit_dir, systemctl=systemctl, env=env)
 
 
-def write_units(dep: Deployment, out_dir: str | Path) -> list[Path]:
+def write_units(dep: Deployment, out_dir: str | Path, *, state_dir: str | Path | None = None) -> list[Path]:
     """Write *dep*'s unit files (and its 0600 secrets files, if any) into *out_dir*; return the
     paths written. The units are those ``systemd-system`` would install (``systemd-user`` for a
-    user-scope spec). A file in *out_dir* that pdctl did not write is never overwritten
+    user-scope spec), with a user-scope spec's secrets file under *state_dir* as apply keeps it
+    (its journal's directory). A file in *out_dir* that pdctl did not write is never overwritten
     (:class:`~pdctl.units.ForeignUnit`, nothing written)."""
     scope = "user" if dep.service_manager == "systemd-user" else "system"
-    units = unit_set_for(dep, scope=scope)
+    units = unit_set_for(dep, scope=scope, state_dir=state_dir)
     files = {name: (text, 0o644) for name, text in unit_files(units, scope=scope).items()}
     for s in units.services:
         if s.secrets and s.secrets_file:

@@ -638,6 +638,7 @@ def apply(
         ports_taken_elsewhere,
         router_executable_unusable,
         steps_for,
+        unit_files_unrenderable,
     )
 
     sink = sink or NullSink()
@@ -718,6 +719,7 @@ def apply(
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = own_units(state, desired)
             try:
+                unit_files_unrenderable(ctx)
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)

@@ -748,6 +748,25 @@ def bind_addresses_unusable(ctx: Context) -> None:
         )
 
 
+def unit_files_unrenderable(ctx: Context) -> None:
+    """Before anything starts or stops: under systemd, every unit file this apply may write must render. A path
+    systemd would not read back as one (the secrets' ``EnvironmentFile=`` or a log's ``StandardOutput=append:``
+    under a state directory whose path holds a space or a quote) raises :class:`ApplyFailed` at the first step,
+    naming the path and the fix, instead of a ValueError from the step that installs it after others ran."""
+    from pdctl.units import unit_files
+
+    scope = getattr(ctx.manager, "scope", None)
+    if scope not in ("system", "user"):  # (the process supervisor writes no unit files)
+        return
+    try:
+        unit_files(ctx.units, scope=scope)
+    except ValueError as exc:
+        raise ApplyFailed(f"a unit file cannot be written: {exc}; nothing was started or changed",
+                          step=ctx.topology.roles[0].kind + "_up",
+                          hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a path without spaces, quotes "
+                               "or backslashes: the units' secrets and log files are kept under it") from None
+
+
 def router_executable_unusable(ctx: Context) -> None:
     """Before anything starts or stops: the router's executable (``router.executable``, else smg beside pdctl's Python)
     must be an executable file on the deployment's host; otherwise the router step would stop the running router and

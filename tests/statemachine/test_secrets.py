@@ -6,6 +6,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from pdctl.statemachine.launch import services_for, write_units
 from pdctl.statemachine.spec import parse_spec
 
@@ -132,3 +134,48 @@ def test_an_upgrade_does_not_take_an_unchanged_secret_for_a_rotation(tmp_path, m
     monkeypatch.setenv("PDCTL_TEST_HF", "hf_rotated")  # rotated since: still the rotation it is
     p = make_plan(j.read().deployed, topology_of(dep))
     assert [a.path for c in p.changes for a in c.changes] == ["deployment.secrets.HF_TOKEN"]
+
+
+def test_units_names_the_secrets_file_apply_installs_for_a_user_scope_spec(tmp_path, monkeypatch):
+    # `pdctl units` is the review of what apply installs: a user-scope spec's EnvironmentFile= is under the state
+    # directory (the journal's), as apply writes it; it named ~/.config/pdctl/<name>/secrets instead.
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
+    d = seed_dict()
+    d["service_manager"] = "systemd-user"
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
+    spec = tmp_path / "user.toml"
+    spec.write_text(dump_toml(d))
+    state = tmp_path / "state"
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(tmp_path / "u"),
+                        "--state-dir", str(state)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    from pdctl.statemachine.service import load
+
+    journal_dir = load(spec, state_dir=state).journal.dir
+    text = (tmp_path / "u" / "pdctl-dsv4-flash-decode.service").read_text()
+    assert f"EnvironmentFile={journal_dir}/secrets/decode.env" in text, text
+
+
+def test_a_state_directory_systemd_cannot_name_refuses_the_apply_before_it_starts(tmp_path, monkeypatch):
+    # The secrets' EnvironmentFile= under a state directory with a space: refused with the fix before the first step
+    # (it was a ValueError traceback from prefill_up's install, the step then journalled as interrupted).
+    from types import SimpleNamespace
+
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.launch import unit_set_for
+    from pdctl.statemachine.steps import unit_files_unrenderable
+    from pdctl.statemachine.topology import topology_of
+
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
+    d = seed_dict()
+    d["service_manager"] = "systemd-user"
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
+    dep = parse_spec(d)
+    ok = SimpleNamespace(manager=SimpleNamespace(scope="user"), topology=topology_of(dep),
+                         units=unit_set_for(dep, state_dir=str(tmp_path / "state")))
+    unit_files_unrenderable(ok)
+    bad = SimpleNamespace(**{**vars(ok), "units": unit_set_for(dep, state_dir=str(tmp_path / "my state"))})
+    with pytest.raises(ApplyFailed, match="a unit file cannot be written: EnvironmentFile") as e:
+        unit_files_unrenderable(bad)
+    assert e.value.step == "prefill_up" and "--state-dir" in e.value.hint
+    unit_files_unrenderable(SimpleNamespace(**{**vars(bad), "manager": SimpleNamespace()}))  # no unit files to write
