@@ -314,6 +314,8 @@ class _Reporter:
             _interrupted_step = event.step
             if event.message == APPLY_NOT_STARTED:  # (the engine's, after its plan: a first deployment not begun)
                 _interrupted_hint = _APPLY_NOT_STARTED
+            elif event.data.get("stopped"):  # a unit it was restarting is down: not "what already runs stays as it is"
+                _interrupted_hint = event.message
         if self.as_json:
             sys.stdout.write(json.dumps(event.to_json(), default=str) + "\n")
             sys.stdout.flush()

@@ -11,6 +11,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -643,6 +644,7 @@ def apply(
 
     sink = sink or NullSink()
     j = loaded.journal
+    ctx = None
     with j.lock("apply"):
         state = j.read()
         desired = topology_of(loaded.deployment)
@@ -773,7 +775,8 @@ def apply(
             # Ctrl-C, or SIGTERM through the CLI, or the console's cancel (at any event or a preflight's wait), from
             # the plan on: the journal keeps any target (a re-run converges), the step that ran is marked
             # interrupted, and a --json stream ends with an event too
-            _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing)
+            _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing,
+                         down=sorted(ctx.restarting_now) if ctx is not None else ())
             raise
 
 
@@ -976,7 +979,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
 
 
 def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None,  # noqa: ANN001
-                 changing: bool = True) -> None:
+                 changing: bool = True, down: Sequence[str] = ()) -> None:
     # *stale*: the steps as the run found them: before it journals its own target (the port checks), a "running"
     # step there is a killed earlier apply's, not where this one stopped. *changing*: the run had begun to journal its
     # target; before that it changed nothing, and where the journal records nothing deployed and no unfinished apply
@@ -995,10 +998,15 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
         state.steps[step].status = "interrupted"
         state.steps[step].finished_at = time.time()
         j.write(state)
-    j.audit("apply-interrupted", plan_id=plan.plan_id, step=step)
-    sink.emit(Event("apply_interrupted", f"interrupted{f' during {step}' if step else ''}: what already runs stays "
-                    "as it is; apply again to converge, or `pdctl down` to stop it", step=step,
-                    data={"plan_id": plan.plan_id}))
+    j.audit("apply-interrupted", plan_id=plan.plan_id, step=step, stopped=list(down))
+    during = f" during {step}" if step else ""
+    if down:  # (*down*: units it had begun to restart, stopped and not started again: they may not run now)
+        said = (f"interrupted{during} while restarting {', '.join(down)}: "
+                f"{'it was' if len(down) == 1 else 'they were'} stopped for the restart and may not run now "
+                "(`pdctl status` shows it); apply again to start it and converge, or `pdctl down` to stop the rest")
+    else:
+        said = f"interrupted{during}: what already runs stays as it is; apply again to converge, or `pdctl down` to stop it"
+    sink.emit(Event("apply_interrupted", said, step=step, data={"plan_id": plan.plan_id, "stopped": list(down)}))
 
 
 def _can_run_commands(dep: Deployment, host) -> None:  # noqa: ANN001

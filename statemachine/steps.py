@@ -156,6 +156,9 @@ class Context:
     kernels_manifest: str | None = None
     sink: Any = None
     """Where progress inside a step goes (an :class:`~pdctl.statemachine.events.EventSink`; None: nowhere)."""
+    restarting_now: set[str] = field(default_factory=set)
+    """Units :meth:`restart_unit` has begun to stop and not yet started again: an interruption now leaves them down,
+    which the apply's ``apply_interrupted`` says (instead of "what already runs stays as it is")."""
 
     def say(self, message: str, *, step: str | None = None, **data: Any) -> None:
         """Emit one ``info`` event: progress a step would otherwise make in silence (a stop that may take minutes)."""
@@ -176,7 +179,9 @@ class Context:
         not exit on SIGTERM is waited for that long, with nothing else to show."""
         stop_s = self.units.service(unit).timeout_stop_s
         self.say(f"restarting {unit} (stopping it may take up to {stop_s:g} s)", step=step, unit=unit)
+        self.restarting_now.add(unit)
         self.manager.restart(unit)
+        self.restarting_now.discard(unit)
         self.started(unit)
 
     def started(self, unit: str) -> None:

@@ -2065,3 +2065,40 @@ def test_a_new_served_model_name_restarts_the_router_which_registered_the_old_on
     st = service.status(demo.load(spec))
     assert st["healthy"] and st["router"]["main_pid"] != router_pid
     assert {w["model_id"] for w in st["router"]["workers"]} == {"dsv4-other"}
+
+
+def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(demo, monkeypatch):
+    # Ctrl-C / SIGTERM while the router was being restarted (stopped, not yet started again): the event said "what
+    # already runs stays as it is" while the deployment's only entry point was down. It names the unit instead.
+    from pdctl.units import ProcessSupervisor
+
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["router"]["policy"] = "random" if d["router"].get("policy") != "random" else "round_robin"
+    spec2 = demo.write(d, "policy.toml")
+    real_restart = ProcessSupervisor.restart
+
+    def interrupted_after_the_stop(self, name, **kw):  # noqa: ANN001, ANN202
+        if not name.endswith("-router.service"):
+            return real_restart(self, name, **kw)
+        self.stop(name)
+        raise KeyboardInterrupt  # (as the CLI's signal handler raises it wherever the apply is)
+
+    monkeypatch.setattr(ProcessSupervisor, "restart", interrupted_after_the_stop)
+    events = []
+
+    class Sink:
+        def emit(self, event) -> None:  # noqa: ANN001
+            events.append(event)
+
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(spec2, sink=Sink())
+    router = service.unit_names(service.topology_of(demo.load().deployment))["router"]
+    last = events[-1]
+    assert last.kind == "apply_interrupted" and last.step == "router_exposed", last
+    assert last.data["stopped"] == [router]
+    assert f"while restarting {router}: it was stopped for the restart and may not run now" in last.message
+    assert "what already runs stays as it is" not in last.message
+    assert demo.load().journal.audit_records()[-1]["stopped"] == [router]
+    monkeypatch.setattr(ProcessSupervisor, "restart", real_restart)
+    assert demo.apply(spec2).state == "parsers_configured"  # apply again starts it and converges
