@@ -160,7 +160,7 @@ def validate(
         raise
     _warnings(loaded)
     if as_json:
-        warned = [{"field": w.field, "message": w.message, "fix": w.fix} for w in loaded.warnings]
+        warned = [w.to_json() for w in loaded.warnings]
         sys.stdout.write(json.dumps({"spec": str(spec), "valid": True, "findings": [], "warnings": warned,
                                      "error": None, "hint": None}, indent=1) + "\n")
         return
@@ -238,7 +238,8 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
             p = p.model_copy(update={"unsettled": unsettled})
         p = p.model_copy(update=_host_warnings(loaded, recorded))
         # (apply PLANFILE re-reads the spec it names: what --json prints is a plan file too, as -o - prints it)
-        p = p.model_copy(update={"spec_path": str(spec.resolve())})
+        p = p.model_copy(update={"spec_path": str(spec.resolve()),
+                                 "warnings": tuple(w.to_json() for w in loaded.warnings)})
         if discard:
             _err(f"plan not saved: -o {shown} discards it")
         elif out is not None:

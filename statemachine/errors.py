@@ -89,7 +89,7 @@ class SpecError(PdctlError, ValueError):
                 if level == "error":
                     out.append({"field": field if sep else None, "message": message if sep else f, "fix": None})
             elif f.level == level:
-                out.append({"field": f.field, "message": f.message, "fix": f.fix})
+                out.append(f.to_json())
         return out
 
 

@@ -220,6 +220,9 @@ class Plan(_Frozen):
     """Why apply would refuse the spec's ``[secrets]`` in the environment ``pdctl plan`` ran in (an ``env:`` variable
     unset, a value empty), with the fix: apply's own words (exit 1, nothing changed); not part of the id. None: it
     would not, or not looked."""
+    warnings: tuple[dict[str, str], ...] = ()
+    """The spec's rule warnings, ``{field, message, fix}`` each (as ``pdctl validate --json`` lists them; stderr says
+    them too), where the plan was made from a spec; not part of the id."""
 
     @model_validator(mode="before")
     @classmethod

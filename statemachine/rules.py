@@ -208,6 +208,10 @@ class Finding:
     def __str__(self) -> str:
         return f"{self.level}: {self.field}: {self.message} — fix: {self.fix}"
 
+    def to_json(self) -> dict[str, str]:
+        """``{field, message, fix}``, as every ``--json`` output lists a finding."""
+        return {"field": self.field, "message": self.message, "fix": self.fix}
+
 
 @dataclass(frozen=True)
 class Inventory:

@@ -698,7 +698,8 @@ def apply(
                 what = ("roles that do not run now, to start again" if pending
                         else "changes an unfinished apply made already, kept as they run")
             sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
-                            data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts()}))
+                            data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts(),
+                                  "warnings": [w.to_json() for w in loaded.warnings]}))
             j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
             try:
                 _resolve_confirmation(plan, confirm)

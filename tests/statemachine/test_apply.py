@@ -2102,3 +2102,22 @@ def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(de
     assert demo.load().journal.audit_records()[-1]["stopped"] == [router]
     monkeypatch.setattr(ProcessSupervisor, "restart", real_restart)
     assert demo.apply(spec2).state == "parsers_configured"  # apply again starts it and converges
+
+
+def test_apply_json_plan_event_carries_the_specs_warnings(make_demo):
+    # (only stderr said them; a --json stream had no warning at all)
+    class CancelAtPlan:
+        def __init__(self) -> None:
+            self.plan = None
+
+        def emit(self, event) -> None:  # noqa: ANN001
+            if event.kind == "plan":
+                self.plan = event
+                raise _Cancelled("cancelled")
+
+    demo = make_demo(lambda d: d["parsers"].update(tool_call_parser="deepseekv31"))  # not V4's: a warning
+    warned = [w.to_json() for w in demo.load().warnings]
+    sink = CancelAtPlan()
+    with pytest.raises(_Cancelled):
+        demo.apply(sink=sink)
+    assert warned and sink.plan.data["warnings"] == warned

@@ -1277,3 +1277,22 @@ def test_a_sigterm_or_sighup_while_the_command_line_is_parsed_says_what_the_comm
     assert r.returncode == code, (r.returncode, r.stderr)
     said = {"SIGTERM": "terminated (SIGTERM); ", "SIGHUP": "hung up (SIGHUP); "}[sig]
     assert r.stderr == f"{said}interrupted: a plan changes nothing; run it again\n" and r.stdout == "", r.stderr
+
+
+def test_plan_json_carries_the_specs_warnings_as_validate_lists_them(tmp_path):
+    # A warning was only on stderr: a script reading `plan --json` missed e.g. a parser that will fail
+    # parsers_configured after both servers restarted.
+    d = seed_dict()
+    d["service_manager"] = "process"
+    d["prefill"][0]["gpus"], d["prefill"][0]["tp"] = [0, 1, 2], 3
+    d["decode"][0]["gpus"] = [3, 5, 6, 7]  # spans NUMA nodes 0 and 1: a warning
+    spec = tmp_path / "warn.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state")}
+    r = _pdctl("plan", str(spec), "--json", env=env)
+    assert r.returncode == 2, r.stderr
+    warnings = json.loads(r.stdout)["warnings"]
+    assert [w["field"] for w in warnings] == ["decode[0].numa_node"], warnings
+    assert warnings == json.loads(_pdctl("validate", str(spec), "--json", env=env).stdout)["warnings"]
+    assert Plan.model_validate_json(r.stdout).warnings == tuple(warnings)  # a plan file reads back with them
+    assert "warning: decode[0].numa_node" in r.stderr  # (and stderr still says it)
