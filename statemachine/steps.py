@@ -1338,6 +1338,9 @@ class RouterExposed(Step):
         if st.state in ("active", "activating"):
             ctx.restart_unit(unit, step=self.name)
         else:
+            # (said as the servers' starts are: a router that had died, or a first one)
+            ctx.say(f"starting {unit}" + (f" (it was {st.state})" if st.state not in ("inactive", "not-found") else ""),
+                    step=self.name, unit=unit)
             ctx.manager.start(unit)
             ctx.started(unit)  # (as a restart is: a resumed apply keeps this router rather than restart it again)
 

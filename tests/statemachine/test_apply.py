@@ -2121,3 +2121,20 @@ def test_apply_json_plan_event_carries_the_specs_warnings(make_demo):
     with pytest.raises(_Cancelled):
         demo.apply(sink=sink)
     assert warned and sink.plan.data["warnings"] == warned
+
+
+def test_a_repair_that_starts_the_router_again_says_so(demo):
+    # (a failed or stopped server's start was announced, "starting X (it was failed)"; the router's was silent)
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.events import ListSink
+    from pdctl.statemachine.service import deployment_host, unit_names
+    from pdctl.statemachine.topology import topology_of
+
+    demo.apply()
+    loaded = demo.load()
+    router = unit_names(topology_of(loaded.deployment))["router"]
+    launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state)).stop(router)
+    sink = ListSink()
+    assert demo.apply(sink=sink).state == "parsers_configured"
+    said = [e.message for e in sink.events if e.kind == "info" and e.step == "router_exposed"]
+    assert f"starting {router}" in said, said
