@@ -616,6 +616,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                         f"remove {f}.parsers and set [parsers].{fld} once",
                     )
     if facts is not None:
+        # free-text fields rendered as a choice flag: SGLang's argparse refuses another value (exit 2) at prefill_up,
+        # after install, where the spec could have said so
+        known_of = dict(facts.choices)
+        for fld, value, flag in (("model.attention_backend", dep.model.attention_backend, "--attention-backend"),
+                                 ("model.load_format", dep.model.load_format, "--load-format"),
+                                 *((f"{_role_field(dep, r)}.kv_cache_dtype", r.kv_cache_dtype, "--kv-cache-dtype")
+                                   for _n, _k, r in roles)):
+            known = known_of.get(flag)
+            if value is not None and known and value not in known:
+                err(fld, f"{value!r} is not a {flag} choice of SGLang {facts.version}",
+                    _closest(f"{flag} choice", value, known))
         for fld, value, known in (("model.dsa_prefill_backend", dep.model.dsa_prefill_backend, facts.dsa_backends[0]),
                                   ("model.dsa_decode_backend", dep.model.dsa_decode_backend, facts.dsa_backends[1])):
             if value is not None and value not in known:  # SGLang exits 2 at prefill_up ("invalid choice")

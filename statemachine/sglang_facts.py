@@ -88,6 +88,9 @@ class SglangFacts:
     """``--dsa`` (``--dsa-prefill-backend``…, 0.5.15+) or ``--nsa`` (0.5.6 – 0.5.12)."""
     legacy_dp_attention: bool = False
     """Attention-DP spelled ``--dp-size N --enable-dp-attention`` (≤ 0.5.20), not ``--attn-dp-size N``."""
+    choices: tuple[tuple[str, frozenset[str]], ...] = ()
+    """``(flag, choices)`` of the launch flags pdctl renders from free-text spec fields (``--attention-backend``,
+    ``--load-format``, ``--kv-cache-dtype``), "auto" included; empty where not recorded for this version."""
     bootstrap_route_query: tuple[tuple[str, str], ...] = (
         ("prefill_dp_rank", "-1"), ("prefill_cp_rank", "-1"), ("target_tp_rank", "-1"), ("target_pp_rank", "-1"),
     )
@@ -113,10 +116,10 @@ def _flags_0_5_23() -> dict:
     return json.loads(data)
 
 
-def _choices(dump: dict, flag: str) -> frozenset[str]:
+def _choices(dump: dict, flag: str, *, keep_auto: bool = False) -> frozenset[str]:
     for arg in dump["arguments"]:
         if flag in arg["flags"]:
-            return frozenset(c for c in (arg.get("choices") or []) if c != "auto")
+            return frozenset(c for c in (arg.get("choices") or []) if keep_auto or c != "auto")
     raise KeyError(flag)
 
 
@@ -132,6 +135,8 @@ def facts_for(version: str) -> SglangFacts:
             flags=frozenset(f for arg in dump["arguments"] for f in arg["flags"]),
             transfer_backends=_choices(dump, "--disaggregation-transfer-backend"),
             dsa_backends=(_choices(dump, "--dsa-prefill-backend"), _choices(dump, "--dsa-decode-backend")),
+            choices=tuple((flag, _choices(dump, flag, keep_auto=True))
+                          for flag in ("--attention-backend", "--load-format", "--kv-cache-dtype")),
         )
     if version == "0.5.6":
         return SglangFacts(

@@ -1159,3 +1159,26 @@ def test_role_names_that_collide_are_refused_naming_both_fields(index, name, sai
     assert "Traceback" not in str(e.value)
     d["prefill"][index]["name"] = "p-extra"  # (a name of its own is fine)
     parse_spec(d)
+
+
+@pytest.mark.parametrize("where,field,value,near", [
+    ("model", "attention_backend", "flashmla_sparse", "flashmla"),
+    ("model", "load_format", "dumy", "dummy"),
+    ("decode", "kv_cache_dtype", "fp8", None),  # (difflib offers mxfp8; the whole list follows)
+])
+def test_free_text_fields_rendered_as_choice_flags_are_checked_against_sglangs_choices(where, field, value, near):
+    # SGLang 0.5.23's argparse refuses them (exit 2) at prefill_up, after install; validate passed them
+    d = seed_dict()
+    if where == "model":
+        d["model"][field] = value
+        name = f"model.{field}"
+    else:
+        d["prefill"][0][field] = d["decode"][0][field] = value
+        name = f"{where}[0].{field}"
+    f = _one(d, name, f"{value!r} is not a", "choice of SGLang 0.5.23", *([f"did you mean {near!r}"] if near else []),
+             "fp8_e4m3" if field == "kv_cache_dtype" else "")
+    assert f.level == "error"
+    d = seed_dict()
+    d["model"].update(attention_backend="flashmla", load_format="dummy")
+    d["prefill"][0]["kv_cache_dtype"] = d["decode"][0]["kv_cache_dtype"] = "fp8_e4m3"
+    assert not [x for x in _errors(d) if x.field.endswith(("attention_backend", "load_format", "kv_cache_dtype"))]
