@@ -14,6 +14,8 @@ groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` 
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import re
@@ -95,6 +97,19 @@ _OWNED_ROUTER_FLAGS = {
     "--health-success-threshold": "router.health_success_threshold",
 }
 _PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--chat-template")
+SMG_VERSION = "1.13.0"
+"""The smg release pdctl pins (pyproject.toml's ``router`` extra) and whose flags it checks ``router.extra_args`` against."""
+
+
+@functools.lru_cache(maxsize=None)
+def _smg_flags() -> frozenset[str]:
+    """The option strings ``smg launch`` accepts (``data/smg-1.13.0-flags.json``, recorded from smg's own parser)."""
+    from importlib import resources
+
+    data = resources.files("pdctl.statemachine").joinpath(f"data/smg-{SMG_VERSION}-flags.json").read_text()
+    return frozenset(json.loads(data)["flags"])
+
+
 # The --policy choices of each router_impl, as its CLI lists them: smg 1.13.0 (the version pinned in pyproject.toml,
 # `smg launch --help`) and sglang-router 0.3.2 (its launch_router CLI; shared/reference/sglang-pd.md, "Policies").
 _ROUTER_POLICIES: dict[str, tuple[str, frozenset[str]]] = {
@@ -519,6 +534,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{name} is set by pdctl from {_OWNED_ROUTER_FLAGS[name]}",
                     f"remove {name} from router.extra_args and set {_OWNED_ROUTER_FLAGS[name]}",
                 )
+            elif name is not None and dep.router_impl == "smg" and name not in _smg_flags():
+                # smg exits 2 ("unrecognized arguments") at router_exposed, after both servers' cold starts
+                err("router.extra_args", f"{name} is not a flag of smg {SMG_VERSION} (`smg launch`)",
+                    _closest("flag", name, _smg_flags(), where=f"`smg launch --help` of smg {SMG_VERSION}"))
             elif name == "--api-key":
                 err(
                     "router.extra_args",

@@ -1182,3 +1182,36 @@ def test_free_text_fields_rendered_as_choice_flags_are_checked_against_sglangs_c
     d["model"].update(attention_backend="flashmla", load_format="dummy")
     d["prefill"][0]["kv_cache_dtype"] = d["decode"][0]["kv_cache_dtype"] = "fp8_e4m3"
     assert not [x for x in _errors(d) if x.field.endswith(("attention_backend", "load_format", "kv_cache_dtype"))]
+
+
+def test_router_extra_args_are_checked_against_smgs_flags():
+    # (a typo such as --polcy passed validate; smg exited 2 at router_exposed, after both servers' cold starts)
+    d = seed_dict()
+    d["router"]["extra_args"] = ["--polcy", "random"]
+    f = _one(d, "router.extra_args", "--polcy is not a flag of smg 1.13.0", "did you mean '--policy'")
+    assert f.level == "error"
+    d["router"]["extra_args"] = ["--request-timeout-secs=600", "--max-concurrent-requests", "64"]
+    assert not [x for x in _errors(d) if x.field == "router.extra_args"]
+
+
+def test_the_recorded_smg_flags_are_the_installed_smgs():
+    # statemachine/data/smg-<version>-flags.json against the smg this checkout pins and installs (the `router` extra)
+    import argparse
+    import json
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from pdctl.statemachine.rules import SMG_VERSION
+
+    pytest.importorskip("smg")
+    from smg.router_args import RouterArgs
+
+    assert version("smg") == SMG_VERSION
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert f'"smg=={SMG_VERSION}"' in pyproject
+    p = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(p, use_router_prefix=False)
+    installed = sorted({s for a in p._actions for s in a.option_strings if s.startswith("--")})
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "statemachine" / "data" /
+                           f"smg-{SMG_VERSION}-flags.json").read_text())
+    assert recorded["smg"] == SMG_VERSION and recorded["flags"] == installed
