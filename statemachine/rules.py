@@ -607,6 +607,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"transfer ('{attr.replace('_', ' ').capitalize()} mismatch')",
                     f"set one model.{attr} and remove the per-role overrides",
                 )
+        if facts is not None and facts.decode_layout_on_prefill:
+            layouts = sorted({(r.tp, r.attn_dp) for r in dep.prefill + dep.decode})
+            if len(layouts) > 1:
+                where = ", ".join(f"{_role_field(dep, r)} tp {r.tp} attn_dp {r.attn_dp}" for r in dep.prefill + dep.decode)
+                err("decode[0].tp",
+                    f"prefill and decode run different layouts ({where}): SGLang {facts.version}'s prefill takes "
+                    "decode's to be its own unless told with --disaggregation-decode-tp/-dp, which pdctl does not "
+                    "render, and would send KV laid out for other ranks",
+                    'give prefill and decode the same tp and attn_dp, or set sglang_version = "0.5.23" (decode '
+                    "learns prefill's layout from its bootstrap server)")
         for i, d in enumerate(dep.decode):
             if d.bootstrap_port is not None:
                 bps = {p.bootstrap_port or 8998 for p in dep.prefill}

@@ -86,6 +86,9 @@ class SglangFacts:
     """The choices of the sparse-attention prefill and decode backends."""
     sparse_attention_prefix: str = "--dsa"
     """``--dsa`` (``--dsa-prefill-backend``…, 0.5.15+) or ``--nsa`` (0.5.6 – 0.5.12)."""
+    decode_layout_on_prefill: bool = False
+    """Prefill assumes decode's TP/DP are its own unless given ``--disaggregation-decode-tp/-dp`` (0.5.6; gone by
+    0.5.12, where decode learns prefill's layout from the bootstrap server; shared/reference/sglang-pd.md §1.1)."""
     legacy_dp_attention: bool = False
     """Attention-DP spelled ``--dp-size N --enable-dp-attention`` (≤ 0.5.20), not ``--attn-dp-size N``."""
     choices: tuple[tuple[str, frozenset[str]], ...] = ()
@@ -147,6 +150,7 @@ def facts_for(version: str) -> SglangFacts:
             transfer_backends=frozenset({"mooncake", "nixl", "ascend", "fake"}),
             dsa_backends=(frozenset(_NSA_BACKENDS_0_5_6), frozenset(_NSA_BACKENDS_0_5_6)),
             sparse_attention_prefix="--nsa",
+            decode_layout_on_prefill=True,
             legacy_dp_attention=True,
             bootstrap_route_query=(("engine_rank", "-1"), ("target_dp_group", "-1"), ("target_pp_rank", "-1")),
         )

@@ -1215,3 +1215,19 @@ def test_the_recorded_smg_flags_are_the_installed_smgs():
     recorded = json.loads((Path(__file__).resolve().parents[2] / "statemachine" / "data" /
                            f"smg-{SMG_VERSION}-flags.json").read_text())
     assert recorded["smg"] == SMG_VERSION and recorded["flags"] == installed
+
+
+def test_sglang_0_5_6_needs_prefill_and_decode_in_one_layout():
+    # 0.5.6's prefill assumed decode ran its own tp/dp unless --disaggregation-decode-tp/-dp said otherwise, which pdctl
+    # does not render: prefill TP2 with decode TP4 was valid and its KV went to the wrong ranks
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["prefill"][0].update(gpus=[0, 1], tp=2)
+    f = _one(d, "decode[0].tp", "prefill[0] tp 2 attn_dp 1, decode[0] tp 4 attn_dp 1", "--disaggregation-decode-tp",
+             'sglang_version = "0.5.23"')
+    assert f.level == "error"
+    d["sglang_version"] = "0.5.23"  # decode learns the layout from the bootstrap server
+    assert not [x for x in _errors(d) if x.field == "decode[0].tp"]
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    assert not [x for x in _errors(d) if x.field == "decode[0].tp"]  # the seed's TP4 / TP4
