@@ -57,12 +57,16 @@ class Event:
 
     @classmethod
     def apply_failed(cls, exc: BaseException) -> Event:
-        """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them) and its type; for
-        a spec error, ``findings`` too (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
+        """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them); in ``data``,
+        ``error`` and ``hint`` as every ``--json`` error object has them (the message, the fix), ``error_type`` the
+        exception's type (``SpecError``, ``LockHeld``, ``ApplyFailed``…), and for a spec error ``findings``
+        (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
         from pdctl.statemachine.errors import findings_fields
 
-        return cls("apply_failed", getattr(exc, "message", None) or str(exc), step=getattr(exc, "step", None),
-                   data={"hint": getattr(exc, "hint", None), "error": type(exc).__name__, **findings_fields(exc)})
+        message = getattr(exc, "message", None) or str(exc)
+        return cls("apply_failed", message, step=getattr(exc, "step", None),
+                   data={"error": message, "hint": getattr(exc, "hint", None), "error_type": type(exc).__name__,
+                         **findings_fields(exc)})
 
 
 class EventSink(Protocol):

@@ -297,7 +297,8 @@ def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path,
         cli.main(["apply", str(bad), "--json", "--state-dir", str(tmp_path / "s1")])
     assert e.value.code == ExitCode.ERROR
     last = _json_lines(capsys.readouterr().out)[-1]
-    assert last["kind"] == "apply_failed" and last["data"]["error"] == "SpecError", last
+    assert last["kind"] == "apply_failed" and last["data"]["error_type"] == "SpecError", last
+    assert last["data"]["error"] == last["message"]  # (the text, as every --json error object's "error" is)
     assert "prefill[0].port: must be a whole number" in last["message"]
 
     state = tmp_path / "s2"
@@ -308,7 +309,7 @@ def test_a_json_apply_refused_before_planning_still_ends_with_an_event(tmp_path,
     assert e.value.code == ExitCode.LOCKED
     events = _json_lines(capsys.readouterr().out)
     assert [ev["kind"] for ev in events] == ["apply_failed"], events
-    assert events[0]["data"]["error"] == "LockHeld" and "is locked by PID" in events[0]["message"]
+    assert events[0]["data"]["error_type"] == "LockHeld" and "is locked by PID" in events[0]["message"]
 
 
 def test_status_text_names_the_lock_holder_before_an_earlier_failure():
