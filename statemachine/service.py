@@ -847,8 +847,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     if topo.router is not None:
         st = manager.status(names["router"])
         url = topo.router.url
+        # (the same keys whether or not it answers: workers and stats null, error the reason, when it does not)
         router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
-                  "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state}
+                  "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state,
+                  "workers": None, "stats": None, "error": None}
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code
@@ -888,6 +890,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "sub_state": st.sub_state,
                 "url": r.url,
                 "health": code,
+                "error": None if code == 200 else f"GET {r.url}/health: " + (
+                    f"HTTP {code}" if code else "nothing answered (connection refused, reset or timed out)"),
                 "port_owned": owned,
                 "port_held_for": held_for,
                 "port_applied_elsewhere": elsewhere,

@@ -2138,3 +2138,26 @@ def test_a_repair_that_starts_the_router_again_says_so(demo):
     assert demo.apply(sink=sink).state == "parsers_configured"
     said = [e.message for e in sink.events if e.kind == "info" and e.step == "router_exposed"]
     assert f"starting {router}" in said, said
+
+
+def test_status_json_keeps_its_shape_when_the_router_and_a_role_are_down(demo):
+    # A router that does not answer lost its workers and stats keys and gained error; a role that does not answer had
+    # no key saying why. Scripts read the same keys either way.
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.service import deployment_host, unit_names
+    from pdctl.statemachine.topology import topology_of
+
+    demo.apply()
+    up = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert up["router"]["error"] is None and up["router"]["workers"] and all(r["error"] is None for r in up["roles"])
+    loaded = demo.load()
+    names = unit_names(topology_of(loaded.deployment))
+    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state))
+    manager.stop(names["router"])
+    manager.stop(names["decode"])
+    down = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert set(down["router"]) == set(up["router"]), (set(down["router"]) ^ set(up["router"]))
+    assert down["router"]["workers"] is None and down["router"]["error"], down["router"]
+    decode = next(r for r in down["roles"] if r["name"] == "decode")
+    assert set(decode) == set(up["roles"][1]) and decode["health"] == 0
+    assert decode["error"] == f"GET {decode['url']}/health: nothing answered (connection refused, reset or timed out)"
