@@ -7,8 +7,8 @@ Decisions taken here, each once:
   :meth:`Deployment.roles`), ``pdctl-<name>-router.service``, ``pdctl-<name>.target``.
 * **Bootstrap port.** A prefill always passes ``--disaggregation-bootstrap-port`` (its own, or
   SGLang's default 8998 written out), and the router's ``--prefill URL PORT`` names the same port.
-  A decode without its own passes the prefill's when there is exactly one prefill (that is the
-  port decode falls back to for a request without one).
+  A decode passes one only where its role sets it (the fallback for a request without one; see
+  :func:`_bootstrap_port`).
 * **NUMA.** ``numa_node`` from the role, else the one NUMA node all its GPUs sit on
   (``hosts.<h>.gpu_numa``); CPU list from ``hosts.<h>.numa_cpus`` (no list → no ``CPUAffinity=``).
 * **Secrets.** Environment variables whose name says secret (``*TOKEN*``, ``*SECRET*``,
@@ -20,7 +20,7 @@ Decisions taken here, each once:
   unknown), stop 120 s, restart after 10 s, at most 3 starts per 3 × (start timeout + 10 s) — so
   three failed cold starts in a row trip the limit however long a load takes. The router: start
   300 s (it starts after both servers are ready), stop 210 s (above smg's 180 s drain), restart
-  after 5 s, 5 starts per 5 × 305 s.
+  after 1 s, 5 starts per 5 × 305 s.
 * **Readiness.** Servers gate on ``/health`` (503 while loading), the router on ``/readiness``
   (503 until it has healthy workers; its ``/health`` is 200 even with none), each probed on the
   role's own host, wildcard bind addresses mapped to loopback.

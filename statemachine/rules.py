@@ -449,9 +449,11 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     def claim(host: str, port: int, owner: str, field: str) -> None:
         other = ports.get((host, port))
         if other is not None:
+            derived = "derived ZMQ port" in other or "derived ZMQ port" in owner  # (said only where it is the cause)
             err(field, f"port {port} on host {host!r} is also {other}",
-                f"choose a port nothing else on host {host!r} uses (a server with attention-DP also takes SGLang's "
-                f"derived ports, its port +{min(DERIVED_PORT_OFFSETS)} to +{max(DERIVED_PORT_OFFSETS)})")
+                f"choose a port nothing else on host {host!r} uses" + (
+                    f" (a server with attention-DP also takes SGLang's derived ports, its port "
+                    f"+{min(DERIVED_PORT_OFFSETS)} to +{max(DERIVED_PORT_OFFSETS)})" if derived else ""))
         else:
             ports[(host, port)] = owner
 
