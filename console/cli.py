@@ -898,6 +898,9 @@ def _chat(spec: Path, message: str, state_dir: Path | None, timeout: float) -> N
     finally:
         dhost.close()
     sys.stdout.write(json.dumps(r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text, indent=1) + "\n")
+    if r.status_code != 200:  # (the body alone, on stdout, did not say that the request failed)
+        _err(f"error: POST {url}/v1/chat/completions answered HTTP {r.status_code} (its body is on stdout); "
+             f"`pdctl status {spec}` shows whether every role serves")
     raise typer.Exit(ExitCode.OK if r.status_code == 200 else ExitCode.ERROR)
 
 

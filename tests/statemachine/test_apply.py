@@ -2161,3 +2161,18 @@ def test_status_json_keeps_its_shape_when_the_router_and_a_role_are_down(demo):
     decode = next(r for r in down["roles"] if r["name"] == "decode")
     assert set(decode) == set(up["roles"][1]) and decode["health"] == 0
     assert decode["error"] == f"GET {decode['url']}/health: nothing answered (connection refused, reset or timed out)"
+
+
+def test_chat_that_the_router_answers_with_an_error_says_so_on_stderr(demo):
+    # (exit 1 with the error body on stdout and nothing on stderr: a terminal showed a JSON body and no failure)
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.service import deployment_host, unit_names
+    from pdctl.statemachine.topology import topology_of
+
+    demo.apply()
+    loaded = demo.load()
+    decode = unit_names(topology_of(loaded.deployment))["decode"]
+    launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(demo.state)).stop(decode)
+    r = demo.cli("chat", str(demo.spec), "hello", "--timeout", "60", timeout=120)
+    assert r.returncode == ExitCode.ERROR, (r.stdout, r.stderr)
+    assert r.stdout.strip() and "answered HTTP " in r.stderr and "(its body is on stdout)" in r.stderr, r.stderr
