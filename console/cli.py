@@ -586,6 +586,10 @@ _START_LIMIT = ("  [failed again and again until its start limit stopped the res
 
 _UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
 
+_WATCHDOG_GONE = ("  [its supervisor (pdctl's watchdog process) and its server are both gone, killed or crashed: nothing "
+                  "runs or restarts it; its output.log in the state directory's supervisor folder may say why; "
+                  "`pdctl apply` starts it again]")
+
 
 def _router_workers_text(rt: dict, mode: str = "pd") -> str:
     """The workers the router registered, by kind (prefill and decode for a PD deployment, even when none is
@@ -632,6 +636,7 @@ def _status_text(st: dict) -> str:
             f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
             + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
+            + _WATCHDOG_GONE * (r.get("sub_state") == "watchdog-gone")
         )
     if rt:
         lines.append(
@@ -640,6 +645,7 @@ def _status_text(st: dict) -> str:
             + f"  restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
+            + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")
         )
     # what each choice does to them: the recorded spec is planned as `pdctl plan` plans it (from the interrupted
     # target, a topology change to confirm, once that apply began the other shape: recorded_requires_confirmation)

@@ -2176,3 +2176,27 @@ def test_chat_that_the_router_answers_with_an_error_says_so_on_stderr(demo):
     r = demo.cli("chat", str(demo.spec), "hello", "--timeout", "60", timeout=120)
     assert r.returncode == ExitCode.ERROR, (r.stdout, r.stderr)
     assert r.stdout.strip() and "answered HTTP " in r.stderr and "(its body is on stdout)" in r.stderr, r.stderr
+
+
+def test_status_says_what_a_role_whose_watchdog_and_server_died_needs(demo):
+    # "failed (watchdog-gone)" stood alone: neither what it means nor what brings the role back
+    demo.apply()
+    unit = f"pdctl-{demo.name}-decode.service"
+    folder = Path(demo.state) / "supervisor" / "services" / unit
+    watchdog, main = (int((folder / f).read_text().split()[0]) for f in ("watchdog.pid", "main.pid"))
+    os.kill(watchdog, signal.SIGKILL)
+    os.kill(main, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while any(not process_gone(p) for p in (watchdog, main)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    deadline = time.monotonic() + 20
+    while True:  # (as soon as both are gone; polled, so that a slow /proc under load cannot make it flaky)
+        r = demo.cli("status", str(demo.spec))
+        line = next(x for x in r.stdout.splitlines() if x.strip().startswith("decode"))
+        if "failed (watchdog-gone)" in line or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "failed (watchdog-gone)" in line and "nothing runs or restarts it" in line, r.stdout + r.stderr
+    assert "`pdctl apply` starts it" in line
+    assert demo.apply().state == "parsers_configured"
