@@ -72,6 +72,7 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
 }
 _OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "gpus",
+    "CUDA_DEVICE_ORDER": "gpus (nvidia-smi's PCI bus order, which pdctl sets)",
     "SGLANG_CACHE_DIR": "engine.cache_dir",
     "SGLANG_PLUGINS": "kernels",
     "PDCTL_KERNELS_DIR": "kernels",

@@ -5,7 +5,10 @@ Flags follow SGLang 0.5.23's ``launch_server`` parser and smg 1.13.0's ``launch`
 
 * ``--enable-metrics`` always: the telemetry and the router's ``/engine_metrics`` need ``/metrics``.
 * GPUs: ``CUDA_VISIBLE_DEVICES=<physical ids>`` plus ``--base-gpu-id 0``. SGLang counts
-  ``--base-gpu-id`` inside the visible set, so the two together can never point outside it.
+  ``--base-gpu-id`` inside the visible set, so the two together can never point outside it. With
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: the ids are nvidia-smi's (PCI bus order), which the NUMA binding and
+  the GPU checks read; CUDA's default order is fastest first (CUDA C Programming Guide, "CUDA Environment
+  Variables"), which on a host with mixed GPUs names other devices.
 * ``--tp-size`` always (it is what ``/server_info`` is checked against); ``--attn-dp-size`` and
   ``--ep-size`` only above 1 (1 is SGLang's default and the flags stay short).
 * Older targets spell two things otherwise (``ServerLaunch.legacy_dp_attention``,
@@ -85,11 +88,12 @@ def server_argv(s: ServerLaunch) -> list[str]:
 
 
 def server_env(s: ServerLaunch) -> dict[str, str]:
-    """The server's environment additions, in this order: ``CUDA_VISIBLE_DEVICES``,
+    """The server's environment additions, in this order: ``CUDA_DEVICE_ORDER`` and ``CUDA_VISIBLE_DEVICES``,
     ``SGLANG_CACHE_DIR``, ``UCX_NET_DEVICES`` (each only when known), then the role's own env
     (which may override any of them)."""
     env: dict[str, str] = {}
     if s.gpu_ids:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in s.gpu_ids)
     if s.cache_dir:
         env["SGLANG_CACHE_DIR"] = s.cache_dir

@@ -160,17 +160,20 @@ DSV32_MODEL_ARGV = ["--model-path", "deepseek-ai/DeepSeek-V3.2", "--served-model
 
 def test_seed_environment_pins_gpus_and_the_cache_dir(seed):
     # (the seed's DeepSeek-V4 runs on SGLang's own dsv4 attention: no kernels, no plugin switches)
+    # (the ids in nvidia-smi's PCI order, as the spec, the NUMA binding and the GPU checks read them: CUDA's own
+    # default order is fastest first)
     assert server_env(launch_for_role(seed, "prefill")) == {
-        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
     assert server_env(launch_for_role(seed, "decode")) == {
-        "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
 
 
 def test_dsv32_with_kernels_carries_the_plugins_switches_and_the_dsa_flags():
     dep = parse_spec(dsv32_dict())
     for role, gpus, argv in (("prefill", "0,1,2,3", SEED_PREFILL_ARGV), ("decode", "4,5,6,7", SEED_DECODE_ARGV)):
         launch = launch_for_role(dep, role)
-        assert server_env(launch) == {"CUDA_VISIBLE_DEVICES": gpus, "SGLANG_CACHE_DIR": "/var/cache/sglang",
+        assert server_env(launch) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": gpus,
+                                      "SGLANG_CACHE_DIR": "/var/cache/sglang",
                                       **PLUGIN_ENV}
         got = server_argv(launch)
         parsers = ["--reasoning-parser", "deepseek-v3", "--tool-call-parser", "deepseekv32"]
@@ -184,7 +187,8 @@ def test_seed_services_carry_the_golden_argv_and_env(seed):
     assert list(svc) == ["prefill", "decode", "router"]
     assert list(svc["prefill"].argv) == SEED_PREFILL_ARGV
     assert list(svc["router"].argv) == SEED_ROUTER_ARGV
-    assert dict(svc["decode"].env) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+    assert dict(svc["decode"].env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+                                       "SGLANG_CACHE_DIR": "/var/cache/sglang"}
     assert svc["prefill"].numa_node == 0 and svc["prefill"].cpu_affinity == "0-31,64-95"
     assert svc["decode"].numa_node == 1 and svc["decode"].cpu_affinity == "32-63,96-127"
 
@@ -274,7 +278,7 @@ def test_ucx_net_devices_and_ib_device():
 
 def test_role_env_overrides_pdctl_env():
     env = server_env(_server(gpu_ids=(1,), env={"CUDA_VISIBLE_DEVICES": "7", "X": "y"}))
-    assert env == {"CUDA_VISIBLE_DEVICES": "7", "X": "y"}
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "7", "X": "y"}
 
 
 def test_auto_kv_cache_dtype_is_left_to_sglang():

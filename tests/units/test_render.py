@@ -65,6 +65,7 @@ Type=exec
 ExecStart={SERVER_COMMON} --port 30010 --nccl-port 30110 --disaggregation-mode prefill \
 --disaggregation-transfer-backend nixl --disaggregation-bootstrap-port 8998 {PARSERS}
 ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30010/health 3000
+Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID
 Environment=CUDA_VISIBLE_DEVICES=0,1,2,3
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
 SyslogIdentifier=pdctl-dsv4-flash-prefill
@@ -96,6 +97,7 @@ Type=exec
 ExecStart={SERVER_COMMON} --port 30020 --nccl-port 30120 --disaggregation-mode decode \
 --disaggregation-transfer-backend nixl {PARSERS}
 ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30020/health 3000
+Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID
 Environment=CUDA_VISIBLE_DEVICES=4,5,6,7
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
 SyslogIdentifier=pdctl-dsv4-flash-decode
@@ -425,7 +427,7 @@ def test_pdctl_units_interrupted_while_writing_says_so(tmp_path, monkeypatch, ca
     from pdctl.console import cli
     from pdctl.statemachine import launch
 
-    def interrupted(dep, out):  # noqa: ANN001, ANN202
+    def interrupted(dep, out, **kw):  # noqa: ANN001, ANN003, ANN202
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "write_units", interrupted)
