@@ -668,7 +668,10 @@ def _status_text(st: dict) -> str:
         for name, s in st["steps"].items():
             age = f" ({s['age_s']:.0f}s ago)" if s.get("age_s") is not None else ""
             summary = (s.get("summary") or "").split("\n", 1)[0]  # a failure's log excerpt stays in --json
-            lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}")
+            since = s.get("restarted_since") or []
+            stale = (f"  [proven before {', '.join(since)} restarted (a crash its supervisor recovered from?): "
+                     "`pdctl apply` proves it again]") if since else ""
+            lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}{stale}")
     views = [*st["roles"], *([rt] if rt else [])]
     if any(x.get("port_held_for") for x in views):
         from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT

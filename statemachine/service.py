@@ -929,14 +929,23 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     # no lock before the journal was read, nor after: a "running" step is a killed apply's (an apply that took the lock
     # in between journalled its own step as running)
     settled = locked_by is None and _lock_holder(loaded) is None
+    # A proof describes the processes that ran when it was taken: a unit whose main process started after it (its
+    # supervisor or systemd restarted it after a crash) is no longer what the step proved
+    pids = {names[r.name]: st.main_pid for r, st, _code in seen}
+    if router is not None:
+        pids[router["unit"]] = router["main_pid"]
+    started = {u: _process_started_at(host, pid) for u, pid in pids.items() if pid}
     for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
         killed = rec.status == "running" and settled  # journalled as running, and no apply holds the lock
+        since = [u for u in _units_of_step(name, topo, names) if rec.status == "done" and rec.finished_at
+                 and (started.get(u) or 0) > rec.finished_at + 1.0]
         steps[name] = {
             "status": "interrupted" if killed else rec.status,
             "summary": "its apply was killed while it ran (the next apply resumes it)" if killed
             else summary or (INTERRUPTED_SUMMARY if rec.status == "interrupted" else None),
             "age_s": round(now - rec.finished_at, 1) if rec.finished_at else None,
+            "restarted_since": since,
         }
     reached = None
     for name, rec in ordered:
@@ -1012,6 +1021,34 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
     else:
         said = f"interrupted{during}: what already runs stays as it is; apply again to converge, or `pdctl down` to stop it"
     sink.emit(Event("apply_interrupted", said, step=step, data={"plan_id": plan.plan_id, "stopped": list(down)}))
+
+
+def _units_of_step(step: str, topo: Topology, names: dict[str, str]) -> list[str]:
+    """The units whose processes *step*'s proof is about: a role kind's ``<kind>_up`` its roles, the KV link both
+    ends, ``router_exposed`` the router, ``parsers_configured`` every server and the router (its chat goes through)."""
+    roles = {r.name: r.kind for r in topo.roles}
+    if step.endswith("_up"):
+        return [names[n] for n, kind in roles.items() if f"{kind}_up" == step and n in names]
+    if step == "kv_link_verified":
+        return [names[n] for n, kind in roles.items() if kind in ("prefill", "decode") and n in names]
+    if step in ("router_exposed", "parsers_configured"):
+        every = [names[n] for n in roles if n in names] if step == "parsers_configured" else []
+        return every + ([names["router"]] if "router" in names else [])
+    return []
+
+
+def _process_started_at(host, pid: int) -> float | None:  # noqa: ANN001
+    """When process *pid* on *host* started, in epoch seconds: ``/proc/PID/stat``'s start time (field 22, clock ticks
+    since boot, proc(5)) plus ``/proc/stat``'s ``btime``; None where they cannot be read."""
+    from pdctl.units import proc_starttime
+
+    try:
+        ticks = proc_starttime(host.read_file(f"/proc/{pid}/stat"))
+        btime = next(int(line.split()[1]) for line in host.read_file("/proc/stat").decode().splitlines()
+                     if line.startswith("btime "))
+    except (OSError, HostError, ValueError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK") if ticks >= 0 else None
 
 
 def _can_run_commands(dep: Deployment, host) -> None:  # noqa: ANN001

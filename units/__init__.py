@@ -16,6 +16,7 @@ from ._argv import router_argv, router_env, server_argv, server_env
 from ._host import CommandResultLike, HostLike
 from ._manager import ServiceManager
 from ._process import SUPERVISOR_LINE, ProcessSupervisor, parse_env_file
+from ._process import _proc_starttime as proc_starttime
 from ._systemd import (
     MARKER,
     READINESS_GATE,
@@ -79,6 +80,7 @@ __all__ = [
     "exec_word",
     "is_pdctl_unit",
     "pairs",
+    "proc_starttime",
     "parse_env_file",
     "parse_show",
     "render_env_file",

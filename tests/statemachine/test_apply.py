@@ -2200,3 +2200,29 @@ def test_status_says_what_a_role_whose_watchdog_and_server_died_needs(demo):
     assert "failed (watchdog-gone)" in line and "nothing runs or restarts it" in line, r.stdout + r.stderr
     assert "`pdctl apply` starts it" in line
     assert demo.apply().state == "parsers_configured"
+
+
+def test_status_marks_the_proofs_taken_before_a_role_restarted_after_a_crash(demo):
+    # kill -9 of the decode server: its supervisor restarts it and status said "healthy" with the old proofs (the KV
+    # link proven on a process that is gone) and nothing but "restarts 1" to tell
+    demo.apply()
+    unit = f"pdctl-{demo.name}-decode.service"
+    before = demo.status()
+    old = next(r for r in before["roles"] if r["name"] == "decode")["main_pid"]
+    assert all(not s["restarted_since"] for s in before["steps"].values()), before["steps"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        st = demo.status()
+        dec = next(r for r in st["roles"] if r["name"] == "decode")
+        if dec["main_pid"] not in (None, old) and dec["health"] == 200:
+            break
+        assert time.monotonic() < deadline, dec
+        time.sleep(0.5)
+    stale = {name for name, s in st["steps"].items() if unit in s["restarted_since"]}
+    assert stale == {"decode_up", "kv_link_verified", "parsers_configured"}, st["steps"]
+    r = demo.cli("status", str(demo.spec))
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("kv_link_verified"))
+    assert f"[proven before {unit} restarted" in line and "`pdctl apply` proves it again" in line, r.stdout
+    assert demo.apply().state == "parsers_configured"
+    assert all(not s["restarted_since"] for s in demo.status()["steps"].values())
