@@ -610,6 +610,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"transfer ('{attr.replace('_', ' ').capitalize()} mismatch')",
                     f"set one model.{attr} and remove the per-role overrides",
                 )
+        # both sides on one host with SGLang's random --nccl-port: they can race onto the same one (EADDRINUSE at
+        # start-up; SGLang's own PD test fixture pins a distinct --nccl-port per side; shared/reference/sglang-pd.md)
+        for host in sorted({r.host for r in dep.prefill} & {r.host for r in dep.decode}):
+            unset = [r for r in dep.prefill + dep.decode if r.host == host and r.nccl_port is None]
+            if unset:
+                first = unset[0]
+                warn(f"{_role_field(dep, first)}.nccl_port",
+                     f"prefill and decode share host {host!r} and {', '.join(_role_field(dep, r) for r in unset)} "
+                     "leave --nccl-port to SGLang, which picks one at random on each side: both can pick the same "
+                     "(EADDRINUSE at start-up)",
+                     f"set nccl_port on each role of host {host!r}, e.g. nccl_port = {first.port + 100}")
         if facts is not None and facts.decode_layout_on_prefill:
             layouts = sorted({(r.tp, r.attn_dp) for r in dep.prefill + dep.decode})
             if len(layouts) > 1:

@@ -1233,3 +1233,13 @@ def test_sglang_0_5_6_needs_prefill_and_decode_in_one_layout():
     d = seed_dict()
     d["sglang_version"] = "0.5.6"
     assert not [x for x in _errors(d) if x.field == "decode[0].tp"]  # the seed's TP4 / TP4
+
+
+def test_prefill_and_decode_on_one_host_without_nccl_ports_is_a_warning():
+    # SGLang picks a random --nccl-port on each side: both can pick the same one (its own PD fixture pins them)
+    d = seed_dict()
+    d["decode"][0].pop("nccl_port", None)
+    f = _one(d, "decode[0].nccl_port", "share host 'local'", "decode[0] leave --nccl-port to SGLang",
+             "nccl_port = 30120", level="warning")
+    assert f.level == "warning"
+    assert not [x for x in validate(parse_spec(seed_dict())) if x.field.endswith("nccl_port")]  # both pinned
