@@ -610,6 +610,15 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"transfer ('{attr.replace('_', ' ').capitalize()} mismatch')",
                     f"set one model.{attr} and remove the per-role overrides",
                 )
+        if kv is not None and kv.backend in ("nixl", "mooncake", "mori") and dep.service_manager == "systemd-user":
+            # the units ask LimitMEMLOCK=infinity for RDMA registration; a user's manager cannot raise its own hard
+            # limit (setrlimit(2): only a privileged process can), so it starts the servers with the user's
+            warn("service_manager",
+                 f"{kv.backend} registers the KV cache for RDMA, for which the units ask LimitMEMLOCK=infinity; a "
+                 "systemd user manager cannot raise the locked-memory limit above the user's own hard limit "
+                 "(`ulimit -Hl`), and starts the servers with that instead",
+                 "raise the user's memlock hard limit (/etc/security/limits.conf: `USER hard memlock unlimited`, then "
+                 'log in again), or use service_manager = "systemd-system"')
         # both sides on one host with SGLang's random --nccl-port: they can race onto the same one (EADDRINUSE at
         # start-up; SGLang's own PD test fixture pins a distinct --nccl-port per side; shared/reference/sglang-pd.md)
         for host in sorted({r.host for r in dep.prefill} & {r.host for r in dep.decode}):

@@ -1243,3 +1243,13 @@ def test_prefill_and_decode_on_one_host_without_nccl_ports_is_a_warning():
              "nccl_port = 30120", level="warning")
     assert f.level == "warning"
     assert not [x for x in validate(parse_spec(seed_dict())) if x.field.endswith("nccl_port")]  # both pinned
+
+
+def test_an_rdma_backend_under_a_user_manager_warns_of_the_memlock_limit():
+    d = seed_dict()
+    d["service_manager"] = "systemd-user"
+    f = _one(d, "service_manager", "LimitMEMLOCK=infinity", "ulimit -Hl", "limits.conf", level="warning")
+    assert f.level == "warning"
+    d["kv_transfer"]["backend"] = "mooncake_tcp"  # no RDMA registration
+    assert not [x for x in validate(parse_spec(d)) if x.field == "service_manager"]
+    assert not [x for x in validate(parse_spec(seed_dict())) if x.field == "service_manager"]  # system scope
