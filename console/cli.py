@@ -520,7 +520,7 @@ def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
     from pdctl.statemachine.service import load, status
 
     try:
-        loaded = load(spec, state_dir=state_dir, rules=False)
+        loaded = load(spec, state_dir=state_dir, rules=False, discover="try")
     except PdctlError as exc:  # a spec that does not parse or validate: no deployment name to report
         if as_json:  # scripts still get an object, as from plan --json (they got nothing on stdout)
             sys.stdout.write(json.dumps({"deployment": None, "healthy": False, "error": exc.message,
@@ -672,6 +672,10 @@ def _status_text(st: dict) -> str:
             stale = (f"  [proven before {', '.join(since)} restarted (a crash its supervisor recovered from?): "
                      "`pdctl apply` proves it again]") if since else ""
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}{stale}")
+    target = st.get("target") or {}
+    if target.get("enabled") is False:
+        lines.append(f"  {target['unit']} is not enabled: a reboot would not start the deployment; `pdctl apply` "
+                     "enables it")
     views = [*st["roles"], *([rt] if rt else [])]
     if any(x.get("port_held_for") for x in views):
         from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT
@@ -753,7 +757,7 @@ def units_cmd(
     if os.path.lexists(out) and not out.is_dir():
         raise _out_unwritable(out, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out)),
                               "the units", example)
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, discover="try")  # (a discovering host: what apply binds to)
     global _interrupted_hint
     _interrupted_hint = (f"interrupted while the unit files were written: some may be in {out}, none is installed; "
                          "run it again")
@@ -767,6 +771,10 @@ def units_cmd(
                                    "if it is an old copy of it") from exc
     except OSError as exc:
         raise _out_unwritable(out, exc, "the units", example) from exc
+    except ValueError as exc:  # a path systemd would not read back as one (rendered before anything is written)
+        raise PdctlError(f"the units cannot be written: {exc}; nothing was written",
+                         hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a path without spaces, quotes or "
+                              "backslashes: a user-scope spec's secrets are kept under it") from None
     for p in written:
         sys.stdout.write(f"{p}\n")
 
@@ -866,7 +874,7 @@ def _chat(spec: Path, message: str, state_dir: Path | None, timeout: float) -> N
     from pdctl.statemachine.service import load
     from pdctl.statemachine.topology import topology_of
 
-    loaded = load(spec, state_dir=state_dir)
+    loaded = load(spec, state_dir=state_dir, discover="try")  # (a discovering host: what apply binds to)
     spec_topo = topology_of(loaded.deployment)
     state = loaded.journal.read()  # what runs (or is being applied), as `pdctl status` reads it
     if state.target is None and state.deployed is None:

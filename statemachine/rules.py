@@ -72,7 +72,7 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
 }
 _OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "gpus",
-    "CUDA_DEVICE_ORDER": "gpus (nvidia-smi's PCI bus order, which pdctl sets)",
+    "CUDA_DEVICE_ORDER": "gpus (their ids are nvidia-smi's, so pdctl sets CUDA_DEVICE_ORDER=PCI_BUS_ID)",
     "SGLANG_CACHE_DIR": "engine.cache_dir",
     "SGLANG_PLUGINS": "kernels",
     "PDCTL_KERNELS_DIR": "kernels",
@@ -103,12 +103,27 @@ SMG_VERSION = "1.13.0"
 
 
 @functools.lru_cache(maxsize=None)
-def _smg_flags() -> frozenset[str]:
-    """The option strings ``smg launch`` accepts (``data/smg-1.13.0-flags.json``, recorded from smg's own parser)."""
+def _smg_record() -> dict:
     from importlib import resources
 
-    data = resources.files("pdctl.statemachine").joinpath(f"data/smg-{SMG_VERSION}-flags.json").read_text()
-    return frozenset(json.loads(data)["flags"])
+    return json.loads(resources.files("pdctl.statemachine").joinpath(f"data/smg-{SMG_VERSION}-flags.json").read_text())
+
+
+def _smg_flags() -> frozenset[str]:
+    """The option strings ``smg launch`` accepts (``data/smg-1.13.0-flags.json``, recorded from smg's own parser)."""
+    return frozenset(_smg_record()["flags"])
+
+
+def _stray_words(args: list[str], without_value: frozenset[str]) -> list[str]:
+    """Words of *args* that no flag takes: before any flag, or after a flag that takes no value (argparse refuses
+    them: "unrecognized arguments")."""
+    stray, takes = [], False
+    for a in args:
+        if a.startswith("-"):
+            takes = "=" not in a and a not in without_value
+        elif not takes:
+            stray.append(a)
+    return stray
 
 
 # The --policy choices of each router_impl, as its CLI lists them: smg 1.13.0 (the version pinned in pyproject.toml,
@@ -523,6 +538,12 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "(in HTTP mode the router forwards requests; the decode server's parser shapes the answer)",
                     f"move it to [parsers].{fld} and remove it from [router]",
                 )
+        stray = _stray_words(list(router.extra_args), frozenset(_smg_record()["flags_without_value"])) \
+            if dep.router_impl == "smg" else []
+        if stray:
+            err("router.extra_args", f"{', '.join(map(repr, stray))}: no flag takes {'it' if len(stray) == 1 else 'them'} "
+                f"(smg {SMG_VERSION} would exit 'unrecognized arguments' at router_exposed)",
+                'give each value after its flag, e.g. ["--policy", "random"] (or set router.policy)')
         for arg in router.extra_args:
             name = _flag_name(arg)
             if name in _PARSER_FLAGS:
@@ -539,8 +560,12 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 )
             elif name is not None and dep.router_impl == "smg" and name not in _smg_flags():
                 # smg exits 2 ("unrecognized arguments") at router_exposed, after both servers' cold starts
+                import difflib
+
+                near = difflib.get_close_matches(name, sorted(_smg_flags()), n=3, cutoff=0.6)
                 err("router.extra_args", f"{name} is not a flag of smg {SMG_VERSION} (`smg launch`)",
-                    _closest("flag", name, _smg_flags(), where=f"`smg launch --help` of smg {SMG_VERSION}"))
+                    (f"did you mean {' or '.join(map(repr, near))}? " if near else "")
+                    + f"`smg launch --help` lists smg {SMG_VERSION}'s flags")
             elif name == "--api-key":
                 err(
                     "router.extra_args",
@@ -677,8 +702,11 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                                    for _n, _k, r in roles)):
             known = known_of.get(flag)
             if value is not None and known and value not in known:
+                sparse = [f"model.dsa_{side}_backend" for side, names in zip(("prefill", "decode"), facts.dsa_backends)
+                          if value in names] if flag == "--attention-backend" else []
                 err(fld, f"{value!r} is not a {flag} choice of SGLang {facts.version}",
-                    _closest(f"{flag} choice", value, known))
+                    f"it is a sparse-attention backend: set {' or '.join(sparse)} = {value!r} instead (with "
+                    'attention_backend = "dsa" or left out)' if sparse else _closest(f"{flag} choice", value, known))
         for fld, value, known in (("model.dsa_prefill_backend", dep.model.dsa_prefill_backend, facts.dsa_backends[0]),
                                   ("model.dsa_decode_backend", dep.model.dsa_decode_backend, facts.dsa_backends[1])):
             if value is not None and value not in known:  # SGLang exits 2 at prefill_up ("invalid choice")

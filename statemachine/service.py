@@ -42,44 +42,62 @@ def journal_for(dep: Deployment, state_dir: str | os.PathLike[str] | None = None
 
 
 def load(spec_path: str | os.PathLike[str], *, state_dir: str | os.PathLike[str] | None = None,
-         discover: bool = False, rules: bool = True) -> Loaded:
+         discover: bool | str = False, rules: bool = True) -> Loaded:
     """Read, validate and rule-check a spec. Raises SpecError. Contacts no host, unless *discover*: then the
     hosts with ``inventory = "discover"`` that run roles are read (``pdctl.statemachine.inventory``; HostError
-    when one cannot be) and the placement rules use what they report. With *rules* False (``down``, ``status``: they
-    act on what the journal records, and a spec half-edited during an incident must not block them) a broken rule is
-    returned among the warnings instead of raised; a spec that does not parse still raises."""
+    when one cannot be) and the placement rules use what they report, as the units' NUMA binding does; with
+    *discover* ``"try"`` (``status``, ``chat``, ``units``: they compare with or render what apply installs) or with
+    *rules* False, a host that cannot be read keeps the facts the spec declares. With *rules* False (``down``,
+    ``status``: they act on what the journal records, and a spec half-edited during an incident must not block them)
+    a broken rule is returned among the warnings instead of raised; a spec that does not parse still raises."""
     dep = load_spec(spec_path)
+    inventories = _discovered(dep, strict=rules and discover is True) if discover else None
     if not rules:
         from pdctl.statemachine.rules import validate
 
-        return Loaded(Path(spec_path), dep, [f for f in validate(dep) if f.level in ("error", "warning")],
-                      journal_for(dep, state_dir))
-    inventories = None
-    if discover:
-        from pdctl.statemachine.hosts import host_for
-        from pdctl.statemachine.inventory import discover as _discover
+        found = [f for f in validate(dep, inventories=inventories) if f.level in ("error", "warning")]
+        dep = _with_inventories(dep, inventories)
+        return Loaded(Path(spec_path), dep, found, journal_for(dep, state_dir))
+    warnings = check(dep, inventories=inventories)
+    dep = _with_inventories(dep, inventories)
+    return Loaded(Path(spec_path), dep, warnings, journal_for(dep, state_dir))
 
-        used = {r.host for _n, _k, r in dep.roles()}
-        inventories = {}
-        for key, h in sorted(dep.hosts.items()):
-            if h.inventory == "discover" and key in used:
+
+def _discovered(dep: Deployment, *, strict: bool) -> dict:
+    """The inventories of *dep*'s hosts with ``inventory = "discover"`` that run roles (HostError where one cannot be
+    read; with *strict* False that host is left out instead)."""
+    from pdctl.statemachine.hosts import host_for
+    from pdctl.statemachine.inventory import discover as _discover
+
+    used = {r.host for _n, _k, r in dep.roles()}
+    inventories = {}
+    for key, h in sorted(dep.hosts.items()):
+        if h.inventory == "discover" and key in used:
+            try:
                 host = host_for(h, name=key)
                 try:
                     inventories[key] = _discover(host)
                 finally:
                     host.close()
-    warnings = check(dep, inventories=inventories)
-    if inventories:
-        # What was discovered is what the units bind to (topology.numa_binding reads the hosts' gpu_numa and
-        # numa_cpus), as the rules just checked it: a discovering host otherwise ran its roles unpinned.
-        dep = dep.model_copy(update={"hosts": {
-            key: h.model_copy(update={"gpu_numa": list(inventories[key].gpu_numa)
-                                      if inventories[key].gpu_numa is not None else h.gpu_numa,
-                                      "numa_cpus": inventories[key].numa_cpus
-                                      if inventories[key].numa_cpus is not None else h.numa_cpus})
-            if key in inventories else h
-            for key, h in dep.hosts.items()}})
-    return Loaded(Path(spec_path), dep, warnings, journal_for(dep, state_dir))
+            except HostError:
+                if strict:
+                    raise
+    return inventories
+
+
+def _with_inventories(dep: Deployment, inventories: dict | None) -> Deployment:
+    """*dep* with its hosts' ``gpu_numa`` / ``numa_cpus`` as discovered: what the units bind to
+    (``topology.numa_binding`` reads them), as the rules checked it; a discovering host otherwise ran its roles
+    unpinned, and its recorded topology (the binding) differed from a spec read without discovery."""
+    if not inventories:
+        return dep
+    return dep.model_copy(update={"hosts": {
+        key: h.model_copy(update={"gpu_numa": list(inventories[key].gpu_numa)
+                                  if inventories[key].gpu_numa is not None else h.gpu_numa,
+                                  "numa_cpus": inventories[key].numa_cpus
+                                  if inventories[key].numa_cpus is not None else h.numa_cpus})
+        if key in inventories else h
+        for key, h in dep.hosts.items()}})
 
 
 def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
@@ -289,6 +307,8 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
                            + (" (from another process on its port)" if foreign else ""))
         elif not r["healthy"]:
             answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
+    if (st.get("target") or {}).get("enabled") is False:  # installed, not enabled: a reboot would not start it
+        lasting.append(f"{st['target']['unit']} is not enabled, so a reboot would not start the deployment")
     rt = st.get("router")
     if rt and not rt.get("supervised", True):
         lasting.append("router UNSUPERVISED (its supervisor is gone)")
@@ -766,6 +786,7 @@ def apply(
                         step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
                 sink.emit(Event.apply_failed(exc))
                 raise
+            _enable_target(ctx, sink)
             state.deployed = desired
             state.target = None
             j.write(state)
@@ -779,6 +800,19 @@ def apply(
             _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing,
                          down=sorted(ctx.restarting_now) if ctx is not None else ())
             raise
+
+
+def _enable_target(ctx, sink) -> None:  # noqa: ANN001
+    """Under systemd, enable the deployment's target where it is installed and not enabled (a deployment applied by a
+    pdctl that did not enable it, or disabled by hand): its ``WantedBy=`` is what starts the deployment at boot. The
+    units' installs enable it too; this catches the apply that installs nothing."""
+    from pdctl.statemachine.events import Event
+
+    enabled = getattr(ctx.manager, "target_enabled", None)
+    name = ctx.units.target.name
+    if enabled is not None and enabled(name) is False:
+        sink.emit(Event("info", f"enabling {name}, so that the deployment starts at boot", data={"unit": name}))
+        ctx.manager.enable(name)
 
 
 def _stop_order(unit: str) -> int:
@@ -970,9 +1004,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             # down-started as the last word with no lock held: that down was killed (SIGKILL, a reboot)
             unfinished_down = {"event": last["event"], "ts": last.get("ts"), "pid": last.get("pid"),
                                "error": last.get("error")}
+    enabled = getattr(manager, "target_enabled", None)  # (systemd: the process supervisor has no boot-time start)
+    target = f"pdctl-{topo.name}.target"
     return {
         "deployment": topo.name,
         "mode": topo.mode,
+        "target": {"unit": target, "enabled": enabled(target)} if enabled is not None else None,
         "recorded_mode": state.deployed.mode if state.deployed is not None else None,
         "serial": state.serial,
         "plan_id": state.plan_id,

@@ -180,7 +180,7 @@ class SystemdManager(ServiceManager):
                 changed.append(name)
         if changed:
             self._ctl("daemon-reload")
-        if self._target_enabled(units.target.name) is False:
+        if self.target_enabled(units.target.name) is False:
             # The target's [Install] WantedBy= (multi-user.target / default.target) only takes effect once enabled:
             # without it nothing of the deployment starts at boot (or at the user manager's next start).
             self._ctl("enable", "--", units.target.name)
@@ -188,7 +188,12 @@ class SystemdManager(ServiceManager):
                 changed.append(units.target.name)
         return changed
 
-    def _target_enabled(self, name: str) -> bool | None:
+    def enable(self, name: str) -> None:
+        """``systemctl enable`` *name* (a target: its ``WantedBy=`` links, so that it starts at boot)."""
+        self._require_manager()
+        self._ctl("enable", "--", name)
+
+    def target_enabled(self, name: str) -> bool | None:
         """Whether ``name`` is enabled (``systemctl is-enabled``: "enabled"); None when systemctl cannot say (no unit
         file, no manager: nothing to enable, or an error for the caller's next systemctl call to report)."""
         if not self.host.exists(self._unit_path(name)):
@@ -209,7 +214,7 @@ class SystemdManager(ServiceManager):
                 out.append(name)
         out += [s.name for s in units.services
                 if s.secrets and s.name not in out and secrets_pending(self.host, s, s.secrets_file)]
-        if units.target.name not in out and self._target_enabled(units.target.name) is False:
+        if units.target.name not in out and self.target_enabled(units.target.name) is False:
             out.append(units.target.name)  # installed by a pdctl that did not enable it: install() enables it
         return out
 

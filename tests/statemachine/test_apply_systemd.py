@@ -58,6 +58,17 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         with httpx.Client(trust_env=False) as c:
             for r in st["roles"]:
                 assert c.get(f"{r['url']}/server_info").json()["context_length"] == 65536
+        # The target is enabled (its WantedBy= starts the deployment at boot); one left disabled (by hand, or by a
+        # pdctl that did not enable it) is drift that plan names and an apply that changes nothing else enables
+        target = f"pdctl-{demo.load().deployment.name}.target"
+        assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
+        sd.systemctl("disable", target)
+        loaded = demo.load(demo.tmp / "ctx.toml")
+        recorded = loaded.journal.read()
+        why = service.plan_unsettled(loaded, recorded, service.plan_spec(loaded, recorded))
+        assert why.kind == "drift" and f"{target} is not enabled" in why.text, why
+        assert demo.apply(demo.tmp / "ctx.toml").state == "parsers_configured"
+        assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
         service.down(demo.load())
         assert demo.pids() == []
         for unit in names.values():

@@ -137,3 +137,30 @@ def test_what_plan_discovers_is_what_the_units_bind_to(tmp_path, monkeypatch):
     dep = load(spec, state_dir=tmp_path / "state", discover=True).deployment
     assert numa_for(dep, "prefill") == (0, "0-31,64-95")
     assert numa_for(dep, "decode") == (1, "32-63,96-127")
+
+
+def test_status_and_chat_of_a_discovering_deployment_compare_with_what_apply_discovered(make_demo, tmp_path,
+                                                                                      monkeypatch):
+    # apply binds the roles to what it discovers (here node 0's CPUs, from this machine's sysfs); status and chat read
+    # the spec without discovering and called the deployment different from its spec, which plan did not
+    import json
+
+    if not os.path.isdir("/sys/devices/system/node/node0"):
+        pytest.skip("no NUMA node 0 in this machine's sysfs")
+    monkeypatch.setenv("PATH", _fake_smi(tmp_path, [f"00000000:{i:02X}:00.0" for i in range(8)]) + os.pathsep
+                       + os.environ["PATH"])
+
+    def discovering(d) -> None:  # noqa: ANN001
+        d["hosts"]["local"]["inventory"] = "discover"
+        d["prefill"][0]["numa_node"] = d["decode"][0]["numa_node"] = 0
+
+    demo = make_demo(discovering)
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    cpus = open("/sys/devices/system/node/node0/cpulist").read().strip()
+    assert demo.load().journal.read().deployed.roles[0].settings["numa_binding"]["cpus"] == cpus
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert st["healthy"] and st["matches_spec"], st
+    r = demo.cli("chat", str(demo.spec), "hello", "--timeout", "60")
+    assert r.returncode == 0 and "runs other settings" not in r.stderr, r.stderr
+    assert demo.cli("plan", str(demo.spec)).returncode == 0

@@ -1164,7 +1164,7 @@ def test_role_names_that_collide_are_refused_naming_both_fields(index, name, sai
 
 
 @pytest.mark.parametrize("where,field,value,near", [
-    ("model", "attention_backend", "flashmla_sparse", "flashmla"),
+    ("model", "attention_backend", "flashmla_kv2", "flashmla"),
     ("model", "load_format", "dumy", "dummy"),
     ("decode", "kv_cache_dtype", "fp8", None),  # (difflib offers mxfp8; the whole list follows)
 ])
@@ -1194,6 +1194,9 @@ def test_router_extra_args_are_checked_against_smgs_flags():
     assert f.level == "error"
     d["router"]["extra_args"] = ["--request-timeout-secs=600", "--max-concurrent-requests", "64"]
     assert not [x for x in _errors(d) if x.field == "router.extra_args"]
+    for args in (["random"], ["--disable-retries", "random"], ["--request-timeout-secs=600", "random"]):
+        d["router"]["extra_args"] = args  # a word no flag takes: smg exits 2 as for a misspelt flag
+        _one(d, "router.extra_args", "'random': no flag takes it", '["--policy", "random"]')
 
 
 def test_the_recorded_smg_flags_are_the_installed_smgs():
@@ -1217,6 +1220,8 @@ def test_the_recorded_smg_flags_are_the_installed_smgs():
     recorded = json.loads((Path(__file__).resolve().parents[2] / "statemachine" / "data" /
                            f"smg-{SMG_VERSION}-flags.json").read_text())
     assert recorded["smg"] == SMG_VERSION and recorded["flags"] == installed
+    assert recorded["flags_without_value"] == sorted({s for a in p._actions for s in a.option_strings
+                                                      if s.startswith("--") and a.nargs == 0})
 
 
 def test_sglang_0_5_6_needs_prefill_and_decode_in_one_layout():
@@ -1253,3 +1258,9 @@ def test_an_rdma_backend_under_a_user_manager_warns_of_the_memlock_limit():
     d["kv_transfer"]["backend"] = "mooncake_tcp"  # no RDMA registration
     assert not [x for x in validate(parse_spec(d)) if x.field == "service_manager"]
     assert not [x for x in validate(parse_spec(seed_dict())) if x.field == "service_manager"]  # system scope
+
+
+def test_a_sparse_attention_backend_given_as_attention_backend_points_to_its_field():
+    d = seed_dict()
+    d["model"]["attention_backend"] = "flashmla_sparse"
+    _one(d, "model.attention_backend", "model.dsa_prefill_backend or model.dsa_decode_backend = 'flashmla_sparse'")

@@ -179,3 +179,17 @@ def test_a_state_directory_systemd_cannot_name_refuses_the_apply_before_it_start
         unit_files_unrenderable(bad)
     assert e.value.step == "prefill_up" and "--state-dir" in e.value.hint
     unit_files_unrenderable(SimpleNamespace(**{**vars(bad), "manager": SimpleNamespace()}))  # no unit files to write
+
+
+def test_units_with_a_state_directory_systemd_cannot_name_is_an_error_not_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
+    d = seed_dict()
+    d["service_manager"] = "systemd-user"
+    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
+    spec = tmp_path / "user.toml"
+    spec.write_text(dump_toml(d))
+    r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(tmp_path / "u"),
+                        "--state-dir", str(tmp_path / "my state")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: the units cannot be written: EnvironmentFile" in r.stderr and "hint: give --state-dir" in r.stderr
+    assert not (tmp_path / "u").exists()
