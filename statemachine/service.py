@@ -888,6 +888,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code
+            if code != 200:  # (up, not ready: smg answers 503 until it has healthy workers)
+                router["error"] = f"GET {url}/readiness: HTTP {code}"
             workers, stats = probes.router_workers(client, url, timeout=2.0)
             router["workers"] = [w.__dict__ for w in workers]
             router["stats"] = stats
@@ -924,7 +926,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "sub_state": st.sub_state,
                 "url": r.url,
                 "health": code,
-                "error": None if code == 200 else f"GET {r.url}/health: " + (
+                "error": (None if owned else f"GET {r.url}/health was answered by another process on its port, "
+                          "not this role's unit") if code == 200 else f"GET {r.url}/health: " + (
                     f"HTTP {code}" if code else "nothing answered (connection refused, reset or timed out)"),
                 "port_owned": owned,
                 "port_held_for": held_for,
