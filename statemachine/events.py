@@ -52,8 +52,9 @@ class Event:
     def apply_not_started(cls, plan_id: str | None = None) -> Event:
         """The ``apply_interrupted`` event of an apply stopped before it changed anything and with nothing of the
         deployment recorded as running: before its plan (*plan_id* None: the CLI emits it), or after its plan but
-        before ``apply_started`` on a first deployment (the engine). Its message is :data:`APPLY_NOT_STARTED`."""
-        return cls("apply_interrupted", APPLY_NOT_STARTED, data={"plan_id": plan_id})
+        before ``apply_started`` on a first deployment (the engine). Its message is :data:`APPLY_NOT_STARTED`; ``stopped``
+        is empty, as in every ``apply_interrupted`` that left no unit stopped for a restart."""
+        return cls("apply_interrupted", APPLY_NOT_STARTED, data={"plan_id": plan_id, "stopped": []})
 
     @classmethod
     def apply_failed(cls, exc: BaseException) -> Event:

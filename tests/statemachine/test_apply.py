@@ -1538,7 +1538,7 @@ def test_an_apply_stopped_after_its_plan_before_it_started_says_truly_what_runs(
         plan_id = events[0]["data"]["plan_id"] if as_json else r.stderr.split("plan ", 1)[1].split(":", 1)[0]
         if as_json:
             assert [e["kind"] for e in events] == ["plan", "apply_interrupted"], events
-            assert events[1]["step"] is None and events[1]["data"] == {"plan_id": plan_id}, events
+            assert events[1]["step"] is None and events[1]["data"] == {"plan_id": plan_id, "stopped": []}, events
         else:
             assert r.stderr.startswith(f"· plan {plan_id}: "), r.stderr  # the plan was reported first
         audited = demo.load().journal.audit_records()[-1]
@@ -1577,7 +1577,7 @@ def test_a_json_apply_stopped_before_its_plan_ends_with_an_event_too(tmp_path, s
     assert ended, "the interrupted apply left its nvidia-smi running"  # (its own session: the signal never reached it)
     events = [json.loads(x) for x in out.splitlines()]
     assert [e["kind"] for e in events] == ["apply_interrupted"], (events, err)
-    assert events[0]["step"] is None and events[0]["data"] == {"plan_id": None}, events
+    assert events[0]["step"] is None and events[0]["data"] == {"plan_id": None, "stopped": []}, events
     assert "before the apply started: nothing was changed" in events[0]["message"], events
     assert err.rstrip().splitlines()[-1] == said + ("interrupted before the apply started: nothing was changed; run the "
                                                     "same command again"), err
