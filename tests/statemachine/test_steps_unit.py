@@ -521,7 +521,7 @@ def test_status_calls_the_step_of_a_killed_apply_interrupted_not_running(tmp_pat
     loaded.journal.write(JournalState(name=topo.name, target=topo, steps={
         "kernels_built": StepRecord(status="skipped"), "prefill_up": StepRecord(status="running")}))
     st = service.status(loaded)
-    assert st["steps"]["prefill_up"] == {"status": "interrupted", "age_s": None,
+    assert st["steps"]["prefill_up"] == {"status": "interrupted", "age_s": None, "restarted_since": [],
                                          "summary": "its apply was killed while it ran (the next apply resumes it)"}
     with loaded.journal.lock("apply"):  # an apply that holds the lock is running it
         assert service.status(loaded)["steps"]["prefill_up"]["status"] == "running"
