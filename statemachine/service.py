@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -971,7 +971,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     pids = {names[r.name]: st.main_pid for r, st, _code in seen}
     if router is not None:
         pids[router["unit"]] = router["main_pid"]
-    started = {u: _process_started_at(host, pid) for u, pid in pids.items() if pid}
+    boot = _boot_time(host) if any(pids.values()) else None
+    started = {u: _process_started_at(host, pid, boot) for u, pid in pids.items() if pid}
     for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
         killed = rec.status == "running" and settled  # journalled as running, and no apply holds the lock
@@ -1077,18 +1078,27 @@ def _units_of_step(step: str, topo: Topology, names: dict[str, str]) -> list[str
     return []
 
 
-def _process_started_at(host, pid: int) -> float | None:  # noqa: ANN001
-    """When process *pid* on *host* started, in epoch seconds: ``/proc/PID/stat``'s start time (field 22, clock ticks
-    since boot, proc(5)) plus ``/proc/stat``'s ``btime``; None where they cannot be read."""
-    from pdctl.units import proc_starttime
-
+def _boot_time(host) -> int | None:  # noqa: ANN001
+    """*host*'s boot time in epoch seconds (``/proc/stat``'s ``btime``, proc(5)); None where it cannot be read."""
     try:
-        ticks = proc_starttime(host.read_file(f"/proc/{pid}/stat"))
-        btime = next(int(line.split()[1]) for line in host.read_file("/proc/stat").decode().splitlines()
-                     if line.startswith("btime "))
+        return next(int(line.split()[1]) for line in host.read_file("/proc/stat").decode().splitlines()
+                    if line.startswith("btime "))
     except (OSError, HostError, ValueError, StopIteration):
         return None
-    return btime + ticks / os.sysconf("SC_CLK_TCK") if ticks >= 0 else None
+
+
+def _process_started_at(host, pid: int, boot: int | None) -> float | None:  # noqa: ANN001
+    """When process *pid* on *host* started, in epoch seconds: ``/proc/PID/stat``'s start time (field 22, clock ticks
+    since boot, proc(5)) after *boot* (:func:`_boot_time`); None where either cannot be read."""
+    from pdctl.units import proc_starttime
+
+    if boot is None:
+        return None
+    try:
+        ticks = proc_starttime(host.read_file(f"/proc/{pid}/stat"))
+    except (OSError, HostError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK") if ticks >= 0 else None
 
 
 def _can_run_commands(dep: Deployment, host) -> None:  # noqa: ANN001

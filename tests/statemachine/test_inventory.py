@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from harness import skip_or_fail
 from harness.deploy import discover_spec, interrupted_while_nvidia_smi_runs
 from pdctl.statemachine.errors import HostError, SpecError
 from pdctl.statemachine.hosts import LocalHost
@@ -146,7 +147,7 @@ def test_status_and_chat_of_a_discovering_deployment_compare_with_what_apply_dis
     import json
 
     if not os.path.isdir("/sys/devices/system/node/node0"):
-        pytest.skip("no NUMA node 0 in this machine's sysfs")
+        skip_or_fail("no NUMA node 0 in this machine's sysfs")
     monkeypatch.setenv("PATH", _fake_smi(tmp_path, [f"00000000:{i:02X}:00.0" for i in range(8)]) + os.pathsep
                        + os.environ["PATH"])
 

@@ -136,15 +136,25 @@ def test_an_upgrade_does_not_take_an_unchanged_secret_for_a_rotation(tmp_path, m
     assert [a.path for c in p.changes for a in c.changes] == ["deployment.secrets.HF_TOKEN"]
 
 
-def test_units_names_the_secrets_file_apply_installs_for_a_user_scope_spec(tmp_path, monkeypatch):
-    # `pdctl units` is the review of what apply installs: a user-scope spec's EnvironmentFile= is under the state
-    # directory (the journal's), as apply writes it; it named ~/.config/pdctl/<name>/secrets instead.
+def _user_scope_with_a_secret(monkeypatch) -> dict:  # noqa: ANN001
+    """The seed under a systemd user manager, with one secret from the environment (set here)."""
     monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
     d = seed_dict()
     d["service_manager"] = "systemd-user"
     d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
+    return d
+
+
+def _user_scope_spec_with_a_secret(tmp_path, monkeypatch):  # noqa: ANN001, ANN202
     spec = tmp_path / "user.toml"
-    spec.write_text(dump_toml(d))
+    spec.write_text(dump_toml(_user_scope_with_a_secret(monkeypatch)))
+    return spec
+
+
+def test_units_names_the_secrets_file_apply_installs_for_a_user_scope_spec(tmp_path, monkeypatch):
+    # `pdctl units` is the review of what apply installs: a user-scope spec's EnvironmentFile= is under the state
+    # directory (the journal's), as apply writes it; it named ~/.config/pdctl/<name>/secrets instead.
+    spec = _user_scope_spec_with_a_secret(tmp_path, monkeypatch)
     state = tmp_path / "state"
     r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(tmp_path / "u"),
                         "--state-dir", str(state)], capture_output=True, text=True, timeout=60)
@@ -166,11 +176,7 @@ def test_a_state_directory_systemd_cannot_name_refuses_the_apply_before_it_start
     from pdctl.statemachine.steps import unit_files_unrenderable
     from pdctl.statemachine.topology import topology_of
 
-    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
-    d = seed_dict()
-    d["service_manager"] = "systemd-user"
-    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
-    dep = parse_spec(d)
+    dep = parse_spec(_user_scope_with_a_secret(monkeypatch))
     ok = SimpleNamespace(manager=SimpleNamespace(scope="user"), topology=topology_of(dep),
                          units=unit_set_for(dep, state_dir=str(tmp_path / "state")))
     unit_files_unrenderable(ok)
@@ -182,12 +188,7 @@ def test_a_state_directory_systemd_cannot_name_refuses_the_apply_before_it_start
 
 
 def test_units_with_a_state_directory_systemd_cannot_name_is_an_error_not_a_traceback(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDCTL_TEST_HF", "hf_from_env")
-    d = seed_dict()
-    d["service_manager"] = "systemd-user"
-    d["secrets"] = {"HF_TOKEN": "env:PDCTL_TEST_HF"}
-    spec = tmp_path / "user.toml"
-    spec.write_text(dump_toml(d))
+    spec = _user_scope_spec_with_a_secret(tmp_path, monkeypatch)
     r = subprocess.run([sys.executable, "-m", "pdctl", "units", str(spec), "-o", str(tmp_path / "u"),
                         "--state-dir", str(tmp_path / "my state")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
