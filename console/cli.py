@@ -304,9 +304,12 @@ class _Reporter:
         """An event that ends a run (apply_done, apply_failed, apply_interrupted) was emitted."""
         self.engine_spoke = False
         """The engine emitted an event (its plan, a step…): from then on it reports an interruption itself."""
+        self.started = False
+        """The apply began (``apply_started``): a failure from then on may have changed the deployment."""
 
     def emit(self, event) -> None:  # noqa: ANN001
         self.engine_spoke = True
+        self.started = self.started or event.kind == "apply_started"
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
         if event.kind == "apply_interrupted":
             from pdctl.statemachine.events import APPLY_NOT_STARTED
@@ -354,7 +357,7 @@ def _json_refusal(rep: _Reporter, exc: BaseException) -> None:
     if rep.as_json and not rep.ended:
         from pdctl.statemachine.events import Event
 
-        ev = Event.apply_failed(exc)
+        ev = Event.apply_failed(exc, started=rep.started)
         if isinstance(exc, OSError) and not isinstance(exc, PdctlError) and not ev.data.get("hint"):
             ev = Event(ev.kind, ev.message, step=ev.step, data={**ev.data, "hint": os_error_hint(exc)})
         rep.emit(ev)
@@ -647,6 +650,12 @@ def _status_text(st: dict) -> str:
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")
         )
+        if rt.get("mismatches"):  # (what router_exposed proves, no longer so)
+            lasting = bool(rt.get("mismatches_lasting"))
+            lines.append(f"  {'':<10} its workers differ from the deployment: {'; '.join(rt['mismatches'])} ["
+                         + ("it was started for other workers: applying the deployment's spec restarts it with them]"
+                            if lasting else "its health checks may mend this: `pdctl status` again shows whether it "
+                            "lasts; `pdctl apply` restarts the router if it does]"))
     # what each choice does to them: the recorded spec is planned as `pdctl plan` plans it (from the interrupted
     # target, a topology change to confirm, once that apply began the other shape: recorded_requires_confirmation)
     recorded_spec = f"the recorded ({was}) spec" if was else "the recorded spec"

@@ -57,17 +57,19 @@ class Event:
         return cls("apply_interrupted", APPLY_NOT_STARTED, data={"plan_id": plan_id, "stopped": []})
 
     @classmethod
-    def apply_failed(cls, exc: BaseException) -> Event:
+    def apply_failed(cls, exc: BaseException, *, started: bool) -> Event:
         """The ``apply_failed`` event for *exc*: its message, step and hint (pdctl errors carry them); in ``data``,
         ``error`` and ``hint`` as every ``--json`` error object has them (the message, the fix), ``error_type`` the
-        exception's type (``SpecError``, ``LockHeld``, ``ApplyFailed``…), and for a spec error ``findings``
+        exception's type (``SpecError``, ``LockHeld``, ``ApplyFailed``…), ``started`` whether the apply had begun
+        (its ``apply_started`` event came first; False: refused before its first step, nothing changed, its ``step``
+        the one it would have failed at), and for a spec error ``findings``
         (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
         from pdctl.statemachine.errors import findings_fields
 
         message = getattr(exc, "message", None) or str(exc)
         return cls("apply_failed", message, step=getattr(exc, "step", None),
                    data={"error": message, "hint": getattr(exc, "hint", None), "error_type": type(exc).__name__,
-                         **findings_fields(exc)})
+                         "started": started, **findings_fields(exc)})
 
 
 class EventSink(Protocol):

@@ -316,6 +316,10 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
         lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
     elif rt and rt.get("readiness") != 200:
         answers.append(f"router active, readiness {rt.get('readiness') or 'down'}")
+    elif rt and rt.get("mismatches_lasting"):  # (started with other workers: it does not serve this topology)
+        lasting.append("router's workers differ from the deployment: " + "; ".join(rt["mismatches_lasting"]))
+    elif rt and rt.get("mismatches"):  # (a worker its health checks call unhealthy, which they may mend)
+        answers.append("router: " + "; ".join(rt["mismatches"]))
     return lasting, answers
 
 
@@ -426,7 +430,8 @@ def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
                      ) -> tuple[dict[str, Any], str | None]:
     """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab), and
     ``secrets_refused`` (:func:`~pdctl.statemachine.launch.resolve_secrets`'s refusal, in words) where apply would
-    refuse the spec's secrets here: ``(fields, None)``, or (only the secrets' field, *why*) where the host or its
+    refuse the spec's secrets here, and in ``binds_unusable`` also a state directory that systemd cannot name
+    (:func:`_unit_files_refusal`): ``(fields, None)``, or (only those two fields, *why*) where the host or its
     service manager cannot be asked (*catch*: the errors that say so, by
     default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks again
     before its first step. *why* is a sentence for people."""
@@ -441,12 +446,32 @@ def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
         resolve_secrets(loaded.deployment)
     except PdctlError as exc:
         refused = {"secrets_refused": exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")}
+    unrenderable = _unit_files_refusal(loaded)  # (no host involved either: the state directory's path)
     try:
-        return {**host_warnings(loaded, recorded), **refused}, None
+        fields = host_warnings(loaded, recorded)
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
-        return refused, ("the plan could not check whether the deployment's ports and GPUs are free (apply checks them "
-                         f"before its first step): {said}")
+        return {**refused, **({"binds_unusable": unrenderable} if unrenderable else {})}, (
+            "the plan could not check whether the deployment's ports and GPUs are free (apply checks them before its "
+            f"first step): {said}")
+    # (each a refusal of its own before apply's first step, exit 3: both said)
+    fields["binds_unusable"] = "\n".join(x for x in (fields.get("binds_unusable"), unrenderable) if x) or None
+    return {**fields, **refused}, None
+
+
+def _unit_files_refusal(loaded: Loaded) -> str | None:
+    """Why apply would refuse, before its first step, to write the spec's unit files under its state directory
+    (:func:`~pdctl.statemachine.steps.unit_files_refusal`: a path systemd cannot name), with the fix; None where it
+    would not. Each secret stands in as a placeholder: its value is not in the file, its EnvironmentFile= path is."""
+    from pdctl.statemachine.launch import scope_for, unit_set_for
+    from pdctl.statemachine.steps import unit_files_refusal
+
+    dep = loaded.deployment
+    if dep.secrets:
+        dep = dep.model_copy(update={"secrets": {k: "placeholder" for k in dep.secrets}})
+    refusal = unit_files_refusal(unit_set_for(dep, state_dir=str(loaded.journal.dir)), scope_for(dep),
+                                 topology_of(dep).roles[0].kind + "_up")
+    return None if refusal is None else refusal.message + (f"\n  hint: {refusal.hint}" if refusal.hint else "")
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -750,7 +775,7 @@ def apply(
                 gpus_taken_elsewhere(ctx, own)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
-                sink.emit(Event.apply_failed(exc))
+                sink.emit(Event.apply_failed(exc, started=False))
                 raise
             j.audit("apply-started", plan_id=plan.plan_id, confirmation=confirm, cls=plan.cls)
             sink.emit(Event("apply_started", f"applying plan {plan.plan_id}", data={"plan_id": plan.plan_id}))
@@ -784,7 +809,7 @@ def apply(
                     j.write(state)
                 j.audit("apply-failed", plan_id=plan.plan_id,
                         step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
-                sink.emit(Event.apply_failed(exc))
+                sink.emit(Event.apply_failed(exc, started=True))
                 raise
             _enable_target(ctx, sink)
             state.deployed = desired
@@ -853,6 +878,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     ``recorded_requires_confirmation``: while an apply is unfinished, whether going back to the recorded deployment is
     a topology change to confirm (planned from :func:`plan_base`: the interrupted target once that apply began the other
     shape), else None;
+    the router's ``mismatches``: how what it registers (``/workers``) differs from the topology, in words, as
+    ``router_exposed`` proves it (a router left in front of another topology, a worker missing, swapped or not
+    healthy), and ``mismatches_lasting`` those of them that would stay with every worker healthy;
     ``unfinished_down``: where the audit log's last apply or down event is a down that did not finish (``event``
     down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed) while something
     of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
@@ -862,8 +890,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     """
     import time as _time
 
+    import dataclasses
+
     from pdctl.statemachine import launch, ports, probes
     from pdctl.statemachine.errors import ProbeError
+    from pdctl.statemachine.steps import router_mismatches
 
     locked_by = _lock_holder(loaded)  # before the journal: an apply that ends meanwhile leaves a converged journal
     state = loaded.journal.read()
@@ -884,7 +915,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # (the same keys whether or not it answers: workers and stats null, error the reason, when it does not)
         router = {"unit": names["router"], "state": st.state, "main_pid": st.main_pid, "url": url, "exposure": topo.router.exposure,
                   "supervised": st.supervised, "restarts": st.restarts, "sub_state": st.sub_state,
-                  "workers": None, "stats": None, "error": None}
+                  "workers": None, "stats": None, "error": None, "mismatches": [], "mismatches_lasting": []}
         try:
             code, body = probes.router_readiness(client, url, timeout=2.0)
             router["readiness"] = code
@@ -893,6 +924,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             workers, stats = probes.router_workers(client, url, timeout=2.0)
             router["workers"] = [w.__dict__ for w in workers]
             router["stats"] = stats
+            # what router_exposed proves, against what the router registers now: a router left in front of another
+            # topology (an interrupted single ↔ PD change), a worker missing, swapped or not healthy. "lasting": those
+            # that stay with every worker healthy (the router was started with other workers), which waiting does not mend
+            router["mismatches"] = router_mismatches(workers, stats, topo)
+            router["mismatches_lasting"] = router_mismatches(
+                [dataclasses.replace(w, is_healthy=True) for w in workers], stats, topo)
         except ProbeError as exc:
             router["readiness"] = 0
             router["error"] = str(exc)
@@ -993,7 +1030,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             break
     all_healthy = (
         all(r["healthy"] for r in roles)
-        and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]))
+        and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]
+                                and not router["mismatches"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
         and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
     )

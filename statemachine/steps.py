@@ -758,18 +758,25 @@ def unit_files_unrenderable(ctx: Context) -> None:
     systemd would not read back as one (the secrets' ``EnvironmentFile=`` or a log's ``StandardOutput=append:``
     under a state directory whose path holds a space or a quote) raises :class:`ApplyFailed` at the first step,
     naming the path and the fix, instead of a ValueError from the step that installs it after others ran."""
+    refusal = unit_files_refusal(ctx.units, getattr(ctx.manager, "scope", None), ctx.topology.roles[0].kind + "_up")
+    if refusal is not None:
+        raise refusal
+
+
+def unit_files_refusal(units, scope: str | None, step: str) -> ApplyFailed | None:  # noqa: ANN001
+    """:func:`unit_files_unrenderable`'s refusal (journalled at *step*) of *units* under *scope* (``"system"``,
+    ``"user"``; anything else writes no unit files), or None where every file renders; for ``pdctl plan`` too."""
     from pdctl.units import unit_files
 
-    scope = getattr(ctx.manager, "scope", None)
     if scope not in ("system", "user"):  # (the process supervisor writes no unit files)
-        return
+        return None
     try:
-        unit_files(ctx.units, scope=scope)
+        unit_files(units, scope=scope)
     except ValueError as exc:
-        raise ApplyFailed(f"a unit file cannot be written: {exc}; nothing was started or changed",
-                          step=ctx.topology.roles[0].kind + "_up",
-                          hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a path without spaces, quotes "
-                               "or backslashes: the units' secrets and log files are kept under it") from None
+        return ApplyFailed(f"a unit file cannot be written: {exc}; nothing was started or changed", step=step,
+                           hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a path without spaces, quotes "
+                                "or backslashes: the units' secrets and log files are kept under it")
+    return None
 
 
 def router_executable_unusable(ctx: Context) -> None:

@@ -1239,6 +1239,7 @@ def test_headless_apply_says_a_failure_once_then_that_nothing_started(demo):
         squatter.close()
     failed = [e for e in map(json.loads, rj.stdout.splitlines()) if e["kind"] == "apply_failed"]
     assert [(e["step"], e["data"]["hint"][:20]) for e in failed] == [("router_exposed", "stop those processes")]
+    assert failed[0]["data"]["started"] is False  # (refused before its first step: nothing changed)
     assert r.returncode == ExitCode.STEP_FAILED, r.stderr
     said = f"port {demo.ports['router']} at router_exposed, held by PID {os.getpid()}"
     assert r.stderr.count(said) == 1, r.stderr
@@ -2226,3 +2227,16 @@ def test_status_marks_the_proofs_taken_before_a_role_restarted_after_a_crash(dem
     assert f"[proven before {unit} restarted" in line and "`pdctl apply` proves it again" in line, r.stdout
     assert demo.apply().state == "parsers_configured"
     assert all(not s["restarted_since"] for s in demo.status()["steps"].values())
+
+
+def test_apply_failed_says_whether_the_apply_had_begun(demo):
+    # (an apply_failed event read the same whether nothing was changed, a refusal before the first step, or steps had
+    # run: only a missing apply_started event told a script which)
+    d = copy.deepcopy(demo.dict)
+    d["router"]["executable"] = "/bin/false"  # (an executable file: the check before the first step passes it)
+    r = demo.cli("apply", str(demo.write(d, "router-false.toml")), "--json")
+    assert r.returncode == ExitCode.STEP_FAILED, r.stderr
+    events = [json.loads(x) for x in r.stdout.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "apply_started" in kinds and kinds[-1] == "apply_failed", kinds
+    assert events[-1]["step"] == "router_exposed" and events[-1]["data"]["started"] is True, events[-1]

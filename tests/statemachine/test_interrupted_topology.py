@@ -17,6 +17,8 @@ import time
 import httpx
 import pytest
 
+from harness.sim import free_ports
+
 from pdctl.statemachine import service
 from pdctl.statemachine.hosts import LocalHost
 
@@ -417,3 +419,34 @@ def test_taking_back_a_prefill_group_added_by_an_interrupted_apply_keeps_the_rou
     assert r.returncode == 0, r.stderr
     assert f"restarting pdctl-{demo.name}-router.service" not in r.stderr, r.stderr
     assert _pids(demo)["router"] == router and demo.status()["healthy"]
+
+
+def test_status_names_the_single_servers_router_left_in_front_of_an_interrupted_change_to_pd(demo):
+    # (status showed "workers: prefill 0, decode 0, regular 1" for the single spec's router still in front once a
+    # single → PD change was interrupted after decode was proven, and called nothing wrong with it)
+    (single_port,) = free_ports(1)
+    single = copy.deepcopy(demo.dict)
+    single.pop("prefill"), single.pop("decode"), single.pop("kv_transfer")
+    single["server"] = [{"gpus": list(range(8)), "tp": 8, "http_host": "127.0.0.1", "port": single_port}]
+    demo.apply(demo.write(single, "single.toml"))
+    confirmed = service.plan_spec(demo.load())
+    assert confirmed.requires_confirmation
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(confirm=confirmed.plan_id, sink=_InterruptAt("step_verified", step="decode_up"))
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    rt = st["router"]
+    # (its single server was removed, so it is not ready either; that alone said nothing of why)
+    assert rt["state"] == "active" and [w["worker_type"] for w in rt["workers"]] == ["regular"], rt
+    assert f"unexpected worker http://127.0.0.1:{single_port} (regular)" in rt["mismatches"], rt
+    assert f"worker http://127.0.0.1:{demo.ports['prefill']} (prefill) missing" in rt["mismatches_lasting"], rt
+    text = demo.cli("status", str(demo.spec)).stdout
+    assert ("its workers differ from the deployment: " in text
+            and "it was started for other workers: applying the deployment's spec restarts it with them]" in text), text
+    # as it says: apply converges (the change confirmed again: the journal records the single server deployed), and
+    # then the router's workers are the deployment's
+    plan = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    r = demo.cli("apply", str(demo.spec), "--confirm-topology", plan["plan_id"])
+    assert r.returncode == 0, r.stderr
+    st = demo.status()
+    assert st["healthy"] and st["router"]["mismatches"] == [] == st["router"]["mismatches_lasting"], st["router"]
+    assert sorted(w["worker_type"] for w in st["router"]["workers"]) == ["decode", "prefill"], st["router"]

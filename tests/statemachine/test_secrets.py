@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import sys
@@ -194,3 +195,19 @@ def test_units_with_a_state_directory_systemd_cannot_name_is_an_error_not_a_trac
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: the units cannot be written: EnvironmentFile" in r.stderr and "hint: give --state-dir" in r.stderr
     assert not (tmp_path / "u").exists()
+
+
+def test_plan_warns_of_a_state_directory_systemd_cannot_name(tmp_path, monkeypatch):
+    # (apply refused it before its first step, exit 3, while the plan of the same spec and state directory said
+    # nothing: its host checks rendered the units without the secrets' EnvironmentFile=)
+    spec = _user_scope_spec_with_a_secret(tmp_path, monkeypatch)
+    for state, warned in ((tmp_path / "my state", True), (tmp_path / "state", False)):
+        r = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(spec), "--json", "--state-dir", str(state)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        said = json.loads(r.stdout)["binds_unusable"] or ""
+        assert ("a unit file cannot be written: EnvironmentFile" in said and "hint: give --state-dir" in said) is warned, said
+    r = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(spec), "--state-dir", str(tmp_path / "my state")],
+                       capture_output=True, text=True, timeout=60)
+    assert "Warning: `pdctl apply` stops before its first step (exit 3" in r.stdout, r.stdout
+    assert "a unit file cannot be written" in r.stdout, r.stdout

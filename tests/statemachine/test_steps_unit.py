@@ -660,3 +660,24 @@ def test_running_definition_reads_what_the_running_process_runs_from_its_journal
     assert running_definition(f"{RESTARTING}:ab12@77", 7) is None
     assert running_definition(RESTARTING, 7) is None and running_definition(None, 7) is None
     assert running_definition(f"{RESTARTING}:@7", 7) is None
+
+
+def test_runtime_drift_counts_a_router_started_for_other_workers_as_lasting_and_an_unhealthy_one_as_an_answer(
+        monkeypatch):
+    # (plan said "No changes" of a deployment whose router registered another topology's workers)
+    from types import SimpleNamespace
+
+    from pdctl.statemachine import service
+
+    role = {"name": "prefill", "state": "active", "health": 200, "healthy": True, "supervised": True, "port_owned": True}
+    router = {"state": "active", "readiness": 200, "supervised": True, "mismatches": [], "mismatches_lasting": []}
+    seen = {"roles": [role], "router": router, "target": None}
+    monkeypatch.setattr(service, "status", lambda loaded: seen)
+    recorded = SimpleNamespace(deployed=object())
+    assert service.runtime_drift(None, recorded) == ([], [])
+    router["mismatches"] = ["http://127.0.0.1:30020 is not healthy"]
+    assert service.runtime_drift(None, recorded) == ([], ["router: http://127.0.0.1:30020 is not healthy"])
+    router["mismatches"] = ["unexpected worker http://127.0.0.1:30010 (regular)", "http://127.0.0.1:30010 is not healthy"]
+    router["mismatches_lasting"] = ["unexpected worker http://127.0.0.1:30010 (regular)"]
+    assert service.runtime_drift(None, recorded) == (
+        ["router's workers differ from the deployment: unexpected worker http://127.0.0.1:30010 (regular)"], [])
