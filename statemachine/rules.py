@@ -261,6 +261,53 @@ def _role_field(dep: Deployment, role: ServerRole) -> str:
     return "?"
 
 
+def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str, str]]:  # noqa: ANN001
+    """What argparse would refuse in *args* given to SGLang's ``launch_server`` (*facts*: its recorded arguments,
+    :attr:`~pdctl.statemachine.sglang_facts.SglangFacts.arguments`), as ``(message, fix)``: a word no flag takes, a
+    flag without the value it needs or with one it takes none of, a value outside the flag's choices or not of its
+    type (int, float). Flags in *skip*, and flags not recorded, are judged elsewhere: their values are only passed
+    over. SGLang would exit 2 at the role's start, after the units were installed."""
+    v = facts.version
+    faults: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if not word.startswith("--"):
+            faults.append((f"{word!r}: no flag takes it (SGLang {v} would exit 'unrecognized arguments')",
+                           'give each value after its flag, e.g. ["--mem-fraction-static", "0.85"]'))
+            continue
+        name, eq, inline = word.partition("=")
+        arg = facts.argument(name)
+        fewest, most = arg.takes if arg is not None else (0, None)
+        values = [inline] if eq else []
+        while not eq and i < len(args) and not args[i].startswith("--") and (most is None or len(values) < most):
+            values.append(args[i])
+            i += 1
+        if arg is None or name in skip:
+            continue
+        if eq and most == 0:
+            faults.append((f"{word!r}: {name} takes no value (SGLang {v} would exit 'ignored explicit argument')",
+                           f"write {name} alone"))
+            continue
+        if len(values) < fewest:
+            faults.append((f"{name} needs {'a value' if most == 1 else 'one or more values'} after it (SGLang {v} would "
+                           "exit 'expected one argument')", f'give it its value: ["{name}", "…"]'))
+        for value in values:
+            try:  # (argparse converts first, then compares with the choices)
+                typed = str(int(value)) if arg.type == "int" else value
+                if arg.type == "float":
+                    float(value)
+            except ValueError:
+                faults.append((f"{name} {value!r}: not {'a whole number' if arg.type == 'int' else 'a number'} "
+                               f"(SGLang {v} would exit 'invalid {arg.type} value')", f"give {name} a number"))
+                continue
+            if arg.choices is not None and typed not in arg.choices:
+                faults.append((f"{name} {value!r} is not one of SGLang {v}'s choices: {', '.join(arg.choices)}",
+                               f"give {name} one of them"))
+    return faults
+
+
 def _flag_name(arg: str) -> str | None:
     if not arg.startswith("--"):
         return None
@@ -756,10 +803,12 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     # --- extra args / env -----------------------------------------------------------------------
     for name, _kind, role in roles:
         f = _role_field(dep, role)
+        refused: set[str] = set()  # (flags refused below on their own: their values are not judged again)
         for arg in role.extra_args:
             flag = _flag_name(arg)
             if flag is None:
                 continue
+            refused.add(flag)
             if facts is not None:
                 removed = facts.removed_flag(flag)
                 if removed is not None:
@@ -792,6 +841,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{flag} is not a launch_server flag of SGLang {facts.version}",
                     "check the spelling against `python -m sglang.launch_server --help`",
                 )
+            refused.discard(flag)
+        if facts is not None and facts.arguments:
+            for message, fix in _launch_arg_faults(list(role.extra_args), facts, refused):
+                err(f"{f}.extra_args", message, fix)
         for key in role.env:
             if key in _OWNED_ENV:
                 err(f"{f}.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")

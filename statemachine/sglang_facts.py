@@ -73,6 +73,23 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class LaunchArgument:
+    """One ``launch_server`` argument as argparse reads it (``data/sglang-0.5.23-flags.json``): its option strings,
+    ``nargs`` (argparse's: None one value, 0 none, ``"?"``, ``"*"``, ``"+"``), ``choices`` (as strings) and the name
+    of its ``type`` (``"int"``, ``"float"``, ``"str"``, a parser function's name, or None)."""
+
+    flags: tuple[str, ...]
+    nargs: int | str | None
+    choices: tuple[str, ...] | None
+    type: str | None
+
+    @property
+    def takes(self) -> tuple[int, int | None]:
+        """``(fewest, most)`` values after the flag (most None: as many as follow)."""
+        return {None: (1, 1), 0: (0, 0), "?": (0, 1), "*": (0, None), "+": (1, None)}.get(self.nargs, (0, None))
+
+
+@dataclass(frozen=True)
 class SglangFacts:
     """Facts about one SGLang release: flags, parser names, removed flags."""
 
@@ -94,11 +111,17 @@ class SglangFacts:
     choices: tuple[tuple[str, frozenset[str]], ...] = ()
     """``(flag, choices)`` of the launch flags pdctl renders from free-text spec fields (``--attention-backend``,
     ``--load-format``, ``--kv-cache-dtype``), "auto" included; empty where not recorded for this version."""
+    arguments: tuple[LaunchArgument, ...] = ()
+    """Every ``launch_server`` argument, with what it takes (:class:`LaunchArgument`); empty where not recorded."""
     bootstrap_route_query: tuple[tuple[str, str], ...] = (
         ("prefill_dp_rank", "-1"), ("prefill_cp_rank", "-1"), ("target_tp_rank", "-1"), ("target_pp_rank", "-1"),
     )
     """The query of the prefill bootstrap server's ``GET /route`` that answers with its parallel info
     (``disaggregation/common/conn.py``, ``try_ensure_parallel_info``)."""
+
+    def argument(self, flag: str) -> LaunchArgument | None:
+        """The argument *flag* (an option string, without ``=value``) names; None where unknown or not recorded."""
+        return _arguments_by_flag(self.arguments).get(flag)
 
     def removed_flag(self, flag: str) -> tuple[str, str | None] | None:
         """``(removed_in, replacement)`` when *flag* no longer exists in this version."""
@@ -127,6 +150,19 @@ def _choices(dump: dict, flag: str, *, keep_auto: bool = False) -> frozenset[str
 
 
 @lru_cache(maxsize=None)
+def _arguments_by_flag(arguments: tuple[LaunchArgument, ...]) -> dict[str, LaunchArgument]:
+    return {flag: arg for arg in arguments for flag in arg.flags}
+
+
+def _launch_arguments(dump: dict) -> tuple[LaunchArgument, ...]:
+    out = []
+    for arg in dump["arguments"]:
+        choices = tuple(str(c) for c in arg["choices"]) if arg.get("choices") else None
+        out.append(LaunchArgument(tuple(arg["flags"]), arg["nargs"], choices, arg.get("type")))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
 def facts_for(version: str) -> SglangFacts:
     """Facts for *version*. Raises KeyError (with the known versions) for an unknown release."""
     if version == "0.5.23":
@@ -140,6 +176,7 @@ def facts_for(version: str) -> SglangFacts:
             dsa_backends=(_choices(dump, "--dsa-prefill-backend"), _choices(dump, "--dsa-decode-backend")),
             choices=tuple((flag, _choices(dump, flag, keep_auto=True))
                           for flag in ("--attention-backend", "--load-format", "--kv-cache-dtype")),
+            arguments=_launch_arguments(dump),
         )
     if version == "0.5.6":
         return SglangFacts(

@@ -376,6 +376,43 @@ def test_unknown_flags_in_extra_args():
     _one(d, "decode[0].extra_args", "not a launch_server flag of SGLang 0.5.23")
 
 
+def _extra_args_errors(args: list[str]) -> list[str]:
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = args
+    return [f"{f.message} | {f.fix}" for f in validate(parse_spec(d)) if f.field == "decode[0].extra_args"]
+
+
+def test_extra_args_are_read_as_sglangs_argparse_reads_them():
+    # (only the flag names were checked: a value without its flag, a flag without its value or a value outside its
+    # choices passed validate, and SGLang exited 2 at the role's start, after the units were installed)
+    assert _extra_args_errors(["--max-running-requests", "64", "--disable-radix-cache", "--numa-node", "0", "1",
+                               "--log-requests-level=2", "--enable-tf32-matmul", "--no-enable-tf32-matmul",
+                               "--sampling-backend", "pytorch", "--schedule-conservativeness", "-0.5",
+                               "--model-checksum", "--lora-paths"]) == []
+    (stray,) = _extra_args_errors(["--disable-radix-cache", "true"])
+    assert stray.startswith("'true': no flag takes it (SGLang 0.5.23 would exit 'unrecognized arguments')"), stray
+    (stray,) = _extra_args_errors(["64", "--max-running-requests", "64"])
+    assert stray.startswith("'64': no flag takes it"), stray
+    (missing,) = _extra_args_errors(["--max-running-requests", "--disable-radix-cache"])
+    assert missing.startswith("--max-running-requests needs a value after it"), missing
+    assert '["--max-running-requests", "…"]' in missing, missing
+    (missing,) = _extra_args_errors(["--numa-node"])
+    assert missing.startswith("--numa-node needs one or more values after it"), missing
+    (valued,) = _extra_args_errors(["--disable-radix-cache=true"])
+    assert valued.startswith("'--disable-radix-cache=true': --disable-radix-cache takes no value"), valued
+    (typed,) = _extra_args_errors(["--chunked-prefill-size", "8k"])
+    assert typed.startswith("--chunked-prefill-size '8k': not a whole number"), typed
+    (typed,) = _extra_args_errors(["--schedule-conservativeness=most"])
+    assert typed.startswith("--schedule-conservativeness 'most': not a number"), typed
+    (choice,) = _extra_args_errors(["--log-requests-level", "5"])
+    assert choice.startswith("--log-requests-level '5' is not one of SGLang 0.5.23's choices: 0, 1, 2, 3"), choice
+    (choice,) = _extra_args_errors(["--sampling-backend", "torch"])
+    assert "is not one of SGLang 0.5.23's choices" in choice and "pytorch" in choice, choice
+    # a flag refused on its own (pdctl sets it, or SGLang has none of that name) is said once, its value passed over
+    assert len(_extra_args_errors(["--port", "31000"])) == 1
+    assert len(_extra_args_errors(["--no-such-flag", "3"])) == 1
+
+
 def test_cuda_visible_devices_in_env_fights_the_gpu_list():
     d = seed_dict()
     d["decode"][0]["env"] = {"CUDA_VISIBLE_DEVICES": "0"}
