@@ -97,13 +97,6 @@ class IndexerConfig:
     at the other two; the early trigger (1) cost up to 39 µs there, the next kernel's waiting programs sitting
     on the SMs during the logits pass (``kernels/RESULTS.md``)."""
 
-    row_groups: int = 1
-    """Rows split into this many contiguous groups (at most one per row), each group's logits launched in turn and its
-    top-k on a second CUDA stream as soon as they are written, so that one group's latency-bound top-k runs beside
-    the next group's bandwidth-bound logits pass instead of after the whole batch's (fork and join by events: CUDA
-    graph safe; the number of launches depends on B only). 1: the four launches one after the other. Sequential
-    on a device without streams (Triton's interpreter)."""
-
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -261,45 +254,10 @@ def lightning_indexer(
     b = q8.shape[0]
     out = _output(out, b, topk, q8.device)
     ws = (torch.zeros if cfg.fuse_hist0 else torch.empty)(b, WS_STRIDE, dtype=torch.int32, device=q8.device)
-    groups = max(1, min(cfg.row_groups, b))
-    if groups == 1:
-        logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg,
-                                workspace=ws, count_hist0=bool(cfg.fuse_hist0))
-        _topk(logits, seq_lens, block_table, out, ws, topk, physical, cfg, hist0_done=bool(cfg.fuse_hist0))
-        return out
-    _check(q8, weights, index_k_cache, block_table, seq_lens)
-    if logits is None:
-        logits = torch.empty(b, max(block_table.shape[1] * 64, 1), dtype=torch.float32, device=q8.device)
-    cuda = q8.device.type == "cuda"
-    main = torch.cuda.current_stream(q8.device) if cuda else None
-    side = _side_stream(q8.device) if cuda else None
-    if cuda:
-        side.wait_stream(main)  # (the fork: under capture the side stream joins the graph here)
-    bounds = [b * g // groups for g in range(groups + 1)]
-    for r0, r1 in zip(bounds, bounds[1:]):
-        rows = slice(r0, r1)
-        indexer_logits(q8[rows], weights[rows], index_k_cache, block_table[rows], seq_lens[rows], logits=logits[rows],
-                       config=cfg, workspace=ws[rows], count_hist0=bool(cfg.fuse_hist0))
-        if cuda:
-            side.wait_stream(main)  # this group's logits (and every earlier launch) before its top-k
-            with torch.cuda.stream(side):
-                _topk(logits[rows], seq_lens[rows], block_table[rows], out[rows], ws[rows], topk, physical, cfg,
-                      hist0_done=bool(cfg.fuse_hist0))
-        else:
-            _topk(logits[rows], seq_lens[rows], block_table[rows], out[rows], ws[rows], topk, physical, cfg,
-                  hist0_done=bool(cfg.fuse_hist0))
-    if cuda:
-        main.wait_stream(side)  # (the join: the caller's stream sees every row's top-k)
-        for t in (ws, logits, out):  # (used on the side stream: not reused by the allocator before it is done)
-            t.record_stream(side)
+    logits = indexer_logits(q8, weights, index_k_cache, block_table, seq_lens, logits=logits, config=cfg,
+                            workspace=ws, count_hist0=bool(cfg.fuse_hist0))
+    _topk(logits, seq_lens, block_table, out, ws, topk, physical, cfg, hist0_done=bool(cfg.fuse_hist0))
     return out
-
-
-@functools.cache
-def _side_stream(device) -> Any:  # noqa: ANN001
-    import torch
-
-    return torch.cuda.Stream(device=device)
 
 
 def topk_over_logits(

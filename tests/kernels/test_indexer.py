@@ -97,22 +97,6 @@ def test_topk_is_a_valid_topk_over_exactly_each_row(physical, fuse_hist0):
             assert torch.equal(phys[b], expect)
 
 
-@pytest.mark.parametrize("groups", [2, 3, 9])
-def test_rows_in_groups_give_the_same_topk_as_one_batch(groups):
-    # (IndexerConfig.row_groups: each group's logits, then its top-k, over its own rows' slices of every buffer; 9
-    # groups of 7 rows is one row each)
-    from dataclasses import replace
-
-    lens = [0, 1, 65, TOPK, TOPK + 1, 333, 1000]
-    q8, w, cache, bt, sl = _case(lens)
-    want = lightning_indexer(q8, w, cache, bt, sl, TOPK, config=CFG)
-    got = torch.full((len(lens), TOPK), -7, dtype=torch.int32)
-    lightning_indexer(q8, w, cache, bt, sl, TOPK, out=got, config=replace(CFG, row_groups=groups))
-    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
-    res = check_topk(got, reference_indexer_logits(q8, w, cache, bt, sl), bt, sl, TOPK, rel_tol=1e-6)
-    assert res["ok"], res
-
-
 def test_topk_matches_reference_sets_without_ties():
     lens = [500, 900]
     q8, w, cache, bt, sl = _case(lens, seed=5)
