@@ -653,9 +653,11 @@ def _status_text(st: dict) -> str:
         if rt.get("mismatches"):  # (what router_exposed proves, no longer so)
             lasting = bool(rt.get("mismatches_lasting"))
             lines.append(f"  {'':<10} its workers differ from the deployment: {'; '.join(rt['mismatches'])} ["
-                         + ("it was started for other workers: applying the deployment's spec restarts it with them]"
-                            if lasting else "its health checks may mend this: `pdctl status` again shows whether it "
-                            "lasts; `pdctl apply` restarts the router if it does]"))
+                         + ("registered otherwise than the deployment (started for other workers, or one removed from "
+                            "it since), which its health checks do not mend: applying the deployment's spec restarts "
+                            "the router with its workers]" if lasting else
+                            "its health checks call a worker unhealthy until its server answers them; `pdctl apply` "
+                            "restarts a server that does not serve]"))
     # what each choice does to them: the recorded spec is planned as `pdctl plan` plans it (from the interrupted
     # target, a topology change to confirm, once that apply began the other shape: recorded_requires_confirmation)
     recorded_spec = f"the recorded ({was}) spec" if was else "the recorded spec"

@@ -261,19 +261,39 @@ def _role_field(dep: Deployment, role: ServerRole) -> str:
     return "?"
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+"""A word argparse takes as a value although it starts with '-' (``argparse._negative_number_matcher``; SGLang's
+parser has no option that looks like a negative number)."""
+
+
+def _is_option(word: str, known: frozenset[str]) -> bool:
+    """Whether argparse reads *word* as an option string rather than a value (``ArgumentParser._parse_optional``,
+    CPython 3.12): a known option (or one with ``=value``) always; else a word starting with '-' unless it is '-'
+    alone, a negative number or holds a space."""
+    if not word.startswith("-") or word == "-":
+        return False
+    if word in known or word.split("=", 1)[0] in known:
+        return True
+    return not _NEGATIVE_NUMBER.match(word) and " " not in word
+
+
 def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str, str]]:  # noqa: ANN001
     """What argparse would refuse in *args* given to SGLang's ``launch_server`` (*facts*: its recorded arguments,
     :attr:`~pdctl.statemachine.sglang_facts.SglangFacts.arguments`), as ``(message, fix)``: a word no flag takes, a
     flag without the value it needs or with one it takes none of, a value outside the flag's choices or not of its
-    type (int, float). Flags in *skip*, and flags not recorded, are judged elsewhere: their values are only passed
-    over. SGLang would exit 2 at the role's start, after the units were installed."""
+    type (int, float, JSON for ``json.loads``; other parser functions are not judged), a single-dash option SGLang
+    does not have. ``--`` flags in *skip*, and ``--`` flags not recorded, are judged elsewhere: their values are only
+    passed over. SGLang would exit 2 at the role's start, after the units were installed."""
     v = facts.version
+    known = facts.flags or frozenset()
     faults: list[tuple[str, str]] = []
+    starved = False  # (the previous flag lacked its value: a '-…' word right after it was meant as that value)
     i = 0
     while i < len(args):
         word = args[i]
         i += 1
-        if not word.startswith("--"):
+        after_starved, starved = starved, False
+        if not _is_option(word, known):
             faults.append((f"{word!r}: no flag takes it (SGLang {v} would exit 'unrecognized arguments')",
                            'give each value after its flag, e.g. ["--mem-fraction-static", "0.85"]'))
             continue
@@ -281,9 +301,19 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
         arg = facts.argument(name)
         fewest, most = arg.takes if arg is not None else (0, None)
         values = [inline] if eq else []
-        while not eq and i < len(args) and not args[i].startswith("--") and (most is None or len(values) < most):
+        while not eq and i < len(args) and not _is_option(args[i], known) and (most is None or len(values) < most):
             values.append(args[i])
             i += 1
+        if name == "-h":
+            faults.append(("-h makes SGLang print its help and exit: the server would not start", "remove -h"))
+            continue
+        if not name.startswith("--"):
+            if after_starved:  # (said with that flag: its value joined with '=')
+                continue
+            faults.append((f"{word!r}: argparse reads a word starting with '-' as an option, and SGLang {v} has no "
+                           f"option {name}", "write the flag in full (--…), or give a value that starts with '-' "
+                           "joined to its flag: --flag=-value"))
+            continue
         if arg is None or name in skip:
             continue
         if eq and most == 0:
@@ -291,16 +321,21 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
                            f"write {name} alone"))
             continue
         if len(values) < fewest:
+            starved = True
             faults.append((f"{name} needs {'a value' if most == 1 else 'one or more values'} after it (SGLang {v} would "
-                           "exit 'expected one argument')", f'give it its value: ["{name}", "…"]'))
+                           f"exit 'expected {'one argument' if most == 1 else 'at least one argument'}')",
+                           f'give it its value: ["{name}", "…"] (a value starting with \'-\': "{name}=-…")'))
         for value in values:
             try:  # (argparse converts first, then compares with the choices)
                 typed = str(int(value)) if arg.type == "int" else value
                 if arg.type == "float":
                     float(value)
+                elif arg.type == "loads":
+                    json.loads(value)
             except ValueError:
-                faults.append((f"{name} {value!r}: not {'a whole number' if arg.type == 'int' else 'a number'} "
-                               f"(SGLang {v} would exit 'invalid {arg.type} value')", f"give {name} a number"))
+                what = {"int": "a whole number", "float": "a number", "loads": "JSON"}[arg.type]
+                faults.append((f"{name} {value!r}: not {what} (SGLang {v} would exit 'invalid {arg.type} value')",
+                               f"give {name} {what}"))
                 continue
             if arg.choices is not None and typed not in arg.choices:
                 faults.append((f"{name} {value!r} is not one of SGLang {v}'s choices: {', '.join(arg.choices)}",
@@ -804,9 +839,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     for name, _kind, role in roles:
         f = _role_field(dep, role)
         refused: set[str] = set()  # (flags refused below on their own: their values are not judged again)
+        known = facts.flags if facts is not None and facts.flags is not None else frozenset()
         for arg in role.extra_args:
             flag = _flag_name(arg)
-            if flag is None:
+            if flag is None or not _is_option(arg, known):  # (a value: "--x y" holds a space, argparse takes it so)
                 continue
             refused.add(flag)
             if facts is not None:
@@ -819,6 +855,14 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                         f"use {repl}" if repl else f"remove {flag}",
                     )
                     continue
+            prefix_of = sorted(x for x in known if x.startswith(flag)) if flag not in known else []
+            if len(prefix_of) == 1 and prefix_of[0] in _OWNED_SERVER_FLAGS:  # (argparse takes the abbreviation)
+                err(
+                    f"{f}.extra_args",
+                    f"{flag} (an abbreviation of {prefix_of[0]}) is set by pdctl from {_OWNED_SERVER_FLAGS[prefix_of[0]]}",
+                    f"remove {flag} from extra_args and set {_OWNED_SERVER_FLAGS[prefix_of[0]]} instead",
+                )
+                continue
             if flag in _OWNED_SERVER_FLAGS:
                 err(
                     f"{f}.extra_args",
@@ -835,12 +879,23 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "remove --api-key; keep the servers on a private address and expose only the router",
                 )
                 continue
+            if flag == "--help":
+                err(f"{f}.extra_args", "--help makes SGLang print its help and exit: the server would not start",
+                    "remove --help")
+                continue
             if facts is not None and facts.flags is not None and flag not in facts.flags:
+                # (argparse takes an unambiguous prefix of a flag too; a later release's new flag can make it ambiguous)
+                full = sorted(x for x in facts.flags if x.startswith(flag))
                 err(
                     f"{f}.extra_args",
-                    f"{flag} is not a launch_server flag of SGLang {facts.version}",
+                    f"{flag} is not a launch_server flag of SGLang {facts.version}" + (
+                        f", only an abbreviation of {full[0]}, which a later release can make ambiguous" if len(full) == 1
+                        else f", only a prefix of {', '.join(full[:4])}{'…' if len(full) > 4 else ''} (argparse: "
+                        "'ambiguous option')" if full else ""),
+                    f"write {full[0]} in full" if len(full) == 1 else
                     "check the spelling against `python -m sglang.launch_server --help`",
                 )
+                continue
             refused.discard(flag)
         if facts is not None and facts.arguments:
             for message, fix in _launch_arg_faults(list(role.extra_args), facts, refused):

@@ -314,11 +314,14 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
         lasting.append("router UNSUPERVISED (its supervisor is gone)")
     elif rt and rt["state"] != "active":
         lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
+    elif rt and rt.get("mismatches_lasting"):
+        # (registered otherwise than the deployment: started for other workers, or one removed from it since. Before
+        # the readiness: a PD router missing a worker also answers 503, which alone reads as a busy probe)
+        lasting.append(f"router active, readiness {rt.get('readiness') or 'down'}, its workers differ from the "
+                       "deployment: " + "; ".join(rt["mismatches_lasting"]))
     elif rt and rt.get("readiness") != 200:
         answers.append(f"router active, readiness {rt.get('readiness') or 'down'}")
-    elif rt and rt.get("mismatches_lasting"):  # (started with other workers: it does not serve this topology)
-        lasting.append("router's workers differ from the deployment: " + "; ".join(rt["mismatches_lasting"]))
-    elif rt and rt.get("mismatches"):  # (a worker its health checks call unhealthy, which they may mend)
+    elif rt and rt.get("mismatches"):  # (a worker its health checks call unhealthy, until its server answers)
         answers.append("router: " + "; ".join(rt["mismatches"]))
     return lasting, answers
 

@@ -441,7 +441,8 @@ def test_status_names_the_single_servers_router_left_in_front_of_an_interrupted_
     assert f"worker http://127.0.0.1:{demo.ports['prefill']} (prefill) missing" in rt["mismatches_lasting"], rt
     text = demo.cli("status", str(demo.spec)).stdout
     assert ("its workers differ from the deployment: " in text
-            and "it was started for other workers: applying the deployment's spec restarts it with them]" in text), text
+            and "which its health checks do not mend: applying the deployment's spec restarts the router with its "
+                "workers]" in text), text
     # as it says: apply converges (the change confirmed again: the journal records the single server deployed), and
     # then the router's workers are the deployment's
     plan = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)

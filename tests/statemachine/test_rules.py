@@ -397,7 +397,27 @@ def test_extra_args_are_read_as_sglangs_argparse_reads_them():
     assert missing.startswith("--max-running-requests needs a value after it"), missing
     assert '["--max-running-requests", "…"]' in missing, missing
     (missing,) = _extra_args_errors(["--numa-node"])
-    assert missing.startswith("--numa-node needs one or more values after it"), missing
+    assert missing.startswith("--numa-node needs one or more values after it") and "'expected at least one" in missing
+    # a word starting with '-' is a value only as a negative number (or with a space in it), as argparse reads it
+    (missing,) = _extra_args_errors(["--schedule-conservativeness", "-1e-3"])
+    assert missing.startswith("--schedule-conservativeness needs a value after it"), missing
+    assert '"--schedule-conservativeness=-…"' in missing, missing
+    assert _extra_args_errors(["--schedule-conservativeness=-1e-3", "--revision", "-.5"]) == []
+    (missing,) = _extra_args_errors(["--bucket-time-to-first-token", "-inf", "0.5"])  # (said once, as argparse does)
+    assert missing.startswith("--bucket-time-to-first-token needs one or more values"), missing
+    (dash,) = _extra_args_errors(["-foo"])
+    assert dash.startswith("'-foo': argparse reads a word starting with '-' as an option"), dash
+    assert _extra_args_errors(["-h"]) == ["-h makes SGLang print its help and exit: the server would not start | remove -h"]
+    (helped,) = _extra_args_errors(["--help"])
+    assert helped.startswith("--help makes SGLang print its help and exit"), helped
+    (abbrev,) = _extra_args_errors(["--swa-full", "0.5"])
+    assert "only an abbreviation of --swa-full-tokens-ratio" in abbrev and "write --swa-full-tokens-ratio in full" in abbrev
+    (owned,) = _extra_args_errors(["--mem-frac", "0.8"])
+    assert owned.startswith("--mem-frac (an abbreviation of --mem-fraction-static) is set by pdctl"), owned
+    assert _extra_args_errors(["--revision", "--my rev"]) == []  # (a space in it: argparse takes it as the value)
+    (js,) = _extra_args_errors(["--default-chat-template-kwargs", "{bad"])
+    assert js.startswith("--default-chat-template-kwargs '{bad': not JSON"), js
+    assert _extra_args_errors(["--default-chat-template-kwargs", '{"a": 1}']) == []
     (valued,) = _extra_args_errors(["--disable-radix-cache=true"])
     assert valued.startswith("'--disable-radix-cache=true': --disable-radix-cache takes no value"), valued
     (typed,) = _extra_args_errors(["--chunked-prefill-size", "8k"])

@@ -680,4 +680,11 @@ def test_runtime_drift_counts_a_router_started_for_other_workers_as_lasting_and_
     router["mismatches"] = ["unexpected worker http://127.0.0.1:30010 (regular)", "http://127.0.0.1:30010 is not healthy"]
     router["mismatches_lasting"] = ["unexpected worker http://127.0.0.1:30010 (regular)"]
     assert service.runtime_drift(None, recorded) == (
-        ["router's workers differ from the deployment: unexpected worker http://127.0.0.1:30010 (regular)"], [])
+        ["router active, readiness 200, its workers differ from the deployment: unexpected worker "
+         "http://127.0.0.1:30010 (regular)"], [])
+    # a PD router missing a worker answers /readiness 503 too: still drift, not a probe that a busy router may fail
+    router["readiness"] = 503
+    router["mismatches"] = router["mismatches_lasting"] = ["worker http://127.0.0.1:30020 (decode) missing"]
+    assert service.runtime_drift(None, recorded) == (
+        ["router active, readiness 503, its workers differ from the deployment: worker http://127.0.0.1:30020 "
+         "(decode) missing"], [])
