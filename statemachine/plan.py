@@ -215,7 +215,8 @@ class Plan(_Frozen):
     nvidia-smi (:attr:`gpus_held` None)."""
     binds_unusable: str | None = None
     """Why apply would refuse the spec's bind addresses (or its engine Python, or a unit file that systemd could not
-    read back under its state directory) on the host when ``pdctl plan`` looked, with the fix: apply's own words (exit 3, nothing changed); not part of the id. None: it would not, or not looked."""
+    read back under its state directory) on the host when ``pdctl plan`` looked, with the fix: apply's own words
+    (exit 3, nothing changed), one refusal a line; not part of the id. None: it would not, or not looked."""
     secrets_refused: str | None = None
     """Why apply would refuse the spec's ``[secrets]`` in the environment ``pdctl plan`` ran in (an ``env:`` variable
     unset, a value empty), with the fix: apply's own words (exit 1, nothing changed); not part of the id. None: it

@@ -891,9 +891,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
     """
-    import time as _time
-
     import dataclasses
+    import time as _time
 
     from pdctl.statemachine import launch, ports, probes
     from pdctl.statemachine.errors import ProbeError
