@@ -197,12 +197,24 @@ class SshHost(Host):
             raise CommandTimeout(f"ssh {self.name}: no answer after {timeout:g} s: {command[:200]}",
                                  host=self.name) from None
         except (OSError, asyncssh.Error) as exc:
-            self._conn = None
-            self.connection_error = HostError(f"ssh {self.name}: {exc}", host=self.name,
-                                              hint=f"is host {self.name} up and its sshd answering?")
-            raise self.connection_error from None
+            raise self._lost(str(exc)) from None
+        if res.exit_status is None and res.exit_signal is None:
+            # The channel closed with neither an exit status nor a signal: the session or its connection died under
+            # the command (asyncssh returns, it does not raise), not the command failing
+            raise self._lost(f"the session ended before the command did: {command[:120]}")
         status = res.exit_status if res.exit_status is not None else 255
         return status, res.stdout or b"", (res.stderr or b"").decode("utf-8", "replace")
+
+    def _lost(self, why: str) -> HostError:
+        """The connection is gone (or its session was): forgotten, so that the next call reconnects, and recorded as
+        :attr:`connection_error`, which the steps report as a lost connection whatever operation tripped on it."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._loop is not None:  # (a session that died on a live connection: let it go)
+            self._loop.call_soon_threadsafe(conn.close)
+        self.connection_error = HostError(f"ssh {self.name}: {why}", host=self.name,
+                                          hint=f"is host {self.name} up and its sshd answering? `pdctl status` tells "
+                                               "what runs once it is; apply again to converge")
+        return self.connection_error
 
     async def _sftp_client(self):  # noqa: ANN202
         """The connection's SFTP session (opened once), or None when the host offers no SFTP subsystem."""
@@ -235,15 +247,14 @@ class SshHost(Host):
             raise
         except asyncssh.SFTPNoSuchFile:
             raise FileNotFoundError(2, f"{path} on {self.name}", path) from None
+        except (asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection) as exc:  # (the connection, not the file)
+            raise self._lost(f"the connection was lost while trying to {op} {path}: {exc.reason or type(exc).__name__}") from None
         except asyncssh.SFTPError as exc:
             denied = isinstance(exc, asyncssh.SFTPPermissionDenied)
             raise HostError(f"cannot {op} {path} on {self.name}: {exc.reason}", host=self.name,
                             hint=self._denied_hint(op) if denied else None) from None
         except (OSError, asyncssh.Error) as exc:
-            self._conn = None
-            self.connection_error = HostError(f"ssh {self.name}: {exc}", host=self.name,
-                                              hint=f"is host {self.name} up and its sshd answering?")
-            raise self.connection_error from None
+            raise self._lost(str(exc)) from None
 
     def close(self) -> None:
         """Close the connection and stop the loop thread (idempotent)."""

@@ -399,3 +399,47 @@ def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field():
                                         r"chdir .* / This account is currently not available.\)") as e:
         _can_run_commands(parse_spec(d), NoLogin())
     assert "hosts.gpu1.ssh_user must be an account with a login shell" in e.value.hint
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_a_session_cut_under_a_command_is_a_lost_connection_not_an_exit_status(sshd):
+    # (asyncssh returns a channel that closed without an exit status as a finished command: run() answered exit 255
+    # with nothing on stderr, and each caller blamed its own operation, e.g. "cannot write …/unit.json on local: "
+    # with the hint to choose a writable state directory, never "lost the connection")
+    h = host_for(HostSpec(**sshd.host_spec()), name="gpu")
+    try:
+        assert h.run(["echo", "up"]).stdout == "up\n"
+        sessions = _children(sshd.proc.pid)  # (this connection's sshd processes, children of our listener)
+        assert sessions
+
+        def cut() -> None:
+            time.sleep(1.0)
+            for pid in sessions:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        threading.Thread(target=cut, daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(HostError) as e:
+            h.run(["sleep", "20"], timeout=30)
+        assert time.monotonic() - t0 < 15, "the cut must end the command's wait, not its own timeout"
+        assert not isinstance(e.value, (CommandFailed, CommandTimeout)), e.value
+        assert h.connection_error is e.value and "is host gpu up" in (e.value.hint or ""), e.value
+        # the next call connects again
+        assert h.run(["echo", "back"]).stdout == "back\n" and h.connection_error is None
+    finally:
+        h.close()
