@@ -907,13 +907,19 @@ def _chat(spec: Path, message: str, state_dir: Path | None, timeout: float) -> N
     body = {"model": model, "messages": [{"role": "user", "content": message}], "tools": [PROBE_TOOL],
             "chat_template_kwargs": {"thinking": True}, "max_tokens": 256}
     from pdctl.statemachine.errors import PdctlError
-    from pdctl.statemachine.service import deployment_host
+    from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
 
     try:
         dhost = deployment_host(loaded.deployment)
     except PdctlError as exc:
         _err(f"error: {exc}")
         raise typer.Exit(ExitCode.ERROR) from None
+    try:  # (as status: a host setting that now reaches another machine would chat with whatever listens there)
+        if state.machine:
+            refuse_another_machine(loaded, state, machine_of(dhost), "chatting with it")
+    except PdctlError:
+        dhost.close()
+        raise
     try:  # through the deployment's host: an SSH forward when the router listens on a remote machine
         with httpx.Client(trust_env=False, transport=dhost.http_transport()) as client:
             r = client.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)

@@ -1185,6 +1185,7 @@ _ON_ANOTHER_MACHINE = {
     "applying": "applying there would start a second copy and leave the first running",
     "stopping it": "stopping it there would record the running copy as stopped",
     "reading its status": "what is read there says nothing of the copy that runs",
+    "chatting with it": "what answers there is not the copy that runs",
 }
 
 

@@ -1715,6 +1715,9 @@ def test_a_spec_whose_host_reaches_another_machine_is_refused_by_apply_down_plan
         assert "restore hosts.local" in e.value.hint and "journal.json aside" in e.value.hint
     r = demo.cli("plan", str(demo.spec))
     assert r.returncode == 1 and "runs on gpu-old" in r.stderr, r.stderr
+    r = demo.cli("chat", str(demo.spec))  # (it chatted with whatever answered there, exit 0)
+    assert r.returncode == 1 and "runs on gpu-old" in r.stderr and "is not the copy that runs" in r.stderr, r.stderr
+    assert r.stdout == ""
     assert demo.pids() == pids and j.read().deployed is not None  # nothing stopped, nothing forgotten
     # the same hostname reached the same way with a new machine-id (regenerated at boot): the same machine
     state = j.read()
