@@ -406,6 +406,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
 
         loaded = dataclasses.replace(loaded, deployment=loaded.deployment.model_copy(update={"secrets": {}}))
     try:
+        _can_run_commands(loaded.deployment, the_host)  # (a nologin account answers every check with garbage)
         ctx = build_context(loaded, host=the_host)
         try:
             own = own_units(recorded, desired)

@@ -121,8 +121,9 @@ class SshHost(Host):
                                 "keepalive_interval": 15, "agent_forwarding": False}
         if self.user:
             opts["username"] = self.user
-        if self.identity_file:
+        if self.identity_file:  # that key alone: not the agent's too (it may hold a key of another account)
             opts["client_keys"] = [self.identity_file]
+            opts["agent_path"] = None
         if self.known_hosts is not None:
             opts["known_hosts"] = self.known_hosts
         where = f"{self.user + '@' if self.user else ''}{self.address}:{self.port}"
@@ -139,20 +140,33 @@ class SshHost(Host):
                                  "for a key with a passphrase, leave ssh_identity unset and load it into ssh-agent") from None
         except asyncssh.HostKeyNotVerifiable as exc:
             known = self.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
-            if self._known_keys(known):
+            field = f"hosts.{self.name}.ssh_known_hosts" + ("" if self.known_hosts else " (unset: the default)")
+            trusted, revoked = self._known_keys(known), self._known_keys(known, revoked=True)
+            if revoked:
+                # a key the file marks @revoked for this host: never suggest trusting what answers
+                raise HostError(f"ssh {where}: host key not trusted: {known} ({field}) marks a key of this host "
+                                "@revoked, and vouches for none it offered", host=self.name,
+                                hint="do not add the key it offers: a revoked key means the host's keys were "
+                                     "compromised or retired; get its current key from its administrators, checked "
+                                     "out of band (on the host: ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub)") from None
+            if trusted:
                 # known_hosts vouches for other keys: never suggest trusting whatever answers now
                 raise HostError(f"ssh {where}: host key CHANGED: the key the host offered is not the one {known} "
-                                "records for it", host=self.name,
+                                f"({field}) records for it", host=self.name,
                                 hint="someone may be intercepting the connection, or the host was reinstalled: check "
                                      "its key out of band (on the host: ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) "
                                      f"before replacing its line in {known}") from None
-            raise HostError(f"ssh {where}: host key not verifiable ({exc.reason})", host=self.name,
+            raise HostError(f"ssh {where}: host key not verifiable ({exc.reason}): {known} ({field}) has no key for "
+                            "it", host=self.name,
                             hint=f"add the host's key to {known} once its fingerprint matches the host's own, checked "
                                  f"out of band (`ssh-keyscan -p {self.port} {self.address} | ssh-keygen -lf -` here, "
                                  "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the host)") from None
         except asyncssh.PermissionDenied as exc:
-            raise HostError(f"ssh {where}: permission denied ({exc.reason})", host=self.name,
-                            hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only)") from None
+            tried = (f"the key {self.identity_file}" if self.identity_file else
+                     "ssh_identity is unset, so the agent's keys and ~/.ssh/id_* here were tried, if any")
+            raise HostError(f"ssh {where}: permission denied ({exc.reason}; {tried})", host=self.name,
+                            hint=f"check hosts.{self.name}.ssh_user and ssh_identity (public-key login only): the "
+                                 "key's .pub must be in that account's ~/.ssh/authorized_keys on the host") from None
         except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
             # a port that accepts but never speaks SSH times out with an empty message: say what did not happen
             timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
@@ -165,15 +179,22 @@ class SshHost(Host):
             raise err from None
         return self._conn
 
-    def _known_keys(self, path: str) -> list:
-        """The host keys *path* trusts for this host and port (OpenSSH's ``[address]:port`` form off port 22);
-        empty when the file is missing or unreadable."""
+    def _known_keys(self, path: str, *, revoked: bool = False) -> list:
+        """The host keys *path* trusts for this host and port (OpenSSH's ``[address]:port`` form off port 22), or
+        with *revoked* those it marks ``@revoked``; empty when the file is missing or unreadable."""
         import asyncssh
 
         try:
             entries = asyncssh.read_known_hosts(path)
         except (OSError, ValueError, asyncssh.Error):
             return []
+        # (asyncssh's match: trusted host keys, trusted CA keys, revoked keys, then the same for X.509. Off port 22 it
+        # falls back to the bare address when nothing is trusted for [address]:port, which drops a revoked-only entry
+        # for it: its _match (asyncssh 2.x) keeps the port)
+        if revoked:
+            exact = getattr(entries, "_match", None)
+            found = list(exact(self.address, self.address, self.port)[2]) if exact is not None else []
+            return found or list(entries.match(self.address, self.address, self.port)[2])
         return list(entries.match(self.address, self.address, self.port)[0])
 
     async def _exec(self, command: str, *, input: bytes | None, timeout: float):  # noqa: ANN202

@@ -194,11 +194,48 @@ def test_wrong_key_and_unknown_or_changed_host_key_are_clear_errors(sshd, tmp_pa
     with pytest.raises(HostError, match="host key CHANGED") as e:
         changed.run(["true"])
     assert "ssh-keyscan" not in (e.value.hint or "") and "out of band" in (e.value.hint or "")
+    assert ".ssh_known_hosts)" in e.value.message, e.value.message  # (the spec field, named)
+    # a known_hosts that marks the host's key @revoked: never advice to add the key it offers
+    # (it said "host key not verifiable" with the hint to add the host's key once its fingerprint matched)
+    hostpub = (sshd.root / "host_ed25519.pub").read_text().split()
+    revoked_file = tmp_path / "known_hosts_revoked"
+    revoked_file.write_text(f"@revoked [127.0.0.1]:{spec['ssh_port']} {hostpub[0]} {hostpub[1]}\n")
+    revoked = host_for(HostSpec(**{**spec, "ssh_known_hosts": str(revoked_file)}))
+    with pytest.raises(HostError, match="marks a key of this host @revoked") as e:
+        revoked.run(["true"])
+    assert "do not add the key" in e.value.hint and "ssh-keyscan" not in e.value.hint, e.value.hint
     closed = host_for(HostSpec(**{**spec, "ssh_port": _closed_port()}))
     with pytest.raises(HostError, match="cannot connect"):
         closed.run(["true"])
-    for h in (bad, unknown, changed, closed):
+    for h in (bad, unknown, changed, revoked, closed):
         h.close()
+
+
+def test_a_given_ssh_identity_is_the_only_key_tried(sshd, tmp_path, monkeypatch):
+    # (the agent's keys were tried too: a wrong ssh_identity logged in with whatever key the agent held, as
+    # whichever account that key opens)
+    import shutil
+
+    if not shutil.which("ssh-agent") or not shutil.which("ssh-add"):
+        pytest.skip("needs ssh-agent and ssh-add (openssh-client)")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.run(["ssh-agent", "-a", str(sock), "-s"], capture_output=True, text=True, check=True)
+    pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        subprocess.run(["ssh-add", str(sshd.client_key)], env={**os.environ, "SSH_AUTH_SOCK": str(sock)},
+                       capture_output=True, check=True)
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        spec = sshd.host_spec()
+        wrong = host_for(HostSpec(**{**spec, "ssh_identity": str(sshd.wrong_key)}))
+        with pytest.raises(HostError, match="permission denied") as e:
+            wrong.run(["true"])
+        assert f"the key {sshd.wrong_key}" in e.value.message, e.value.message
+        wrong.close()
+        agent_only = host_for(HostSpec(**{k: v for k, v in spec.items() if k != "ssh_identity"}))
+        assert agent_only.run(["echo", "agent"]).stdout == "agent\n"  # (unset: the agent's keys, as documented)
+        agent_only.close()
+    finally:
+        os.kill(pid, signal.SIGTERM)
 
 
 def _closed_port() -> int:
@@ -374,7 +411,7 @@ def test_a_file_the_ssh_user_may_not_read_names_ssh_user_as_the_fix():
     assert h._file_error("read", "/x", 1, "cat: /x: Is a directory").hint is None
 
 
-def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field():
+def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field(tmp_path):
     # (apply said "true on gpu1 exited 1: Could not chdir to home directory /nonexistent", naming no field; a locked
     # account such as nobody cannot be logged into here, so the host's answer is the one OpenSSH gives a nologin shell)
     from pdctl.statemachine.errors import CommandFailed
@@ -399,6 +436,16 @@ def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field():
                                         r"chdir .* / This account is currently not available.\)") as e:
         _can_run_commands(parse_spec(d), NoLogin())
     assert "hosts.gpu1.ssh_user must be an account with a login shell" in e.value.hint
+    # the plan's host checks say the same (they warned of every port "held by PID ? (unknown)" and of nvidia-smi
+    # failing, naming no field): plan then notes it could not check, with these words
+    from .specs import dump_toml
+    from pdctl.statemachine import service
+
+    spec = tmp_path / "nologin.toml"
+    spec.write_text(dump_toml(d))
+    loaded = service.load(spec, state_dir=tmp_path / "state")
+    with pytest.raises(HostError, match="logs in but cannot run commands"):
+        service.host_warnings(loaded, loaded.journal.read(), host=NoLogin())
 
 
 def _children(pid: int) -> list[int]:
