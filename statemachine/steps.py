@@ -1035,7 +1035,7 @@ class ServersUp(Step):
                 ctx.manager.start(unit)
                 ctx.started(unit)
         for r in roles:
-            self._wait_healthy(ctx, r)
+            self._wait_healthy(ctx, r, waited=actions[ctx.unit_of[r.name]] == "wait")
 
     def _serves_as_specified(self, ctx: Context, role: RoleTopology) -> bool:
         try:
@@ -1044,12 +1044,23 @@ class ServersUp(Step):
         except (VerifyFailed, ProbeError):
             return False
 
-    def _wait_healthy(self, ctx: Context, role: RoleTopology) -> None:
+    def _wait_healthy(self, ctx: Context, role: RoleTopology, *, waited: bool = False) -> None:
+        """Wait for *role* active and healthy. *waited*: its unit was found starting (an interrupted apply's) and is
+        waited for, not started by this apply: if its supervisor then turns out never to have come up (the apply
+        that spawned it was cut, e.g. its SSH connection lost, before the watchdog ran), it is started once here."""
         unit = ctx.unit_of[role.name]
         bound = role.settings.get("expected_cold_start_s") or ctx.timeouts.role_start
+        retry = [waited]
 
         def ready() -> bool | None:
             st = ctx.manager.status(unit)
+            if st.state == "failed" and st.sub_state == "watchdog-gone" and retry[0]:
+                retry[0] = False
+                ctx.say(f"{unit} was still being spawned by an apply that did not finish, but its supervisor never came "
+                        "up: starting it", step=self.name, unit=unit)
+                ctx.manager.start(unit)
+                ctx.started(unit)
+                return None
             if st.state == "failed":
                 msg = startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15))
                 raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))

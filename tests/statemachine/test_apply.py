@@ -2243,3 +2243,33 @@ def test_apply_failed_says_whether_the_apply_had_begun(demo):
     kinds = [e["kind"] for e in events]
     assert "apply_started" in kinds and kinds[-1] == "apply_failed", kinds
     assert events[-1]["step"] == "router_exposed" and events[-1]["data"]["started"] is True, events[-1]
+
+
+def test_a_role_left_spawning_without_a_supervisor_is_started_by_the_next_apply(demo):
+    # (an apply cut right after it spawned decode's watchdog, its SSH connection lost, left the unit "activating
+    # (spawning)" with no supervisor: the next apply waited for it, then failed at decode_up with empty log lines and
+    # a hint about GPUs and model paths, until a later status called it failed (watchdog-gone))
+    demo.apply()
+    unit = f"pdctl-{demo.name}-decode.service"
+    d = demo.load().journal.dir / "supervisor" / "services" / unit
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    watchdog = int((d / "watchdog.pid").read_text())
+    for pid in (watchdog, dec["main_pid"]):  # (both started by this test's apply)
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"
+              for p in (watchdog, dec["main_pid"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (d / "status.json").write_text(json.dumps({"state": "activating", "sub": "spawning", "updated": time.time()}))
+    events = []
+
+    class Sink:
+        def emit(self, event) -> None:  # noqa: ANN001
+            events.append(event)
+
+    result = demo.apply(sink=Sink())
+    assert result.state == "parsers_configured"
+    said = [e.message for e in events if e.step == "decode_up"]
+    assert any("its supervisor never came up: starting it" in m for m in said), said
+    st = demo.status()
+    assert st["healthy"], st
