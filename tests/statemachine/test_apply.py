@@ -486,19 +486,22 @@ def test_a_supervisor_folder_that_cannot_be_written_on_the_host_is_refused_befor
 
 def test_a_role_that_cannot_start_is_reported_with_its_own_error_first(make_demo):
     def bad(d):
-        d["decode"][0]["extra_args"] = ["--max-running-requests", "abc"]  # a real flag, a value SGLang's argparse rejects
+        # a real flag, a value SGLang's argparse rejects and validate does not judge (its type is a parser function,
+        # human_readable_int: validate refuses a value not of a flag's int, float or JSON type itself)
+        d["decode"][0]["extra_args"] = ["--max-total-tokens", "1.5Ki"]
 
     demo = make_demo(bad)
     with pytest.raises(ApplyFailed) as e:
         demo.apply()
     first = str(e.value).splitlines()[0]
     assert "decode" in first and "failed while starting" in first
-    assert first.endswith("error: argument --max-running-requests: invalid int value: 'abc'"), first
+    said = "error: argument --max-total-tokens: Decimals are not allowed with IEC suffixes like 'Ki'."
+    assert first.endswith(said), first
     assert "a launch flag was refused" in e.value.hint and "extra_args" in e.value.hint
     # status's steps table gives the failure's first line, not the log excerpt (that stays in --json).
     text = demo.cli("status", str(demo.spec)).stdout
     step_line = next(ln for ln in text.splitlines() if ln.strip().startswith("decode_up"))
-    assert "invalid int value: 'abc'" in step_line and "last log lines" not in text
+    assert said in step_line and "last log lines" not in text
     assert "last log lines:" in json.loads(demo.cli("status", str(demo.spec), "--json").stdout)["steps"]["decode_up"]["summary"]
     down = demo.cli("down", str(demo.spec), "--yes")  # says what it stopped, and what had never run
     assert down.returncode == 0
