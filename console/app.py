@@ -787,9 +787,15 @@ class ConsoleApp(App[int]):
                 # (a role whose step never ran, e.g. the router of an apply stopped at decode_up, is not "down")
                 step_of = role_steps(snap.topology)
                 proven = {r: status.get(step_of.get(r, "")) in ("done", "skipped") for r in snap.services}
-                down = [v.role for r, v in snap.services.items() if proven[r] and v.state != "active"]
+                unknown = [v.role for v in snap.services.values() if v.state.startswith("unknown")]
+                down = [v.role for r, v in snap.services.items() if proven[r] and v.state != "active"
+                        and v.role not in unknown]
                 if down:
                     bits.append(f"NOT serving: {', '.join(down)}")
+                if unknown:  # (an SSH host that stopped answering: the servers may well run; its panels go stale)
+                    why = ("HOST NOT ANSWERING" if any("host not answering" in v.state for v in snap.services.values())
+                           else "STATE UNKNOWN")
+                    bits.append(f"{why}: {', '.join(unknown)} unknown")
                 # (serving, but a crash would not be restarted: `pdctl status` says UNSUPERVISED, apply restarts it)
                 loose = [v.role for r, v in snap.services.items() if proven[r] and v.state == "active" and not v.supervised]
                 if loose:

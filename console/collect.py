@@ -194,7 +194,11 @@ class Collector:
                 st = self.manager.status(unit)
                 out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts, st.supervised)
             except Exception as exc:  # noqa: BLE001
-                out[role] = ServiceView(role, unit, f"unknown ({type(exc).__name__})")
+                from pdctl.statemachine.errors import HostError
+
+                # (an SSH host that stopped answering: what runs there is unknown, not down)
+                why = "host not answering" if isinstance(exc, HostError) else type(exc).__name__
+                out[role] = ServiceView(role, unit, f"unknown ({why})")
         return out
 
     def scrape(self, topo: Topology, at: float,

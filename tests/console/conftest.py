@@ -50,10 +50,15 @@ class FakeManager:
         self.down: set[str] = set()
         self.unsupervised: set[str] = set()
         """Roles whose unit is active with its supervisor gone."""
+        self.unreachable = False
+        """The host does not answer (an SSH connection lost): every status raises HostError."""
 
     def status(self, unit: str):  # noqa: ANN201
+        from pdctl.statemachine.errors import HostError
         from pdctl.units import ServiceStatus
 
+        if self.unreachable:
+            raise HostError("ssh root@127.0.0.1:22: cannot connect: [Errno 111] Connection refused", host="local")
         if any(f"-{d}." in unit for d in self.down):
             return ServiceStatus(unit, "failed")
         return ServiceStatus(unit, "active", main_pid=os.getpid(), restarts=0,

@@ -679,6 +679,13 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         await wait_for(pilot, lambda: app.sub_title.startswith("UNSUPERVISED: decode · reached parsers_configured"))
         assert "NOT serving" not in app.sub_title, app.sub_title
         manager.unsupervised = set()
+        # an SSH host that stops answering: what runs there is unknown, not down (it said "NOT serving: prefill,
+        # decode, router" while every server ran)
+        manager.unreachable = True
+        await wait_for(pilot, lambda: "HOST NOT ANSWERING: prefill, decode, router unknown" in app.sub_title)
+        assert "NOT serving" not in app.sub_title, app.sub_title
+        manager.unreachable = False
+        await wait_for(pilot, lambda: "HOST NOT ANSWERING" not in app.sub_title)
     # an apply stopped after decode_up: the router never started, which is not "NOT serving" (it never served)
     Journal(console_demo.state, console_demo.name).write(JournalState(
         name=console_demo.name, target=topology_of(console_demo.load().deployment),
