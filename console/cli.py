@@ -734,8 +734,24 @@ def down_cmd(
     global _interrupted_hint
     _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `pdctl down {spec} --yes` again to "
                          f"finish (`pdctl status {spec}` shows what still runs)")
+    reporter = _Reporter(False)
+    touched: list[str] = []  # the units it began stopping (or found stopped), from its events
+
+    class _Sink:
+        def emit(self, event) -> None:  # noqa: ANN001
+            if event.data.get("unit"):
+                touched.append(event.data["unit"])
+            reporter.emit(event)
+
     with _signals_as_interrupt():
-        names = down(loaded, sink=_Reporter(False))
+        try:
+            names = down(loaded, sink=_Sink())
+        except PdctlError as exc:
+            if touched:  # (it had begun stopping units: a lost connection, say, cut it short)
+                exc.hint = ((exc.hint + "; ") if exc.hint else "") + (
+                    f"the down did not finish: what it stopped stays stopped; `pdctl down {spec} --yes` again "
+                    f"finishes it (`pdctl status {spec}` shows what still runs)")
+            raise
     if names:  # the lines above say which were running (stopped) and which were not
         _err(f"removed {len(names)} unit(s) of {loaded.deployment.name!r}")
     else:

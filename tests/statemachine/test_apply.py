@@ -22,7 +22,7 @@ from harness import skip_or_fail
 from harness.deploy import process_gone
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
-from pdctl.statemachine.errors import ApplyFailed, LockHeld, RunCancelled, StepTimeout, VerifyFailed
+from pdctl.statemachine.errors import ApplyFailed, HostError, LockHeld, RunCancelled, StepTimeout, VerifyFailed
 from pdctl.statemachine.events import ListSink
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES, run_steps
@@ -2276,3 +2276,32 @@ def test_a_role_left_spawning_without_a_supervisor_is_started_by_the_next_apply(
     assert any("its supervisor never came up: starting it" in m for m in said), said
     st = demo.status()
     assert st["healthy"], st
+
+
+def test_a_down_cut_short_says_it_did_not_finish(demo, monkeypatch, capsys):
+    # (a down whose SSH connection dropped after it stopped the router printed only "cannot connect …": nothing said
+    # that the router stayed stopped and the rest still ran)
+    from pdctl.console import cli
+    from pdctl.units._process import ProcessSupervisor
+
+    demo.apply()
+    real, calls = ProcessSupervisor.stop, []
+
+    def stop(self, name, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(name)
+        if len(calls) == 2:
+            raise HostError("ssh local: the session ended before the command did", host="local",
+                            hint="is host local up and its sshd answering?")
+        return real(self, name, *a, **k)
+
+    monkeypatch.setattr(ProcessSupervisor, "stop", stop)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["down", str(demo.spec), "--yes", "--state-dir", str(demo.state)])
+    err = capsys.readouterr().err
+    assert e.value.code == ExitCode.ERROR, err
+    assert f"stopped pdctl-{demo.name}-router.service" in err, err
+    assert (f"the down did not finish: what it stopped stays stopped; `pdctl down {demo.spec} --yes` again finishes "
+            "it") in err, err
+    monkeypatch.setattr(ProcessSupervisor, "stop", real)
+    r = demo.cli("down", str(demo.spec), "--yes")
+    assert r.returncode == 0 and demo.pids() == [], r.stderr
