@@ -732,7 +732,8 @@ def down_cmd(
             _err("nothing stopped")
             raise typer.Exit(ExitCode.OK)
     global _interrupted_hint
-    _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `pdctl down {spec} --yes` again to "
+    again = f"pdctl down {spec}" + (f" --state-dir {state_dir}" if state_dir else "") + " --yes"
+    _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `{again}` again to "
                          f"finish (`pdctl status {spec}` shows what still runs)")
     reporter = _Reporter(False)
     touched: list[str] = []  # the units it began stopping (or found stopped), from its events
@@ -749,8 +750,7 @@ def down_cmd(
         except PdctlError as exc:
             if touched:  # (it had begun stopping units: a lost connection, say, cut it short)
                 exc.hint = ((exc.hint + "; ") if exc.hint else "") + (
-                    f"the down did not finish: what it stopped stays stopped; `pdctl down {spec} --yes` again "
-                    f"finishes it (`pdctl status {spec}` shows what still runs)")
+                    f"the down did not finish: what it stopped stays stopped; `{again}` again finishes it")
             raise
     if names:  # the lines above say which were running (stopped) and which were not
         _err(f"removed {len(names)} unit(s) of {loaded.deployment.name!r}")

@@ -157,7 +157,7 @@ def run_steps(ctx: Context, steps: list[Step], sink: EventSink) -> StateMachine:
             if lost is not None:
                 # the host stopped answering: say so, whatever operation tripped over it
                 err = ApplyFailed(f"lost the connection to host {ctx.host.name}: {lost.message}", step=step.name,
-                                  hint=lost.hint)
+                                  hint=(f"{lost.hint}; " if lost.hint else "") + "apply again to converge once it answers")
             elif isinstance(exc, StepError):
                 err = exc
             elif isinstance(exc, UnitsError):

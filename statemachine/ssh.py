@@ -234,7 +234,7 @@ class SshHost(Host):
             self._loop.call_soon_threadsafe(conn.close)
         self.connection_error = HostError(f"ssh {self.name}: {why}", host=self.name,
                                           hint=f"is host {self.name} up and its sshd answering? `pdctl status` tells "
-                                               "what runs once it is; apply again to converge")
+                                               "what runs once it is")
         return self.connection_error
 
     async def _sftp_client(self):  # noqa: ANN202

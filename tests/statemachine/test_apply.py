@@ -2300,8 +2300,8 @@ def test_a_down_cut_short_says_it_did_not_finish(demo, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert e.value.code == ExitCode.ERROR, err
     assert f"stopped pdctl-{demo.name}-router.service" in err, err
-    assert (f"the down did not finish: what it stopped stays stopped; `pdctl down {demo.spec} --yes` again finishes "
-            "it") in err, err
+    assert (f"the down did not finish: what it stopped stays stopped; `pdctl down {demo.spec} --state-dir {demo.state}"
+            " --yes` again finishes it") in err, err
     monkeypatch.setattr(ProcessSupervisor, "stop", real)
     r = demo.cli("down", str(demo.spec), "--yes")
     assert r.returncode == 0 and demo.pids() == [], r.stderr

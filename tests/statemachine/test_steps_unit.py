@@ -388,7 +388,9 @@ def test_an_interrupted_down_says_to_run_down_again_not_apply(tmp_path, monkeypa
         cli.main(["down", str(DEMO), "--yes", "--state-dir", str(tmp_path)])
     assert e.value.code == ExitCode.INTERRUPTED
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"interrupted: what is already stopped stays stopped; run `pdctl down {DEMO} --yes` again")
+    # (with the state directory it was given: without it the command named looks elsewhere)
+    assert err.startswith(f"interrupted: what is already stopped stays stopped; run `pdctl down {DEMO} --state-dir "
+                          f"{tmp_path} --yes` again"), err
     assert "run the same command" not in err
 
 
