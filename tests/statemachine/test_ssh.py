@@ -217,7 +217,7 @@ def test_a_given_ssh_identity_is_the_only_key_tried(sshd, tmp_path, monkeypatch)
     import shutil
 
     if not shutil.which("ssh-agent") or not shutil.which("ssh-add"):
-        pytest.skip("needs ssh-agent and ssh-add (openssh-client)")
+        skip_or_fail("needs ssh-agent and ssh-add (openssh-client)")
     sock = tmp_path / "agent.sock"
     agent = subprocess.run(["ssh-agent", "-a", str(sock), "-s"], capture_output=True, text=True, check=True)
     pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
