@@ -885,12 +885,13 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 continue
             if facts is not None and facts.flags is not None and flag not in facts.flags:
                 # (argparse takes an unambiguous prefix of a flag too; a later release's new flag can make it ambiguous)
+                some = ", ".join(prefix_of[:4]) + ("…" if len(prefix_of) > 4 else "")
                 err(
                     f"{f}.extra_args",
                     f"{flag} is not a launch_server flag of SGLang {facts.version}" + (
-                        f", only an abbreviation of {prefix_of[0]}, which a later release can make ambiguous" if len(prefix_of) == 1
-                        else f", only a prefix of {', '.join(prefix_of[:4])}{'…' if len(prefix_of) > 4 else ''} (argparse: "
-                        "'ambiguous option')" if prefix_of else ""),
+                        f", only an abbreviation of {prefix_of[0]}, which a later release can make ambiguous"
+                        if len(prefix_of) == 1 else
+                        f", only a prefix of {some} (argparse: 'ambiguous option')" if prefix_of else ""),
                     f"write {prefix_of[0]} in full" if len(prefix_of) == 1 else
                     "check the spelling against `python -m sglang.launch_server --help`",
                 )
