@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shlex
 import threading
 import time
@@ -40,6 +41,8 @@ from pdctl.statemachine.hosts import CommandResult, Host
 __all__ = ["SshHost"]
 
 _CONNECT_TIMEOUT_S = 15.0
+# GNU coreutils timeout(1)'s words when it cannot exec the command (coreutils src/timeout.c: "failed to run command %s")
+_TIMEOUT_EXEC_FAILED = re.compile(r"^(?:\S*/)?timeout: failed to run command [^:]*: ")
 RETRY_AFTER_S = 60.0
 """After a connect attempt that timed out, how long later calls on the same host fail at once with its error
 instead of waiting the connect timeout again (a refused or unresolvable address fails fast by itself, and a dropped
@@ -315,7 +318,10 @@ class SshHost(Host):
         if status in (124, 137):
             raise CommandTimeout(f"{' '.join(argv)} on {self.name}: no answer after {timeout:g} s", host=self.name)
         if status == 126 or (status == 127 and "No such file" in err):  # `timeout` could not exec it
-            raise HostError(f"cannot run {argv[0]} on {self.name}: {err.strip()[-300:]}", host=self.name,
+            # ("timeout: failed to run command 'nvidia-smi': No such file or directory": the wrapper is pdctl's, so
+            # only the reason is said, as LocalHost says it)
+            why = _TIMEOUT_EXEC_FAILED.sub("", err.strip()[-300:])
+            raise HostError(f"cannot run {argv[0]} on {self.name}: {why}", host=self.name,
                             hint=f"is {argv[0]} installed there?")
         res = CommandResult(tuple(argv), status, out.decode("utf-8", "replace"), err, time.monotonic() - t0)
         if check and status != 0:

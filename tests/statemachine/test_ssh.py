@@ -57,8 +57,11 @@ def test_run_returns_output_status_and_honours_env_cwd_input(host, tmp_path):
     r = host.run(["sh", "-c", 'echo "$PDCTL_X|${HOME:-unset}"; pwd'], env={"PDCTL_X": "a b'c"}, cwd=str(tmp_path))
     assert r.stdout.splitlines() == ["a b'c|unset", str(tmp_path)]
     assert host.run(["cat"], input="piped\n").stdout == "piped\n"
-    with pytest.raises(HostError, match="cannot run"):
+    with pytest.raises(HostError, match="cannot run") as e:
         host.run(["/nonexistent/tool"])
+    # said as LocalHost says it: the reason alone, not the words of pdctl's own `timeout` wrapper (the GPU panel
+    # showed "timeout: failed to run command 'nvidia-smi'" for a host without nvidia-smi)
+    assert e.value.message == "cannot run /nonexistent/tool on gpu: No such file or directory"
 
 
 def test_a_command_past_its_timeout_is_killed_on_the_host(host, tmp_path):
