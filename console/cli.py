@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from pdctl.console.exit_codes import ExitCode, exit_code_for
-from pdctl.statemachine.errors import PdctlError, SpecError, findings_fields
+from pdctl.statemachine.errors import PdctlError, SpecError, findings_fields, os_error_text
 from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
@@ -255,10 +255,9 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         else:
             sys.stdout.write(render_text(p) + "\n")
         raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
-    except (PdctlError, UnitsError) as exc:
+    except (PdctlError, UnitsError, OSError) as exc:
         if as_json:  # scripts still get an object, as from status --json, whatever refused the plan
-            sys.stdout.write(json.dumps({"error": getattr(exc, "message", str(exc)), "hint": exc.hint,
-                                         **findings_fields(exc)}, indent=1) + "\n")
+            sys.stdout.write(json.dumps(_json_error(exc), indent=1) + "\n")
         raise
 
 
@@ -524,18 +523,17 @@ def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
 
     try:
         loaded = load(spec, state_dir=state_dir, rules=False, discover="try")
-    except PdctlError as exc:  # a spec that does not parse or validate: no deployment name to report
+    except (PdctlError, OSError) as exc:  # a spec that does not parse or validate: no deployment name to report
         if as_json:  # scripts still get an object, as from plan --json (they got nothing on stdout)
-            sys.stdout.write(json.dumps({"deployment": None, "healthy": False, "error": exc.message,
-                                         "hint": exc.hint, **findings_fields(exc)}, indent=1) + "\n")
+            sys.stdout.write(json.dumps({"deployment": None, "healthy": False, **_json_error(exc)}, indent=1) + "\n")
         raise
     _broken_rules_note(loaded, "status reads what the journal records")
     try:
         st = status(loaded)
-    except PdctlError as exc:
+    except (PdctlError, OSError) as exc:  # (an OSError: a state directory the OS refuses, e.g. a file in its path)
         if as_json:  # scripts still get an object: what failed and the fix
-            sys.stdout.write(json.dumps({"deployment": loaded.deployment.name, "healthy": False,
-                                         "error": exc.message, "hint": exc.hint}, indent=1) + "\n")
+            sys.stdout.write(json.dumps({"deployment": loaded.deployment.name, "healthy": False, **_json_error(exc)},
+                                        indent=1) + "\n")
         raise
     if not st.get("matches_spec", True):  # (an unset env: secret alone makes it differ: say so, as plan does)
         _unset_secrets_note(loaded.deployment)
@@ -1073,8 +1071,7 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"error: {e}")
         rc = exit_code_for(e)
     except OSError as e:  # the state directory or a spec path the OS refused, or where the output goes
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        _err(f"error: {where}{e.strerror or e}")
+        _err(f"error: {os_error_text(e)}")
         _err(f"  hint: {os_error_hint(e)}")
         # raised while the engine recorded an interruption (a full disk refusing the journal write): the command was
         # still stopped by Ctrl-C / SIGTERM / SIGHUP, and says so in its exit code, which scripts and `timeout` read
@@ -1137,6 +1134,14 @@ def _during_interrupt(exc: BaseException) -> bool:
 _STREAMS = ("<stdout>", "<stderr>")
 
 
+def _json_error(exc: BaseException) -> dict:
+    """``{error, hint}`` (plus ``findings`` for a spec error) of a ``--json`` error object: an OSError (a state
+    directory or spec path the OS refused) in the words and with the hint stderr gives it."""
+    if isinstance(exc, OSError) and not isinstance(exc, PdctlError):
+        return {"error": os_error_text(exc), "hint": os_error_hint(exc)}
+    return {"error": getattr(exc, "message", str(exc)), "hint": getattr(exc, "hint", None), **findings_fields(exc)}
+
+
 def os_error_hint(e: OSError) -> str:
     """What to do about an OSError the CLI reports: where output goes, a state directory it may not write, a path."""
     import errno
@@ -1146,6 +1151,8 @@ def os_error_hint(e: OSError) -> str:
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return ("that path is not writable here (a read-only file system, or another user's): give a writable "
                 "--state-dir / PDCTL_STATE_DIR, or run as the user that owns it")
+    if e.errno == errno.ENOTDIR:
+        return "a file is in that path where a folder should be: give --state-dir / PDCTL_STATE_DIR a folder's path"
     return "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)"
 _SAID_WHEN_INTERRUPTED = {
     "plan": "interrupted: a plan changes nothing; run it again",

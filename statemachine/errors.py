@@ -93,6 +93,13 @@ class SpecError(PdctlError, ValueError):
         return out
 
 
+def os_error_text(exc: OSError) -> str:
+    """An OSError as pdctl says it, ``PATH: reason`` (``/srv/x/journal.json: Not a directory``), not Python's
+    ``[Errno 20] Not a directory: '…'``: one wording on stderr and in every ``--json`` error object."""
+    where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+    return f"{where}{exc.strerror or exc}"
+
+
 def findings_fields(exc: BaseException) -> dict[str, list]:
     """``{"findings": [{field, message, fix}]}`` (:meth:`SpecError.findings_json`) for a spec error's ``--json``
     object or event, so that scripts need not parse the message; empty for any other error."""

@@ -64,9 +64,10 @@ class Event:
         (its ``apply_started`` event came first; False: refused before its first step, nothing changed, its ``step``
         the one it would have failed at), and for a spec error ``findings``
         (:meth:`~pdctl.statemachine.errors.SpecError.findings_json`)."""
-        from pdctl.statemachine.errors import findings_fields
+        from pdctl.statemachine.errors import PdctlError, findings_fields, os_error_text
 
-        message = getattr(exc, "message", None) or str(exc)
+        message = getattr(exc, "message", None) or (
+            os_error_text(exc) if isinstance(exc, OSError) and not isinstance(exc, PdctlError) else str(exc))
         return cls("apply_failed", message, step=getattr(exc, "step", None),
                    data={"error": message, "hint": getattr(exc, "hint", None), "error_type": type(exc).__name__,
                          "started": started, **findings_fields(exc)})

@@ -829,6 +829,38 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     assert "check the path" in os_error_hint(FileNotFoundError(errno.ENOENT, "No such file", "/srv/x.toml"))
 
 
+def test_a_state_directory_the_os_refuses_is_a_json_error_object_in_pdctls_words(tmp_path):
+    from pdctl.console.cli import os_error_hint
+
+    # A file where the state directory's parent should be: plan --json and status --json printed nothing on stdout
+    # (the OSError went past their handlers), and apply --json said Python's "[Errno 2] No such file or directory: …"
+    d = seed_dict()
+    d["service_manager"] = "process"
+    spec = tmp_path / "seed.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    (tmp_path / "afile").write_text("x")
+    sd = tmp_path / "afile" / "state"
+    journal = f"{sd}/journal.json: Not a directory"
+    r = _pdctl("plan", str(spec), "--state-dir", str(sd), "--json")
+    hint = "a file is in that path where a folder should be: give --state-dir / PDCTL_STATE_DIR a folder's path"
+    assert r.returncode == 1 and json.loads(r.stdout) == {"error": journal, "hint": hint}, (r.stdout, r.stderr)
+    assert f"error: {journal}" in r.stderr, r.stderr
+    r = _pdctl("status", str(spec), "--state-dir", str(sd), "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and (out["deployment"], out["healthy"], out["error"]) == (d["name"], False, journal), out
+    r = _pdctl("apply", str(spec), "--state-dir", str(sd), "--json")
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 1 and last["kind"] == "apply_failed", r.stdout
+    assert last["data"]["error"] == f"state directory {sd}: a file is in the way", last
+    assert (tmp_path / "afile").read_text() == "x"  # nothing written
+    # a folder the OS will not create (procfs): apply's event said "[Errno 2] No such file or directory: '/proc/…'"
+    r = _pdctl("apply", str(spec), "--state-dir", "/proc/pdctl-test/state", "--json")
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 1 and last["kind"] == "apply_failed", r.stdout
+    assert last["data"]["error"].startswith("/proc/pdctl-test") and "Errno" not in last["data"]["error"], last
+    assert last["data"]["error"] in r.stderr, r.stderr  # the same words as on stderr
+
+
 def test_a_terminal_gone_mutes_the_cli_streams_like_a_closed_pipe_and_other_errors_name_them():
     # After SIGHUP the SSH terminal answers writes with EIO: it raised and turned the exit code 129 into 1
     import errno
