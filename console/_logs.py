@@ -15,6 +15,68 @@ from pdctl.console.views import new_lines
 __all__ = ["LogsPanel"]
 
 
+class FollowingLog(Log):
+    """A :class:`~textual.widgets.Log` that keeps following its newest line until the operator scrolls back (a key
+    or the mouse wheel up, dragging the scroll bar), and again once they scroll to the end. Textual's own
+    ``auto_scroll`` follows only while the view is at the end, so a terminal resize that left the view mid-way
+    stopped it for good while the panel still said "following"."""
+
+    following: reactive[bool] = reactive(True)
+    """Whether new lines scroll the view to the end."""
+
+    def _scrolled(self) -> None:
+        # (after the scroll itself: at the end again means following again)
+        self.call_after_refresh(lambda: setattr(self, "following", self.is_vertical_scroll_end))
+
+    def action_scroll_up(self) -> None:
+        super().action_scroll_up()
+        self._scrolled()
+
+    def action_page_up(self) -> None:
+        super().action_page_up()
+        self._scrolled()
+
+    def action_scroll_home(self) -> None:
+        super().action_scroll_home()
+        self._scrolled()
+
+    def action_scroll_down(self) -> None:
+        super().action_scroll_down()
+        self._scrolled()
+
+    def action_page_down(self) -> None:
+        super().action_page_down()
+        self._scrolled()
+
+    def action_scroll_end(self) -> None:
+        super().action_scroll_end()
+        self.following = True
+
+    # (Textual calls the handler of each class in the MRO, so these run beside Widget's own, not instead of it)
+    def _on_mouse_scroll_up(self, event) -> None:  # noqa: ANN001
+        self._scrolled()
+
+    def _on_mouse_scroll_down(self, event) -> None:  # noqa: ANN001
+        self._scrolled()
+
+    def _on_scroll_to(self, message) -> None:  # noqa: ANN001  (the scroll bar dragged)
+        self._scrolled()
+
+    def _on_scroll_up(self, message) -> None:  # noqa: ANN001  (a click on the scroll bar's track)
+        self._scrolled()
+
+    def _on_scroll_down(self, message) -> None:  # noqa: ANN001
+        self._scrolled()
+
+    def follow(self) -> None:
+        """Scroll to the newest line when following and not there (after a resize, a clear, new lines)."""
+        if self.following and not self.is_vertical_scroll_end:
+            self.scroll_end(animate=False, immediate=True, x_axis=False)
+
+    def _on_resize(self, event) -> None:  # noqa: ANN001
+        self.call_after_refresh(self.follow)
+
+
 class LogsPanel(Vertical):
     """One role's log tail, following."""
 
@@ -61,11 +123,13 @@ class LogsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="logs-head")
-        yield Log(max_lines=2000, auto_scroll=True)
+        yield FollowingLog(max_lines=2000, auto_scroll=False)
 
     def _head(self) -> str:
         names = "  ".join(f"[b reverse] {r} [/]" if r == self.role else f" {r} " for r in self.roles)
-        return f"{names}   [dim]\\[ ] switch role · following[/]"
+        following = self.query_one(FollowingLog).following if self.is_mounted else True
+        state = "following" if following else "[b]scrolled back[/b]: End to follow"
+        return f"{names}   [dim]\\[ ] switch role · {state}[/]"
 
     def watch_roles(self, roles: tuple[str, ...]) -> None:
         if self.role not in roles:
@@ -81,6 +145,7 @@ class LogsPanel(Vertical):
             self.query_one("#logs-head", Static).update(self._head())
 
     def on_mount(self) -> None:
+        self.watch(self.query_one(FollowingLog), "following", lambda _following: self._update_head(), init=False)
         self._update_head()
 
     def action_cycle(self, delta: int) -> None:
@@ -90,16 +155,19 @@ class LogsPanel(Vertical):
         self.role = self.roles[(i + delta) % len(self.roles)]
 
     def show(self, role: str | None, lines: tuple[str, ...]) -> LogsPanel:
-        """Show *lines* (the tail of *role*'s log), appending only what is new."""
-        log = self.query_one(Log)
+        """Show *lines* (the tail of *role*'s log), appending only what is new; the view follows the newest line
+        unless the operator scrolled back (another role's log starts following again)."""
+        log = self.query_one(FollowingLog)
         if role != self._shown_role:
             log.clear()
+            log.following = True
             self._shown = ()
             self._shown_role = role
         add, reset = new_lines(self._shown, lines)
         if reset:
             log.clear()
         if add:
-            log.write_lines(add)
+            log.write_lines(add, scroll_end=log.following)
+        log.follow()
         self._shown = lines
         return self

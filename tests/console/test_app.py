@@ -602,6 +602,47 @@ async def test_the_logs_panel_follows_the_selected_role(console_demo):
         assert all("decode" in ln for ln in log.lines)
 
 
+async def test_the_logs_panel_keeps_following_after_a_resize_until_the_operator_scrolls_back(console_demo):
+    # Textual's Log follows only while its view is at the end: a resize that left it mid-way stopped the panel
+    # following for good (role switches did not help) while its head still said "following"
+    class GrowingLogs(FakeManager):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 100
+
+        def logs(self, unit: str, *, lines: int = 50) -> list[str]:
+            self.n += 1
+            return [f"{unit} #{i}" for i in range(self.n)][-lines:]
+
+    mgr = GrowingLogs()
+    app = make_app(console_demo, manager=mgr)
+    async with app.run_test(size=(200, 50)) as pilot:
+        from pdctl.console._logs import FollowingLog, LogsPanel
+
+        await pilot.press("4")
+        log = app.query_one(FollowingLog)
+        head = app.query_one("#logs-head")
+        await wait_for(pilot, lambda: log.line_count >= 50)
+        for size in ((80, 24), (200, 50), (80, 24)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause(0.1)
+        seen = mgr.n
+        await wait_for(pilot, lambda: mgr.n >= seen + 3)
+        await wait_for(pilot, lambda: log.is_vertical_scroll_end)
+        assert log.following and log.max_scroll_y > 0 and "following" in str(head.render()), str(head.render())
+        log.focus()
+        await pilot.press("pageup")
+        await wait_for(pilot, lambda: not log.following)
+        assert "scrolled back: End to follow" in str(head.render()), str(head.render())
+        seen, y = mgr.n, log.scroll_y
+        await wait_for(pilot, lambda: mgr.n >= seen + 3)
+        await pilot.pause(0.1)
+        assert log.scroll_y == y and not log.is_vertical_scroll_end  # (the operator reads back: the view stays)
+        await pilot.press("end")
+        await wait_for(pilot, lambda: log.following and log.is_vertical_scroll_end)
+        assert "following" in str(app.query_one(LogsPanel).query_one("#logs-head").render())
+
+
 async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(console_demo):
     """A headless apply (here: a child process holding the real lock) greys the console's apply key and
     names the holder in the header; after a kill -9 of that holder, apply is available again."""
