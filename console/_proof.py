@@ -18,7 +18,8 @@ _EVIDENCE_LINES = 60
 """Evidence is cut after this many lines of JSON (the journal holds it whole)."""
 
 
-def render_proof(step: StepView | None) -> RenderableType:
+def render_proof(step: StepView | None, now: float | None = None) -> RenderableType:
+    """*step*'s proof; its age counted to *now* (epoch seconds) from when it finished, else the view's ``age_s``."""
     if step is None:
         return Text("select a step (↑/↓ then Enter in the state-machine panel) to see its proof", style="dim")
     parts: list[RenderableType] = []
@@ -27,8 +28,9 @@ def render_proof(step: StepView | None) -> RenderableType:
     head.append(f"  {step.status}", style={"done": "green", "skipped": "green", "failed": "bold red", "running": "yellow",
                                        "interrupted": "yellow"}.get(step.status, "dim"))
     head.append(f"  took {fmt_duration(step.elapsed_s)}")
-    if step.age_s is not None:
-        head.append(f", {fmt_duration(step.age_s)} ago", style="dim")
+    age = now - step.finished_at if now is not None and step.finished_at is not None else step.age_s
+    if age is not None:
+        head.append(f", {fmt_duration(max(0.0, age))} ago", style="dim")
     parts.append(head)
     proof = step.proof or {}
     if step.status == "failed" or step.error:
@@ -72,5 +74,15 @@ class ProofPanel(Widget):
     step: reactive[StepView | None] = reactive(None, layout=True)
     """The step shown."""
 
+    def on_mount(self) -> None:
+        # the age goes on counting between snapshots: a StepView that only aged compares equal, so setting it again
+        # redraws nothing (the tab showed the age at selection, for good)
+        self.set_interval(1.0, self._tick)
+
+    def _tick(self) -> None:
+        if self.step is not None and self.step.finished_at is not None:
+            self.refresh()
+
     def render(self) -> RenderableType:
-        return render_proof(self.step)
+        clock = getattr(self.app, "clock", None)
+        return render_proof(self.step, clock() if callable(clock) else None)

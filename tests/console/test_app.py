@@ -19,6 +19,7 @@ from pdctl.console._steps import StepsPanel
 from pdctl.console._throughput import ThroughputPanel
 from pdctl.console.app import MUTATING_ACTIONS, ApplyCancelled, ConsoleApp
 from pdctl.console.collect import Collector
+from pdctl.console.views import fmt_duration
 from pdctl.statemachine.events import Event
 from pdctl.statemachine.journal import Journal
 from pdctl.statemachine.machine import PD_STATES
@@ -363,6 +364,33 @@ async def test_selecting_a_step_shows_its_proof(console_demo):
         await pilot.press("down", "enter")
         assert app.query_one("#tabs").active == "proof"
         assert app.query_one("ProofPanel").step.name == "prefill_up"
+
+
+async def test_the_proof_tab_counts_the_age_of_the_proof_on(console_demo):
+    # it showed the age at the moment the step was selected, for good (a StepView that only aged compares equal, so
+    # the panel never redrew), and one taken from the steps panel's first rows, not from when the proof was made
+    from pdctl.console._proof import ProofPanel
+    from pdctl.console.app import ConsoleApp as _App
+
+    from .conftest import FIXED_NOW, fixed_snapshot
+
+    now = [FIXED_NOW]
+    loaded = console_demo.load()
+    app = _App(loaded, live=False, clock=lambda: now[0], nvml=False)
+    snap = fixed_snapshot(loaded)
+    async with app.run_test(size=SIZE) as pilot:
+        app.show_snapshot(snap)
+        await pilot.pause()
+        await pilot.press("s", "down", "enter")
+        panel = app.query_one(ProofPanel)
+        step = panel.step
+        assert step is not None and step.finished_at is not None, step
+        first = FIXED_NOW - step.finished_at
+        assert f"{fmt_duration(first)} ago" in str(panel.render().renderables[0])
+        now[0] += 125.0
+        await pilot.pause(1.3)  # (the panel's one-second tick)
+        shown = app.export_screenshot().replace("&#160;", " ")  # (what the screen shows: redrawn, or not)
+        assert f"{fmt_duration(first + 125.0)} ago" in shown and f"{fmt_duration(first)} ago" not in shown
 
 
 @pytest.mark.smg
