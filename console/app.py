@@ -800,6 +800,14 @@ class ConsoleApp(App[int]):
                 loose = [v.role for r, v in snap.services.items() if proven[r] and v.state == "active" and not v.supervised]
                 if loose:
                     bits.append(f"UNSUPERVISED: {', '.join(loose)}")
+                # (serving again after a crash its supervisor or systemd recovered from: not what its step proved, as
+                # `pdctl status` marks the proof; apply proves it again)
+                proven_at = {s.name: s.finished_at for s in snap.steps}
+                restarted = [v.role for r, v in snap.services.items() if proven[r] and v.state == "active"
+                             and v.started_at is not None and (at := proven_at.get(step_of.get(r, ""))) is not None
+                             and v.started_at > at + 1.0]
+                if restarted:
+                    bits.append(f"RESTARTED since proven: {', '.join(restarted)}")
             if self.plan is not None and self.plan.has_changes:
                 bits.append(f"pending: {self.plan.cls}")
             if where:

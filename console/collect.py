@@ -37,6 +37,9 @@ class ServiceView:
     main_pid: int | None = None
     restarts: int = 0
     supervised: bool = True
+    started_at: float | None = None
+    """When its main process started (epoch seconds, from the host's /proc), None where unknown: a process that
+    started after its step's proof is not what the step proved (``pdctl status``'s ``restarted_since``)."""
 
 
 @dataclass(frozen=True)
@@ -187,12 +190,28 @@ class Collector:
         except Exception as exc:  # noqa: BLE001 - a torn or foreign journal is shown, not fatal
             return None, f"journal: {exc}"
 
+    def _started_at(self, pid: int | None) -> float | None:
+        # (read once per main PID: a restart is a new PID)
+        if not pid:
+            return None
+        cache = self.__dict__.setdefault("_pid_started", {})
+        if pid not in cache:
+            from pdctl.statemachine.service import _boot_time, _process_started_at
+
+            if getattr(self, "_boot", None) is None:
+                self._boot = _boot_time(self.host)
+            if len(cache) > 256:
+                cache.clear()
+            cache[pid] = _process_started_at(self.host, pid, self._boot)
+        return cache[pid]
+
     def services(self, topo: Topology) -> dict[str, ServiceView]:
         out = {}
         for role, unit in unit_names(topo).items():
             try:
                 st = self.manager.status(unit)
-                out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts, st.supervised)
+                out[role] = ServiceView(role, unit, st.state, st.main_pid, st.restarts, st.supervised,
+                                        self._started_at(st.main_pid) if st.state == "active" else None)
             except Exception as exc:  # noqa: BLE001
                 from pdctl.statemachine.errors import HostError
 

@@ -52,6 +52,8 @@ class FakeManager:
         """Roles whose unit is active with its supervisor gone."""
         self.unreachable = False
         """The host does not answer (an SSH connection lost): every status raises HostError."""
+        self.pids: dict[str, int] = {}
+        """Main PIDs by role (else this test process's)."""
 
     def status(self, unit: str):  # noqa: ANN201
         from pdctl.statemachine.errors import HostError
@@ -61,7 +63,8 @@ class FakeManager:
             raise HostError("ssh root@127.0.0.1:22: cannot connect: [Errno 111] Connection refused", host="local")
         if any(f"-{d}." in unit for d in self.down):
             return ServiceStatus(unit, "failed")
-        return ServiceStatus(unit, "active", main_pid=os.getpid(), restarts=0,
+        pid = next((p for r, p in self.pids.items() if f"-{r}." in unit), os.getpid())
+        return ServiceStatus(unit, "active", main_pid=pid, restarts=0,
                              supervised=not any(f"-{d}." in unit for d in self.unsupervised))
 
     def logs(self, unit: str, *, lines: int = 50) -> list[str]:

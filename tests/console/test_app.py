@@ -755,6 +755,21 @@ async def test_the_header_says_when_what_reached_its_step_no_longer_serves_or_un
         assert "NOT serving" not in app.sub_title, app.sub_title
         manager.unreachable = False
         await wait_for(pilot, lambda: "HOST NOT ANSWERING" not in app.sub_title)
+        # decode serving again after a crash its supervisor recovered from: a process younger than its proof (the
+        # header said all was well while `pdctl status` marked the proof "proven before … restarted")
+        time.sleep(max(0.0, now + 1.5 - time.time()))
+        import subprocess
+
+        younger = subprocess.Popen(["sleep", "30"])
+        try:
+            manager.pids = {"decode": younger.pid}
+            await wait_for(pilot, lambda: app.sub_title.startswith(
+                "RESTARTED since proven: decode · reached parsers_configured"))
+            manager.pids = {}
+            await wait_for(pilot, lambda: "RESTARTED" not in app.sub_title)
+        finally:
+            younger.kill()
+            younger.wait(5)
     # an apply stopped after decode_up: the router never started, which is not "NOT serving" (it never served)
     Journal(console_demo.state, console_demo.name).write(JournalState(
         name=console_demo.name, target=topology_of(console_demo.load().deployment),
