@@ -228,7 +228,8 @@ class ConsoleApp(App[int]):
         self.plan_kept: tuple[str, ...] = ()
         """Roles the comparison restarts that the plan keeps: an interrupted apply already started them with what the
         spec asks (``ResourceChange.kept``)."""
-        self._down_at_plan: frozenset[str] = frozenset()  # the roles not serving when the plan was last made
+        self._down_at_plan: frozenset[tuple[str, str, bool]] = frozenset()
+        """The roles not serving when the plan was last made: (role, state, supervised)."""
         self._interrupted_at: str | None = None  # the step the engine journalled as interrupted (apply_interrupted)
         self.early_signal: int | None = None
         """The exit code of a SIGINT / SIGTERM / SIGHUP that came while the app started (:func:`early_signals`)."""
@@ -621,7 +622,9 @@ class ConsoleApp(App[int]):
         serial = snap.journal.serial if snap.journal is not None else 0
         # plan again when the journal moved, or a role stopped or came back serving since the plan (its "unsettled"
         # account, service.plan_unsettled, is what `a` asks by)
-        down = frozenset(v.role for v in snap.services.values() if v.state != "active" or not v.supervised)
+        # (each with its state: a role going from unsupervised to failed changes what the plan's y/N says of it)
+        down = frozenset((v.role, v.state, v.supervised) for v in snap.services.values()
+                         if v.state != "active" or not v.supervised)
         if (self.live and self._planned_serial is not None and not self.applying
                 and (serial != self._planned_serial or down != self._down_at_plan)):
             self._planned_serial = serial

@@ -264,6 +264,24 @@ async def test_a_spec_with_no_changes_whose_roles_do_not_serve_shows_it_and_asks
         assert "apply restarts what does not serve as specified" in question
 
 
+async def test_the_plan_is_made_again_when_a_role_that_does_not_serve_changes_state(console_demo):
+    # the console re-planned only when the set of roles not serving changed: prefill going from UNSUPERVISED to
+    # failed left the y/N saying "prefill UNSUPERVISED (its supervisor is gone)" of a server no longer running
+    console_demo.pretend_deployed(lambda d: None)
+    manager = FakeManager()
+    manager.unsupervised = {"prefill"}
+    app = make_app(console_demo, manager=manager)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None and app._planned_serial is not None
+                       and ("prefill", "active", False) in app._down_at_plan)
+        planned = []
+        app.reload_spec = lambda *a, **k: planned.append(k)  # (what show_snapshot calls to plan again)
+        manager.unsupervised = set()
+        manager.down = {"prefill"}
+        await wait_for(pilot, lambda: planned)
+        assert planned == [{"reread": False}] and ("prefill", "failed", True) in app._down_at_plan
+
+
 async def test_readonly_has_no_mutating_binding(console_demo):
     console_demo.pretend_deployed(_parsers_changed)
     app = make_app(console_demo, readonly=True)
