@@ -68,7 +68,7 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
     "--dsa-decode-backend": "model.dsa_decode_backend",
     "--nsa-prefill-backend": "model.dsa_prefill_backend",  # the names up to 0.5.12 (pdctl spells them per release)
     "--nsa-decode-backend": "model.dsa_decode_backend",
-    "--enable-metrics": "(always on: pdctl passes it)",
+    "--enable-metrics": "(always on)",
 }
 _OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "gpus",
@@ -856,32 +856,30 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     )
                     continue
             prefix_of = sorted(x for x in known if x.startswith(flag)) if flag not in known else []
-            if len(prefix_of) == 1 and prefix_of[0] in _OWNED_SERVER_FLAGS:  # (argparse takes the abbreviation)
+            # (argparse takes an unambiguous abbreviation as the flag itself: judged as that flag, and said so)
+            full = prefix_of[0] if len(prefix_of) == 1 else flag
+            said = f"{flag} (an abbreviation of {full})" if full != flag else flag
+            if full in _OWNED_SERVER_FLAGS:
+                source = _OWNED_SERVER_FLAGS[full]
+                always = source.startswith("(")  # (a flag pdctl always passes: nothing of the spec sets it)
                 err(
                     f"{f}.extra_args",
-                    f"{flag} (an abbreviation of {prefix_of[0]}) is set by pdctl from {_OWNED_SERVER_FLAGS[prefix_of[0]]}",
-                    f"remove {flag} from extra_args and set {_OWNED_SERVER_FLAGS[prefix_of[0]]} instead",
+                    f"{said} is always passed by pdctl" if always else f"{said} is set by pdctl from {source}",
+                    f"remove {flag} from extra_args" + ("" if always else f" and set {source} instead"),
                 )
                 continue
-            if flag in _OWNED_SERVER_FLAGS:
+            if full == "--api-key":
                 err(
                     f"{f}.extra_args",
-                    f"{flag} is set by pdctl from {_OWNED_SERVER_FLAGS[flag]}",
-                    f"remove {flag} from extra_args and set {_OWNED_SERVER_FLAGS[flag]} instead",
-                )
-                continue
-            if flag == "--api-key":
-                err(
-                    f"{f}.extra_args",
-                    "--api-key makes the server answer 401 to the requests pdctl's steps prove it with (/server_info, "
+                    f"{said} makes the server answer 401 to the requests pdctl's steps prove it with (/server_info, "
                     "/generate, the chat check), which carry no key: prefill_up would fail after the servers "
                     "restarted; and extra_args are written into the unit in plain text",
-                    "remove --api-key; keep the servers on a private address and expose only the router",
+                    f"remove {flag}; keep the servers on a private address and expose only the router",
                 )
                 continue
-            if flag == "--help":
-                err(f"{f}.extra_args", "--help makes SGLang print its help and exit: the server would not start",
-                    "remove --help")
+            if full == "--help":
+                err(f"{f}.extra_args", f"{said} makes SGLang print its help and exit: the server would not start",
+                    f"remove {flag}")
                 continue
             if facts is not None and facts.flags is not None and flag not in facts.flags:
                 # (argparse takes an unambiguous prefix of a flag too; a later release's new flag can make it ambiguous)

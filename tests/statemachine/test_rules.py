@@ -414,6 +414,13 @@ def test_extra_args_are_read_as_sglangs_argparse_reads_them():
     assert "only an abbreviation of --swa-full-tokens-ratio" in abbrev and "write --swa-full-tokens-ratio in full" in abbrev
     (owned,) = _extra_args_errors(["--mem-frac", "0.8"])
     assert owned.startswith("--mem-frac (an abbreviation of --mem-fraction-static) is set by pdctl"), owned
+    # a flag pdctl always passes: "is set by pdctl from (always on: pdctl passes it)", "and set (always on…) instead"
+    assert _extra_args_errors(["--enable-metrics"]) == [
+        "--enable-metrics is always passed by pdctl | remove --enable-metrics from extra_args"]
+    # an abbreviation of a refused flag is refused as that flag ("write --api-key in full", which is refused too)
+    (key,) = _extra_args_errors(["--api", "sk-1"])
+    assert key.startswith("--api (an abbreviation of --api-key) makes the server answer 401"), key
+    assert key.endswith("| remove --api; keep the servers on a private address and expose only the router"), key
     assert _extra_args_errors(["--revision", "--my rev"]) == []  # (a space in it: argparse takes it as the value)
     (js,) = _extra_args_errors(["--default-chat-template-kwargs", "{bad"])
     assert js.startswith("--default-chat-template-kwargs '{bad': not JSON"), js
