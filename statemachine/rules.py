@@ -98,6 +98,9 @@ _OWNED_ROUTER_FLAGS = {
     "--health-success-threshold": "router.health_success_threshold",
 }
 _PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--chat-template")
+_ONE_HOST_FLAGS = ("--dist-init-addr", "--nnodes", "--node-rank")
+"""SGLang 0.5.23's multi-node flags (``server_args.py``; ``--dist-init-addr`` also names the torch.distributed
+rendezvous and moves the ports SGLang derives, ``PortArgs.init_new``): refused in a role's ``extra_args``."""
 SMG_VERSION = "1.13.0"
 """The smg release pdctl pins (pyproject.toml's ``router`` extra) and whose flags it checks ``router.extra_args`` against."""
 
@@ -875,6 +878,15 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "/generate, the chat check), which carry no key: prefill_up would fail after the servers "
                     "restarted; and extra_args are written into the unit in plain text",
                     f"remove {flag}; keep the servers on a private address and expose only the router",
+                )
+                continue
+            if full in _ONE_HOST_FLAGS:
+                err(
+                    f"{f}.extra_args",
+                    f"{said} spreads a server over several nodes: pdctl runs each role on one host, and checks and proves "
+                    "its NCCL port (nccl_port), which --dist-init-addr would replace with a rendezvous port nothing "
+                    "checks (SGLang 0.5.23 derives its other internal ports from it too)",
+                    f"remove {flag}; give the role more GPUs of its host, or another [[prefill]] / [[decode]] group",
                 )
                 continue
             if full == "--help":

@@ -417,6 +417,10 @@ def test_extra_args_are_read_as_sglangs_argparse_reads_them():
     # a flag pdctl always passes: "is set by pdctl from (always on: pdctl passes it)", "and set (always on…) instead"
     assert _extra_args_errors(["--enable-metrics"]) == [
         "--enable-metrics is always passed by pdctl | remove --enable-metrics from extra_args"]
+    # multi-node flags: --dist-init-addr replaced the NCCL port pdctl checks with one nothing checked
+    for args in (["--dist-init-addr", "127.0.0.1:36110"], ["--nnodes", "2"], ["--node-rank=1"], ["--dist-init", "h:1"]):
+        (multi,) = _extra_args_errors(args)
+        assert "spreads a server over several nodes" in multi and f"remove {args[0].split('=')[0]}" in multi, multi
     # an abbreviation of a refused flag is refused as that flag ("write --api-key in full", which is refused too)
     (key,) = _extra_args_errors(["--api", "sk-1"])
     assert key.startswith("--api (an abbreviation of --api-key) makes the server answer 401"), key
