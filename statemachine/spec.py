@@ -252,8 +252,10 @@ class Model(_Model):
 
     path: str
     served_name: str | None = None
-    context_length: Int | None = Field(default=None, ge=1)
-    page_size: Int | None = Field(default=None, ge=1)
+    context_length: Int | None = Field(default=None, ge=1, le=2**31 - 1)
+    """Tokens; at most 2**31 − 1: SGLang 0.5.23 keeps each request's token slots in int32 tensors sized by it
+    (``mem_cache/memory_pool.py`` ``ReqToTokenPool``)."""
+    page_size: Int | None = Field(default=None, ge=1, le=2**31 - 1)
     kv_cache_dtype: Literal[
         "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"
     ] = "auto"

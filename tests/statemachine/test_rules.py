@@ -606,6 +606,9 @@ def test_missing_required_field_is_named():
     (("kernels", "which"), "sparse_mla_decode", 'must be a list: write it in brackets, e.g. ["sparse_mla_decode"]'),
     (("router", "worker_startup_timeout_s"), 10**20,
      "must be at most 2147483647, not 100000000000000000000: write a value in range"),
+    # (it passed validate and apply: SGLang sizes int32 token-slot tensors by it)
+    (("model", "context_length"), 10**20, "must be at most 2147483647, not 100000000000000000000"),
+    (("model", "page_size"), 2**31, "must be at most 2147483647, not 2147483648"),
     # out of range: the bound, and for a fraction written as a percentage the fraction meant
     (("prefill", 0, "mem_fraction"), 90, "must be at most 1, not 90: it is a fraction; for 90 %, write 0.9"),
     (("prefill", 0, "mem_fraction"), 1.5, "must be at most 1, not 1.5: write a value in range"),  # not a percentage
