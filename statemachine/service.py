@@ -1016,7 +1016,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     for name, rec in ordered:
         summary = (rec.proof or {}).get("summary") if rec.proof else rec.error
         killed = rec.status == "running" and settled  # journalled as running, and no apply holds the lock
-        since = [u for u in _units_of_step(name, topo, names) if rec.status == "done" and rec.finished_at
+        # (a step a later apply found proven is journalled skipped, with that proof: it ages the same way)
+        since = [u for u in _units_of_step(name, topo, names) if rec.status in ("done", "skipped") and rec.finished_at
                  and (started.get(u) or 0) > rec.finished_at + 1.0]
         steps[name] = {
             "status": "interrupted" if killed else rec.status,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -508,6 +509,41 @@ def test_a_json_file_that_is_not_a_plan_is_named_briefly(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bad}: not a pdctl plan (7 field(s) missing or wrong: plan_id, deployment," in err
     assert "errors.pydantic.dev" not in err
+
+
+def test_status_marks_a_proof_that_a_later_apply_took_again_stale_too(tmp_path, monkeypatch):
+    # a step a re-apply found proven is journalled "skipped", with that proof: after its server crashed and its
+    # supervisor restarted it, status marked kv_link_verified and parsers_configured but not prefill_up itself
+    import subprocess
+
+    from pdctl.statemachine import launch, service
+    from pdctl.statemachine.journal import JournalState, StepRecord
+    from pdctl.statemachine.topology import topology_of
+    from pdctl.units import ServiceStatus
+
+    from .specs import DEMO
+
+    loaded = service.load(DEMO, state_dir=tmp_path)
+    topo = topology_of(loaded.deployment)
+    then = time.time() - 30
+    loaded.journal.write(JournalState(name=topo.name, deployed=topo, steps={
+        "kernels_built": StepRecord(status="skipped", started_at=then, finished_at=then),
+        "prefill_up": StepRecord(status="skipped", proof={"summary": "prefill serves"}, started_at=then, finished_at=then),
+        "decode_up": StepRecord(status="done", proof={"summary": "decode serves"}, started_at=then, finished_at=then)}))
+    younger = subprocess.Popen(["sleep", "30"])  # (a process that started after the proofs)
+    try:
+        class Manager:
+            def status(self, unit: str) -> ServiceStatus:
+                return ServiceStatus(unit, "active", main_pid=younger.pid if "-prefill." in unit else 1)  # (1: since boot)
+
+        monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
+        steps = service.status(loaded)["steps"]
+    finally:
+        younger.kill()
+        younger.wait(5)
+    prefill = f"pdctl-{topo.name}-prefill.service"
+    assert steps["prefill_up"]["restarted_since"] == [prefill], steps
+    assert steps["decode_up"]["restarted_since"] == [] and steps["kernels_built"]["restarted_since"] == [], steps
 
 
 def test_status_calls_the_step_of_a_killed_apply_interrupted_not_running(tmp_path):
