@@ -349,11 +349,28 @@ class Watchdog:
         return 0
 
 
+WATCHDOG_ENV_KEYS = (*BASE_ENV_KEYS, "PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH")
+"""What the watchdog keeps of the environment it was started with: the role's base, and what its own interpreter
+may need to start and import pdctl. It was started by pdctl, whose environment holds the variables ``[secrets]``
+read their values from (``env:NAME``): kept, they stayed readable in the watchdog's ``/proc/PID/environ`` for its
+whole life, while the role gets them from the 0600 secrets file only."""
+
+
+def _clean_environment() -> None:
+    # Re-executes this process (same PID) with WATCHDOG_ENV_KEYS alone: /proc/PID/environ shows the environment a
+    # process was exec'd with, which no change to os.environ rewrites.
+    kept = {k: v for k, v in os.environ.items() if k in WATCHDOG_ENV_KEYS}
+    if kept != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], kept)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m pdctl.units.supervise SERVICE_DIR", file=sys.stderr)
         return 2
+    if argv is None:  # (run as the watchdog process, not called in-process)
+        _clean_environment()
     return Watchdog(Path(args[0])).run()
 
 

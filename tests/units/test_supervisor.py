@@ -185,6 +185,11 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
     assert env["PLAIN"] == "a b $c 50%" and env["HF_TOKEN"] == "it's \"x\"\n$y"
     assert "PDCTL_TEST_LEAK" not in env and "PATH" in env
     assert env["PDCTL_UNIT"] == s.name  # the tag a stop uses to recognise the role's processes
+    # nor the watchdog's own environment (pdctl's, holding the variables [secrets] read: they stayed readable in
+    # its /proc/PID/environ for its whole life)
+    watchdog = int((Path(m._dir(s.name)) / "watchdog.pid").read_text())
+    kept = dict(x.split("=", 1) for x in Path(f"/proc/{watchdog}/environ").read_text().split("\0") if "=" in x)
+    assert "PDCTL_TEST_LEAK" not in kept and kept.get("PATH") == os.environ["PATH"], sorted(kept)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or 0 not in os.sched_getaffinity(0), reason="no CPU 0")
