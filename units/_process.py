@@ -275,9 +275,15 @@ class ProcessSupervisor(ServiceManager):
             text = _unit_text(body)
             path = posixpath.join(self._dir(name), "unit.json")
             if current_text(self.host, path) != text:
+                old = self._read_json(path) if self.host.exists(path) else None
                 self.host.make_dirs(self._dir(name))
                 self.host.write_file(path, text.encode(), mode=0o600)
                 changed.append(name)
+                # a secrets file the new definition no longer names (its [secrets] removed, or moved with the state
+                # directory): remove() would never find it again, and its values would stay on disk
+                was = (old or {}).get("service", {}).get("secrets_file")
+                if was and was != body.get("service", {}).get("secrets_file") and self.host.exists(was):
+                    self.host.remove_file(was)
         return changed
 
     def _bodies(self, units: UnitSet) -> dict[str, dict]:

@@ -173,11 +173,19 @@ class SystemdManager(ServiceManager):
         for path, text in secrets.items():
             self.host.write_file(path, text.encode(), mode=0o600)
         changed = []
+        dropped = []
         for name, text in files.items():
             path = self._unit_path(name)
-            if current_text(self.host, path) != text:
+            was = current_text(self.host, path)
+            if was != text:
                 self.host.write_file(path, text.encode(), mode=0o644)
                 changed.append(name)
+                # a secrets file the new unit no longer names (its [secrets] removed): remove() would never find it
+                # again, and its values would stay on disk
+                dropped += [p for p in _environment_files(was or "") if p not in secrets]
+        for p in dropped:
+            if self.host.exists(p) and is_pdctl_unit(self.host.read_file(p)):
+                self.host.remove_file(p)
         if changed:
             self._ctl("daemon-reload")
         if self.target_enabled(units.target.name) is False:
@@ -223,11 +231,7 @@ class SystemdManager(ServiceManager):
         present = [n for n in names if self.host.exists(self._unit_path(n))]
         for n in present:
             self._check_owner(n)
-        secrets = []
-        for n in present:
-            for line in self.host.read_file(self._unit_path(n)).decode().splitlines():
-                if line.startswith("EnvironmentFile="):
-                    secrets.append(line.removeprefix("EnvironmentFile=").lstrip("-"))
+        secrets = [p for n in present for p in _environment_files(self.host.read_file(self._unit_path(n)).decode())]
         if present:
             self._ctl("stop", "--", *present, check=False, timeout=max(self.command_timeout, 300))
         targets = [n for n in present if n.endswith(".target")]
@@ -325,3 +329,9 @@ class SystemdManager(ServiceManager):
         res = self.host.run(self._with_env([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]),
                             timeout=self.command_timeout, check=False)
         return clean_log_lines(res.stdout, lines) if res.returncode == 0 else []
+
+
+def _environment_files(unit_text: str) -> list[str]:
+    """The ``EnvironmentFile=`` paths of a unit file pdctl wrote (its secrets files; a leading ``-`` dropped)."""
+    return [line.removeprefix("EnvironmentFile=").lstrip("-") for line in unit_text.splitlines()
+            if line.startswith("EnvironmentFile=")]

@@ -4,6 +4,7 @@ secrets arrive through the 0600 EnvironmentFile, and foreign units are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -77,6 +78,21 @@ def test_secrets_file_is_0600_and_the_unit_never_holds_the_secret(clean_user_sys
     assert stat.S_IMODE((tmp_path / "secrets" / "probe.env").stat().st_mode) == 0o600
     unit = (clean_user_systemd.unit_dir / "pdctl-prop-probe.service").read_text()
     assert "s3cr3t-value" not in unit and f"EnvironmentFile={tmp_path}/secrets/probe.env" in unit
+
+
+def test_a_secrets_file_the_new_unit_no_longer_names_is_removed(clean_user_systemd, tmp_path):
+    # [secrets] removed from the spec: the new unit had no EnvironmentFile=, so neither this install nor a later
+    # remove (down) deleted the old file, and the values stayed on disk
+    m = clean_user_systemd.manager()
+    svc = _service(tmp_path, "pdctl-prop-probe.service", [], "", "s3cr3t-gone")
+    target = TargetSpec(name="pdctl-prop.target", description="p", deployment="prop", wants=(svc.name,))
+    m.install(UnitSet(target=target, services=(svc,)))
+    env_file = tmp_path / "secrets" / "probe.env"
+    assert "s3cr3t-gone" in env_file.read_text()
+    plain = dataclasses.replace(svc, secrets={}, secrets_file=None)
+    assert svc.name in m.install(UnitSet(target=target, services=(plain,)))
+    assert not env_file.exists() and "EnvironmentFile=" not in m.installed_text(svc.name)
+    m.remove([svc.name, target.name])
 
 
 def test_a_foreign_unit_loaded_from_elsewhere_is_refused_and_nothing_changes(clean_user_systemd, tmp_path):

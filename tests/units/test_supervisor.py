@@ -283,6 +283,25 @@ def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_wri
     assert m.install(edited) == [s.name] and m.pending_changes(edited) == []
 
 
+def test_a_secrets_file_the_new_definition_no_longer_names_is_removed(tmp_path):
+    # [secrets] removed from the spec: the new unit.json named no secrets file, so neither this install nor a later
+    # remove (down) deleted the old one, and the values stayed on disk
+    s = svc("sec", ("/bin/sleep", "300"), secrets=(("HF_TOKEN", "hf_gone"),), secrets_file=str(tmp_path / "sec.env"))
+    m = install(tmp_path, s)  # (installed only: nothing is started)
+    assert "hf_gone" in (tmp_path / "sec.env").read_text()
+    units = UnitSet(target=TargetSpec(name="pdctl-sv.target", description="sv", deployment="sv", wants=(s.name,)),
+                    services=(dataclasses.replace(s, secrets=(), secrets_file=None),))
+    assert m.install(units) == [s.name]
+    assert not (tmp_path / "sec.env").exists()
+    # moved (another state directory): the old file goes, the new one is written
+    moved = dataclasses.replace(s, secrets_file=str(tmp_path / "moved.env"))
+    m.install(UnitSet(target=units.target, services=(s,)))
+    m.install(UnitSet(target=units.target, services=(moved,)))
+    assert not (tmp_path / "sec.env").exists() and "hf_gone" in (tmp_path / "moved.env").read_text()
+    m.remove([s.name, units.target.name])
+    assert not (tmp_path / "moved.env").exists()
+
+
 @pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="set_mempolicy(2) numbers known there only")
 def test_a_numa_binding_refused_for_permission_runs_unbound_and_says_so(capfd):
     # Docker's and containerd's default seccomp profiles answer set_mempolicy with EPERM without CAP_SYS_NICE: that is
