@@ -1032,8 +1032,11 @@ class ServersUp(Step):
                 # (said as a restart is: a unit this apply stopped for another role, or a failed one, starts again)
                 ctx.say(f"starting {unit}" + (f" (it was {was[unit]})" if was[unit] != "inactive" else ""),
                         step=self.name, unit=unit)
-                ctx.manager.start(unit)
+                # journalled before the start: a kill between the two left a server loading what is wanted journalled
+                # as nothing, which the next plan called new and its apply restarted, a model load thrown away. (A kill
+                # before the start leaves the unit not running: the next apply starts it, whatever the record says.)
                 ctx.started(unit)
+                ctx.manager.start(unit)
         for r in roles:
             self._wait_healthy(ctx, r, waited=actions[ctx.unit_of[r.name]] == "wait")
 

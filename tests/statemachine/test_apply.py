@@ -1608,6 +1608,39 @@ def test_an_apply_whose_reader_goes_away_still_completes(demo):
     assert demo.status()["healthy"]
 
 
+def test_a_server_started_just_before_a_kill_is_waited_for_not_restarted(demo):
+    # apply killed (SIGKILL) right after it started a unit and before it journalled that start: the next plan said the
+    # running server "will be created", and its apply restarted it (on a GPU host, a model load thrown away)
+    script = (
+        "import os, signal, sys\n"
+        "from pdctl.units import _process\n"
+        "real = _process.ProcessSupervisor.start\n"
+        "def start(self, name, **kw):\n"
+        "    real(self, name, **kw)\n"
+        "    if '-decode.' in name:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "_process.ProcessSupervisor.start = start\n"
+        "from pdctl.console.cli import main\n"
+        "main(sys.argv[1:])\n")
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    r = subprocess.run([sys.executable, "-c", script, "apply", str(demo.spec)], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode == -signal.SIGKILL and f"starting pdctl-{demo.name}-decode.service" in r.stderr, r.stderr
+    deadline = time.monotonic() + 30
+    while not (decode := next(x for x in demo.status()["roles"] if x["name"] == "decode"))["main_pid"]:
+        assert decode["state"] in ("activating", "active") and time.monotonic() < deadline, decode
+        time.sleep(0.2)  # (its watchdog starts the server)
+    plan = demo.cli("plan", str(demo.spec))
+    rows = [x.strip() for x in plan.stdout.splitlines()]
+    assert any(x.startswith("= role.decode:") for x in rows) and not any(x.startswith("+ role.decode") for x in rows), \
+        plan.stdout
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert f"restarting pdctl-{demo.name}-decode.service" not in r.stderr, r.stderr
+    after = next(x for x in demo.status()["roles"] if x["name"] == "decode")
+    assert after["main_pid"] == decode["main_pid"] and after["healthy"], after
+
+
 def _collapse_killed_at(demo, when) -> Path:  # noqa: ANN001
     """Apply the confirmed collapse of the demo into one server in a child process and SIGKILL it at the first event
     for which *when* is true; returns the collapse spec."""
