@@ -390,12 +390,19 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
     processes); ``gpus_held``, its roles' GPUs that a compute process outside it uses
     (:func:`~pdctl.statemachine.steps.gpus_held_elsewhere`; None on a host without nvidia-smi); ``binds_unusable``,
     why apply would refuse the spec's bind addresses or engine Python (:func:`~pdctl.statemachine.steps.
-    bind_addresses_unusable`'s refusal and hint, in words; None: it would not). *recorded*: the journal's state.
+    bind_addresses_unusable`'s refusal and hint, in words), or a NUMA node the host lacks
+    (:func:`~pdctl.statemachine.steps.numa_nodes_missing`), one refusal a line; None: it would not. *recorded*: the
+    journal's state.
     Reads ``/proc``, runs nvidia-smi and one probe on the deployment's host (*host*, else the spec's: one connection
     for all) and asks its service manager; raises what they raise (HostError, ManagerUnavailable…). Changes
     nothing."""
     from pdctl.statemachine.errors import ApplyFailed
-    from pdctl.statemachine.steps import bind_addresses_unusable, gpus_held_elsewhere, ports_held_elsewhere
+    from pdctl.statemachine.steps import (
+        bind_addresses_unusable,
+        gpus_held_elsewhere,
+        numa_nodes_missing,
+        ports_held_elsewhere,
+    )
 
     desired = topology_of(loaded.deployment)
     the_host = host or deployment_host(loaded.deployment)
@@ -415,13 +422,16 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
                 gpus, gpus_unchecked = gpus_held_elsewhere(ctx, own), None
             except HostError as exc:  # (nvidia-smi failed, hung or answered garbage: the ports stand on their own)
                 gpus, gpus_unchecked = None, exc.message
-            unusable = None
-            try:
-                bind_addresses_unusable(ctx)
-            except ApplyFailed as exc:
-                unusable = exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")
+            refusals = []
+            # (each a refusal of its own before apply's first step, exit 3; a NUMA node the host lacks was found
+            # only by apply, after the operator had confirmed the plan)
+            for check in (bind_addresses_unusable, numa_nodes_missing):
+                try:
+                    check(ctx)
+                except ApplyFailed as exc:
+                    refusals.append(exc.message + (f"\n  hint: {exc.hint}" if exc.hint else ""))
             return {"ports_held": held, "gpus_held": None if gpus is None else tuple(gpus),
-                    "gpus_unchecked": gpus_unchecked, "binds_unusable": unusable}
+                    "gpus_unchecked": gpus_unchecked, "binds_unusable": "\n".join(refusals) or None}
         finally:
             ctx.client.close()
     finally:

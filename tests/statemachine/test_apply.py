@@ -858,9 +858,13 @@ def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
     if os.path.isdir("/sys/devices/system/node") and not os.path.isdir("/sys/devices/system/node/node63"):
         d = copy.deepcopy(demo.dict)
         d["decode"][0]["numa_node"] = 63
+        numa = demo.write(d, "numa.toml")
+        # plan says so beforehand, in apply's words (it showed only "numa_node null → 63": the operator confirmed a
+        # topology change to learn of the refusal)
+        warned = json.loads(demo.cli("plan", str(numa), "--json").stdout)["binds_unusable"] or ""
+        assert "NUMA node(s) the host" in warned and "decode[0].numa_node = 63" in warned, warned
         with pytest.raises(ApplyFailed, match=r"NUMA node\(s\) the host \S+ does not have \(its nodes: [0-9,-]+\), "
                                               r"nothing was started or changed: decode\[0\].numa_node = 63") as e:
-            numa = demo.write(d, "numa.toml")
             demo.apply(numa, confirm=service.plan_spec(demo.load(numa)).plan_id)  # moving a role's node is topology
         assert e.value.step == "decode_up" and "leave numa_node unset" in e.value.hint
         assert demo.pids() == pids and demo.status()["healthy"]
