@@ -353,6 +353,7 @@ class Journal:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
             os.fsync(fd)
+            self._remove_stale_temps()
             try:
                 yield
             finally:
@@ -360,6 +361,20 @@ class Journal:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _remove_stale_temps(self) -> None:
+        # An atomic_write killed before its rename (SIGKILL, a reboot) leaves ``.NAME.PID.tmp`` beside the file: those
+        # of processes that no longer run are removed by the next lock holder (a live PID's may be a write in flight)
+        for p in self.dir.glob(".*.*.tmp"):
+            pid = p.name[:-len(".tmp")].rpartition(".")[2]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass  # (another user's process: it runs)
 
     def lock_holder(self) -> dict[str, Any] | None:
         """What the lock file says of its last holder (``pid``, ``user``, ``host``, ``purpose``, ``since``,

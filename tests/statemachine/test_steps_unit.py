@@ -345,6 +345,30 @@ def test_sigterm_handling_is_undone_after_the_command(tmp_path, monkeypatch):
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_the_next_lock_holder_removes_the_temp_files_of_writes_killed_before_their_rename(tmp_path):
+    # (a killed apply's ".journal.json.PID.tmp" stayed in the state directory for good)
+    import subprocess
+
+    from pdctl.statemachine.journal import Journal, JournalState
+
+    j = Journal(tmp_path, "demo")
+    j.write(JournalState(name="demo"))
+    gone = subprocess.Popen(["true"])
+    gone.wait(5)
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        dead_tmp = j.dir / f".journal.json.{gone.pid}.tmp"
+        live_tmp = j.dir / f".journal.json.{live.pid}.tmp"
+        for p in (dead_tmp, live_tmp):
+            p.write_text("{half")
+        with j.lock("apply"):
+            assert not dead_tmp.exists() and live_tmp.exists()  # (a live writer's may be in flight)
+        assert j.read().name == "demo"
+    finally:
+        live.kill()
+        live.wait(5)
+
+
 def test_a_held_lock_names_what_holds_it(tmp_path, capsys, monkeypatch):
     from pdctl.console import cli
     from pdctl.statemachine import service
