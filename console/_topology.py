@@ -93,11 +93,17 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         if c is not None:
             for a in c.changes:
                 details.append(Text(f"    ~ {r.name}.{a.path}: {format_value(a.before)} → {format_value(a.after)}", style=CLASS_STYLE.get(a.cls, "")))
-            if c.action == "delete":
+            # (as `pdctl plan` says them: a role an unfinished apply already started is kept, not new; one it removed
+            # already has nothing left to stop)
+            if c.kept is not None:
+                details.append(Text(f"    = {r.name}: kept ({c.kept})", style=style))
+            elif c.gone:
+                details.append(Text(f"    - {r.name}: removed already, nothing left to stop", style="dim"))
+            elif c.action == "delete":
                 details.append(Text(f"    - {r.name}: stopped and removed", style="bold red"))
             elif c.action == "create":
                 details.append(Text(f"    + {r.name}: new {r.kind}", style=style))
-            if c.restarts and c.action == "update":
+            if c.restarts and c.action == "update" and c.kept is None:
                 details.append(Text(f"    {r.name} restarts", style="yellow"))
     parts.append(t)
     parts.extend(details)

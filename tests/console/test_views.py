@@ -86,3 +86,37 @@ def test_the_topology_panel_keeps_each_prefill_groups_kv_pair_apart():
     line = next(x for x in out.getvalue().splitlines() if "KV link" in x)
     assert line.rstrip().endswith(": prefill ⇢ decode via bootstrap 127.0.0.1:8998; prefill-1 ⇢ decode via bootstrap "
                                   "127.0.0.1:8999"), line
+
+
+def test_the_topology_panel_says_a_kept_role_and_one_removed_already_as_the_plan_does():
+    # during an interrupted change the prefill row was marked "=" (kept) while the line under it said "+ prefill: new
+    # prefill", and a role the apply had removed already read "stopped and removed"
+    import copy
+
+    from rich.console import Console
+
+    from pdctl.console._topology import render_topology
+    from pdctl.statemachine.plan import NOT_INSTALLED, Runs, make_plan
+    from pdctl.statemachine.spec import parse_spec
+    from pdctl.statemachine.topology import topology_of
+
+    from ..statemachine.specs import seed_dict
+
+    d = seed_dict()
+    wider = copy.deepcopy(d)
+    extra = copy.deepcopy(d["decode"][0])
+    extra.update(gpus=[8, 9, 10, 11], port=30021, nccl_port=30121)
+    wider["decode"].append(extra)
+    deployed, desired = topology_of(parse_spec(wider)), topology_of(parse_spec(d))
+    kept = "the unfinished apply started it with this spec's definition and proved it"
+    def shown(plan) -> str:  # noqa: ANN001
+        out = io.StringIO()
+        Console(file=out, width=400).print(render_topology(desired, plan))
+        return out.getvalue()
+
+    text = shown(make_plan(None, desired, runs={"prefill": Runs(kept=kept)}))  # (a first deployment, interrupted)
+    assert f"= prefill: kept ({kept})" in text and "prefill: new prefill" not in text, text
+    assert "+ decode: new decode" in text, text
+    text = shown(make_plan(deployed, desired, not_running={"decode-1": NOT_INSTALLED}))
+    assert "- decode-1: removed already, nothing left to stop" in text and "decode-1: stopped and removed" not in text, text
+    assert "decode-1: stopped and removed" in shown(make_plan(deployed, desired))
