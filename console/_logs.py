@@ -24,21 +24,27 @@ class FollowingLog(Log):
     following: reactive[bool] = reactive(True)
     """Whether new lines scroll the view to the end."""
 
+    def _back(self) -> None:
+        # scrolled towards the start: stop following at once (a later check of the position could still find the
+        # view at the end, before an animated scroll moved it, and the next line would take it back there)
+        if self.max_scroll_y > 0:
+            self.following = False
+
     def _scrolled(self) -> None:
-        # (after the scroll itself: at the end again means following again)
+        # scrolled towards the end, or dragged: following again once the view is there
         self.call_after_refresh(lambda: setattr(self, "following", self.is_vertical_scroll_end))
 
     def action_scroll_up(self) -> None:
+        self._back()
         super().action_scroll_up()
-        self._scrolled()
 
     def action_page_up(self) -> None:
+        self._back()
         super().action_page_up()
-        self._scrolled()
 
     def action_scroll_home(self) -> None:
+        self._back()
         super().action_scroll_home()
-        self._scrolled()
 
     def action_scroll_down(self) -> None:
         super().action_scroll_down()
@@ -54,7 +60,7 @@ class FollowingLog(Log):
 
     # (Textual calls the handler of each class in the MRO, so these run beside Widget's own, not instead of it)
     def _on_mouse_scroll_up(self, event) -> None:  # noqa: ANN001
-        self._scrolled()
+        self._back()
 
     def _on_mouse_scroll_down(self, event) -> None:  # noqa: ANN001
         self._scrolled()
@@ -62,8 +68,8 @@ class FollowingLog(Log):
     def _on_scroll_to(self, message) -> None:  # noqa: ANN001  (the scroll bar dragged)
         self._scrolled()
 
-    def _on_scroll_up(self, message) -> None:  # noqa: ANN001  (a click on the scroll bar's track)
-        self._scrolled()
+    def _on_scroll_up(self, message) -> None:  # noqa: ANN001  (a click on the scroll bar's track, above it)
+        self._back()
 
     def _on_scroll_down(self, message) -> None:  # noqa: ANN001
         self._scrolled()

@@ -624,16 +624,19 @@ async def test_reloading_an_edited_spec_shows_its_plan(console_demo):
         assert "reasoning_parser" in str(app.query_one("PlanPanel").render())
 
 
+class GrowingLogs(FakeManager):
+    """Each read of a unit's log has one line more than the last (*n* at first)."""
+
+    def __init__(self, n: int = 0) -> None:
+        super().__init__()
+        self.n = n
+
+    def logs(self, unit: str, *, lines: int = 50) -> list[str]:
+        self.n += 1
+        return [f"{unit} #{i}" for i in range(self.n)][-lines:]
+
+
 async def test_the_logs_panel_follows_the_selected_role(console_demo):
-    class GrowingLogs(FakeManager):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def logs(self, unit: str, *, lines: int = 50) -> list[str]:
-            self.n += 1
-            return [f"{unit} #{i}" for i in range(self.n)][-lines:]
-
     mgr = GrowingLogs()
     app = make_app(console_demo, manager=mgr)
     async with app.run_test(size=SIZE) as pilot:
@@ -651,16 +654,7 @@ async def test_the_logs_panel_follows_the_selected_role(console_demo):
 async def test_the_logs_panel_keeps_following_after_a_resize_until_the_operator_scrolls_back(console_demo):
     # Textual's Log follows only while its view is at the end: a resize that left it mid-way stopped the panel
     # following for good (role switches did not help) while its head still said "following"
-    class GrowingLogs(FakeManager):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 100
-
-        def logs(self, unit: str, *, lines: int = 50) -> list[str]:
-            self.n += 1
-            return [f"{unit} #{i}" for i in range(self.n)][-lines:]
-
-    mgr = GrowingLogs()
+    mgr = GrowingLogs(100)
     app = make_app(console_demo, manager=mgr)
     async with app.run_test(size=(200, 50)) as pilot:
         from pdctl.console._logs import FollowingLog, LogsPanel
