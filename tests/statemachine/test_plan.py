@@ -830,8 +830,6 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
 
 
 def test_a_state_directory_the_os_refuses_is_a_json_error_object_in_pdctls_words(tmp_path):
-    from pdctl.console.cli import os_error_hint
-
     # A file where the state directory's parent should be: plan --json and status --json printed nothing on stdout
     # (the OSError went past their handlers), and apply --json said Python's "[Errno 2] No such file or directory: …"
     d = seed_dict()
