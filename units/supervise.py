@@ -356,12 +356,19 @@ read their values from (``env:NAME``): kept, they stayed readable in the watchdo
 whole life, while the role gets them from the 0600 secrets file only."""
 
 
+_CLEANED = "PDCTL_WATCHDOG_ENV"
+"""Set (to ``clean``) in the environment the watchdog re-executes itself with: it does so once. (Comparing the
+environment instead looped forever where Python adds a variable itself at start: PEP 538's ``LC_CTYPE`` coercion
+under the C locale, as in an SSH session without ``LANG``.)"""
+
+
 def _clean_environment() -> None:
     # Re-executes this process (same PID) with WATCHDOG_ENV_KEYS alone: /proc/PID/environ shows the environment a
     # process was exec'd with, which no change to os.environ rewrites.
-    kept = {k: v for k, v in os.environ.items() if k in WATCHDOG_ENV_KEYS}
-    if kept != dict(os.environ):
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], kept)
+    if os.environ.get(_CLEANED) == "clean":
+        return
+    kept = {k: v for k, v in os.environ.items() if k in WATCHDOG_ENV_KEYS} | {_CLEANED: "clean"}
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], kept)
 
 
 def main(argv: list[str] | None = None) -> int:

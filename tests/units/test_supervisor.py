@@ -283,6 +283,20 @@ def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_wri
     assert m.install(edited) == [s.name] and m.pending_changes(edited) == []
 
 
+def test_the_watchdog_cleans_its_environment_once_even_where_python_adds_to_it():
+    # Under the C locale (an SSH session without LANG) Python sets LC_CTYPE itself at start (PEP 538): a re-exec
+    # that compared the environment with what it keeps re-executed forever, and no role ever started over SSH
+    import subprocess
+
+    code = ("import os; from pdctl.units import supervise as s; print('start', flush=True); s._clean_environment(); "
+            "print(sorted(os.environ), flush=True)")
+    env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "SECRET_SOURCE": "zzsecret"}  # (no LANG, no LC_*)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines.count("start") == 2, (r.stdout[-500:], r.stderr[-500:])
+    assert "SECRET_SOURCE" not in lines[-1] and "'PATH'" in lines[-1], lines[-1]
+
+
 def test_a_secrets_file_the_new_definition_no_longer_names_is_removed(tmp_path):
     # [secrets] removed from the spec: the new unit.json named no secrets file, so neither this install nor a later
     # remove (down) deleted the old one, and the values stayed on disk
