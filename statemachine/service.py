@@ -402,6 +402,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         gpus_held_elsewhere,
         numa_nodes_missing,
         ports_held_elsewhere,
+        units_of_another_deployment,
     )
 
     desired = topology_of(loaded.deployment)
@@ -425,9 +426,9 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
             refusals = []
             # (each a refusal of its own before apply's first step, exit 3; a NUMA node the host lacks was found
             # only by apply, after the operator had confirmed the plan)
-            for check in (bind_addresses_unusable, numa_nodes_missing):
+            for refuse in (units_of_another_deployment, bind_addresses_unusable, numa_nodes_missing):
                 try:
-                    check(ctx)
+                    refuse(ctx)
                 except ApplyFailed as exc:
                     refusals.append(exc.message + (f"\n  hint: {exc.hint}" if exc.hint else ""))
             return {"ports_held": held, "gpus_held": None if gpus is None else tuple(gpus),
@@ -699,6 +700,7 @@ def apply(
         router_executable_unusable,
         steps_for,
         unit_files_unrenderable,
+        units_of_another_deployment,
     )
 
     sink = sink or NullSink()
@@ -782,6 +784,7 @@ def apply(
             own = own_units(state, desired)
             try:
                 unit_files_unrenderable(ctx)
+                units_of_another_deployment(ctx)
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
@@ -867,9 +870,10 @@ def _remove_gone_roles(ctx, state, sink) -> None:  # noqa: ANN001
 
     for name in sorted(state.removing, key=_stop_order):
         state.units.pop(name, None)
-        if ctx.manager.installed_text(name) is not None:
+        if ctx.manager.installed_text(name) is not None and ctx.manager.installed_deployment(name) in (None,
+                                                                                                       ctx.dep.name):
             ctx.manager.stop(name)
-            ctx.manager.remove([name])
+            ctx.manager.remove([name], deployment=ctx.dep.name)
             sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
         state.removing.remove(name)
         ctx.journal.write(state)
@@ -1325,6 +1329,12 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
     from pdctl.statemachine.events import Event
 
     names = _installed_units(loaded, state, manager)
+    # (a unit name this deployment shares with another's, pdctl-NAME-ROLE, that the other installed: not this one's to
+    # stop or remove)
+    for n in [n for n in names if manager.installed_deployment(n) not in (None, loaded.deployment.name)]:
+        names.remove(n)
+        sink.emit(Event("info", f"{n} belongs to deployment {manager.installed_deployment(n)!r}: left as it is",
+                        data={"unit": n}))
     if not names:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:
@@ -1334,7 +1344,7 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
             sink.emit(Event("info", f"stopping {n}", data={"unit": n, "was": was}))
         manager.stop(n)
         sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
-    manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"])
+    manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"], deployment=loaded.deployment.name)
     state.deployed = None
     state.target = None
     state.steps = {}

@@ -763,6 +763,28 @@ def unit_files_unrenderable(ctx: Context) -> None:
         raise refusal
 
 
+def units_of_another_deployment(ctx: Context) -> None:
+    """Before anything starts or stops: no unit this deployment names may be installed already by another pdctl
+    deployment. Unit names are ``pdctl-NAME-ROLE``, so deployment ``hX`` with a role ``a-prefill`` names
+    ``hX-a``'s prefill unit: under systemd (one unit folder for all) apply took that unit over, restarting the other
+    deployment's server with its own settings, and its ``down`` removed it. Raises :class:`ApplyFailed` naming each
+    unit and its deployment, at the first step that would install one."""
+    from pdctl.statemachine.machine import role_steps
+
+    step_of = role_steps(ctx.topology)
+    taken = [(role, unit, owner) for role, unit in ctx.unit_of.items()
+             if (owner := ctx.manager.installed_deployment(unit)) is not None and owner != ctx.dep.name]
+    if not taken:
+        return
+    from pdctl.units import OTHER_DEPLOYMENT_HINT
+
+    said = "; ".join(f"{unit} (role {role}) is deployment {owner!r}'s" for role, unit, owner in taken)
+    order = list(step_of.values())
+    raise ApplyFailed(
+        f"unit names another pdctl deployment has installed, nothing was started or changed: {said}",
+        step=min((step_of[role] for role, _u, _o in taken), key=order.index), hint=OTHER_DEPLOYMENT_HINT)
+
+
 def unit_files_refusal(units, scope: str | None, step: str) -> ApplyFailed | None:  # noqa: ANN001
     """:func:`unit_files_unrenderable`'s refusal (journalled at *step*) of *units* under *scope* (``"system"``,
     ``"user"``; anything else writes no unit files), or None where every file renders; for ``pdctl plan`` too."""

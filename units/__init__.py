@@ -14,7 +14,7 @@ the concrete hosts).
 
 from ._argv import router_argv, router_env, server_argv, server_env
 from ._host import CommandResultLike, HostLike
-from ._manager import ServiceManager
+from ._manager import OTHER_DEPLOYMENT_HINT, ServiceManager
 from ._process import SUPERVISOR_LINE, ProcessSupervisor, parse_env_file
 from ._process import _proc_starttime as proc_starttime
 from ._systemd import (
@@ -52,6 +52,7 @@ from .errors import (
 )
 
 __all__ = [
+    "OTHER_DEPLOYMENT_HINT",
     "MARKER",
     "READINESS_GATE",
     "SUPERVISOR_LINE",

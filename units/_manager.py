@@ -33,6 +33,11 @@ def clean_log_lines(text: str, lines: int) -> list[str]:
     return [_ANSI.sub("", line) for line in text.splitlines()[-lines:]] if lines > 0 else []
 
 
+OTHER_DEPLOYMENT_HINT = ("rename this deployment (its name) or the role, so that its unit names (pdctl-NAME-ROLE) "
+                         "differ from the other deployment's; or `pdctl down` that one first, if it is no longer wanted")
+"""The fix for a unit name that another pdctl deployment's unit has already."""
+
+
 def current_text(host: HostLike, path: str) -> str | None:
     """*path*'s text on *host* now, None when it is absent (what install() compares its rendering with)."""
     return host.read_file(path).decode() if host.exists(path) else None
@@ -84,13 +89,20 @@ class ServiceManager(ABC):
         (read once, at its start). Writes nothing. A running one of them keeps its old definition until restarted."""
 
     @abstractmethod
-    def remove(self, names: Sequence[str]) -> None:
+    def remove(self, names: Sequence[str], *, deployment: str | None = None) -> None:
         """Stop and delete the named units (and their secrets files). Missing ones are skipped;
-        a foreign one raises ForeignUnit before anything is removed."""
+        a foreign one (or, with *deployment*, one another pdctl deployment installed) raises ForeignUnit before
+        anything is removed."""
 
     @abstractmethod
     def installed_text(self, name: str) -> str | None:
         """The installed definition of *name* as pdctl wrote it, or None when absent."""
+
+    def installed_deployment(self, name: str) -> str | None:
+        """The pdctl deployment whose definition of *name* is installed (the one that wrote it), or None when none
+        is. Unit names are ``pdctl-NAME-ROLE``, so two deployments can name one unit alike (``hX`` with a role
+        ``a-prefill``, ``hX-a`` with ``prefill``): one must never take over or remove the other's."""
+        return None
 
     @abstractmethod
     def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:

@@ -52,7 +52,14 @@ import time
 from collections.abc import Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable, secrets_pending
+from ._manager import (
+    OTHER_DEPLOYMENT_HINT,
+    ServiceManager,
+    clean_log_lines,
+    current_text,
+    probe_writable,
+    secrets_pending,
+)
 from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
@@ -266,6 +273,10 @@ class ProcessSupervisor(ServiceManager):
             path = posixpath.join(self._dir(name), "unit.json")
             if self.host.exists(path) and (existing is None or existing.get("managed_by") != "pdctl"):
                 raise ForeignUnit(f"{path} exists and was not written by pdctl: refusing to overwrite it", unit=name)
+            owner, wanted = _owner(existing or {}), _owner(bodies[name])
+            if owner is not None and wanted is not None and owner != wanted:
+                raise ForeignUnit(f"{path} belongs to pdctl deployment {owner!r}, not {wanted!r}: refusing to "
+                                  "overwrite it", unit=name, hint=OTHER_DEPLOYMENT_HINT)
         changed = []
         for s in units.services:
             if s.secrets:
@@ -312,7 +323,7 @@ class ProcessSupervisor(ServiceManager):
                 if s.name not in out and secrets_pending(self.host, s, bodies[s.name]["service"].get("secrets_file"))]
         return out
 
-    def remove(self, names: Sequence[str]) -> None:
+    def remove(self, names: Sequence[str], *, deployment: str | None = None) -> None:
         present = []
         for n in names:
             path = posixpath.join(self._dir(n), "unit.json")
@@ -321,6 +332,10 @@ class ProcessSupervisor(ServiceManager):
             data = self._read_json(path)
             if not data or data.get("managed_by") != "pdctl":
                 raise ForeignUnit(f"{path} was not written by pdctl: refusing to remove it", unit=n)
+            owner = _owner(data)
+            if deployment is not None and owner is not None and owner != deployment:
+                raise ForeignUnit(f"{path} belongs to pdctl deployment {owner!r}, not {deployment!r}: refusing to "
+                                  "remove it", unit=n, hint=OTHER_DEPLOYMENT_HINT)
             present.append((n, data))
         for n, data in present:
             if data.get("kind") == "service":
@@ -333,6 +348,11 @@ class ProcessSupervisor(ServiceManager):
             for e in self.host.list_dir(d) if self.host.exists(d) else []:
                 self.host.remove_file(posixpath.join(d, e))
             self.host.run(["rmdir", d], timeout=10, check=False)
+
+    def installed_deployment(self, name: str) -> str | None:
+        path = posixpath.join(self._dir(name), "unit.json")
+        data = self._read_json(path) if self.host.exists(path) else None
+        return _owner(data) if data and data.get("managed_by") == "pdctl" else None
 
     def installed_text(self, name: str) -> str | None:
         path = posixpath.join(self._dir(name), "unit.json")
@@ -446,3 +466,10 @@ class ProcessSupervisor(ServiceManager):
         if not self.host.exists(path):
             return []
         return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
+
+
+def _owner(data: dict) -> str | None:
+    """The deployment a ``unit.json`` (a service's or a target's) was written for."""
+    body = data.get("service") if data.get("kind") == "service" else data.get("target")
+    owner = body.get("deployment") if isinstance(body, dict) else None
+    return owner if isinstance(owner, str) else None

@@ -55,6 +55,7 @@ from ._types import ServiceSpec, TargetSpec, UnitSet, cpu_list
 
 __all__ = [
     "MARKER",
+    "unit_deployment",
     "READINESS_GATE",
     "env_assignment",
     "exec_line",
@@ -247,6 +248,17 @@ def is_pdctl_unit(text: str | bytes) -> bool:
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     return text.startswith(MARKER)
+
+
+def unit_deployment(text: str | bytes) -> str | None:
+    """The deployment a pdctl unit (or secrets) file belongs to, from its :data:`MARKER` line
+    (``# pdctl-managed: deployment=NAME role=ROLE``); None for a file pdctl did not write."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if not is_pdctl_unit(text):
+        return None
+    first = text.split("\n", 1)[0][len(MARKER):].split()
+    return next((w.removeprefix("deployment=") for w in first if w.startswith("deployment=")), None)
 
 
 def unit_files(units: UnitSet, *, scope: str = "system") -> dict[str, str]:

@@ -17,8 +17,15 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from ._host import HostLike
-from ._manager import ServiceManager, clean_log_lines, current_text, probe_writable, secrets_pending
-from ._systemd import is_pdctl_unit, render_env_file, unit_files
+from ._manager import (
+    OTHER_DEPLOYMENT_HINT,
+    ServiceManager,
+    clean_log_lines,
+    current_text,
+    probe_writable,
+    secrets_pending,
+)
+from ._systemd import is_pdctl_unit, render_env_file, unit_deployment, unit_files
 from ._types import ServiceStatus, UnitSet
 from .errors import ForeignUnit, ManagerUnavailable, ServiceFailed, UnitDirNotWritable
 
@@ -125,13 +132,25 @@ class SystemdManager(ServiceManager):
                 hint="run as a user who can write there, or choose another unit directory / scope",
             ) from None
 
-    def _check_owner(self, name: str) -> None:
+    def _check_owner(self, name: str, deployment: str | None = None) -> None:
         path = self._unit_path(name)
-        if self.host.exists(path) and not is_pdctl_unit(self.host.read_file(path)):
+        if not self.host.exists(path):
+            return
+        text = self.host.read_file(path)
+        if not is_pdctl_unit(text):
             raise ForeignUnit(
                 f"{path} exists and was not written by pdctl: refusing to overwrite or remove it",
                 unit=name, hint="rename the deployment, or move that unit away yourself",
             )
+        owner = unit_deployment(text)
+        if deployment is not None and owner is not None and owner != deployment:
+            raise ForeignUnit(
+                f"{path} belongs to pdctl deployment {owner!r}, not {deployment!r}: refusing to overwrite or remove "
+                "it", unit=name, hint=OTHER_DEPLOYMENT_HINT)
+
+    def installed_deployment(self, name: str) -> str | None:
+        text = self.installed_text(name)
+        return None if text is None else unit_deployment(text)
 
     def _check_shadowing(self, names: Sequence[str]) -> None:
         """A loaded unit of the same name elsewhere (e.g. /lib/systemd/system) is foreign too."""
@@ -161,8 +180,9 @@ class SystemdManager(ServiceManager):
             self._check_writable(d)
         for d in {posixpath.dirname(s.log_path) for s in units.services if s.log_path}:
             self._check_writable(d)  # StandardOutput=append: fails the start when its directory is missing
+        owners = {s.name: s.deployment for s in units.services} | {units.target.name: units.target.deployment}
         for name in files:
-            self._check_owner(name)
+            self._check_owner(name, owners.get(name))
         for path in secrets:
             if self.host.exists(path) and not is_pdctl_unit(self.host.read_file(path)):
                 raise ForeignUnit(f"{path} exists and was not written by pdctl", unit=path)
@@ -226,11 +246,11 @@ class SystemdManager(ServiceManager):
             out.append(units.target.name)  # installed by a pdctl that did not enable it: install() enables it
         return out
 
-    def remove(self, names: Sequence[str]) -> None:
+    def remove(self, names: Sequence[str], *, deployment: str | None = None) -> None:
         self._require_manager()
         present = [n for n in names if self.host.exists(self._unit_path(n))]
         for n in present:
-            self._check_owner(n)
+            self._check_owner(n, deployment)
         secrets = [p for n in present for p in _environment_files(self.host.read_file(self._unit_path(n)).decode())]
         if present:
             self._ctl("stop", "--", *present, check=False, timeout=max(self.command_timeout, 300))

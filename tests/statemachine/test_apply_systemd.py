@@ -77,3 +77,47 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         if demo is not None:
             demo.down()
         session.close()
+
+
+def test_a_deployment_never_takes_over_or_removes_a_unit_another_deployment_installed(tmp_path, monkeypatch):
+    # Unit names are pdctl-NAME-ROLE: deployment X with a prefill role named "a-prefill" names deployment X-a's prefill
+    # unit. Nothing checked it: X's apply restarted X-a's server with its own settings (X-a's router stopped with it,
+    # Requires=), and X's down removed the unit file that by then said deployment=X-a
+    from pdctl.statemachine.errors import ApplyFailed
+
+    session = user_systemd_session(tmp_path / "systemd")
+    sd = next(session)
+    demos: list[Demo] = []
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", sd.env["XDG_RUNTIME_DIR"])
+        monkeypatch.setenv("HOME", sd.env["HOME"])
+        (tmp_path / "x").mkdir()
+        (tmp_path / "xa").mkdir()
+        x = Demo(tmp_path / "x", mutate=lambda d: (d.update(service_manager="systemd-user"),
+                                                    d["prefill"][0].update(name="a-prefill")))
+        demos.append(x)
+        xa = Demo(tmp_path / "xa", mutate=lambda d: d.update(service_manager="systemd-user", name=f"{x.name}-a"))
+        xa.name = xa.dict["name"]
+        demos.append(xa)
+        shared = f"pdctl-{xa.name}-prefill.service"
+        assert service.unit_names(service.topology_of(x.load().deployment))["a-prefill"] == shared
+        assert xa.apply().state == "parsers_configured"
+        before = {r["name"]: r["main_pid"] for r in xa.status()["roles"]}
+        # plan says so beforehand, in apply's words; apply refuses before its first step, changing nothing
+        warned = service.host_warnings(x.load(), x.load().journal.read())["binds_unusable"] or ""
+        assert f"{shared} (role a-prefill) is deployment {xa.name!r}'s" in warned, warned
+        with pytest.raises(ApplyFailed, match="unit names another pdctl deployment has installed, nothing was "
+                                              "started or changed") as e:
+            x.apply()
+        assert e.value.step == "prefill_up" and "pdctl-NAME-ROLE" in e.value.hint
+        st = xa.status()
+        assert st["healthy"] and {r["name"]: r["main_pid"] for r in st["roles"]} == before, st
+        assert f"deployment={xa.name} role=prefill" in (sd.unit_dir / shared).read_text()
+        # its down leaves the other deployment's unit alone
+        service.down(x.load())
+        assert xa.status()["healthy"] and service.unit_names(service.topology_of(xa.load().deployment))
+        assert "ActiveState=active" in sd.systemctl("show", shared, "-p", "ActiveState").stdout
+    finally:
+        for d in demos:
+            d.down()
+        session.close()

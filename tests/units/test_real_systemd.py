@@ -95,6 +95,24 @@ def test_a_secrets_file_the_new_unit_no_longer_names_is_removed(clean_user_syste
     m.remove([svc.name, target.name])
 
 
+def test_a_unit_another_deployment_installed_is_neither_overwritten_nor_removed(clean_user_systemd, tmp_path):
+    m = clean_user_systemd.manager()
+    svc = _service(tmp_path, "pdctl-prop-probe.service", [], "", "s")
+    target = TargetSpec(name="pdctl-prop.target", description="p", deployment="prop", wants=(svc.name,))
+    m.install(UnitSet(target=target, services=(svc,)))
+    before = m.installed_text(svc.name)
+    assert m.installed_deployment(svc.name) == "prop" and m.installed_deployment("pdctl-none.service") is None
+    other = dataclasses.replace(svc, deployment="prop-x", argv=(sys.executable, "-c", "pass"))
+    other_target = TargetSpec(name="pdctl-prop-x.target", description="p", deployment="prop-x", wants=(svc.name,))
+    with pytest.raises(ForeignUnit, match="belongs to pdctl deployment 'prop', not 'prop-x'"):
+        m.install(UnitSet(target=other_target, services=(other,)))
+    with pytest.raises(ForeignUnit, match="belongs to pdctl deployment 'prop', not 'prop-x'"):
+        m.remove([svc.name], deployment="prop-x")
+    assert m.installed_text(svc.name) == before
+    m.remove([svc.name, target.name], deployment="prop")
+    assert m.installed_text(svc.name) is None
+
+
 def test_a_foreign_unit_loaded_from_elsewhere_is_refused_and_nothing_changes(clean_user_systemd, tmp_path):
     sd = clean_user_systemd
     other = sd.runtime_dir / "systemd" / "user"  # a lower-priority user unit path the manager reads
