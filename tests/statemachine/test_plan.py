@@ -1185,6 +1185,9 @@ def _runs_fixture(tmp_path, monkeypatch, states: dict[str, str]):  # noqa: ANN20
         def installed_text(self, unit: str) -> str:
             return "[Service]"
 
+        def installed_deployment(self, unit: str) -> str | None:
+            return None  # (as a unit file pdctl did not write: no deployment of its own)
+
     monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
     return loaded, loaded.journal.read(), recorded
 
