@@ -132,6 +132,8 @@ class Collector:
         self.tracker = ThroughputTracker(stale_after_s=3 * interval_s)
         self._client = client
         self._manager = manager
+        self._boot: int | None = None  # the host's boot time (epoch s), read once per host
+        self._pid_started: dict[int, float | None] = {}  # main PID → when it started, read once per PID
 
     # -- lazily built engine handles --------------------------------------------------------------
     @property
@@ -175,6 +177,8 @@ class Collector:
                     self._client = None
                 self._host.close()
                 self._host = None
+            if loaded.deployment.hosts != self.loaded.deployment.hosts:  # (another machine's boot time and PIDs)
+                self._boot, self._pid_started = None, {}
         self.loaded = loaded
 
     def close(self) -> None:
@@ -194,11 +198,11 @@ class Collector:
         # (read once per main PID: a restart is a new PID)
         if not pid:
             return None
-        cache = self.__dict__.setdefault("_pid_started", {})
+        cache = self._pid_started
         if pid not in cache:
             from pdctl.statemachine.service import _boot_time, _process_started_at
 
-            if getattr(self, "_boot", None) is None:
+            if self._boot is None:
                 self._boot = _boot_time(self.host)
             if len(cache) > 256:
                 cache.clear()

@@ -1331,10 +1331,11 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
     names = _installed_units(loaded, state, manager)
     # (a unit name this deployment shares with another's, pdctl-NAME-ROLE, that the other installed: not this one's to
     # stop or remove)
-    for n in [n for n in names if manager.installed_deployment(n) not in (None, loaded.deployment.name)]:
-        names.remove(n)
-        sink.emit(Event("info", f"{n} belongs to deployment {manager.installed_deployment(n)!r}: left as it is",
-                        data={"unit": n}))
+    owners = {n: manager.installed_deployment(n) for n in names}
+    for n, owner in owners.items():
+        if owner not in (None, loaded.deployment.name):
+            names.remove(n)
+            sink.emit(Event("info", f"{n} belongs to deployment {owner!r}: left as it is", data={"unit": n}))
     if not names:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:

@@ -268,8 +268,9 @@ class ProcessSupervisor(ServiceManager):
             raise UnitDirNotWritable(f"cannot write supervisor state to {root} on host {self.host.name}: {exc}",
                                      hint="choose a writable state directory") from None
         bodies = self._bodies(units)
+        installed: dict[str, dict | None] = {}  # (read once: over SSH each read is a round trip)
         for name in bodies:
-            existing = self._read_json(posixpath.join(self._dir(name), "unit.json"))
+            existing = installed[name] = self._read_json(posixpath.join(self._dir(name), "unit.json"))
             path = posixpath.join(self._dir(name), "unit.json")
             if self.host.exists(path) and (existing is None or existing.get("managed_by") != "pdctl"):
                 raise ForeignUnit(f"{path} exists and was not written by pdctl: refusing to overwrite it", unit=name)
@@ -286,7 +287,7 @@ class ProcessSupervisor(ServiceManager):
             text = _unit_text(body)
             path = posixpath.join(self._dir(name), "unit.json")
             if current_text(self.host, path) != text:
-                old = self._read_json(path) if self.host.exists(path) else None
+                old = installed.get(name)
                 self.host.make_dirs(self._dir(name))
                 self.host.write_file(path, text.encode(), mode=0o600)
                 changed.append(name)
@@ -350,8 +351,7 @@ class ProcessSupervisor(ServiceManager):
             self.host.run(["rmdir", d], timeout=10, check=False)
 
     def installed_deployment(self, name: str) -> str | None:
-        path = posixpath.join(self._dir(name), "unit.json")
-        data = self._read_json(path) if self.host.exists(path) else None
+        data = self._read_json(posixpath.join(self._dir(name), "unit.json"))  # (None when absent)
         return _owner(data) if data and data.get("managed_by") == "pdctl" else None
 
     def installed_text(self, name: str) -> str | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -92,3 +93,21 @@ def test_a_port_answering_for_a_unit_that_does_not_run_is_not_shown_as_this_depl
         assert by[source].state == "down", by[source]
         assert by[source].error == (f"pdctl-demo-{source}.service is failed, yet its port answers: another process's "
                                     "figures, not shown"), by[source].error
+
+
+def test_process_start_times_are_read_once_per_pid_and_afresh_for_another_host(tmp_path):
+    # (the header's RESTARTED compares them with the proofs: a spec reloaded onto another host kept the old host's
+    # boot time and PIDs)
+    import os
+
+    demo = load(ROOT / "examples" / "demo.toml", state_dir=tmp_path)
+    c = Collector(demo, client=httpx.Client(transport=_transport(set())), manager=FakeManager(), nvml=False)
+    started = c._started_at(os.getpid())
+    assert started is not None and 0 < time.time() - started < 86400 * 365
+    assert c._pid_started == {os.getpid(): started} and c._boot is not None
+    text = (ROOT / "examples" / "demo.toml").read_text().replace('address = "localhost"', 'address = "127.0.0.1"')
+    assert 'address = "127.0.0.1"' in text
+    other = tmp_path / "other.toml"
+    other.write_text(text)
+    c.set_loaded(load(other, state_dir=tmp_path))
+    assert c._pid_started == {} and c._boot is None
