@@ -17,6 +17,7 @@ callers can tell "absent" from "broken". Nothing here prints, prompts or exits.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal as _signal
@@ -70,7 +71,8 @@ class Host(ABC):
 
     @abstractmethod
     def read_file(self, path: str) -> bytes:
-        """The bytes of *path*. ``FileNotFoundError`` when absent."""
+        """The bytes of *path*. ``FileNotFoundError`` when absent (also where a file stands in place of one of its
+        folders); :class:`HostError` when it cannot be read."""
 
     @abstractmethod
     def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
@@ -230,6 +232,9 @@ class LocalHost(Host):
                 return f.read()
         except FileNotFoundError:
             raise
+        except NotADirectoryError:  # (a file where a folder of the path should be: absent, as over SFTP, which
+            # answers ENOTDIR with SSH_FX_NO_SUCH_FILE, and as os.path.exists says)
+            raise FileNotFoundError(errno.ENOENT, f"{path} on {self.name}", path) from None
         except OSError as exc:
             raise HostError(f"cannot read {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
 

@@ -330,7 +330,7 @@ class SshHost(Host):
         return res
 
     def _file_error(self, op: str, path: str, status: int, err: str) -> Exception:
-        if "No such file" in err:
+        if "No such file" in err or (op == "read" and "Not a directory" in err):  # (absent, as over SFTP)
             return FileNotFoundError(2, f"{path} on {self.name}", path)
         return HostError(f"cannot {op} {path} on {self.name}: {err.strip()[-300:] or f'exit {status}'}",
                          host=self.name, hint=self._denied_hint(op) if "Permission denied" in err else None)

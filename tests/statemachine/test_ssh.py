@@ -103,6 +103,9 @@ def test_files_are_written_atomically_with_their_mode(host, tmp_path):
         host.read_file(str(target))
     with pytest.raises(FileNotFoundError):
         host.list_dir(str(tmp_path / "nope"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileNotFoundError):  # a file where a folder should be: absent, as for the local host
+        host.read_file(str(tmp_path / "f" / "unit.json"))
     host.write_file(str(tmp_path / "empty"), b"")  # stdin closed at once: no wait for bytes that never come
     assert (tmp_path / "empty").read_bytes() == b""
     assert host.run(["cat"], timeout=5).stdout == ""

@@ -85,6 +85,9 @@ def test_reading_a_missing_file_is_file_not_found_other_failures_are_host_errors
     (tmp_path / "f").write_text("x")
     with pytest.raises(HostError):
         host.write_file(str(tmp_path / "f" / "under-a-file"), b"")
+    with pytest.raises(FileNotFoundError):  # a file where a folder should be: absent, as exists() and SFTP say
+        host.read_file(str(tmp_path / "f" / "under-a-file"))
+    assert not host.exists(str(tmp_path / "f" / "under-a-file"))
 
 
 def test_proc_and_sysfs_read_through_the_host(host):
