@@ -828,7 +828,7 @@ def apply(
                         step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
                 sink.emit(Event.apply_failed(exc, started=True))
                 raise
-            _enable_target(ctx, sink)
+            _enable_and_start_target(ctx, sink)
             state.deployed = desired
             state.target = None
             j.write(state)
@@ -844,17 +844,26 @@ def apply(
             raise
 
 
-def _enable_target(ctx, sink) -> None:  # noqa: ANN001
-    """Under systemd, enable the deployment's target where it is installed and not enabled (a deployment applied by a
-    pdctl that did not enable it, or disabled by hand): its ``WantedBy=`` is what starts the deployment at boot. The
-    units' installs enable it too; this catches the apply that installs nothing."""
+def _enable_and_start_target(ctx, sink) -> None:  # noqa: ANN001
+    """Under systemd, once every step is proven: enable the deployment's target where it is installed and not enabled
+    (a deployment applied by a pdctl that did not enable it, or disabled by hand: its ``WantedBy=`` is what starts the
+    deployment at boot; the units' installs enable it too, this catches the apply that installs nothing), and start it
+    where it is not active. Apply starts each role's unit in the state machine's order, never the target, so
+    ``systemctl status pdctl-NAME.target`` said "inactive (dead)" over a deployment that served. Every unit it
+    ``Wants=`` is active by then, so starting it starts nothing else (systemd.unit(5): a target is active once its
+    start job and those of the units it wants are done)."""
     from pdctl.statemachine.events import Event
 
     enabled = getattr(ctx.manager, "target_enabled", None)
     name = ctx.units.target.name
-    if enabled is not None and enabled(name) is False:
+    if enabled is None:  # (the process supervisor: no target, no boot-time start)
+        return
+    if enabled(name) is False:
         sink.emit(Event("info", f"enabling {name}, so that the deployment starts at boot", data={"unit": name}))
         ctx.manager.enable(name)
+    if ctx.manager.status(name).state != "active":
+        sink.emit(Event("info", f"starting {name}, which groups the deployment's units", data={"unit": name}))
+        ctx.manager.start(name, wait=True, timeout=60)
 
 
 def _stop_order(unit: str) -> int:
@@ -1069,7 +1078,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     return {
         "deployment": topo.name,
         "mode": topo.mode,
-        "target": {"unit": target, "enabled": enabled(target)} if enabled is not None else None,
+        "target": {"unit": target, "enabled": enabled(target), "state": manager.status(target).state}
+        if enabled is not None else None,
         "recorded_mode": state.deployed.mode if state.deployed is not None else None,
         "serial": state.serial,
         "plan_id": state.plan_id,

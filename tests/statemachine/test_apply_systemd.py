@@ -40,6 +40,10 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
 
         assert entered(names["router"]) > entered(names["prefill"])
         assert entered(names["router"]) > entered(names["decode"])
+        # The target that groups them is active too (apply starts each unit, then the target: it said "inactive (dead)")
+        target = f"pdctl-{demo.load().deployment.name}.target"
+        assert "ActiveState=active" in sd.systemctl("show", target, "-p", "ActiveState").stdout
+        assert demo.status()["target"] == {"unit": target, "enabled": True, "state": "active"}
         with httpx.Client(trust_env=False) as c:
             msg = chat_probe(c, f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
         assert msg["reasoning_content"] and msg["tool_calls"]
@@ -60,7 +64,6 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
                 assert c.get(f"{r['url']}/server_info").json()["context_length"] == 65536
         # The target is enabled (its WantedBy= starts the deployment at boot); one left disabled (by hand, or by a
         # pdctl that did not enable it) is drift that plan names and an apply that changes nothing else enables
-        target = f"pdctl-{demo.load().deployment.name}.target"
         assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
         sd.systemctl("disable", target)
         loaded = demo.load(demo.tmp / "ctx.toml")
@@ -71,7 +74,7 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
         service.down(demo.load())
         assert demo.pids() == []
-        for unit in names.values():
+        for unit in [*names.values(), target]:
             assert "ActiveState=inactive" in sd.systemctl("show", unit, "-p", "ActiveState").stdout
     finally:
         if demo is not None:
