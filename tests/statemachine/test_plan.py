@@ -560,6 +560,30 @@ def test_cli_plan_out_to_a_directory_or_a_missing_folder_is_refused_and_writes_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir"] and not any((tmp_path / "dir").iterdir())
 
 
+def test_cli_plan_out_never_replaces_its_spec_or_a_file_of_the_state_directory(tmp_path):
+    # (-o SPEC replaced the spec with a plan that named itself as its spec; -o STATE/journal.json made every later
+    # plan, apply, status and down fail on "not a readable pdctl journal")
+    sd = tmp_path / "state"
+    spec = tmp_path / "seed.toml"
+    spec.write_bytes(SEED.read_bytes())
+    assert _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(tmp_path / "p.json")).returncode == 2
+    journal = sd / "journal.json"
+    sd.mkdir(exist_ok=True)
+    journal.write_text("{}")  # (what is there is not looked at: the path alone is refused)
+    link = tmp_path / "alias.toml"
+    link.hardlink_to(spec)
+    for target, said in [(spec, f"is the spec the plan is made from ({spec})"),
+                         (link, f"is the spec the plan is made from ({spec})"),
+                         (journal, f"lies in the deployment's state directory {sd.resolve()}"),
+                         (sd / "new.json", f"lies in the deployment's state directory {sd.resolve()}")]:
+        for extra in ([], ["--json"]):
+            r = _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(target), *extra)
+            assert r.returncode == 1, (target, r.stdout, r.stderr)
+            text = json.loads(r.stdout)["error"] if extra else r.stderr
+            assert f"-o {target} {said}" in text and "nothing was written" in text, text
+    assert spec.read_bytes() == SEED.read_bytes() and journal.read_text() == "{}" and not (sd / "new.json").exists()
+
+
 def test_cli_plan_out_refuses_a_link_or_a_fifo_and_discards_the_plan_at_dev_null(tmp_path):
     # A plan is saved by renaming a new file over the path: a link would be replaced (not written through), a FIFO or
     # device replaced by a file (as root, /dev/null itself). They were usage errors (exit 64); now unwritable paths
