@@ -840,8 +840,23 @@ def apply(
             # the plan on: the journal keeps any target (a re-run converges), the step that ran is marked
             # interrupted, and a --json stream ends with an event too
             _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing,
-                         down=sorted(ctx.restarting_now) if ctx is not None else ())
+                         down=_stopped_of(ctx.manager, ctx.restarting_now) if ctx is not None else ())
             raise
+
+
+def _stopped_of(manager, units) -> list[str]:  # noqa: ANN001
+    """Of *units* an interrupted apply had begun to restart, those that do not run now (or whose state cannot be read):
+    the interruption can come before the manager's stop reached the old process (at the "restarting" event, say),
+    which then runs on, and ``apply_interrupted`` said it "was stopped for the restart"."""
+    out = []
+    for unit in sorted(units):
+        try:
+            runs = manager.status(unit).state in ("active", "activating", "reloading")
+        except Exception:  # noqa: BLE001  (a host that cannot be asked now: said as possibly stopped)
+            runs = False
+        if not runs:
+            out.append(unit)
+    return out
 
 
 def _enable_and_start_target(ctx, sink) -> None:  # noqa: ANN001

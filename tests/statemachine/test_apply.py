@@ -2111,9 +2111,12 @@ def test_a_new_served_model_name_restarts_the_router_which_registered_the_old_on
     assert {w["model_id"] for w in st["router"]["workers"]} == {"dsv4-other"}
 
 
-def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(demo, monkeypatch):
+@pytest.mark.parametrize("stopped", [True, False], ids=["after-the-stop", "before-the-stop"])
+def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(demo, monkeypatch, stopped):
     # Ctrl-C / SIGTERM while the router was being restarted (stopped, not yet started again): the event said "what
-    # already runs stays as it is" while the deployment's only entry point was down. It names the unit instead.
+    # already runs stays as it is" while the deployment's only entry point was down. It names the unit instead, and
+    # only where it does not run: interrupted before the stop reached it, the old router serves on and the event
+    # had said it "was stopped for the restart"
     from pdctl.units import ProcessSupervisor
 
     demo.apply()
@@ -2125,7 +2128,8 @@ def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(de
     def interrupted_after_the_stop(self, name, **kw):  # noqa: ANN001, ANN202
         if not name.endswith("-router.service"):
             return real_restart(self, name, **kw)
-        self.stop(name)
+        if stopped:
+            self.stop(name)
         raise KeyboardInterrupt  # (as the CLI's signal handler raises it wherever the apply is)
 
     monkeypatch.setattr(ProcessSupervisor, "restart", interrupted_after_the_stop)
@@ -2140,10 +2144,11 @@ def test_an_apply_interrupted_inside_a_restart_names_the_unit_it_left_stopped(de
     router = service.unit_names(service.topology_of(demo.load().deployment))["router"]
     last = events[-1]
     assert last.kind == "apply_interrupted" and last.step == "router_exposed", last
-    assert last.data["stopped"] == [router]
-    assert f"while restarting {router}: it was stopped for the restart and may not run now" in last.message
-    assert "what already runs stays as it is" not in last.message
-    assert demo.load().journal.audit_records()[-1]["stopped"] == [router]
+    assert last.data["stopped"] == ([router] if stopped else [])
+    assert (f"while restarting {router}: it was stopped for the restart and may not run now" in last.message) is stopped
+    assert ("what already runs stays as it is" in last.message) is not stopped
+    assert demo.load().journal.audit_records()[-1]["stopped"] == ([router] if stopped else [])
+    assert (service.status(demo.load(spec2))["router"]["state"] == "active") is not stopped
     monkeypatch.setattr(ProcessSupervisor, "restart", real_restart)
     assert demo.apply(spec2).state == "parsers_configured"  # apply again starts it and converges
 
