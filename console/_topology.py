@@ -38,9 +38,10 @@ def _svc(services: Mapping[str, Any], name: str) -> Text:
 
 
 def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[str, Any] | None = None, hosts: Mapping[str, Any] | None = None,
-                    *, readonly: bool = False, applying: bool = False) -> RenderableType:
+                    *, readonly: bool = False, applying: bool = False, locked_by: str | None = None) -> RenderableType:
     """The topology as a few aligned lines; with *plan*, what it would change, marked (and, unless *readonly*, the
-    key that applies it; while *applying* it, that it is being applied and the key that cancels it)."""
+    key that applies it; while *applying* it, that it is being applied and the key that cancels it; while another
+    process holds the deployment's lock, *locked_by* (e.g. ``"PID 325 (apply)"``), that ``a`` waits for it)."""
     services = services or {}
     changes: dict[str, ResourceChange] = {c.address: c for c in (plan.changes if plan else ())}
     show = plan.to_topology if (plan is not None and plan.has_changes) else topo
@@ -64,6 +65,7 @@ def render_topology(topo: Topology, plan: Plan | None = None, services: Mapping[
         banner.append(f"{'Applying' if applying else 'Pending'} {plan.cls} plan {plan.plan_id}: ", style=style)
         banner.append(f"+{add} ~{change} -{destroy}")
         hint = (" (read-only: `pdctl plan` shows it)" if readonly else " (x: cancel at its next step)" if applying
+                else f" (another pdctl, {locked_by}, holds the lock: a waits until it ends)" if locked_by
                 else " (a: review, apply)")
         banner.append(hint, style="dim")
         parts.append(banner)
@@ -169,6 +171,8 @@ class TopologyPanel(Widget):
     """Role → service state (from the manager)."""
     applying: reactive[bool] = reactive(False, layout=True)
     """The console's own apply runs (the plan shown is the one it applies): the banner offers x, not a."""
+    locked_by: reactive[str | None] = reactive(None, layout=True)
+    """Another process holds the deployment's lock (``"PID N (apply)"``): the banner does not offer a."""
 
     def __init__(self, topology: Topology | None = None, *, readonly: bool = False, name: str | None = None, id: str | None = None, classes: str | None = None, disabled: bool = False) -> None:
         super().__init__(name=name, id=id, classes=classes, disabled=disabled)
@@ -179,4 +183,5 @@ class TopologyPanel(Widget):
     def render(self) -> RenderableType:
         if self.topology is None:
             return Text("no topology yet", style="dim")
-        return render_topology(self.topology, self.plan, self.services, readonly=self.readonly, applying=self.applying)
+        return render_topology(self.topology, self.plan, self.services, readonly=self.readonly, applying=self.applying,
+                               locked_by=self.locked_by)

@@ -607,6 +607,8 @@ class ConsoleApp(App[int]):
         topo_panel = self._w(TopologyPanel)
         topo_panel.topology = snap.topology
         topo_panel.services = dict(snap.services)
+        holder = self._locked_by()
+        topo_panel.locked_by = None if holder is None else f"PID {holder.get('pid')} ({holder.get('purpose', '?')})"
         gpu = self._w(GpuPanel)
         gpu.topology = snap.topology
         gpu.sample = snap.gpu

@@ -697,6 +697,13 @@ async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(co
             f"with Journal({str(console_demo.state)!r}, {console_demo.name!r}).lock('apply (headless)'):\n"
             f"    print('locked', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    from rich.console import Console
+
+    def banner() -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(app.query_one("#topology-panel").render())
+        return console.export_text()
+
     try:
         assert holder.stdout.readline().strip() == "locked"
         recorder = Recorder()
@@ -706,6 +713,10 @@ async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(co
             assert app.snapshot.locked_by["pid"] == holder.pid
             assert app.check_action("apply", ()) is None  # greyed, not hidden
             assert f"LOCKED by PID {holder.pid} (apply (headless))" in app.sub_title
+            # the topology tab's pending-plan banner does not offer `a` meanwhile (it did, while `a` did nothing)
+            await wait_for(pilot, lambda: "holds the lock" in banner())
+            assert (f"(another pdctl, PID {holder.pid} (apply (headless)), holds the lock: a waits until it ends)"
+                    in banner() and "a: review" not in banner()), banner()
             await pilot.press("a")
             await pilot.pause(0.2)
             assert recorder.calls == [] and not isinstance(app.screen, YesNoScreen)
@@ -713,6 +724,7 @@ async def test_apply_is_greyed_and_named_while_another_process_holds_the_lock(co
             holder.wait(5)
             await wait_for(pilot, lambda: app.check_action("apply", ()) is True)
             assert "LOCKED" not in app.sub_title and journal.lock_holder()["pid"] == holder.pid
+            await wait_for(pilot, lambda: "(a: review, apply)" in banner())
     finally:
         if holder.poll() is None:
             holder.kill()
