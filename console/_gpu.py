@@ -51,7 +51,7 @@ def render_gpu_panel(sample: GpuNumaSample | None, topology: Topology | None = N
             by_role: dict[str, list[int]] = {}
             for g, r in sorted(owners.items()):
                 by_role.setdefault(r, []).append(g)
-            t.append("\nGPUs the spec assigns: " + ", ".join(f"{r} {format_cpulist(gs)}" for r, gs in by_role.items()), style="dim")
+            t.append("\nGPUs by role (deployed, else the spec): " + ", ".join(f"{r} {format_cpulist(gs)}" for r, gs in by_role.items()), style="dim")
         parts.append(t)
     else:
         head = Text(f"{len(sample.gpus)} GPU(s), driver {sample.driver_version}", style="bold")

@@ -1415,7 +1415,10 @@ class RouterExposed(Step):
             (
                 f"GET {url}/readiness → 200 {body}",
                 f"GET {url}/workers: {stats}",
-                *(f"{w.url}: {w.worker_type}, healthy, mode {w.disaggregation_mode}, bootstrap {w.bootstrap_port}" for w in workers),
+                # (smg reports a worker's disaggregation_mode in its metadata only where it read it: said where it did)
+                *(f"{w.url}: {w.worker_type}, healthy"
+                  + (f", mode {w.disaggregation_mode}" if w.disaggregation_mode is not None else "")
+                  + (f", bootstrap {w.bootstrap_port}" if w.bootstrap_port is not None else "") for w in workers),
             ),
             {"readiness": body, "stats": stats, "workers": [w.__dict__ for w in workers]},
         )

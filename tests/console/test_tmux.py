@@ -74,7 +74,7 @@ def test_console_in_tmux_shows_the_six_steps_and_the_gpu_panel(tmp_path, tmux):
     else:
         # Wait for every line the test reads: tmux can be captured while Textual is part-way
         # through drawing the tab (CI once caught the panel's first line without the rest).
-        screen = tmux.wait_for("No GPU telemetry", "NVML", "GPUs the spec assigns: prefill 0-3, decode 4-7")
+        screen = tmux.wait_for("No GPU telemetry", "NVML", "GPUs by role (deployed, else the spec): prefill 0-3, decode 4-7")
     assert all(s in screen for s in STEPS)  # the steps stay on screen over every tab
     tmux.keys("q")
     deadline = time.monotonic() + 10

@@ -56,6 +56,10 @@ def test_demo_from_nothing_to_parsers_configured(demo):
     assert kv["evidence"]["pairs"][0]["route"]["page_size"] == 256  # DeepSeek-V4: SGLang's dsv4 pages
     assert state.deployed is not None and state.target is None
     assert state.steps["router_exposed"].proof["summary"].endswith(": ready, 1 prefill + 1 decode workers healthy")
+    # each worker as the router reported it: no "mode None" for what smg's /workers leaves out
+    checks = state.steps["router_exposed"].proof["checks"]
+    assert any(line.startswith(f"http://127.0.0.1:{demo.ports['prefill']}: prefill, healthy") for line in checks), checks
+    assert not any("None" in line for line in checks), checks
     st = demo.status()
     assert st["healthy"] and st["reached"] == "parsers_configured"
     # Idempotent: a second apply changes nothing (same PIDs) and skips every serving step.
