@@ -710,9 +710,11 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
         return Deployment.model_validate(data)
     except ValidationError as exc:
         lines = []
+        found: list[str | tuple[str, str, str]] = []  # (a line, or (field, message, fix) where the fix is its own)
         for err in exc.errors():
             field = _loc(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
+            fix = None
             if len(err["loc"]) >= 2 and err["loc"][-1] == "[key]":  # a table's key, e.g. numa_cpus = { zero = … }
                 field = _loc(err["loc"][:-2])
                 if err["type"] in _BOUNDS:
@@ -723,12 +725,12 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 else:
                     msg = f"key {err['loc'][-2]!r}: {msg}"
             elif err["type"] == "extra_forbidden":
-                msg = "unknown key: remove it or check its spelling (see examples/seed.toml)"
+                msg, fix = "unknown key", "remove it or check its spelling (see examples/seed.toml)"
                 near = _near_keys(err["loc"])
                 if near:
-                    msg += f": did you mean {' or '.join(repr(n) for n in near)}?"
+                    fix += f": did you mean {' or '.join(repr(n) for n in near)}?"
             elif err["type"] == "missing":
-                msg = "required: add it"
+                msg, fix = "required", "add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):
                 msg = _type_fix(err["type"], err["input"], lambda v, loc=err["loc"]: _error_at(data, loc, v))
             elif err["type"] == "list_type":
@@ -743,9 +745,10 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                        "nested table in TOML; put the whole key in quotes")
             elif err["type"] in _SHAPE_FIXES:
                 msg = _SHAPE_FIXES[err["type"]]
-            lines.append(f"{field}: {msg}")
+            lines.append(f"{field}: {msg}" + (f": {fix}" if fix else ""))
+            found.append((field, msg, fix) if fix else lines[-1])
         where = f"{path}: " if path else ""
-        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=lines, path=path) from None
+        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(lines), findings=found, path=path) from None
 
 
 def load_spec(path: str | Path) -> Deployment:

@@ -327,6 +327,22 @@ def test_a_relative_cache_dir_is_refused():
     assert not [f for f in validate(parse_spec(d)) if f.field == "engine.cache_dir"]
 
 
+def test_an_unknown_or_missing_key_gives_its_fix_in_the_findings_fix_field():
+    # (--json findings had "fix": null for them, the fix inside the message, which scripts had to parse out)
+    d = seed_dict()
+    d["router"]["polcy"] = "random"
+    del d["model"]
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    found = {f["field"]: f for f in e.value.findings_json()}
+    assert found["model"] == {"field": "model", "message": "required", "fix": "add it"}, found
+    assert found["router.polcy"]["message"] == "unknown key", found
+    assert found["router.polcy"]["fix"].startswith("remove it or check its spelling (see examples/seed.toml)"), found
+    assert "did you mean 'policy'?" in found["router.polcy"]["fix"], found
+    # the text says each as before: field, message, fix
+    assert "  model: required: add it" in str(e.value) and "  router.polcy: unknown key: remove it" in str(e.value)
+
+
 def test_a_nul_character_in_any_text_of_the_spec_is_refused_naming_the_field():
     # (it passed validate and plan; `units` died with a traceback and apply stopped a healthy server whose successor
     # could not be exec'd: "embedded null byte")
