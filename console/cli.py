@@ -1033,9 +1033,12 @@ def _in_the_background(fd: int) -> bool:
 
 
 def _rewrite(argv: list[str]) -> list[str]:
-    """``--apply X`` → ``apply X``; a bare spec path → ``console SPEC``."""
-    if argv and argv[0] == "--apply":
-        return ["apply", *argv[1:]]
+    """``--apply X`` → ``apply X`` (options written before ``--apply``, as in ``--json --apply X``, are apply's); a
+    bare spec path → ``console SPEC``."""
+    if "--apply" in argv:
+        at = argv.index("--apply")
+        if all(a.startswith("-") and a != "--" for a in argv[:at]):
+            return ["apply", *argv[:at], *argv[at + 1:]]
     if argv and not argv[0].startswith("-") and argv[0] not in _command_names() and (
             argv[0].endswith((".toml", ".json")) or os.path.exists(argv[0])):  # a path: the console says what is wrong
         return ["console", *argv]
@@ -1083,6 +1086,7 @@ def main(argv: list[str] | None = None) -> None:
     except usage_kinds as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # that one has already printed the help
             e.show(file=sys.stderr)
+            _usage_error_as_json(args, e)
         rc = ExitCode.USAGE
     except abort_kinds:
         rc = ExitCode.INTERRUPTED
@@ -1115,6 +1119,26 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"error: <stdout>: {e.strerror or e}")
         rc = rc or ExitCode.ERROR
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
+
+
+def _usage_error_as_json(args: list[str], e: Exception) -> None:
+    """A usage error (an unknown option, a missing SPEC) of a command line that asks for ``--json``: stdout gets the
+    ``{error, hint}`` object (``apply``: the ``apply_failed`` event that ends its stream, nothing started), so that a
+    script reading stdout gets an answer, not nothing, beside click's usage text on stderr (exit 64 either way)."""
+    if "--json" not in args[: args.index("--") if "--" in args else len(args)]:
+        return
+    from pdctl.statemachine.errors import PdctlError
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    known = command if command in _command_names() else None
+    err = PdctlError(f"usage: {e.format_message()}", hint=f"`pdctl {known or ''} -h`".replace("  ", " ") + " lists the "
+                     "options")
+    if known == "apply":
+        from pdctl.statemachine.events import Event
+
+        sys.stdout.write(json.dumps(Event.apply_failed(err, started=False).to_json(), default=str) + "\n")
+    else:
+        sys.stdout.write(json.dumps(_json_error(err), indent=1) + "\n")
 
 
 def _interrupted_before_the_command(args: list[str]) -> None:

@@ -584,6 +584,26 @@ def test_cli_plan_out_never_replaces_its_spec_or_a_file_of_the_state_directory(t
     assert spec.read_bytes() == SEED.read_bytes() and journal.read_text() == "{}" and not (sd / "new.json").exists()
 
 
+def test_a_usage_error_under_json_answers_on_stdout_and_json_may_come_before_apply(tmp_path):
+    # (stdout was empty, click's usage text on stderr only; `pdctl --json --apply SPEC` was "No such option: --json")
+    r = _pdctl("plan", str(SEED), "--json", "--bogus")
+    assert r.returncode == 64 and "No such option: --bogus" in r.stderr, r.stderr
+    assert json.loads(r.stdout) == {"error": "usage: No such option: --bogus (Possible options: --out)",
+                                    "hint": "`pdctl plan -h` lists the options"}, r.stdout
+    r = _pdctl("apply", "--json")  # (apply's stream ends with its apply_failed event: nothing started)
+    event = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 64 and event["kind"] == "apply_failed" and event["data"]["started"] is False, r.stdout
+    assert event["data"]["error"] == "usage: Missing argument 'SPEC'.", event
+    assert _pdctl("plan", str(SEED), "--bogus").stdout == ""  # (no --json: the usage text alone, on stderr)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("bogus = 1\n" + SEED.read_text())  # (a top-level key: before the spec's first table)
+    r = _pdctl("--json", "--apply", str(bad), "--state-dir", str(tmp_path / "state"))
+    event = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 1 and event["kind"] == "apply_failed", (r.stdout, r.stderr)
+    assert event["data"]["findings"] == [{"field": "bogus", "message": "unknown key",
+                                          "fix": "remove it or check its spelling (see examples/seed.toml)"}], event
+
+
 def test_cli_plan_out_refuses_a_link_or_a_fifo_and_discards_the_plan_at_dev_null(tmp_path):
     # A plan is saved by renaming a new file over the path: a link would be replaced (not written through), a FIFO or
     # device replaced by a file (as root, /dev/null itself). They were usage errors (exit 64); now unwritable paths
