@@ -11,7 +11,6 @@ reads the file; otherwise the journal (``journalctl -u``).
 
 from __future__ import annotations
 
-import os
 import posixpath
 import shlex
 from collections.abc import Mapping, Sequence
@@ -62,9 +61,9 @@ class SystemdManager(ServiceManager):
             raise ValueError(f"scope must be 'system' or 'user', not {scope!r}")
         self.host = host
         self.scope = scope
-        if unit_dir is None:
-            unit_dir = "/etc/systemd/system" if scope == "system" else os.path.expanduser("~/.config/systemd/user")
-        self.unit_dir = unit_dir
+        if unit_dir is None and scope == "system":
+            unit_dir = "/etc/systemd/system"
+        self._unit_dir = unit_dir  # (user scope: the host's user's folder, asked of the host when first needed)
         self._systemctl = [*systemctl, *(["--user"] if scope == "user" else [])]
         self._journalctl = list(journalctl)
         self._env = dict(env) if env else {}
@@ -73,6 +72,25 @@ class SystemdManager(ServiceManager):
         self._have_manager = False
 
     # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def unit_dir(self) -> str:
+        """Where the units go: ``/etc/systemd/system``, or in user scope the folder the user manager of the host's
+        user reads, ``$XDG_CONFIG_HOME/systemd/user`` (``~/.config/systemd/user``; systemd.unit(5), "User Unit Search
+        Path"), asked of the host once: over SSH the login's home, not that of the user running pdctl here (the
+        units went to this machine's user's path there, and systemctl --user then found no such unit). Raises
+        :class:`ManagerUnavailable` where the host does not say."""
+        if self._unit_dir is None:
+            res = self.host.run(["sh", "-c", 'printf %s "${XDG_CONFIG_HOME:-${HOME:+$HOME/.config}}"'],
+                                timeout=self.command_timeout, check=False)
+            base = (res.stdout or "").strip()
+            if res.returncode != 0 or not base.startswith("/"):
+                raise ManagerUnavailable(
+                    f"cannot tell where the user units go on host {getattr(self.host, 'name', '?')}: its shell gave "
+                    f"no absolute $XDG_CONFIG_HOME or $HOME (exit {res.returncode}: {(res.stderr or '').strip()[-200:]})",
+                    hint="give that user a home folder (HOME) on the host, or use service_manager = \"systemd-system\"")
+            self._unit_dir = posixpath.join(base, "systemd", "user")
+        return self._unit_dir
 
     def _unit_path(self, name: str) -> str:
         return posixpath.join(self.unit_dir, name)

@@ -170,3 +170,27 @@ def test_systemctl_without_a_manager_is_a_clear_error_that_changes_nothing(tmp_p
     # how to get a user manager (it said "systemd-user with a running user manager" to a user-scope spec)
     assert "loginctl enable-linger" in err.value.hint and "XDG_RUNTIME_DIR=/run/user/" in err.value.hint, err.value.hint
     assert not d.exists()
+
+
+def test_user_units_go_to_the_hosts_users_config_folder_not_this_machines(monkeypatch, tmp_path):
+    # (over SSH the units went to the local operator's ~/.config/systemd/user on the remote host, where the login's
+    # user manager never looks: `systemctl --user start` then said "Unit … not found")
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "svc"))
+    assert SystemdManager(LocalHost(), scope="user").unit_dir == f"{tmp_path}/svc/.config/systemd/user"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))  # (systemd.unit(5): $XDG_CONFIG_HOME/systemd/user)
+    assert SystemdManager(LocalHost(), scope="user").unit_dir == f"{tmp_path}/cfg/systemd/user"
+    assert SystemdManager(LocalHost(), scope="system").unit_dir == "/etc/systemd/system"
+
+    class Remote(LocalHost):  # a host whose login's home is not this process's
+        def run(self, argv, **kw):  # noqa: ANN001, ANN003, ANN201
+            return super().run(argv, **{**kw, "env": {"PATH": os.environ["PATH"], "HOME": "/home/svc"}})
+
+    assert SystemdManager(Remote(), scope="user").unit_dir == "/home/svc/.config/systemd/user"
+
+    class Homeless(LocalHost):
+        def run(self, argv, **kw):  # noqa: ANN001, ANN003, ANN201
+            return super().run(argv, **{**kw, "env": {"PATH": os.environ["PATH"]}})
+
+    with pytest.raises(ManagerUnavailable, match="cannot tell where the user units go on host"):
+        SystemdManager(Homeless(), scope="user").unit_dir  # noqa: B018
