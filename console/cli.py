@@ -683,6 +683,9 @@ def _status_text(st: dict) -> str:
             stale = (f"  [proven before {', '.join(since)} restarted (a crash its supervisor recovered from?): "
                      "`pdctl apply` proves it again]") if since else ""
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}{stale}")
+    for unit in st.get("edited_units") or ():
+        lines.append(f"  {unit}: its unit file differs from what pdctl writes (edited outside pdctl?); a crash or reboot "
+                     "would start the edited one: `pdctl apply` writes it back")
     target = st.get("target") or {}
     if target.get("enabled") is False:
         lines.append(f"  {target['unit']} is not enabled: a reboot would not start the deployment; `pdctl apply` "

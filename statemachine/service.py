@@ -309,6 +309,9 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
             answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
     if (st.get("target") or {}).get("enabled") is False:  # installed, not enabled: a reboot would not start it
         lasting.append(f"{st['target']['unit']} is not enabled, so a reboot would not start the deployment")
+    for unit in st.get("edited_units") or ():  # (a crash or reboot would start what the edit says)
+        lasting.append(f"{unit}'s unit file differs from what pdctl writes for the definition it proved (edited "
+                       "outside pdctl?): apply writes it back, and restarts the unit if it does not serve as specified")
     rt = st.get("router")
     if rt and not rt.get("supervised", True):
         lasting.append("router UNSUPERVISED (its supervisor is gone)")
@@ -402,6 +405,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         gpus_held_elsewhere,
         numa_nodes_missing,
         ports_held_elsewhere,
+        service_manager_changed,
         units_of_another_deployment,
     )
 
@@ -417,6 +421,11 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         _can_run_commands(loaded.deployment, the_host)  # (a nologin account answers every check with garbage)
         ctx = build_context(loaded, host=the_host)
         try:
+            try:  # (its units run under the recorded manager: the spec's has nothing to compare, and may be absent)
+                service_manager_changed(ctx)
+            except ApplyFailed as exc:
+                return {"ports_held": (), "gpus_held": None, "gpus_unchecked": "not checked: " + exc.message,
+                        "binds_unusable": exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")}
             own = own_units(recorded, desired)
             held = tuple(ports_held_elsewhere(ctx, own))
             try:
@@ -698,6 +707,7 @@ def apply(
         numa_nodes_missing,
         ports_taken_elsewhere,
         router_executable_unusable,
+        service_manager_changed,
         steps_for,
         unit_files_unrenderable,
         units_of_another_deployment,
@@ -783,6 +793,7 @@ def apply(
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = own_units(state, desired)
             try:
+                service_manager_changed(ctx)
                 unit_files_unrenderable(ctx)
                 units_of_another_deployment(ctx)
                 bind_addresses_unusable(ctx)
@@ -925,7 +936,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     healthy), and ``mismatches_lasting`` those of them that would stay with every worker healthy;
     ``unfinished_down``: where the audit log's last apply or down event is a down that did not finish (``event``
     down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed) while something
-    of the deployment is still recorded or running, that record's event, ts, pid and error; else None.
+    of the deployment is still recorded or running, that record's event, ts, pid and error; else None;
+    ``edited_units``: with no apply unfinished and the spec's topology deployed, the units whose installed file (or
+    secrets file) differs from what pdctl writes for the definition apply proved (``steps.edited_units``: edited
+    outside pdctl), which a crash or reboot would start as edited.
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -943,7 +957,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     host = deployment_host(loaded.deployment)
     if state.machine:  # another machine's units would all read "inactive"
         refuse_another_machine(loaded, state, machine_of(host), "reading its status")
-    manager = launch.manager_for(loaded.deployment, host, state_dir=str(loaded.journal.dir))
+    # (a spec since edited to another service_manager: its units run under the recorded one)
+    manager = launch.manager_for(as_recorded_manager(loaded.deployment, state), host, state_dir=str(loaded.journal.dir))
     names = unit_names(topo)
     client = _client_for(host, client)
     now = _time.time()
@@ -1090,6 +1105,17 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                                "error": last.get("error")}
     enabled = getattr(manager, "target_enabled", None)  # (systemd: the process supervisor has no boot-time start)
     target = f"pdctl-{topo.name}.target"
+    edited: list[str] = []
+    if state.target is None and state.deployed is not None and spec_topo == state.deployed:
+        from pdctl.statemachine.errors import PdctlError
+        from pdctl.statemachine.steps import edited_units
+
+        try:  # (the spec's units, as apply would write them: an unset secret leaves nothing to compare)
+            units = launch.unit_set_for(loaded.deployment, state_dir=str(loaded.journal.dir))
+        except PdctlError:
+            units = None
+        if units is not None:
+            edited = edited_units(manager, units, state.units, [u for u in names.values() if u in units.names])
     return {
         "deployment": topo.name,
         "mode": topo.mode,
@@ -1109,6 +1135,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "router": router,
         "leftover": leftover,
         "removed": removed,
+        "edited_units": edited,
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
@@ -1276,7 +1303,9 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
 
     sink = sink or NullSink()
     j = loaded.journal
-    manager = launch.manager_for(loaded.deployment, deployment_host(loaded.deployment), state_dir=str(j.dir))
+    # (a spec since edited to another service_manager: what runs was started under the recorded one, which stops it)
+    dep = as_recorded_manager(loaded.deployment, j.read() if j.dir.exists() else None)
+    manager = launch.manager_for(dep, deployment_host(loaded.deployment), state_dir=str(j.dir))
     if not j.dir.exists() and not _installed_units(loaded, j.read(), manager):
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)  # nothing ever recorded here: create nothing (no lock, no audit)
         return []
@@ -1292,6 +1321,20 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         except Exception as exc:
             j.audit("down-failed", error=str(exc))
             raise
+
+
+def recorded_service_manager(state) -> str | None:  # noqa: ANN001
+    """The ``service_manager`` the journal's unfinished target, else its recorded deployment, was applied with (None:
+    nothing recorded)."""
+    topo = state.target or state.deployed if state is not None else None
+    return None if topo is None else topo.deployment.get("service_manager")
+
+
+def as_recorded_manager(dep: Deployment, state) -> Deployment:  # noqa: ANN001
+    """*dep* with the service manager the journal records it applied with (:func:`recorded_service_manager`) where the
+    spec now names another: ``down`` (and ``status``) then reach the units that run, not an empty other manager."""
+    was = recorded_service_manager(state)
+    return dep if was in (None, dep.service_manager) else dep.model_copy(update={"service_manager": was})
 
 
 def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  # noqa: ANN001

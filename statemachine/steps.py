@@ -134,6 +134,21 @@ def fingerprint_of(units: Any, unit: str) -> str:
     return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def edited_units(manager: Any, units: Any, records: Mapping[str, str], names: Collection[str]) -> list[str]:
+    """Of the service units *names*, those whose journal record is the fingerprint of their definition in *units*
+    (a :class:`pdctl.units.UnitSet`: what apply proved running is what the spec asks) while the installed unit file,
+    or its secrets file, differs from what pdctl writes for it (``manager.pending_changes``): edited outside pdctl
+    (``systemctl edit --full``, sed on the file). A crash or reboot would start the edited definition, which neither
+    the plan's comparison nor a fingerprint sees. Reads each unit's files on the host."""
+    wanted = [n for n in names if records.get(n) == fingerprint_of(units, n)]
+    if not wanted:
+        return []
+    from pdctl.units import UnitSet
+
+    pending = set(manager.pending_changes(UnitSet(units.target, tuple(units.service(n) for n in wanted))))
+    return [n for n in wanted if n in pending]
+
+
 @dataclass
 class Context:
     """Everything a step needs. ``manager`` is a :class:`pdctl.units.ServiceManager`."""
@@ -248,6 +263,11 @@ class Context:
     def definition_changed(self, unit: str) -> bool:
         """True when *unit*'s desired definition differs from the one last proven running."""
         return self.journal_state.units.get(unit) != self.fingerprint(unit)
+
+    def file_edited(self, unit: str) -> bool:
+        """True when *unit*'s installed files differ from what pdctl writes for the definition last proven running
+        (:func:`edited_units`): its step is not satisfied as it stands; apply writes them back."""
+        return bool(edited_units(self.manager, self.units, self.journal_state.units, [unit]))
 
     def router_url(self) -> str:
         r = self.topology.router
@@ -763,6 +783,28 @@ def unit_files_unrenderable(ctx: Context) -> None:
         raise refusal
 
 
+def service_manager_changed(ctx: Context) -> None:
+    """Before anything starts or stops: the journal must not record the deployment applied under another
+    ``service_manager`` than the spec names. pdctl does not move running units between service managers: the new one
+    would start servers whose ports and GPUs the old one's still hold, and apply refused that only at its port check,
+    calling them "this deployment's own processes, applied another way" after the plan had offered the change as a
+    restart. Raises :class:`ApplyFailed` naming both and the fix (``pdctl down``, which stops them under the
+    recorded one)."""
+    from pdctl.statemachine.machine import role_steps
+
+    state = ctx.journal_state
+    topo = (state.target or state.deployed) if state is not None else None
+    was = None if topo is None else topo.deployment.get("service_manager")
+    if was in (None, ctx.dep.service_manager):
+        return
+    raise ApplyFailed(
+        f"service_manager: deployment {ctx.dep.name!r} runs under {was} (as recorded) and the spec asks "
+        f"{ctx.dep.service_manager}: pdctl does not move running units between service managers; nothing was started "
+        "or changed",
+        step=next(iter(role_steps(ctx.topology).values())),
+        hint=f"run `pdctl down` on this spec first (it stops them under {was}, as recorded), then apply it")
+
+
 def units_of_another_deployment(ctx: Context) -> None:
     """Before anything starts or stops: no unit this deployment names may be installed already by another pdctl
     deployment. Unit names are ``pdctl-NAME-ROLE``, so deployment ``hX`` with a role ``a-prefill`` names
@@ -994,7 +1036,8 @@ class ServersUp(Step):
 
     def observe(self, ctx: Context) -> Proof | None:
         roles = self._roles(ctx)
-        if any(r.name in ctx.restart or ctx.definition_changed(ctx.unit_of[r.name]) for r in roles):
+        if any(r.name in ctx.restart or ctx.definition_changed(ctx.unit_of[r.name]) or ctx.file_edited(ctx.unit_of[r.name])
+               for r in roles):
             return None
         checks: list[str] = []
         evidence: dict[str, Any] = {}
@@ -1028,6 +1071,10 @@ class ServersUp(Step):
             # unit whose supervisor is gone is never waited for (nothing would mark it active): it is restarted.
             recorded = ctx.journal_state.units.get(unit)
             fp = ctx.fingerprint(unit)
+            if running and recorded == fp and ctx.file_edited(unit):  # (install_units below writes it back)
+                ctx.say(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back"
+                        + ("" if self._serves_as_specified(ctx, r) else " and restarting it: it does not serve as "
+                           "specified"), step=self.name, unit=unit)
             if (recorded or "").startswith(RESTARTING) and running_definition(recorded, st.main_pid) == fp:
                 recorded = STARTED + fp  # (file rewritten for another spec, the process runs this one: install_units)
             ours = recorded == STARTED + fp and st.supervised
@@ -1326,7 +1373,8 @@ class RouterExposed(Step):
         return [ctx.unit_of["router"]]
 
     def observe(self, ctx: Context) -> Proof | None:
-        if "router" in ctx.restart or ctx.definition_changed(ctx.unit_of["router"]):
+        unit = ctx.unit_of["router"]
+        if "router" in ctx.restart or ctx.definition_changed(unit) or ctx.file_edited(unit):
             return None
         try:
             st = ctx.manager.status(ctx.unit_of["router"])
@@ -1347,6 +1395,10 @@ class RouterExposed(Step):
         st = ctx.manager.status(unit)
         unchanged = ctx.journal_state.units.get(unit) in (ctx.fingerprint(unit), STARTED + ctx.fingerprint(unit))
         if st.state in ("active", "activating") and st.supervised and "router" not in ctx.restart and unchanged:
+            if ctx.file_edited(unit):  # (edited outside pdctl: written back; the process is judged below as it serves)
+                ctx.say(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back",
+                        step=self.name, unit=unit)
+                ctx.install_units([unit])
             # The same router, running (or still starting, as an interrupted apply started it): what it lacks is
             # workers this apply restarted, which its health checks bring back (the plan said it would not restart).
             # Wait for that, within verify's bound, before restarting it; a fault waiting cannot mend (another process

@@ -1001,7 +1001,7 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     _ports_in_35k(demo)
     port = demo.ports["router"]
     with open(f"/proc/{os.getpid()}/cmdline") as f:
-        me = f.read().replace("\0", " ").strip()[:160]
+        me = f.read().replace("\0", " ").strip()[:60]  # (the start of it: a long one is shortened, ending in …)
     squatter = _socket.socket()
     squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
     squatter.bind(("127.0.0.1", port))
@@ -1015,7 +1015,7 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     said = f"router needs port {port} at router_exposed, held by PID {os.getpid()}"
     assert r.returncode == ExitCode.CHANGES and "Plan: 4 to add" in r.stdout, r.stderr
     assert "Warning: ports this deployment will listen on are held outside it" in r.stdout, r.stdout
-    assert f"  ! {said} ({me})" in r.stdout and "hint: stop those processes" in r.stdout, r.stdout
+    assert f"  ! {said} ({me}" in r.stdout and "hint: stop those processes" in r.stdout, r.stdout
     assert rj.returncode == ExitCode.CHANGES, rj.stderr
     assert json.loads(rj.stdout)["ports_held"] == [{"port": port, "role": "router", "step": "router_exposed",
                                                     "pid": os.getpid(), "command": me, "applied_elsewhere": None,
@@ -2351,3 +2351,59 @@ def test_a_down_cut_short_says_it_did_not_finish(demo, monkeypatch, capsys):
     monkeypatch.setattr(ProcessSupervisor, "stop", real)
     r = demo.cli("down", str(demo.spec), "--yes")
     assert r.returncode == 0 and demo.pids() == [], r.stderr
+
+
+def test_a_unit_file_edited_outside_pdctl_is_drift_that_apply_writes_back(demo):
+    # (sed on a unit file, or `systemctl edit --full`: plan said "No changes", apply "already satisfied" and left it,
+    # and a crash or reboot then started the edited definition while status said healthy)
+    demo.apply()
+    unit = service.unit_names(service.topology_of(demo.load().deployment))["prefill"]
+    path = demo.state / "supervisor" / "services" / unit / "unit.json"
+    written = path.read_text()
+    assert "--context-length" in written
+    data = json.loads(written)
+    argv = data["service"]["argv"]
+    argv[argv.index("--context-length") + 1] = "4096"
+    path.write_text(json.dumps(data))
+    pid = demo.status()["roles"][0]["main_pid"]
+    st = demo.status()
+    assert st["edited_units"] == [unit] and st["healthy"], st["edited_units"]
+    loaded = demo.load()
+    recorded = loaded.journal.read()
+    why = service.plan_unsettled(loaded, recorded, service.plan_spec(loaded, recorded))
+    assert why.kind == "drift" and f"{unit}'s unit file differs from what pdctl writes" in why.text, why
+    r = demo.cli("status", str(demo.spec))
+    assert f"{unit}: its unit file differs from what pdctl writes (edited outside pdctl?)" in r.stdout, r.stdout
+    sink = ListSink()
+    assert demo.apply(sink=sink).state == "parsers_configured"
+    assert path.read_text() == written  # written back, and the process, which serves as specified, kept
+    assert any(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back" == e.message
+               for e in sink.events), [e.message for e in sink.events]
+    st = demo.status()
+    assert st["edited_units"] == [] and st["healthy"] and {r["main_pid"] for r in st["roles"]} >= {pid}
+    recorded = loaded.journal.read()
+    assert not service.plan_unsettled(loaded, recorded, service.plan_spec(loaded, recorded)).text
+
+
+def test_a_service_manager_change_is_refused_before_anything_and_down_stops_what_runs_as_recorded(demo):
+    # (plan offered it as a restart, apply refused it only at its port check, "this deployment's own processes,
+    # applied another way", and `pdctl down` of the edited spec found "nothing installed here" and left a failure)
+    demo.apply()
+    pids = demo.pids()
+    d = copy.deepcopy(demo.dict)
+    d["service_manager"] = "systemd-user"
+    spec = demo.write(d, "user.toml")
+    with pytest.raises(ApplyFailed, match=r"service_manager: deployment '\S+' runs under process \(as recorded\) and "
+                                          r"the spec asks systemd-user: pdctl does not move running units") as e:
+        demo.apply(spec)
+    assert "run `pdctl down` on this spec first (it stops them under process, as recorded)" in e.value.hint
+    assert demo.pids() == pids
+    loaded = demo.load(spec)
+    refusal = service.host_warnings(loaded, loaded.journal.read())["binds_unusable"]
+    assert refusal and "pdctl does not move running units between service managers" in refusal, refusal
+    st = service.status(loaded)  # (read under the recorded manager: the roles run)
+    assert st["healthy"] and {r["main_pid"] for r in st["roles"]} <= set(pids), st["roles"]
+    r = demo.cli("down", str(spec), "--yes")
+    assert r.returncode == 0, r.stderr
+    assert demo.pids() == [] and loaded.journal.read().deployed is None
+    assert loaded.journal.audit_records()[-1]["event"] == "down-done"  # (no failed down left on record)

@@ -4,6 +4,11 @@ that production runs, only the engine executable differs."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -62,6 +67,31 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         with httpx.Client(trust_env=False) as c:
             for r in st["roles"]:
                 assert c.get(f"{r['url']}/server_info").json()["context_length"] == 65536
+        # A unit file edited outside pdctl, then started as edited by systemd after a crash: status and plan name it,
+        # and apply writes it back and restarts the server, which no longer serves as specified
+        unit_path = Path(sd.env["HOME"]) / ".config" / "systemd" / "user" / names["prefill"]
+        text = unit_path.read_text()
+        assert "--context-length 65536" in text
+        unit_path.write_text(text.replace("--context-length 65536", "--context-length 4096"))
+        sd.systemctl("daemon-reload")
+        crashed = service.status(demo.load(demo.tmp / "ctx.toml"))["roles"][0]
+        assert crashed["name"] == "prefill"
+        os.kill(crashed["main_pid"], signal.SIGKILL)  # (Restart=on-failure: systemd starts the edited definition)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = service.status(demo.load(demo.tmp / "ctx.toml"))
+            if st["roles"][0]["main_pid"] not in (None, crashed["main_pid"]) and st["roles"][0]["healthy"]:
+                break
+            time.sleep(0.5)
+        with httpx.Client(trust_env=False) as c:
+            assert c.get(f"{st['roles'][0]['url']}/server_info").json()["context_length"] == 4096
+        assert st["edited_units"] == [names["prefill"]], st["edited_units"]
+        assert demo.apply(demo.tmp / "ctx.toml").state == "parsers_configured"
+        assert unit_path.read_text() == text
+        st = service.status(demo.load(demo.tmp / "ctx.toml"))
+        assert st["healthy"] and st["edited_units"] == []
+        with httpx.Client(trust_env=False) as c:
+            assert c.get(f"{st['roles'][0]['url']}/server_info").json()["context_length"] == 65536
         # The target is enabled (its WantedBy= starts the deployment at boot); one left disabled (by hand, or by a
         # pdctl that did not enable it) is drift that plan names and an apply that changes nothing else enables
         assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
