@@ -690,6 +690,9 @@ def _status_text(st: dict) -> str:
     if target.get("enabled") is False:
         lines.append(f"  {target['unit']} is not enabled: a reboot would not start the deployment; `pdctl apply` "
                      "enables it")
+    elif target.get("state") not in (None, "active") and st.get("deployed"):
+        lines.append(f"  {target['unit']} is {target['state']}: the units it groups run without it; `pdctl apply` "
+                     "starts it")
     views = [*st["roles"], *([rt] if rt else [])]
     if any(x.get("port_held_for") for x in views):
         from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT

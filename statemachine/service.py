@@ -309,6 +309,9 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
             answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
     if (st.get("target") or {}).get("enabled") is False:  # installed, not enabled: a reboot would not start it
         lasting.append(f"{st['target']['unit']} is not enabled, so a reboot would not start the deployment")
+    elif (st.get("target") or {}).get("state") not in (None, "active"):  # (apply starts it once every step is proven)
+        lasting.append(f"{st['target']['unit']} is {st['target']['state']} (the units it groups run without it; "
+                       "`systemctl stop` of it would not stop them): apply starts it")
     for unit in st.get("edited_units") or ():  # (a crash or reboot would start what the edit says)
         lasting.append(f"{unit}'s unit file differs from what pdctl writes for the definition it proved (edited "
                        "outside pdctl?): apply writes it back, and restarts the unit if it does not serve as specified")

@@ -1044,7 +1044,7 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
         finally:
             squatter.close()
         assert r.returncode == ExitCode.OK and "No changes." in r.stdout, r.stderr
-        assert (f"  ! {said} ({me})" in r.stdout) is warned, (address, r.stdout)
+        assert (f"  ! {said} ({me}" in r.stdout) is warned, (address, r.stdout)
 
 
 def _listening(address: str, port: int) -> _socket.socket:

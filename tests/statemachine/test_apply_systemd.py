@@ -92,6 +92,21 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         assert st["healthy"] and st["edited_units"] == []
         with httpx.Client(trust_env=False) as c:
             assert c.get(f"{st['roles'][0]['url']}/server_info").json()["context_length"] == 65536
+        # The target stopped (stopping every unit, PartOf=) and the router started by hand (Requires= pulls the
+        # servers back): the units run without their target, which plan names and apply starts
+        sd.systemctl("stop", target)
+        sd.systemctl("start", names["router"])
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not service.status(demo.load(demo.tmp / "ctx.toml"))["healthy"]:
+            time.sleep(0.5)
+        loaded = demo.load(demo.tmp / "ctx.toml")
+        st = service.status(loaded)
+        assert st["healthy"] and st["target"]["state"] == "inactive", st["target"]
+        recorded = loaded.journal.read()
+        why = service.plan_unsettled(loaded, recorded, service.plan_spec(loaded, recorded))
+        assert why.kind == "drift" and f"{target} is inactive" in why.text, why
+        assert demo.apply(demo.tmp / "ctx.toml").state == "parsers_configured"
+        assert service.status(loaded)["target"]["state"] == "active"
         # The target is enabled (its WantedBy= starts the deployment at boot); one left disabled (by hand, or by a
         # pdctl that did not enable it) is drift that plan names and an apply that changes nothing else enables
         assert sd.systemctl("is-enabled", target).stdout.strip() == "enabled"
