@@ -216,7 +216,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
                                   "stdout)")
         loaded = load(spec, state_dir=state_dir, discover=True)
         if out is not None and not discard:  # (refused before anything is written)
-            _refuse_own_file(out, shown, spec, loaded.journal.dir)
+            _refuse_own_file(out, shown, spec, loaded.journal)
         _warnings(loaded)
         _unset_secrets_note(loaded.deployment)
         recorded = loaded.journal.read()
@@ -813,11 +813,12 @@ def units_cmd(
 
 
 _PLAN_OUT_EXAMPLE = "a file path, e.g. -o plan.json (or -o - for stdout)"
-def _refuse_own_file(out: Path, shown: str | None, spec: Path, state: Path) -> None:
+def _refuse_own_file(out: Path, shown: str | None, spec: Path, journal) -> None:  # noqa: ANN001
     """Raise :class:`PdctlError` where ``plan -o`` would replace the spec the plan is made from (a plan saved over
-    its spec names itself as the spec to apply: both were lost), or a file in the deployment's state directory
-    (its journal, audit log, lock, the supervisor's unit records: a plan over the journal made every later plan,
-    apply, status and down fail on "not a readable pdctl journal")."""
+    its spec names itself as the spec to apply: both were lost), or a file pdctl keeps in the deployment's state
+    directory (its journal, audit log and lock, the supervisor's and the secrets' folders: a plan over the journal
+    made every later plan, apply, status and down fail on "not a readable pdctl journal"). Another file in that
+    folder is the operator's (``--state-dir .`` with ``-o plan.json``)."""
     target = out.resolve()
     try:
         same = target == spec.resolve() or (out.exists() and os.path.samefile(out, spec))
@@ -826,11 +827,13 @@ def _refuse_own_file(out: Path, shown: str | None, spec: Path, state: Path) -> N
     if same:
         raise PdctlError(f"-o {shown} is the spec the plan is made from ({spec}): saving the plan there would replace "
                          "it; nothing was written", hint=f"give -o/--out another file: {_PLAN_OUT_EXAMPLE}")
-    home = state.resolve()
-    if target == home or home in target.parents:
-        raise PdctlError(f"-o {shown} lies in the deployment's state directory {home}, which holds its journal, audit "
-                         "log and lock and is written by pdctl alone; nothing was written",
-                         hint=f"give -o/--out a file outside {home}: {_PLAN_OUT_EXAMPLE}")
+    home = journal.dir.resolve()
+    files = {p.resolve() for p in (journal.path, journal.audit_path, journal.lock_path)}
+    folders = (home / "supervisor", home / "secrets")
+    if target in files or any(target == f or f in target.parents for f in folders):
+        raise PdctlError(f"-o {shown} is one of the files pdctl keeps for the deployment in {home} (its journal, audit "
+                         "log, lock, supervisor and secrets); nothing was written",
+                         hint=f"give -o/--out another file: {_PLAN_OUT_EXAMPLE}")
 
 
 _DESCRIPTOR_OUT_HINT = "-o - prints the plan (JSON) on stdout; to save it, give -o/--out a file path, e.g. -o plan.json"

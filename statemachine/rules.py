@@ -481,6 +481,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"numa_node = {role.numa_node} but GPUs {_gpu_range(role.gpus)} sit on NUMA nodes {nodes}",
                     "pick GPUs from one NUMA node",
                 )
+            elif len(nodes) > 1 and len(role.gpus) <= max(hinv.gpu_numa.count(n) for n in nodes):
+                # (a group that one node's GPUs could hold, unlike TP8 over a two-socket host's eight: no binding is rendered for it, NUMAMask= nor CPUAffinity=, while the other roles get theirs: a typo in
+                # gpu_numa dropped the binding in silence)
+                warn(
+                    f"{f}.gpus",
+                    f"GPUs {_gpu_range(role.gpus)} sit on NUMA nodes {nodes} (hosts.{role.host}.gpu_numa): the role's "
+                    "unit gets no NUMA binding, its memory and threads go anywhere, and its TP group crosses sockets",
+                    f"pick GPUs from one NUMA node, or set {f}.numa_node to bind it to one (or check gpu_numa: "
+                    "nvidia-smi topo -m)",
+                )
         if hinv and hinv.numa_cpus:
             node = role_node(role.numa_node, role.gpus, hinv.gpu_numa)
             if node is not None and hinv.numa_cpus.get(node) == "":

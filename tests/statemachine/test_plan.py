@@ -570,18 +570,23 @@ def test_cli_plan_out_never_replaces_its_spec_or_a_file_of_the_state_directory(t
     journal = sd / "journal.json"
     sd.mkdir(exist_ok=True)
     journal.write_text("{}")  # (what is there is not looked at: the path alone is refused)
+    (sd / "supervisor").mkdir()
     link = tmp_path / "alias.toml"
     link.hardlink_to(spec)
     for target, said in [(spec, f"is the spec the plan is made from ({spec})"),
                          (link, f"is the spec the plan is made from ({spec})"),
-                         (journal, f"lies in the deployment's state directory {sd.resolve()}"),
-                         (sd / "new.json", f"lies in the deployment's state directory {sd.resolve()}")]:
+                         (journal, f"is one of the files pdctl keeps for the deployment in {sd.resolve()}"),
+                         (sd / "audit.log", f"is one of the files pdctl keeps for the deployment in {sd.resolve()}"),
+                         (sd / "supervisor" / "x.json", "is one of the files pdctl keeps for the deployment in")]:
         for extra in ([], ["--json"]):
             r = _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(target), *extra)
             assert r.returncode == 1, (target, r.stdout, r.stderr)
             text = json.loads(r.stdout)["error"] if extra else r.stderr
             assert f"-o {target} {said}" in text and "nothing was written" in text, text
-    assert spec.read_bytes() == SEED.read_bytes() and journal.read_text() == "{}" and not (sd / "new.json").exists()
+    assert spec.read_bytes() == SEED.read_bytes() and journal.read_text() == "{}" and not (sd / "audit.log").exists()
+    journal.unlink()  # (another file in the state directory is the operator's: --state-dir . with -o plan.json)
+    assert _pdctl("plan", str(spec), "--state-dir", str(sd), "-o", str(sd / "plan.json")).returncode == 2
+    assert json.loads((sd / "plan.json").read_text())["spec_path"] == str(spec)
 
 
 def test_a_usage_error_under_json_answers_on_stdout_and_json_may_come_before_apply(tmp_path):

@@ -1351,3 +1351,24 @@ def test_a_sparse_attention_backend_given_as_attention_backend_points_to_its_fie
     d = seed_dict()
     d["model"]["attention_backend"] = "flashmla_sparse"
     _one(d, "model.attention_backend", "model.dsa_prefill_backend or model.dsa_decode_backend = 'flashmla_sparse'")
+
+
+def test_a_role_whose_gpus_span_numa_nodes_is_warned_of_the_binding_it_loses():
+    # (a typo in gpu_numa left prefill with no NUMAMask= / CPUAffinity= while decode kept its own, in silence)
+    d = seed_dict()
+    d["prefill"][0].pop("numa_node", None)  # (the node its GPUs sit on, as the demo leaves it)
+    d["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 1, 1, 1, 1, 1]
+    f = _one(d, "prefill[0].gpus", "sit on NUMA nodes [0, 1] (hosts.local.gpu_numa): the role's unit gets no NUMA "
+                                   "binding", "pick GPUs from one NUMA node", level="warning")
+    assert "set prefill[0].numa_node" in f.fix
+    d["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not [x for x in validate(parse_spec(d)) if x.field == "prefill[0].gpus"]
+    d["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 1, 1, 1, 1, 1]
+    d["prefill"][0]["numa_node"] = 0  # (bound by hand: the existing numa_node warning, not this one)
+    assert not [x for x in validate(parse_spec(d)) if x.field == "prefill[0].gpus"]
+    # a group no one node's GPUs can hold (TP8 over a two-socket host's eight) spans nodes as it must: no warning
+    s = seed_dict()
+    s.pop("prefill"), s.pop("decode"), s.pop("kv_transfer", None)
+    s["server"] = [{"gpus": list(range(8)), "tp": 8, "port": 30010}]
+    s["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not [x for x in validate(parse_spec(s)) if x.field == "server[0].gpus"], validate(parse_spec(s))
