@@ -518,7 +518,10 @@ def _choice_fix(value: Any, expected: str) -> str:
     msg = f"must be one of {', '.join(repr(c) for c in choices)}, not {shown}"
     if isinstance(value, str):
         lower = {c.lower(): c for c in choices}
-        near = [lower[n] for n in difflib.get_close_matches(value.lower(), list(lower), n=3, cutoff=0.6)]
+        # the choices a short value begins ("fp8": fp8_e4m3, fp8_e5m2), then the closest by spelling
+        starts = [c for c in choices if value and c.lower().startswith(value.lower() + "_")]
+        near = list(dict.fromkeys([*starts, *(lower[n] for n in difflib.get_close_matches(
+            value.lower(), list(lower), n=3, cutoff=0.6))]))[:max(3, len(starts))]
         if near:
             msg += f": did you mean {' or '.join(repr(n) for n in near)}?"
     return msg
@@ -696,6 +699,12 @@ def _empty_fields(data: Any) -> list[str]:
         section = data.get(table) if isinstance(data, dict) else None
         if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].strip():
             out.append(f"{table}.{key}: empty: leave the key out to leave it unset, or write a value")
+    hosts = data.get("hosts") if isinstance(data, dict) else None
+    for name, host in (hosts.items() if isinstance(hosts, dict) else ()):
+        # (ssh_user = "" read as unset: pdctl logged in as this machine's user, in silence)
+        for key in ("ssh_user", "address", "ssh_identity", "ssh_known_hosts"):
+            if isinstance(host, dict) and isinstance(host.get(key), str) and not host[key].strip():
+                out.append(f"hosts.{name}.{key}: empty: leave the key out to leave it unset, or write a value")
     return out
 
 

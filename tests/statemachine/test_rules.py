@@ -1372,3 +1372,22 @@ def test_a_role_whose_gpus_span_numa_nodes_is_warned_of_the_binding_it_loses():
     s["server"] = [{"gpus": list(range(8)), "tp": 8, "port": 30010}]
     s["hosts"]["local"]["gpu_numa"] = [0, 0, 0, 0, 1, 1, 1, 1]
     assert not [x for x in validate(parse_spec(s)) if x.field == "server[0].gpus"], validate(parse_spec(s))
+
+
+def test_a_short_choice_suggests_the_choices_it_begins():
+    # (kv_cache_dtype = "fp8" suggested only 'mxfp8', the closest by spelling, not fp8_e4m3 / fp8_e5m2)
+    d = seed_dict()
+    d["model"]["kv_cache_dtype"] = "fp8"
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    said = str(e.value)
+    assert "model.kv_cache_dtype: must be one of" in said and "not 'fp8': did you mean 'fp8_e5m2' or 'fp8_e4m3'" in said
+
+
+def test_an_empty_ssh_user_is_refused_naming_the_field():
+    # (ssh_user = "" validated and was read as unset: pdctl logged in as this machine's user, in silence)
+    d = seed_dict()
+    d["hosts"]["local"]["ssh_user"] = " "
+    with pytest.raises(SpecError, match=r"hosts\.local\.ssh_user: empty: leave the key out to leave it unset, or "
+                                        r"write a value"):
+        parse_spec(d)
