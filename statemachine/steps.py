@@ -1307,7 +1307,10 @@ class KVLinkVerified(Step):
                 evidence["pairs"].append(
                     {"prefill": p.name, "decode": d.name, "route": body, "bootstrap_room": room, "decode_text": dtext[:120], "latency_s": round(latency, 3), "counters": after}
                 )
-        return Proof("KV link proven: bootstrap reached from decode, paired request completed", tuple(checks), evidence)
+        n = len(evidence["pairs"])
+        return Proof("KV link proven: bootstrap reached from decode, paired request completed" if n == 1 else
+                     f"KV link proven for {n} prefill-decode pairs: bootstrap reached from each decode, each paired "
+                     "request completed", tuple(checks), evidence)
 
 
 # --- router --------------------------------------------------------------------------------------
