@@ -139,6 +139,18 @@ def _cache_dir(dep: Deployment) -> str:
     return os.path.expanduser("~/.cache/sglang")
 
 
+def _server_cache_dir(dep: Deployment) -> str | None:
+    """The ``SGLANG_CACHE_DIR`` a server unit carries: ``engine.cache_dir``; the system scope's
+    ``/var/cache/sglang``; with pdctl's kernels, the folder ``kernels_built`` writes them to (:func:`_cache_dir`).
+    Else None, unset: SGLang's own default, ``~/.cache/sglang`` of the server's user on its host (SGLang 0.5.23
+    ``srt/environ.py``, ``SGLANG_CACHE_DIR = EnvStr(os.path.expanduser("~/.cache/sglang"))``). pdctl wrote this
+    machine's user's home there, which over SSH is another user's (or no) folder on the host, and which made the
+    units differ, restarting every server, with whoever ran pdctl (``sudo`` against ``sudo -i``)."""
+    if dep.engine.cache_dir or scope_for(dep) == "system" or dep.kernels.enabled:
+        return _cache_dir(dep)
+    return None
+
+
 def _bootstrap_port(dep: Deployment, kind: str, role: ServerRole) -> int | None:
     """The ``--disaggregation-bootstrap-port`` a server gets: a prefill server's own (SGLang's 8998 unless set); a
     decode server's only where its role sets one. On decode the flag is only the fallback for a request whose
@@ -199,7 +211,7 @@ def _server_launch(dep: Deployment, kind: str, role: ServerRole) -> ServerLaunch
         gpu_ids=tuple(role.gpus),
         numa_node=node,
         numa_cpus=cpus,
-        cache_dir=_cache_dir(dep),
+        cache_dir=_server_cache_dir(dep),
         env={**dep.engine.env, **kernels_env(dep, kind), **role.env},
         extra_args=tuple(role.extra_args),
         sparse_attention_prefix=facts.sparse_attention_prefix,  # type: ignore[arg-type]

@@ -384,7 +384,9 @@ class Engine(_Model):
     launcher: Literal["sglang", "sim"] = "sglang"
     python: str | None = None
     cache_dir: str | None = None
-    """``SGLANG_CACHE_DIR`` (also where kernels are built); default per service scope."""
+    """``SGLANG_CACHE_DIR`` (also where kernels are built). Unset: ``/var/cache/sglang`` under systemd-system;
+    in the user and process scopes SGLang's own default, the server user's ``~/.cache/sglang`` on its host (with
+    ``[kernels]`` enabled, pdctl's user's, where the kernels are built)."""
     env: dict[EnvName, str] = Field(default_factory=dict)
 
 

@@ -354,3 +354,28 @@ def test_cpu_lists_systemd_would_ignore_are_refused_before_a_unit_is_written(tex
     with pytest.raises(ValueError, match="is not a CPU list"):
         render_service(ServiceSpec(name="pdctl-x-p.service", description="x", argv=("/bin/true",), deployment="x",
                                    role="p", cpu_affinity=text))
+
+
+def test_a_user_or_process_scope_server_gets_sglangs_own_cache_dir_not_this_machines_home(monkeypatch):
+    # (SGLANG_CACHE_DIR was this machine's user's ~/.cache/sglang: over SSH another user's folder on the host, and a
+    # different HOME here, sudo against sudo -i, rendered other units and restarted every server)
+    import tomllib
+
+    from pdctl.statemachine.launch import launch_for_role
+    from pdctl.statemachine.spec import parse_spec
+
+    d = tomllib.loads((EXAMPLES / "seed.toml").read_text())
+    d["service_manager"] = "process"
+    d["engine"].pop("cache_dir", None)
+    seen = set()
+    for home in ("/home/alice", "/root"):
+        monkeypatch.setenv("HOME", home)
+        s = launch_for_role(parse_spec(d), "prefill")
+        assert s.cache_dir is None and "SGLANG_CACHE_DIR" not in server_env(s), s.cache_dir
+        seen.add(repr(s))
+    assert len(seen) == 1  # the same server whoever renders it
+    d["engine"]["cache_dir"] = "/srv/cache"
+    assert launch_for_role(parse_spec(d), "prefill").cache_dir == "/srv/cache"
+    d["engine"].pop("cache_dir")
+    d["service_manager"] = "systemd-system"
+    assert launch_for_role(parse_spec(d), "prefill").cache_dir == "/var/cache/sglang"
