@@ -543,8 +543,10 @@ def gpus_held_elsewhere(ctx: Context, own_units: set[str]) -> list[GpuHeld] | No
 
     def starts(r: RoleTopology) -> bool:  # (a role kept as it runs loads nothing: what shares its GPUs is not this apply's)
         unit = ctx.unit_of[r.name]
-        return r.name in ctx.restart or ctx.definition_changed(unit) or ctx.manager.status(unit).state not in (
-            "active", "activating")
+        st = ctx.manager.status(unit)
+        # (one running unsupervised, its supervisor gone, is restarted under a new one: plan said "nothing asked")
+        return (r.name in ctx.restart or ctx.definition_changed(unit) or st.state not in ("active", "activating")
+                or not st.supervised)
 
     wanted = {g: r for r in ctx.topology.roles if starts(r) for g in r.gpus}
     if not wanted:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from pdctl.statemachine import service
 from pdctl.statemachine.errors import HostError
 from pdctl.statemachine.hosts import LocalHost
 from pdctl.statemachine.inventory import gpu_processes, parse_compute_apps
@@ -122,6 +125,15 @@ def test_a_process_on_the_gpu_of_a_role_the_apply_keeps_refuses_nothing(demo, sm
         spec = demo.write(changed, "ctx.toml")
         r = demo.cli("apply", str(spec))
         assert r.returncode == 3 and f"decode needs GPU 4 at decode_up, used by PID {foreign.pid}" in r.stderr, r.stderr
+        # decode running unsupervised (its supervisor killed): apply restarts it, so plan asks about its GPUs too
+        # (it said "gpus_held": [], nothing asked, and apply then refused)
+        unit = service.unit_names(service.topology_of(demo.load().deployment))["decode"]
+        os.kill(int((demo.state / "supervisor" / "services" / unit / "watchdog.pid").read_text()), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and demo.status()["roles"][1]["supervised"]:
+            time.sleep(0.2)
+        held = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["gpus_held"]
+        assert [(g["gpu"], g["role"], g["pid"]) for g in held] == [(4, "decode", foreign.pid)], held
     finally:
         foreign.kill()
         foreign.wait(10)
