@@ -813,6 +813,8 @@ def units_cmd(
 
 
 _PLAN_OUT_EXAMPLE = "a file path, e.g. -o plan.json (or -o - for stdout)"
+
+
 def _refuse_own_file(out: Path, shown: str | None, spec: Path, journal) -> None:  # noqa: ANN001
     """Raise :class:`PdctlError` where ``plan -o`` would replace the spec the plan is made from (a plan saved over
     its spec names itself as the spec to apply: both were lost), or a file pdctl keeps in the deployment's state

@@ -482,8 +482,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "pick GPUs from one NUMA node",
                 )
             elif len(nodes) > 1 and len(role.gpus) <= max(hinv.gpu_numa.count(n) for n in nodes):
-                # (a group that one node's GPUs could hold, unlike TP8 over a two-socket host's eight: no binding is rendered for it, NUMAMask= nor CPUAffinity=, while the other roles get theirs: a typo in
-                # gpu_numa dropped the binding in silence)
+                # (a group that one node's GPUs could hold, unlike TP8 over a two-socket host's eight: no binding is
+                # rendered for it, NUMAMask= nor CPUAffinity=, while the other roles get theirs: a typo in gpu_numa
+                # dropped the binding in silence)
                 warn(
                     f"{f}.gpus",
                     f"GPUs {_gpu_range(role.gpus)} sit on NUMA nodes {nodes} (hosts.{role.host}.gpu_numa): the role's "

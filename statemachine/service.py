@@ -1326,16 +1326,11 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
             raise
 
 
-def recorded_service_manager(state) -> str | None:  # noqa: ANN001
-    """The ``service_manager`` the journal's unfinished target, else its recorded deployment, was applied with (None:
-    nothing recorded)."""
-    topo = state.target or state.deployed if state is not None else None
-    return None if topo is None else topo.deployment.get("service_manager")
-
-
 def as_recorded_manager(dep: Deployment, state) -> Deployment:  # noqa: ANN001
-    """*dep* with the service manager the journal records it applied with (:func:`recorded_service_manager`) where the
+    """*dep* with the service manager the journal records it applied with (``steps.recorded_service_manager``) where the
     spec now names another: ``down`` (and ``status``) then reach the units that run, not an empty other manager."""
+    from pdctl.statemachine.steps import recorded_service_manager
+
     was = recorded_service_manager(state)
     return dep if was in (None, dep.service_manager) else dep.model_copy(update={"service_manager": was})
 

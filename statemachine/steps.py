@@ -785,6 +785,13 @@ def unit_files_unrenderable(ctx: Context) -> None:
         raise refusal
 
 
+def recorded_service_manager(state: Any) -> str | None:
+    """The ``service_manager`` the journal's unfinished target, else its recorded deployment, was applied with (None:
+    nothing recorded)."""
+    topo = (state.target or state.deployed) if state is not None else None
+    return None if topo is None else topo.deployment.get("service_manager")
+
+
 def service_manager_changed(ctx: Context) -> None:
     """Before anything starts or stops: the journal must not record the deployment applied under another
     ``service_manager`` than the spec names. pdctl does not move running units between service managers: the new one
@@ -794,9 +801,7 @@ def service_manager_changed(ctx: Context) -> None:
     recorded one)."""
     from pdctl.statemachine.machine import role_steps
 
-    state = ctx.journal_state
-    topo = (state.target or state.deployed) if state is not None else None
-    was = None if topo is None else topo.deployment.get("service_manager")
+    was = recorded_service_manager(ctx.journal_state)
     if was in (None, ctx.dep.service_manager):
         return
     raise ApplyFailed(
@@ -1073,14 +1078,15 @@ class ServersUp(Step):
             # unit whose supervisor is gone is never waited for (nothing would mark it active): it is restarted.
             recorded = ctx.journal_state.units.get(unit)
             fp = ctx.fingerprint(unit)
+            serves = self._serves_as_specified(ctx, r)
             if running and recorded == fp and ctx.file_edited(unit):  # (install_units below writes it back)
                 ctx.say(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back"
-                        + ("" if self._serves_as_specified(ctx, r) else " and restarting it: it does not serve as "
-                           "specified"), step=self.name, unit=unit)
+                        + ("" if serves else " and restarting it: it does not serve as specified"),
+                        step=self.name, unit=unit)
             if (recorded or "").startswith(RESTARTING) and running_definition(recorded, st.main_pid) == fp:
                 recorded = STARTED + fp  # (file rewritten for another spec, the process runs this one: install_units)
             ours = recorded == STARTED + fp and st.supervised
-            stale = not self._serves_as_specified(ctx, r) or (
+            stale = not serves or (
                 not ours and (r.name in ctx.restart or ctx.definition_changed(unit)))
             loading = st.state == "activating" and st.supervised and (
                 ours or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
