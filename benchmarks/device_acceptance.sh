@@ -2,6 +2,9 @@
 # One device-machine call for the GPU acceptance runs that are not the kernels' own benchmark:
 # the kernels_built step of examples/dsv32.toml, then text captures of the console's GPU/NUMA panel.
 # Usage (device tool, repo root, .whl carried): bash benchmarks/device_acceptance.sh [kernels|smi]
+# .whl holds, besides sgl-flash-mla (not installed here), what pdctl imports that the machine's image lacks (KINDS.md's
+# list): pydantic, pydantic-core, annotated-types, typing-inspection; for the panel captures also textual, platformdirs,
+# mdit-py-plugins, linkify-it-py, uc-micro-py, markdown-it-py (the versions of the local .venv, cp312 manylinux wheels).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
