@@ -14,6 +14,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from pdctl.console.telemetry import format_cpulist
+from pdctl.console.views import state_word
 from pdctl.statemachine.plan import Plan, ResourceChange, format_value
 from pdctl.statemachine.topology import Topology, is_wildcard, url_host
 
@@ -27,7 +28,7 @@ def _svc(services: Mapping[str, Any], name: str) -> Text:
     if sv is None:
         return Text("")
     style = {"active": "green", "failed": "bold red", "activating": "yellow"}.get(sv.state, "dim")
-    t = Text(sv.state, style=style)
+    t = Text(state_word(sv.state, getattr(sv, "sub_state", "")), style=style)
     if sv.main_pid:
         t.append(f" {sv.main_pid}", style="dim")
     if sv.restarts:

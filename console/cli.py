@@ -575,11 +575,10 @@ def _applying_text(st: dict) -> str:
 
 
 def _state_word(unit: dict) -> str:
-    """A unit's state, and for a failed one why (the process backend's sub-state, systemd's Result)."""
-    why = unit.get("sub_state") or ""
-    if unit["state"] == "failed" and why not in ("", "failed", "dead"):
-        return f"{unit['state']} ({why})"
-    return unit["state"]
+    """A unit's state, and for a failed one why, for one waiting to restart that it does (:func:`state_word`)."""
+    from pdctl.console.views import state_word
+
+    return state_word(unit["state"], unit.get("sub_state"))
 
 
 _START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why (the "

@@ -14,7 +14,7 @@ from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 from pdctl.statemachine.topology import Topology
 
-__all__ = ["StepView", "expected_states", "fmt_duration", "step_views", "unit_names"]
+__all__ = ["StepView", "expected_states", "fmt_duration", "state_word", "step_views", "unit_names"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,19 @@ def fmt_duration(s: float | None) -> str:
     if s < 3600:
         return f"{int(s // 60)}m{int(s % 60):02d}s"
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def state_word(state: str, sub_state: str | None) -> str:
+    """A unit's state as an operator reads it: ``failed (why)`` for a failed one (systemd's ``Result=``, the
+    process supervisor's sub-state: ``exit-code``, ``signal``, ``start-limit-hit``…), ``activating (auto-restart)``
+    while it waits to be restarted after a crash (systemd's ``SubState=auto-restart``, the supervisor's own), else the
+    state alone (``active``, ``inactive``, ``activating`` while it starts)."""
+    why = sub_state or ""
+    if state == "failed" and why not in ("", "failed", "dead"):
+        return f"{state} ({why})"
+    if state == "activating" and why == "auto-restart":
+        return f"{state} ({why})"
+    return state
 
 
 def unit_names(topo: Topology) -> dict[str, str]:

@@ -120,3 +120,30 @@ def test_the_topology_panel_says_a_kept_role_and_one_removed_already_as_the_plan
     text = shown(make_plan(deployed, desired, not_running={"decode-1": NOT_INSTALLED}))
     assert "- decode-1: removed already, nothing left to stop" in text and "decode-1: stopped and removed" not in text, text
     assert "decode-1: stopped and removed" in shown(make_plan(deployed, desired))
+
+
+def test_the_topology_panel_says_why_a_unit_is_failed_or_waiting_to_restart():
+    # the panel showed "failed" for a unit past its start limit and "activating" for a crashed server waiting its
+    # RestartSec, where `pdctl status` said why
+    from rich.console import Console
+
+    from pdctl.console._topology import render_topology
+    from pdctl.console.views import state_word
+    from pdctl.statemachine.spec import parse_spec
+    from pdctl.statemachine.topology import topology_of
+    from pdctl.units import ServiceStatus
+
+    from ..statemachine.specs import seed_dict
+
+    topo = topology_of(parse_spec(seed_dict()))
+    services = {"prefill": ServiceStatus(name="p", state="activating", restarts=1, sub_state="auto-restart"),
+                "decode": ServiceStatus(name="d", state="failed", restarts=5, sub_state="start-limit-hit")}
+    out = io.StringIO()
+    Console(file=out, width=400).print(render_topology(topo, services=services))
+    rows = {x.split()[0]: x for x in out.getvalue().splitlines() if x.split()[:1] in (["prefill"], ["decode"])}
+    assert "activating (auto-restart) ↻1" in rows["prefill"], rows
+    assert "failed (start-limit-hit) ↻5" in rows["decode"], rows
+    # starting, or a failure with nothing more to say: the state alone
+    assert state_word("activating", "start") == "activating"
+    assert state_word("failed", "failed") == "failed"
+    assert state_word("active", "running") == "active"

@@ -577,6 +577,7 @@ def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
     dec = next(r for r in st["roles"] if r["name"] == "decode")
     os.kill(dec["main_pid"], signal.SIGKILL)
     seen_down = False
+    waiting_line = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         st = demo.status()
@@ -584,12 +585,17 @@ def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
         if not d["healthy"]:
             seen_down = True
             assert not st["healthy"]
+            if waiting_line is None and (d["state"], d["sub_state"]) == ("activating", "auto-restart"):
+                # (its restart waits RestartSec=10 s: the status text says why it is not up, not only "activating")
+                out = demo.cli("status", str(demo.spec)).stdout
+                waiting_line = next(x for x in out.splitlines() if x.split()[:1] == ["decode"])
         elif seen_down and d["main_pid"] != dec["main_pid"]:
             break
         time.sleep(0.1)
     else:
         pytest.fail(f"decode did not come back: {st}")
     assert seen_down
+    assert waiting_line is not None and waiting_line.split()[1:3] == ["activating", "(auto-restart)"], waiting_line
     assert d["restarts"] >= 1
     # The router sees it healthy again (bounded).
     deadline = time.monotonic() + 60
