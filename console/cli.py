@@ -575,7 +575,7 @@ def _applying_text(st: dict) -> str:
 
 
 def _state_word(unit: dict) -> str:
-    """A unit's state, and for a failed one why, for one waiting to restart that it does (:func:`state_word`)."""
+    """A unit's state as :func:`~pdctl.console.views.state_word` words it (why it failed; a wait to restart)."""
     from pdctl.console.views import state_word
 
     return state_word(unit["state"], unit.get("sub_state"))
