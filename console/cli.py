@@ -644,11 +644,19 @@ def _status_text(st: dict) -> str:
         lines.append(
             f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
             + (_from_another_process(rt) if rt.get("readiness") and not rt.get("port_owned", True) else "")
-            + f"  restarts {rt.get('restarts', 0)}  {rt['exposure']}  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
+            + f"  restarts {rt.get('restarts', 0)}  "
+            + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + "  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")
         )
+        if rt.get("exposure_differs"):  # (where it listens is what the network sees; the topology's is the intent)
+            public = [a for a in rt["listening"] if a.startswith(("0.0.0.0:", "[::]:"))]
+            lines.append(f"  {'':<10} it listens on {', '.join(rt['listening'])}"
+                         + (" (every interface)" if public else "")
+                         + f", not on {rt['exposure']} as the deployment says: "
+                         + ("the unfinished apply has not restarted it yet; applying its spec again restarts it there"
+                            if st.get("applying") else "`pdctl apply` restarts it there"))
         if rt.get("mismatches"):  # (what router_exposed proves, no longer so)
             lasting = bool(rt.get("mismatches_lasting"))
             lines.append(f"  {'':<10} its workers differ from the deployment: {'; '.join(rt['mismatches'])} ["

@@ -8,6 +8,7 @@ The headless CLI and the Textual console are thin shells over them.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import time
 from collections.abc import Sequence
@@ -936,7 +937,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     shape), else None;
     the router's ``mismatches``: how what it registers (``/workers``) differs from the topology, in words, as
     ``router_exposed`` proves it (a router left in front of another topology, a worker missing, swapped or not
-    healthy), and ``mismatches_lasting`` those of them that would stay with every worker healthy;
+    healthy), and ``mismatches_lasting`` those of them that would stay with every worker healthy; its ``listening``:
+    the ``host:port`` addresses its unit's processes listen on (``exposure`` is the topology's), and
+    ``exposure_differs`` whether those are not the topology's (a router an interrupted apply has not restarted yet,
+    still bound where the recorded deployment said: not healthy);
     ``unfinished_down``: where the audit log's last apply or down event is a down that did not finish (``event``
     down-interrupted, down-failed with its ``error``, or down-started when no lock is held: killed) while something
     of the deployment is still recorded or running, that record's event, ts, pid and error; else None;
@@ -1002,6 +1006,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
         router["port_held_for"], router["port_applied_elsewhere"] = (None, None) if router["port_owned"] or not \
             router["readiness"] else _port_holder(host, topo.router.port, found, set(names.values()))
+        # where its own process tree listens: after an apply interrupted before it restarted the router, the one that
+        # runs is the recorded deployment's, bound where that one said (e.g. every interface while the target says
+        # loopback), and status says so rather than the target's address
+        router["listening"], router["exposure_differs"] = _router_listening(host, topo.router, router["main_pid"], found)
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
@@ -1091,7 +1099,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     all_healthy = (
         all(r["healthy"] for r in roles)
         and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]
-                                and not router["mismatches"]))
+                                and not router["mismatches"] and not router["exposure_differs"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
         and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
     )
@@ -1142,6 +1150,33 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
+
+
+def _router_listening(host, rt, main_pid: int | None, found) -> tuple[list[str], bool]:  # noqa: ANN001
+    """``(addresses, differs)``: the ``host:port`` addresses (sorted; ``0.0.0.0:30001`` = every interface) that the
+    router unit's process tree (*main_pid* and its descendants) listens on at *rt*'s port, as *found*
+    (:func:`ports.listeners`) read them, and whether they are not where *rt* says it binds: a wildcard spec host
+    answered only on specific addresses, or an IP literal answered on a wildcard or another address. Empty and False
+    where nothing of the unit listens or its addresses cannot be read; a host name in the spec (resolved by smg when
+    it binds) is never called different."""
+    from pdctl.statemachine import ports
+    from pdctl.statemachine.topology import is_wildcard, url_host
+
+    if main_pid is None:
+        return [], False
+    addrs = set()
+    for lst in found:
+        if lst.port == rt.port and lst.pid is not None and lst.addresses is not None \
+                and ports.is_descendant(host, lst.pid, main_pid):
+            addrs |= set(lst.addresses)
+    if not addrs:
+        return [], False
+    bind = ports.bind_address(rt.host)
+    if bind is not None:
+        differs = addrs != {ipaddress.ip_address(bind)}
+    else:
+        differs = is_wildcard(rt.host) and not any(a.is_unspecified for a in addrs)
+    return sorted(f"{url_host(str(a))}:{rt.port}" for a in addrs), differs
 
 
 def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None,  # noqa: ANN001

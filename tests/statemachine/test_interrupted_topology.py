@@ -451,3 +451,31 @@ def test_status_names_the_single_servers_router_left_in_front_of_an_interrupted_
     st = demo.status()
     assert st["healthy"] and st["router"]["mismatches"] == [] == st["router"]["mismatches_lasting"], st["router"]
     assert sorted(w["worker_type"] for w in st["router"]["workers"]) == ["decode", "prefill"], st["router"]
+
+
+def test_status_says_where_the_router_listens_when_an_interrupted_apply_has_not_restarted_it(demo):
+    # (a fresh user moved the router from every interface to loopback, the apply was killed before router_exposed: status
+    # printed the target's loopback address while the recorded router still listened on every interface)
+    demo.apply()
+    moved = copy.deepcopy(demo.dict)
+    moved["router"]["host"] = "127.0.0.2"  # (another loopback address: these tests bind no wildcard)
+    spec = demo.write(moved, "moved.toml")
+    confirmed = service.plan_spec(demo.load(spec))
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(spec, confirm=confirmed.plan_id, sink=_InterruptAt("step_started", step="router_exposed"))
+    st = json.loads(demo.cli("status", str(spec), "--json").stdout)
+    rt = st["router"]
+    port = demo.ports["router"]
+    assert rt["exposure"] == f"127.0.0.2:{port}", rt
+    assert rt["listening"] == [f"127.0.0.1:{port}"] and rt["exposure_differs"], rt
+    assert not st["healthy"]
+    text = demo.cli("status", str(spec)).stdout
+    assert (f"it listens on 127.0.0.1:{port}, not on 127.0.0.2:{port} as the deployment says: the unfinished apply has "
+            "not restarted it yet" in text), text
+    # applying it again restarts the router where the spec says, and status says it listens there
+    plan = json.loads(demo.cli("plan", str(spec), "--json").stdout)
+    r = demo.cli("apply", str(spec), "--confirm-topology", plan["plan_id"])
+    assert r.returncode == 0, r.stderr
+    st = service.status(demo.load(spec))
+    assert st["healthy"] and st["router"]["listening"] == [f"127.0.0.2:{port}"], st["router"]
+    assert not st["router"]["exposure_differs"]

@@ -52,3 +52,27 @@ def test_a_holder_on_another_specific_address_is_not_in_the_way_a_wildcard_or_th
     # what each spec address binds: one normalised address, or None (every address, or not known for sure)
     assert [bind_address(h) for h in ("127.0.0.1", "::ffff:127.0.0.2", "[::1]", "0.0.0.0", "::", "", "localhost")] \
         == ["127.0.0.1", "127.0.0.2", "::1", None, None, None, None]
+
+
+def test_router_listening_compares_the_addresses_its_process_tree_binds_with_the_spec():
+    import ipaddress
+
+    from pdctl.statemachine.ports import Listener
+    from pdctl.statemachine.service import _router_listening
+    from pdctl.statemachine.topology import RouterTopology
+
+    def rt(host):  # noqa: ANN001, ANN202
+        return RouterTopology(impl="smg", on="local", host=host, port=30001, prefill=(), decode=(), regular=(), settings={})
+
+    def at(*addrs, pid=7):  # noqa: ANN002, ANN202
+        return [Listener(30001, pid, "smg", frozenset(ipaddress.ip_address(a) for a in addrs))]
+
+    host = object()  # (a listener whose PID is the unit's main PID is its own: no process tree read)
+    assert _router_listening(host, rt("127.0.0.1"), 7, at("0.0.0.0")) == (["0.0.0.0:30001"], True)
+    assert _router_listening(host, rt("127.0.0.1"), 7, at("127.0.0.1")) == (["127.0.0.1:30001"], False)
+    assert _router_listening(host, rt("0.0.0.0"), 7, at("0.0.0.0")) == (["0.0.0.0:30001"], False)
+    assert _router_listening(host, rt("::"), 7, at("::")) == (["[::]:30001"], False)
+    assert _router_listening(host, rt("0.0.0.0"), 7, at("127.0.0.1")) == (["127.0.0.1:30001"], True)
+    assert _router_listening(host, rt("localhost"), 7, at("0.0.0.0")) == (["0.0.0.0:30001"], False)  # (a host name)
+    assert _router_listening(host, rt("127.0.0.1"), None, at("0.0.0.0")) == ([], False)  # (no unit process)
+    assert _router_listening(host, rt("127.0.0.1"), 7, [Listener(30001, 7, "smg", None)]) == ([], False)
