@@ -746,15 +746,35 @@ def apply(
                     plan_id=saved_plan.plan_id,
                     hint="make a new plan from the current spec",
                 )
-            if (saved_plan.plan_id, saved_plan.changes, saved_plan.topology_changes) != (
-                    plan.plan_id, plan.changes, plan.topology_changes):
+            # the changes its two topologies make, as `plan -o` wrote them: with what an unfinished apply left
+            # running noted on them (kept, not running, runs otherwise) when it was made while one was, without when
+            # not. A plan saved before an apply that was then interrupted is what was reviewed: the notes are added
+            # now, as they are to any plan of the deployment
+            pure = make_plan(base, desired, from_serial=state.serial)
+            held = (saved_plan.plan_id, saved_plan.changes, saved_plan.topology_changes)
+            noted = any(c.kept or c.not_running or c.runs or c.kept_restarts for c in saved_plan.changes)
+            if held in ((plan.plan_id, plan.changes, plan.topology_changes),
+                        (pure.plan_id, pure.changes, pure.topology_changes)):
+                pass
+            elif noted and _without_notes(saved_plan) == _without_notes(plan):
+                # made while an apply was unfinished, and what that one left running has changed since (another
+                # apply went further, a unit stopped): the changes are the same, their notes no longer hold
+                raise StalePlanError(
+                    f"saved plan {saved_plan.plan_id} was made while an apply was unfinished, and what runs has "
+                    f"changed since (made at journal serial {saved_plan.from_serial}, now {state.serial}); nothing "
+                    "was changed",
+                    plan_id=saved_plan.plan_id,
+                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
+                )
+            else:
                 # the topologies are the recorded and the specified ones, yet the changes (their classes, and so
                 # whether a confirmation is needed) are not those the two make: the file was edited after `plan -o`
                 raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} does not hold the changes its two topologies make (the file was "
-                    "edited after `pdctl plan -o`?); nothing was changed",
+                    f"saved plan {saved_plan.plan_id} does not hold the changes its two topologies make (the file "
+                    "was edited after `pdctl plan -o`?); nothing was changed",
                     plan_id=saved_plan.plan_id,
-                    hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that file unedited",
+                    hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that file "
+                         "unedited",
                 )
             # what was reviewed, as computed here: whether it needs a confirmation is never read from the file
         if expect_plan is not None and expect_plan != plan.plan_id:
@@ -1150,6 +1170,14 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
+
+
+def _without_notes(plan: Plan) -> tuple:
+    """*plan*'s id, topology changes and changes, each change without what an unfinished apply left running noted on
+    it (:attr:`~pdctl.statemachine.plan.ResourceChange.kept`, ``not_running``, ``runs``, ``kept_restarts``; its
+    attribute changes and class, which ``runs`` makes against what runs, left out too): the resources the two
+    topologies alone change, and how."""
+    return plan.plan_id, plan.topology_changes, [(c.address, c.action) for c in plan.changes]
 
 
 def _router_listening(host, rt, main_pid: int | None, found) -> tuple[list[str], bool]:  # noqa: ANN001

@@ -479,3 +479,30 @@ def test_status_says_where_the_router_listens_when_an_interrupted_apply_has_not_
     st = service.status(demo.load(spec))
     assert st["healthy"] and st["router"]["listening"] == [f"127.0.0.2:{port}"], st["router"]
     assert not st["router"]["exposure_differs"]
+
+
+def test_a_saved_plan_whose_apply_was_interrupted_applies_again_and_one_saved_meanwhile_goes_stale(demo):
+    # (a fresh user's `pdctl apply plan.json`, interrupted, then the same file again: refused as "the file was edited
+    # after `pdctl plan -o`?", since the plan made now notes prefill as kept, which the file did not)
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 65536
+    changed = demo.write(d, "ctx65.toml")
+    saved, meanwhile = demo.tmp / "ctx65.plan.json", demo.tmp / "meanwhile.plan.json"
+    assert demo.cli("plan", str(changed), "-o", str(saved)).returncode == 2
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(changed, saved_plan=service.load_saved_plan(saved), sink=_InterruptAt("step_verified", step="prefill_up"))
+    # saved while that apply is unfinished: prefill noted as kept
+    assert demo.cli("plan", str(changed), "-o", str(meanwhile)).returncode == 2
+    assert any(c["kept"] for c in json.loads(meanwhile.read_text())["changes"])
+    with pytest.raises(KeyboardInterrupt):  # (the first file again, and again interrupted: once decode is proven)
+        demo.apply(changed, saved_plan=service.load_saved_plan(saved), sink=_InterruptAt("step_verified", step="decode_up"))
+    r = demo.cli("apply", str(meanwhile))  # (what runs changed since it was made: decode is kept now too)
+    assert r.returncode == 2 and "was made while an apply was unfinished, and what runs has changed since" in r.stderr, \
+        r.stderr
+    r = demo.cli("apply", str(saved))
+    assert r.returncode == 0, r.stderr
+    st = demo.status()
+    assert st["healthy"] and not st["applying"], st
+    assert _server_info(demo.ports["prefill"])["context_length"] == 65536 == \
+        _server_info(demo.ports["decode"])["context_length"]
