@@ -1378,6 +1378,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     with j.lock("down"):
         state = j.read()
         refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
+        _journal_writable(j, state)  # (a journal it cannot write after the stops: "edited outside pdctl" units after)
         j.audit("down-started", serial=state.serial)
         try:
             return _down_locked(loaded, j, state, sink, manager)
@@ -1387,6 +1388,23 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         except Exception as exc:
             j.audit("down-failed", error=str(exc))
             raise
+
+
+def _journal_writable(j: Journal, state) -> None:  # noqa: ANN001
+    """Write *state* back as it is (the next serial) before ``down`` stops anything: a state directory this user cannot
+    write (permissions, an immutable flag, a read-only or full file system) then stops nothing, rather than every unit
+    stopped and removed and the journal still recording them deployed. Raises :class:`PdctlError` naming the journal,
+    the OS's reason and the fix."""
+    from pdctl.statemachine.errors import PdctlError
+
+    try:
+        j.write(state)
+    except OSError as exc:
+        raise PdctlError(
+            f"cannot write the journal {j.path}: {exc.strerror or exc}; nothing was stopped",
+            hint=f"make {j.dir} writable by this user (its permissions; `lsattr -d {j.dir}` shows an immutable flag, "
+                 "which `chattr -i` clears; free space on a full disk), then run down again",
+        ) from exc
 
 
 def as_recorded_manager(dep: Deployment, state) -> Deployment:  # noqa: ANN001

@@ -742,6 +742,28 @@ def test_down_says_which_units_it_stopped_and_which_were_not_running(demo):
     assert lines[-1] == f"removed 3 unit(s) of {loaded.deployment.name!r}", lines
 
 
+def test_down_that_cannot_write_its_journal_stops_nothing(demo, monkeypatch):
+    # (a state directory made immutable, chattr +i: down stopped and removed every unit, then failed to write the
+    # journal, naming its temp file; status then called the units "edited outside pdctl")
+    from pdctl.statemachine.errors import PdctlError
+
+    demo.apply()
+    before = sorted(demo.pids())
+
+    def refused(self, state):  # noqa: ANN001, ANN202 (as atomic_write fails in a folder it cannot create files in)
+        raise PermissionError(1, "Operation not permitted", str(self.dir / f".journal.json.{os.getpid()}.tmp"))
+
+    monkeypatch.setattr(Journal, "write", refused)
+    with pytest.raises(PdctlError) as e:
+        service.down(demo.load())
+    assert f"cannot write the journal {demo.load().journal.path}: Operation not permitted; nothing was stopped" \
+        in str(e.value) and "chattr -i" in e.value.hint, (str(e.value), e.value.hint)
+    monkeypatch.undo()
+    assert sorted(demo.pids()) == before
+    st = demo.status()
+    assert st["healthy"] and st["deployed"], st
+
+
 def test_apply_waits_for_its_own_previous_server_still_exiting_instead_of_calling_it_foreign(demo):
     # A server its unit is still stopping (slow to exit on SIGTERM, or an interrupted apply's restart) holds the port:
     # it was refused as "ports taken by processes outside this deployment ... (another deployment?)"
