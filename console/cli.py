@@ -645,7 +645,7 @@ def _status_text(st: dict) -> str:
             f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
             + (_from_another_process(rt) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  "
-            + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + "  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
+            + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + f"  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")

@@ -723,6 +723,22 @@ def test_down_with_nothing_installed_leaves_a_stranger_on_its_ports_alone_and_su
         assert demo.load().journal.audit_records()[-1]["event"] == "down-done"
 
 
+def test_status_text_of_a_healthy_deployment_names_each_role_and_the_routers_workers(demo):
+    # (a change to the router's line printed "workers: {_router_workers_text(...)}" as it stood, no test reading it)
+    demo.apply()
+    st = demo.status()
+    text = demo.cli("status", str(demo.spec)).stdout
+    lines = text.splitlines()
+    assert lines[0] == f"deployment {demo.name} (pd): healthy, reached parsers_configured", text
+    pids = {r["name"]: r["main_pid"] for r in st["roles"]}
+    for role in ("prefill", "decode"):
+        assert any(line.split()[:4] == [role, "active", "pid", str(pids[role])] and "health 200" in line
+                   and line.endswith(f"http://127.0.0.1:{demo.ports[role]}") for line in lines), text
+    router = next(line for line in lines if line.split()[:1] == ["router"])
+    assert router.endswith(f"readiness 200  restarts 0  127.0.0.1:{demo.ports['router']}  workers: prefill 1, decode 1"), \
+        router
+
+
 def test_down_says_which_units_it_stopped_and_which_were_not_running(demo):
     # (it said "stopped and removed 3 unit(s)" of a deployment whose decode was not running)
     from pdctl.statemachine import launch

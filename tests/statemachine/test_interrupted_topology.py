@@ -472,6 +472,8 @@ def test_status_says_where_the_router_listens_when_an_interrupted_apply_has_not_
     text = demo.cli("status", str(spec)).stdout
     assert (f"it listens on 127.0.0.1:{port}, not on 127.0.0.2:{port} as the deployment says: the unfinished apply has "
             "not restarted it yet" in text), text
+    # (the router's line says where it listens; the target's address answers nothing)
+    assert f"readiness down  restarts 0  127.0.0.1:{port}  workers: prefill ?, decode ?" in text, text
     # applying it again restarts the router where the spec says, and status says it listens there
     plan = json.loads(demo.cli("plan", str(spec), "--json").stdout)
     r = demo.cli("apply", str(spec), "--confirm-topology", plan["plan_id"])
