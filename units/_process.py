@@ -30,7 +30,8 @@ whose environment carries ``PDCTL_UNIT=<unit name>`` (set for every role; a proc
 title, as smg does, may leave its environ unreadable) — never a group whose id was reused. State lives in
 ``STATE_DIR/services/<unit name>/``: ``unit.json`` (marked ``"managed_by": "pdctl"``), ``status.json``
 (written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log``,
-``supervise.log``.
+``supervise.log``. A damaged or missing ``watchdog.pid`` / ``main.pid`` of a unit ``status.json`` calls running
+hides nothing: the watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``.
 
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
@@ -127,6 +128,11 @@ def _proc_state(stat: bytes) -> str:
     return rest[:1].decode() if rest else "?"
 
 
+def _proc_ppid(stat: bytes) -> int:
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 else -1
+
+
 def _proc_pgrp(stat: bytes) -> int:
     fields = stat[stat.rfind(b")") + 2:].split()
     return int(fields[2]) if len(fields) > 2 else -1
@@ -189,6 +195,58 @@ class ProcessSupervisor(ServiceManager):
             return int(self.host.read_file(posixpath.join(self._dir(name), which)).decode().strip() or 0) or None
         except (FileNotFoundError, ValueError):
             return None
+
+    def _watchdog_pid(self, name: str, *, look: bool = True) -> int | None:
+        """The PID of *name*'s watchdog while it runs: ``watchdog.pid``'s, else, where that file is damaged or gone
+        while ``status.json`` says the unit runs and *look*, the process whose command line is ``python -m
+        pdctl.units.supervise <the unit's folder>`` (one scan of ``/proc``). None: none runs."""
+        pid = self._read_pid(name, "watchdog.pid")
+        if self._is_watchdog(pid, name):
+            return pid
+        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
+        if not look or st.get("state") not in ("activating", "active", "deactivating"):
+            return None
+        want = (WATCHDOG_MODULE.encode(), self._dir(name).encode())
+        for e in self._pids():
+            try:
+                cmd = self.host.read_file(f"/proc/{e}/cmdline").split(b"\0")
+            except OSError:
+                continue
+            if all(w in cmd for w in want) and self._alive(e):
+                return e
+        return None
+
+    def _main_pid(self, name: str, wpid: int | None) -> int | None:
+        """The PID of *name*'s main process while it runs: ``main.pid``'s, else, where that file is damaged or gone,
+        the child of its watchdog *wpid* whose environment carries ``PDCTL_UNIT=<name>`` or, with no watchdog, the
+        ``main_pid`` the watchdog last wrote to ``status.json`` while its process group is still the unit's
+        (:meth:`_group_members`: never a reused PID). None: none runs."""
+        pid = self._read_pid(name, "main.pid")
+        if self._alive(pid):
+            return pid
+        if pid is not None:  # (read, and gone: the main process exited; a restart writes the file again)
+            return None
+        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
+        if st.get("state") not in ("activating", "active", "deactivating"):
+            return None
+        if wpid is None:
+            last = st.get("main_pid")
+            return last if isinstance(last, int) and last > 0 and self._group_members(last, name) else None
+        tag = f"{UNIT_ENV}={name}".encode()
+        for e in self._pids():
+            try:
+                if _proc_ppid(self.host.read_file(f"/proc/{e}/stat")) == wpid and \
+                        tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
+                    return e
+            except OSError:
+                continue
+        return None
+
+    def _pids(self) -> list[int]:
+        try:
+            return [int(e) for e in self.host.list_dir("/proc") if e.isdigit()]
+        except OSError:
+            return []
 
     def _write_status(self, name: str, state: str, sub: str, **extra: object) -> None:
         body = {"state": state, "sub": sub, "updated": time.time(), **extra}
@@ -386,7 +444,7 @@ class ProcessSupervisor(ServiceManager):
         spec = self._spec(name)
         for r in spec.requires:
             self._start_service(r, seen)
-        if self._is_watchdog(self._read_pid(name, "watchdog.pid"), name):
+        if self._watchdog_pid(name) is not None:  # (its watchdog.pid damaged: still the one that runs, not a second)
             return
         d = self._dir(name)
         self._write_status(name, "activating", "spawning", restarts=0)
@@ -407,13 +465,14 @@ class ProcessSupervisor(ServiceManager):
     def _stop_service(self, name: str, timeout: float | None) -> None:
         spec = self._spec(name)
         t = timeout or spec.timeout_stop_s + 15
-        wpid = self._read_pid(name, "watchdog.pid")
-        if self._is_watchdog(wpid, name):
+        wpid = self._watchdog_pid(name)
+        # (read before the watchdog is stopped: damaged main.pid, its main process is found as the watchdog's child)
+        mpid = self._main_pid(name, wpid)
+        if wpid is not None:
             self.host.signal(wpid, signal.SIGTERM)
             if not self._wait_gone(lambda: self._alive(wpid), t):
                 self.host.signal(wpid, signal.SIGKILL)
                 self._wait_gone(lambda: self._alive(wpid), 5)
-        mpid = self._read_pid(name, "main.pid")
         if mpid and self._group_members(mpid, name):
             # The watchdog is gone (killed) but the role's group lives on: stop it directly.
             self.host.signal(mpid, signal.SIGTERM, group=True)
@@ -448,8 +507,8 @@ class ProcessSupervisor(ServiceManager):
             return ServiceStatus(name=name, state=state, sub_state=",".join(states))
         st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
         state, sub = st.get("state", "inactive"), st.get("sub", "dead")
-        wpid = self._read_pid(name, "watchdog.pid")
-        mpid = self._read_pid(name, "main.pid")
+        wpid = self._watchdog_pid(name)
+        mpid = self._main_pid(name, wpid)
         if state in ("activating", "active", "deactivating") and not self._alive(wpid):
             if sub == "spawning" and time.time() - float(st.get("updated", 0)) < 10:
                 pass  # the watchdog is being born

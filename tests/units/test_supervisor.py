@@ -131,6 +131,40 @@ def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, clea
     wait_for(lambda: not pid_alive(main), 10, "role to die")
 
 
+@pytest.mark.parametrize("damaged", [("main.pid",), ("main.pid", "watchdog.pid")])
+def test_damaged_pid_files_neither_hide_the_running_role_nor_start_a_second_one(tmp_path, cleanup, damaged):
+    # (a damaged main.pid: status showed no PID, its server "another process's"; down called it not running and left
+    # it serving)
+    s = svc("damaged", ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    folder = Path(m.state_dir) / "services" / s.name
+    main, wd = m.main_pid(s.name), int((folder / "watchdog.pid").read_text())
+    for f in damaged:
+        (folder / f).write_text("garbage\n")
+    st_ = m.status(s.name)
+    assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, True), st_
+    m.start(s.name)  # (its watchdog still runs: no second one)
+
+    def watchdogs() -> list[int]:
+        out = []
+        for e in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{e}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"pdctl.units.supervise" in cmd and str(folder).encode() in cmd:
+                out.append(int(e))
+        return out
+
+    time.sleep(0.5)
+    assert watchdogs() == [wd] and m.main_pid(s.name) == main
+    m.stop(s.name)
+    wait_for(lambda: not pid_alive(main) and not pid_alive(wd), 10, "role and watchdog to die")
+    assert m.status(s.name).state == "inactive"
+
+
 def test_readiness_gate_timeout_is_a_failed_start(tmp_path, cleanup):
     port = free_port()  # nothing listens there
     s = svc("never", ("/bin/sleep", "300"), readiness_url=f"http://127.0.0.1:{port}/health",
