@@ -31,7 +31,8 @@ title, as smg does, may leave its environ unreadable) — never a group whose id
 ``STATE_DIR/services/<unit name>/``: ``unit.json`` (marked ``"managed_by": "pdctl"``), ``status.json``
 (written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log``,
 ``supervise.log``. A damaged or missing ``watchdog.pid`` / ``main.pid`` of a unit ``status.json`` calls running
-hides nothing: the watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``.
+hides nothing: the watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``; a
+damaged ``status.json`` reads as not known, and the processes are looked for, never as ``inactive``.
 
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
@@ -196,15 +197,15 @@ class ProcessSupervisor(ServiceManager):
         except (FileNotFoundError, ValueError):
             return None
 
-    def _watchdog_pid(self, name: str, *, look: bool = True) -> int | None:
+    def _watchdog_pid(self, name: str) -> int | None:
         """The PID of *name*'s watchdog while it runs: ``watchdog.pid``'s, else, where that file is damaged or gone
-        while ``status.json`` says the unit runs and *look*, the process whose command line is ``python -m
+        while ``status.json`` says the unit runs (or cannot be read), the process whose command line is ``python -m
         pdctl.units.supervise <the unit's folder>`` (one scan of ``/proc``). None: none runs."""
         pid = self._read_pid(name, "watchdog.pid")
         if self._is_watchdog(pid, name):
             return pid
-        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
-        if not look or st.get("state") not in ("activating", "active", "deactivating"):
+        st = self._status_record(name)
+        if st.get("state") not in ("activating", "active", "deactivating"):
             return None
         want = (WATCHDOG_MODULE.encode(), self._dir(name).encode())
         for e in self._pids():
@@ -226,7 +227,7 @@ class ProcessSupervisor(ServiceManager):
             return pid
         if pid is not None:  # (read, and gone: the main process exited; a restart writes the file again)
             return None
-        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
+        st = self._status_record(name)
         if st.get("state") not in ("activating", "active", "deactivating"):
             return None
         if wpid is None:
@@ -241,6 +242,17 @@ class ProcessSupervisor(ServiceManager):
             except OSError:
                 continue
         return None
+
+    def _status_record(self, name: str) -> dict:
+        """*name*'s ``status.json`` as its watchdog last wrote it; ``{}`` where there is none (never started, or
+        stopped by :meth:`stop`). One that is there but does not read as JSON (truncated, damaged) says nothing of the
+        state: it reads ``activating`` with sub-state ``status-unreadable``, so that the watchdog and main process are
+        looked for (:meth:`status` then says ``active`` while both run), never a silent ``inactive``."""
+        path = posixpath.join(self._dir(name), "status.json")
+        st = self._read_json(path)
+        if isinstance(st, dict):
+            return st
+        return {"state": "activating", "sub": "status-unreadable", "updated": 0} if self.host.exists(path) else {}
 
     def _pids(self) -> list[int]:
         try:
@@ -505,7 +517,7 @@ class ProcessSupervisor(ServiceManager):
             else:
                 state = "inactive"
             return ServiceStatus(name=name, state=state, sub_state=",".join(states))
-        st = self._read_json(posixpath.join(self._dir(name), "status.json")) or {}
+        st = self._status_record(name)
         state, sub = st.get("state", "inactive"), st.get("sub", "dead")
         wpid = self._watchdog_pid(name)
         mpid = self._main_pid(name, wpid)
@@ -517,6 +529,8 @@ class ProcessSupervisor(ServiceManager):
             else:
                 state, sub = "failed", "watchdog-gone"
         main = mpid if self._alive(mpid) else None
+        if sub == "status-unreadable" and self._alive(wpid) and main is not None:
+            state = "active"  # (readiness unknown: its watchdog and server run; the next transition rewrites the file)
         return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
                              supervised=sub != "unsupervised")
 

@@ -131,10 +131,11 @@ def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, clea
     wait_for(lambda: not pid_alive(main), 10, "role to die")
 
 
-@pytest.mark.parametrize("damaged", [("main.pid",), ("main.pid", "watchdog.pid")])
+@pytest.mark.parametrize("damaged", [("main.pid",), ("main.pid", "watchdog.pid"), ("status.json",),
+                                     ("status.json", "main.pid", "watchdog.pid")])
 def test_damaged_pid_files_neither_hide_the_running_role_nor_start_a_second_one(tmp_path, cleanup, damaged):
     # (a damaged main.pid: status showed no PID, its server "another process's"; down called it not running and left
-    # it serving)
+    # it serving. A truncated status.json read as "inactive")
     s = svc("damaged", ("/bin/sleep", "300"))
     m = install(tmp_path, s)
     cleanup(m)
@@ -142,7 +143,7 @@ def test_damaged_pid_files_neither_hide_the_running_role_nor_start_a_second_one(
     folder = Path(m.state_dir) / "services" / s.name
     main, wd = m.main_pid(s.name), int((folder / "watchdog.pid").read_text())
     for f in damaged:
-        (folder / f).write_text("garbage\n")
+        (folder / f).write_text("garbage\n" if f.endswith(".pid") else '{"state": "act')
     st_ = m.status(s.name)
     assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, True), st_
     m.start(s.name)  # (its watchdog still runs: no second one)
