@@ -739,6 +739,27 @@ def test_status_text_of_a_healthy_deployment_names_each_role_and_the_routers_wor
         router
 
 
+def test_apply_json_events_have_the_shape_and_order_the_readme_gives(demo):
+    from pdctl.statemachine.machine import PD_STATES
+
+    r = demo.cli("apply", str(demo.spec), "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert all(set(e) == {"kind", "message", "step", "elapsed_s", "data", "ts"} for e in events), events
+    kinds = [e["kind"] for e in events]
+    assert kinds[:2] == ["plan", "apply_started"] and kinds[-1] == "apply_done", kinds
+    plan = events[0]["data"]
+    # (a first deployment: prefill, decode, the KV link and the router to add)
+    assert plan["class"] == "topology" and plan["counts"] == [4, 0, 0] and plan["warnings"] == [], plan
+    assert events[1]["data"]["plan_id"] == plan["plan_id"] == events[-1]["data"]["plan_id"]
+    ends = [e for e in events if e["kind"] in ("step_verified", "step_skipped")]
+    assert [e["step"] for e in ends] == list(PD_STATES)
+    assert all(e["data"]["proof"]["summary"] and isinstance(e["elapsed_s"], float) for e in ends), ends
+    for e in ends:  # (each step: started, then skipped, or applied and verified)
+        mine = [x["kind"] for x in events if x["step"] == e["step"]]
+        assert mine in (["step_started", "step_skipped"], ["step_started", "step_applied", "step_verified"]), mine
+
+
 def test_down_says_which_units_it_stopped_and_which_were_not_running(demo):
     # (it said "stopped and removed 3 unit(s)" of a deployment whose decode was not running)
     from pdctl.statemachine import launch
