@@ -72,8 +72,9 @@ class SpecError(PdctlError, ValueError):
 
     title = "Invalid spec"
 
-    def __init__(self, message: str, *, findings: list | None = None, path: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, findings: list | None = None, path: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
         self.findings = findings or []
         self.path = path
 

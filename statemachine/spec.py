@@ -787,8 +787,29 @@ def load_spec(path: str | Path) -> Deployment:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{p}: TOML syntax error: {exc}", path=str(p)) from None
+        message, hint = _toml_error_words(str(exc), text)
+        raise SpecError(f"{p}: TOML syntax error: {message}", path=str(p), hint=hint) from None
     return _resolve_host_paths(parse_spec(data, path=str(p)), p.parent)
+
+
+def _toml_error_words(said: str, text: str) -> tuple[str, str]:
+    """``(message, hint)`` for :mod:`tomllib`'s error *said* about *text*: its words with the line it points at quoted
+    (tomllib 3.11–3.13 give ``… (at line N, column M)`` only), and the fix: a key given twice in one table (``Cannot
+    overwrite a value``, ``Cannot declare … twice``) named, else how to check the line."""
+    import re
+
+    m = re.search(r"\(at line (\d+), column \d+\)", said)
+    line = text.splitlines()[int(m.group(1)) - 1].strip() if m and 0 < int(m.group(1)) <= len(text.splitlines()) else ""
+    message = f"{said}: {line}" if line else said
+    if "overwrite" in said or "twice" in said:
+        key = re.match(r"\s*\[*\s*([^=\]]+?)\s*[=\]]", line) if line else None
+        if line.startswith("[") and key:
+            return message, f"table [{key.group(1)}] is declared twice: merge the two into one"
+        what = f"{key.group(1)!r}" if key else "a key"
+        return message, (f"{what} is given twice in the same table (TOML allows each key once): remove one of them, or "
+                         "move it under the table it belongs to")
+    return message, ("fix that line (TOML: key = value; strings in double quotes; tables as [name] or [[name]]); "
+                     "examples/demo.toml in pdctl's repository is a complete spec")
 
 
 def _resolve_host_paths(dep: Deployment, base: Path) -> Deployment:

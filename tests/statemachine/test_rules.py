@@ -737,6 +737,20 @@ def test_a_toml_syntax_error_reports_the_line(tmp_path):
     with pytest.raises(SpecError) as e:
         load_spec(p)
     assert "TOML syntax error" in str(e.value) and "line 4" in str(e.value)
+    assert e.value.message.endswith(": [[prefill]") and "fix that line" in e.value.hint, e.value  # (the line quoted)
+
+
+@pytest.mark.parametrize("toml, line, hint", [
+    ('name = "a"\nname = "b"\n', 'name = "b"', "'name' is given twice in the same table"),
+    ('[router]\nport = 1\n\n[router]\n', "[router]", "table [router] is declared twice: merge the two into one"),
+])
+def test_a_key_or_table_given_twice_is_named_with_its_fix(tmp_path, toml, line, hint):
+    # (it said "Cannot overwrite a value (at line 2, column 11)", naming no key, and --json's hint was null)
+    p = tmp_path / "twice.toml"
+    p.write_text(toml)
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert e.value.message.endswith(f": {line}") and e.value.hint.startswith(hint), (e.value.message, e.value.hint)
 
 
 @pytest.mark.parametrize("raw, words", [
