@@ -43,6 +43,7 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="Deployment spec (TOML), e.g. examples/demo.toml")]
@@ -1052,7 +1053,10 @@ def _in_the_background(fd: int) -> bool:
 
 def _rewrite(argv: list[str]) -> list[str]:
     """``--apply X`` → ``apply X`` (options written before ``--apply``, as in ``--json --apply X``, are apply's); a
-    bare spec path → ``console SPEC``."""
+    bare spec path → ``console SPEC``; ``--apply=X`` is ``--apply X``, as click reads ``--opt=value``."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    argv = [y for i, a in enumerate(argv)
+            for y in (["--apply", a[len("--apply="):]] if i < end and a.startswith("--apply=") else [a])]
     if "--apply" in argv:
         at = argv.index("--apply")
         if all(a.startswith("-") and a != "--" for a in argv[:at]):

@@ -1378,3 +1378,13 @@ def test_plan_json_carries_the_specs_warnings_as_validate_lists_them(tmp_path):
     assert warnings == json.loads(_pdctl("validate", str(spec), "--json", env=env).stdout)["warnings"]
     assert Plan.model_validate_json(r.stdout).warnings == tuple(warnings)  # a plan file reads back with them
     assert "warning: decode[0].numa_node" in r.stderr  # (and stderr still says it)
+
+
+def test_apply_option_is_read_with_a_space_or_an_equals_sign():
+    from pdctl.console.cli import _rewrite
+
+    assert _rewrite(["--apply", "x.toml"]) == ["apply", "x.toml"]
+    assert _rewrite(["--apply=x.toml"]) == ["apply", "x.toml"]
+    assert _rewrite(["--json", "--apply=x.toml", "--confirm-topology", "ab"]) == ["apply", "--json", "x.toml",
+                                                                                  "--confirm-topology", "ab"]
+    assert _rewrite(["chat", "x.toml", "--", "--apply=y"]) == ["chat", "x.toml", "--", "--apply=y"]  # (after --)
