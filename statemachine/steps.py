@@ -1006,8 +1006,10 @@ class ServersUp(Step):
         self.kind = kind
         self.name = name
         self.hint = (
-            f"read the {kind} logs (`pdctl status`, or the console's logs panel); check the GPUs are free, "
-            "the model path exists and the ports are not taken"
+            f"read the {kind} log (the error quotes its last lines; all of it: the console's logs panel, "
+            "`journalctl [--user] -u UNIT` under systemd, or supervisor/services/UNIT/output.log in the state "
+            "directory under the process supervisor); check the GPUs are free, the model path exists and the ports "
+            "are not taken"
         )
 
     def _roles(self, ctx: Context) -> list[RoleTopology]:
