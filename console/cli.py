@@ -947,7 +947,7 @@ def _chat(spec: Path, message: str, state_dir: Path | None, timeout: float) -> N
         # (it asked whatever listened on the spec's port: another deployment's router answered for one never applied)
         _err(f"error: deployment {spec_topo.name!r} is not deployed (nothing recorded in {loaded.journal.dir}), so "
              f"pdctl does not know what would answer on {(spec_topo.router or spec_topo.roles[0]).url}\n"
-             f"hint: `pdctl apply {spec}` first, or give the state directory it was applied with (--state-dir, "
+             f"  hint: `pdctl apply {spec}` first, or give the state directory it was applied with (--state-dir, "
              "PDCTL_STATE_DIR or XDG_STATE_HOME)")
         raise typer.Exit(ExitCode.ERROR)
     topo = state.target or state.deployed
@@ -1022,13 +1022,13 @@ def console_cmd(
     if not (sys.__stdin__ is not None and sys.__stdin__.isatty() and sys.__stderr__ is not None
             and sys.__stderr__.isatty()):
         _err("error: the console needs a terminal (stdin and stderr); nothing was opened\n"
-             "hint: for scripts use `pdctl status SPEC [--json]`, `pdctl plan SPEC` or `pdctl apply SPEC`")
+             "  hint: for scripts use `pdctl status SPEC [--json]`, `pdctl plan SPEC` or `pdctl apply SPEC`")
         raise typer.Exit(ExitCode.USAGE)
     if _in_the_background(sys.__stdin__.fileno()):
         # (Textual would set the terminal up and be stopped by SIGTTOU, drawing nothing, until killed)
         _err("error: the console needs the terminal to itself, and this process runs in the background of it (another "
              "process group has the terminal); nothing was opened\n"
-             "hint: run it in the foreground (`fg`; under `timeout`, `timeout --foreground`)")
+             "  hint: run it in the foreground (`fg`; under `timeout`, `timeout --foreground`)")
         raise typer.Exit(ExitCode.USAGE)
     from pdctl.console.app import run_console
 

@@ -2011,7 +2011,7 @@ def test_chat_on_a_deployment_not_deployed_frozen_or_down_says_so(demo):
         other.server_close()
     assert r.returncode == ExitCode.ERROR and r.stdout == "", (r.stdout, r.stderr)
     assert f"deployment {demo.name!r} is not deployed (nothing recorded in {demo.state})" in r.stderr, r.stderr
-    assert f"127.0.0.1:{demo.ports['router']}" in r.stderr and f"hint: `pdctl apply {demo.spec}` first" in r.stderr
+    assert f"127.0.0.1:{demo.ports['router']}" in r.stderr and f"\n  hint: `pdctl apply {demo.spec}` first" in r.stderr
     # Applied, its router frozen: chat gives up after --timeout and says so (it waited 120 s, silent)
     demo.apply()
     router_pid = demo.status()["router"]["main_pid"]
