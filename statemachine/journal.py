@@ -90,6 +90,10 @@ INTERRUPTED_SUMMARY = "stopped by Ctrl-C, a signal or the console while it ran (
 """What an ``interrupted`` step record with no words of its own means (``pdctl status`` and the console)."""
 
 
+STEP_STATUSES = ("pending", "running", "done", "skipped", "failed", "interrupted")
+"""What a journalled step's ``status`` can be (:class:`StepRecord`)."""
+
+
 @dataclass
 class StepRecord:
     """A step's last outcome: ``status`` is pending, running, done, skipped, failed or interrupted (Ctrl-C or SIGTERM
@@ -151,6 +155,16 @@ class JournalState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JournalState:
+        """Raises ValueError or TypeError for a field of the wrong shape (:meth:`Journal.read` says the journal is
+        not readable): a hand edit pdctl would otherwise read as something it never wrote."""
+        for key, kind in (("steps", dict), ("units", dict), ("removing", list)):
+            if data.get(key) is not None and not isinstance(data[key], kind):
+                raise TypeError(f"{key!r} is a JSON {type(data[key]).__name__}, not an "
+                                f"{'object' if kind is dict else 'array'}")
+        for step, rec in (data.get("steps") or {}).items():
+            if not isinstance(rec, dict) or rec.get("status", "pending") not in STEP_STATUSES:
+                raise ValueError(f"step {step!r} has status {rec.get('status') if isinstance(rec, dict) else rec!r}, "
+                                 f"not one of {', '.join(STEP_STATUSES)}")
         return cls(
             name=data["name"],
             serial=int(data.get("serial", 0)),

@@ -794,6 +794,16 @@ def test_a_damaged_journal_is_a_clear_error_not_a_traceback(tmp_path):
     (sd / "journal.json").write_text('{"format": 1, "name": "dsv4-flash", "steps": "oops"}')
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "not a readable pdctl journal" in r.stderr, r.stderr
+    # shapes pdctl never writes, which were read as if it had: an empty steps array, a step status it does not know
+    from pdctl.statemachine.errors import PdctlError
+
+    for body, said in (('"steps": []', "'steps' is a JSON list, not an object"),
+                       ('"steps": {"prefill_up": {"status": "bogus"}}', "step 'prefill_up' has status 'bogus', not one of"),
+                       ('"removing": "pdctl-x.service"', "'removing' is a JSON str, not an array")):
+        (sd / "journal.json").write_text('{"format": 1, "name": "dsv4-flash", %s}' % body)
+        with pytest.raises(PdctlError, match="not a readable pdctl journal") as e:
+            Journal(sd, "dsv4-flash").read()
+        assert said in str(e.value), e.value
     # a newer pdctl's journal, whose fields this one cannot parse: not "damaged, move it aside"
     (sd / "journal.json").write_text('{"format": 2, "name": "dsv4-flash", "steps": {"x": {"attempt": 1}}}')
     r = _pdctl("plan", str(SEED), "--state-dir", str(sd))
