@@ -628,13 +628,14 @@ def _status_text(st: dict) -> str:
              + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
              + (f", reached {st['reached']}" if st["reached"] else "") + _applying_text(st)]
     rt = st.get("router")
+    own = {u["unit"] for u in st.get("leftover") or ()}  # (this deployment's, of its recorded topology: not another's)
     # (columns as wide as their longest word: "deactivating", "failed (watchdog-gone)", a step "interrupted")
     sw = max([11, *(len(_state_word(x)) for x in [*st["roles"], *([rt] if rt else [])]),
               *(len(u["state"]) for u in st.get("leftover") or ())])
     for r in st["roles"]:
         health = f"{r['health'] or 'down':<5}"
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
-            health += _from_another_process(r)
+            health += _from_another_process(r, own)
         lines.append(
             f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
@@ -644,7 +645,7 @@ def _status_text(st: dict) -> str:
     if rt:
         lines.append(
             f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
-            + (_from_another_process(rt) if rt.get("readiness") and not rt.get("port_owned", True) else "")
+            + (_from_another_process(rt, own) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  "
             + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + f"  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
             + _UNSUPERVISED * (not rt.get("supervised", True))
@@ -702,7 +703,7 @@ def _status_text(st: dict) -> str:
         lines.append(f"  {target['unit']} is {target['state']}: the units it groups run without it; `pdctl apply` "
                      "starts it")
     views = [*st["roles"], *([rt] if rt else [])]
-    if any(x.get("port_held_for") for x in views):
+    if any(x.get("port_held_for") and x["port_held_for"] not in own for x in views):
         from pdctl.statemachine.plan import OTHER_DEPLOYMENT_HINT
 
         lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
@@ -712,11 +713,14 @@ def _status_text(st: dict) -> str:
     return "\n".join(lines)
 
 
-def _from_another_process(view: dict) -> str:
+def _from_another_process(view: dict, leftover: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     """A role's or the router's health answered by a process outside its unit, and which pdctl unit that process runs
     for where another deployment's (``port_held_for``), or how this deployment's own was applied where it runs under
-    another state directory, user or service manager (``port_applied_elsewhere``)."""
+    another state directory, user or service manager (``port_applied_elsewhere``). A unit in *leftover* is this
+    deployment's own, of the recorded topology that an unfinished apply drops (status lists it below)."""
     unit, how = view.get("port_held_for"), view.get("port_applied_elsewhere")
+    if unit in leftover:
+        return f" (from this deployment's {unit}, of the recorded deployment the unfinished apply drops: see below)"
     if unit:
         return f" (from another process on its port: pdctl unit {unit})"
     if how is not None:

@@ -508,3 +508,22 @@ def test_a_saved_plan_whose_apply_was_interrupted_applies_again_and_one_saved_me
     assert st["healthy"] and not st["applying"], st
     assert _server_info(demo.ports["prefill"])["context_length"] == 65536 == \
         _server_info(demo.ports["decode"])["context_length"]
+
+
+def test_a_role_port_answered_by_the_recorded_deployments_own_leftover_is_not_called_another_deployments(demo):
+    # (after an interrupted PD → single change, status said the server's port was answered by "pdctl unit
+    # pdctl-X-prefill.service" and hinted at another deployment to take down: it was this deployment's own prefill)
+    demo.apply()
+    collapse = demo.write(_collapse(demo.dict, demo.ports["prefill"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    with pytest.raises(KeyboardInterrupt):  # (once the router is removed: prefill and decode still run)
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=_InterruptAt("role_removed", nth=1))
+    st = json.loads(demo.cli("status", str(collapse), "--json").stdout)
+    prefill = f"pdctl-{demo.name}-prefill.service"
+    assert prefill in {u["unit"] for u in st["leftover"]}, st
+    (server,) = st["roles"]
+    assert server["health"] == 200 and server["port_held_for"] == prefill and not server["port_owned"], server
+    text = demo.cli("status", str(collapse)).stdout
+    assert (f"(from this deployment's {prefill}, of the recorded deployment the unfinished apply drops: see below)"
+            in _role_line(text, server["name"])), text
+    assert "another deployment" not in text and "hint:" not in text, text
