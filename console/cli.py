@@ -713,7 +713,7 @@ def _status_text(st: dict) -> str:
     return "\n".join(lines)
 
 
-def _from_another_process(view: dict, leftover: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+def _from_another_process(view: dict, leftover: "set[str] | frozenset[str]" = frozenset()) -> str:
     """A role's or the router's health answered by a process outside its unit, and which pdctl unit that process runs
     for where another deployment's (``port_held_for``), or how this deployment's own was applied where it runs under
     another state directory, user or service manager (``port_applied_elsewhere``). A unit in *leftover* is this
