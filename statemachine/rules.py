@@ -297,8 +297,12 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
         i += 1
         after_starved, starved = starved, False
         if not _is_option(word, known):
+            flag, space, value = word.strip().partition(" ")
             faults.append((f"{word!r}: no flag takes it (SGLang {v} would exit 'unrecognized arguments')",
-                           'give each value after its flag, e.g. ["--mem-fraction-static", "0.85"]'))
+                           # (one string "--flag value": the argv gets it as one word; each is its own list item)
+                           f'give the flag and its value as two items: ["{flag}", "{value.strip()}"]'
+                           if space and flag.startswith("--") and _is_option(flag, known) else
+                           'give each value after its flag, e.g. ["--max-running-requests", "64"]'))
             continue
         name, eq, inline = word.partition("=")
         arg = facts.argument(name)

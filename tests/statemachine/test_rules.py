@@ -409,6 +409,11 @@ def test_extra_args_are_read_as_sglangs_argparse_reads_them():
     assert stray.startswith("'true': no flag takes it (SGLang 0.5.23 would exit 'unrecognized arguments')"), stray
     (stray,) = _extra_args_errors(["64", "--max-running-requests", "64"])
     assert stray.startswith("'64': no flag takes it"), stray
+    # (a flag and its value in one string: the fix named --mem-fraction-static, which pdctl sets itself)
+    (joined,) = _extra_args_errors(["--max-running-requests 64"])
+    assert joined == ("'--max-running-requests 64': no flag takes it (SGLang 0.5.23 would exit 'unrecognized "
+                      "arguments') | give the flag and its value as two items: [\"--max-running-requests\", \"64\"]"), joined
+    assert "mem-fraction" not in _extra_args_errors(["--bogus-flag 1"])[0]
     (missing,) = _extra_args_errors(["--max-running-requests", "--disable-radix-cache"])
     assert missing.startswith("--max-running-requests needs a value after it"), missing
     assert '["--max-running-requests", "…"]' in missing, missing
