@@ -569,12 +569,18 @@ def _near_keys(loc: tuple[Any, ...]) -> list[str]:
     """The keys valid where the unknown key at *loc* was written that are spelled closest to it
     (:func:`difflib.get_close_matches`, case ignored): the fields of the model at that place, by the name a spec
     writes them with (the alias where a field has one)."""
-    model = _model_at(loc)
-    if model is None or not loc or not isinstance(loc[-1], str):
+    if not loc or not isinstance(loc[-1], str):
         return []
-    names = [f.alias or n for n, f in model.model_fields.items()]
+    names = _keys_at(loc)
     lower = {n.lower(): n for n in names}
     return [lower[n] for n in difflib.get_close_matches(loc[-1].lower(), list(lower), n=3, cutoff=0.6)]
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """Every key valid where the unknown key at *loc* was written, as a spec writes them (the alias where a field has
+    one), in the model's order; empty where the place has no model."""
+    model = _model_at(loc)
+    return [] if model is None else [f.alias or n for n, f in model.model_fields.items()]
 
 
 def _is_toml_number(text: str, *, whole: bool) -> bool:
@@ -736,10 +742,13 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 else:
                     msg = f"key {err['loc'][-2]!r}: {msg}"
             elif err["type"] == "extra_forbidden":
-                msg, fix = "unknown key", "remove it or check its spelling (see examples/seed.toml)"
+                msg, fix = "unknown key", "remove it or check its spelling"
                 near = _near_keys(err["loc"])
                 if near:
                     fix += f": did you mean {' or '.join(repr(n) for n in near)}?"
+                elif known := _keys_at(err["loc"]):  # (nothing close: what the table does take)
+                    where = _loc(err["loc"][:-1]) if len(err["loc"]) > 1 else "the top level"
+                    fix += f"; {where} takes {', '.join(known)}"
             elif err["type"] == "missing":
                 msg, fix = "required", "add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):

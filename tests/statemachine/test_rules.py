@@ -337,7 +337,7 @@ def test_an_unknown_or_missing_key_gives_its_fix_in_the_findings_fix_field():
     found = {f["field"]: f for f in e.value.findings_json()}
     assert found["model"] == {"field": "model", "message": "required", "fix": "add it"}, found
     assert found["router.polcy"]["message"] == "unknown key", found
-    assert found["router.polcy"]["fix"].startswith("remove it or check its spelling (see examples/seed.toml)"), found
+    assert found["router.polcy"]["fix"].startswith("remove it or check its spelling"), found
     assert "did you mean 'policy'?" in found["router.polcy"]["fix"], found
     # the text says each as before: field, message, fix
     assert "  model: required: add it" in str(e.value) and "  router.polcy: unknown key: remove it" in str(e.value)
@@ -576,7 +576,7 @@ def test_an_unknown_key_names_the_valid_key_spelled_closest_at_its_place(path, t
         parse_spec(d)
     field = ".".join(str(k) for k in path).replace(".0", "[0]")
     field = f"{field}.{typo}" if field else typo
-    assert (f"{field}: unknown key: remove it or check its spelling (see examples/seed.toml): "
+    assert (f"{field}: unknown key: remove it or check its spelling: "
             f"did you mean {meant!r}?") in str(e.value)
 
 
@@ -587,6 +587,14 @@ def test_an_unknown_key_with_no_close_valid_key_gets_no_guess():
         parse_spec(d)
     assert "prefill[0].parsers.zzzzzz: unknown key" in str(e.value)
     assert "did you mean" not in str(e.value)
+    # what the table does take, instead (it named examples/seed.toml, a path in pdctl's repository, not an install)
+    assert "; prefill[0].parsers takes reasoning_parser, tool_call_parser, chat_template" in str(e.value), str(e.value)
+    d = seed_dict()
+    d["bananas"] = 1
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "bananas: unknown key: remove it or check its spelling; the top level takes name, sglang_version, " \
+        in str(e.value) and "seed.toml" not in str(e.value), str(e.value)
 
 
 def test_an_unknown_key_is_matched_against_the_keys_of_its_own_table():
