@@ -31,8 +31,11 @@ title, as smg does, may leave its environ unreadable) — never a group whose id
 ``STATE_DIR/services/<unit name>/``: ``unit.json`` (marked ``"managed_by": "pdctl"``), ``status.json``
 (written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log``,
 ``supervise.log``. A damaged or missing ``watchdog.pid`` / ``main.pid`` of a unit ``status.json`` calls running
-hides nothing: the watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``; a
-damaged ``status.json`` reads as not known, and the processes are looked for, never as ``inactive``.
+hides nothing, nor does a ``main.pid`` naming some other process (its start time is not ``main.start``'s): the
+watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``, or, with the watchdog
+gone too, as the process-group leader whose environment carries ``PDCTL_UNIT`` and ``PDCTL_UNIT_DIR`` (the unit's
+folder: another state directory's role of the same name is never taken). A damaged ``status.json``, or one deleted
+while PID files remain, reads as not known, and the processes are looked for, never as ``inactive``.
 
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
@@ -71,6 +74,9 @@ __all__ = ["SUPERVISOR_LINE", "ProcessSupervisor", "parse_env_file"]
 WATCHDOG_MODULE = "pdctl.units.supervise"
 UNIT_ENV = "PDCTL_UNIT"
 """Set to the unit name in every role's environment: how a stop recognises the role's processes."""
+UNIT_DIR_ENV = "PDCTL_UNIT_DIR"
+"""Set to the unit's folder (``STATE_DIR/services/<unit name>``) in every role's environment: with ``PDCTL_UNIT``,
+how a role whose watchdog and PID files are gone is told from another state directory's role of the same name."""
 SUPERVISOR_TAG = "pdctl-supervise"
 """How the watchdog signs its own lines in a role's ``output.log``: ``pdctl-supervise[PID]: message``."""
 SUPERVISOR_LINE = re.compile(rf"^{SUPERVISOR_TAG}\[\d+\]: ")
@@ -218,41 +224,78 @@ class ProcessSupervisor(ServiceManager):
         return None
 
     def _main_pid(self, name: str, wpid: int | None) -> int | None:
-        """The PID of *name*'s main process while it runs: ``main.pid``'s, else, where that file is damaged or gone,
-        the child of its watchdog *wpid* whose environment carries ``PDCTL_UNIT=<name>`` or, with no watchdog, the
-        ``main_pid`` the watchdog last wrote to ``status.json`` while its process group is still the unit's
-        (:meth:`_group_members`: never a reused PID). None: none runs."""
+        """The PID of *name*'s main process while it runs: ``main.pid``'s while that names the process the watchdog
+        started (:meth:`_is_main`); else — the file damaged, emptied or naming some other process — where
+        ``status.json`` says the unit runs (or cannot be read): the child of its watchdog *wpid* carrying
+        ``PDCTL_UNIT=<name>``; with no watchdog, the ``main_pid`` the watchdog last wrote to ``status.json`` if it is
+        still the unit's, else the process-group leader whose environment carries both ``PDCTL_UNIT=<name>`` and
+        ``PDCTL_UNIT_DIR=<this unit's folder>`` (so never another state directory's role of the same name). None:
+        none runs."""
         pid = self._read_pid(name, "main.pid")
-        if self._alive(pid):
+        if self._alive(pid) and self._is_main(pid, name):
             return pid
-        if pid is not None:  # (read, and gone: the main process exited; a restart writes the file again)
-            return None
         st = self._status_record(name)
         if st.get("state") not in ("activating", "active", "deactivating"):
             return None
-        if wpid is None:
-            last = st.get("main_pid")
-            return last if isinstance(last, int) and last > 0 and self._group_members(last, name) else None
         tag = f"{UNIT_ENV}={name}".encode()
+        if wpid is not None:
+            for e in self._pids():
+                try:
+                    if _proc_ppid(self.host.read_file(f"/proc/{e}/stat")) == wpid and \
+                            tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
+                        return e
+                except OSError:
+                    continue
+            return None
+        last = st.get("main_pid")
+        if isinstance(last, int) and last > 0 and self._alive(last) and self._is_main(last, name):
+            return last
+        where = f"{UNIT_DIR_ENV}={posixpath.normpath(self._dir(name))}".encode()
         for e in self._pids():
             try:
-                if _proc_ppid(self.host.read_file(f"/proc/{e}/stat")) == wpid and \
-                        tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
-                    return e
+                if _proc_pgrp(self.host.read_file(f"/proc/{e}/stat")) != e:
+                    continue
+                env = self.host.read_file(f"/proc/{e}/environ").split(b"\0")
             except OSError:
                 continue
+            if tag in env and where in env and self._alive(e):
+                return e
         return None
+
+    def _is_main(self, pid: int, name: str) -> bool:
+        """*pid* (alive) is the main process *name*'s watchdog started: its start time is the one in ``main.start``;
+        where that file is gone or damaged, its environment carries ``PDCTL_UNIT=<name>``, or (a role that rewrote
+        its title may leave its environment unreadable) it leads its own process group."""
+        try:
+            stat = self.host.read_file(f"/proc/{pid}/stat")
+        except OSError:
+            return False
+        try:
+            recorded = int(self.host.read_file(posixpath.join(self._dir(name), "main.start")).decode().strip())
+        except (OSError, ValueError):
+            recorded = -1
+        if recorded >= 0:
+            return _proc_starttime(stat) == recorded
+        try:
+            env = self.host.read_file(f"/proc/{pid}/environ")
+        except OSError:
+            return _proc_pgrp(stat) == pid
+        return f"{UNIT_ENV}={name}".encode() in env.split(b"\0") if env else _proc_pgrp(stat) == pid
 
     def _status_record(self, name: str) -> dict:
         """*name*'s ``status.json`` as its watchdog last wrote it; ``{}`` where there is none (never started, or
         stopped by :meth:`stop`). One that is there but does not read as JSON (truncated, damaged) says nothing of the
         state: it reads ``activating`` with sub-state ``status-unreadable``, so that the watchdog and main process are
         looked for (:meth:`status` then says ``active`` while both run), never a silent ``inactive``."""
-        path = posixpath.join(self._dir(name), "status.json")
+        d = self._dir(name)
+        path = posixpath.join(d, "status.json")
         st = self._read_json(path)
         if isinstance(st, dict):
             return st
-        return {"state": "activating", "sub": "status-unreadable", "updated": 0} if self.host.exists(path) else {}
+        # (gone while a PID file :meth:`stop` removes is still there: deleted under a running role, not stopped)
+        if self.host.exists(path) or any(self.host.exists(posixpath.join(d, f)) for f in ("watchdog.pid", "main.pid")):
+            return {"state": "activating", "sub": "status-unreadable", "updated": 0}
+        return {}
 
     def _pids(self) -> list[int]:
         try:
@@ -529,8 +572,9 @@ class ProcessSupervisor(ServiceManager):
             else:
                 state, sub = "failed", "watchdog-gone"
         main = mpid if self._alive(mpid) else None
-        if sub == "status-unreadable" and self._alive(wpid) and main is not None:
-            state = "active"  # (readiness unknown: its watchdog and server run; the next transition rewrites the file)
+        if st.get("sub") == "status-unreadable" and main is not None:
+            # (readiness unknown: its server runs, supervised or not; the watchdog's next transition rewrites the file)
+            state = "active"
         return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
                              supervised=sub != "unsupervised")
 

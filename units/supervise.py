@@ -23,7 +23,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from ._process import SUPERVISOR_TAG, UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
+from ._process import SUPERVISOR_TAG, UNIT_DIR_ENV, UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
 from ._types import ServiceSpec, cpu_set
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
@@ -94,6 +94,7 @@ class Watchdog:
         env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
         env.update(dict(self.spec.env))
         env[UNIT_ENV] = self.spec.name
+        env[UNIT_DIR_ENV] = os.path.normpath(self.dir)
         if self.secrets_file and os.path.exists(self.secrets_file):
             env.update(parse_env_file(Path(self.secrets_file).read_text()))
         return env

@@ -166,6 +166,80 @@ def test_damaged_pid_files_neither_hide_the_running_role_nor_start_a_second_one(
     assert m.status(s.name).state == "inactive"
 
 
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), what=f"process {pid} to die")
+
+
+@pytest.mark.parametrize("lost", [("main.pid", "status.json"), ("main.pid", "main.start", "status.json"),
+                                  ("status.json-deleted", "main.pid-deleted")])
+def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped(tmp_path, cleanup, lost):
+    # (watchdog killed, main.pid and status.json emptied: status called the server failed and its port another
+    # process's, and down exited 0 leaving it serving)
+    s = svc("lost", ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    folder = Path(m.state_dir) / "services" / s.name
+    main = m.main_pid(s.name)
+    _kill(int((folder / "watchdog.pid").read_text()))
+    for f in lost:
+        if f.endswith("-deleted"):
+            (folder / f.removesuffix("-deleted")).unlink()
+        else:
+            (folder / f).write_text("")
+    st_ = m.status(s.name)
+    assert (st_.state, st_.sub_state, st_.main_pid, st_.supervised) == ("active", "unsupervised", main, False), st_
+    m.stop(s.name)
+    wait_for(lambda: not pid_alive(main), 10, "role to die")
+    assert m.status(s.name).state == "inactive"
+
+
+def test_another_state_directorys_role_of_the_same_name_is_never_taken_for_this_one(tmp_path, cleanup):
+    s = svc("twin", ("/bin/sleep", "300"))
+    mine, theirs = install(tmp_path / "a", s), install(tmp_path / "b", s)
+    cleanup(mine)
+    cleanup(theirs)
+    mine.start(s.name, wait=True, timeout=20)
+    theirs.start(s.name, wait=True, timeout=20)
+    other = theirs.main_pid(s.name)
+    folder = Path(mine.state_dir) / "services" / s.name
+    main = mine.main_pid(s.name)
+    _kill(int((folder / "watchdog.pid").read_text()))
+    _kill(main)
+    for f in ("main.pid", "main.start", "status.json"):
+        (folder / f).write_text("")
+    st_ = mine.status(s.name)
+    assert st_.main_pid is None and st_.state == "failed", st_
+    mine.stop(s.name)
+    assert pid_alive(other) and theirs.status(s.name).state == "active"
+
+
+def test_a_main_pid_naming_some_other_live_process_is_not_believed(tmp_path, cleanup):
+    # (main.pid holding an unrelated PID: status said the deployment was applied another way, apply waited 225 s for
+    # that process to let go of the port, down signalled it)
+    import subprocess
+    s = svc("wrongpid", ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    folder = Path(m.state_dir) / "services" / s.name
+    main = m.main_pid(s.name)
+    decoy = subprocess.Popen(["/bin/sleep", "300"])
+    try:
+        (folder / "main.pid").write_text(f"{decoy.pid}\n")
+        assert m.status(s.name).main_pid == main
+        _kill(int((folder / "watchdog.pid").read_text()))
+        st_ = m.status(s.name)
+        assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, False), st_
+        m.stop(s.name)
+        wait_for(lambda: not pid_alive(main), 10, "role to die")
+        assert decoy.poll() is None  # never signalled
+    finally:
+        decoy.kill()
+        decoy.wait(5)
+
+
 def test_readiness_gate_timeout_is_a_failed_start(tmp_path, cleanup):
     port = free_port()  # nothing listens there
     s = svc("never", ("/bin/sleep", "300"), readiness_url=f"http://127.0.0.1:{port}/health",
@@ -220,6 +294,7 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
     assert env["PLAIN"] == "a b $c 50%" and env["HF_TOKEN"] == "it's \"x\"\n$y"
     assert "PDCTL_TEST_LEAK" not in env and "PATH" in env
     assert env["PDCTL_UNIT"] == s.name  # the tag a stop uses to recognise the role's processes
+    assert env["PDCTL_UNIT_DIR"] == os.path.normpath(m._dir(s.name))  # and which state directory's role it is
     # nor the watchdog's own environment (pdctl's, holding the variables [secrets] read: they stayed readable in
     # its /proc/PID/environ for its whole life)
     watchdog = int((Path(m._dir(s.name)) / "watchdog.pid").read_text())
