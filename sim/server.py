@@ -163,6 +163,10 @@ class Sim:
             os.environ.setdefault("MC_FORCE_TCP", "1")
             self._startup_info.append("disaggregation transfer backend 'mooncake_tcp' -> mooncake with "
                                       "MC_FORCE_TCP=1 (TCP transport, no RDMA)")
+        try:  # ModelConfig.from_server_args (reached from ServerArgs.__post_init__'s model-specific adjustments)
+            json.loads(a.get("json_model_override_args") or "{}")
+        except json.JSONDecodeError as e:
+            raise StartupError(f"json.decoder.JSONDecodeError: {e}") from None
         arch = mdl.ARCHITECTURE[self.family]
         if arch[0] == "deepseek_v4":
             # model_overrides/deepseek_v4.py declares these over the command line's values on CUDA (a declaration

@@ -347,7 +347,23 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
             if arg.choices is not None and typed not in arg.choices:
                 faults.append((f"{name} {value!r} is not one of SGLang {v}'s choices: {', '.join(arg.choices)}",
                                f"give {name} one of them"))
+            elif name in _LOADED_AS_JSON_OBJECT and not isinstance(_json_or_none(value), dict):
+                faults.append((f"{name} {value!r}: not a JSON object (SGLang {v} takes the string and json.loads it "
+                               "while preparing the server's arguments: the server would exit at its start)",
+                               f"give {name} a JSON object, e.g. '{{\"max_position_embeddings\": 163840}}'"))
     return faults
+
+
+_LOADED_AS_JSON_OBJECT = frozenset({"--json-model-override-args"})
+"""Flags argparse takes as a plain string that SGLang then reads with ``json.loads`` as a dictionary
+(``--json-model-override-args``: "A dictionary in JSON string format", ``ModelConfig.from_server_args``)."""
+
+
+def _json_or_none(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _flag_name(arg: str) -> str | None:

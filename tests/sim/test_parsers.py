@@ -250,3 +250,14 @@ def test_v4_kv_cache_dtype_is_fp8_unless_bfloat16_and_nothing_else_starts():
         .resolved["kv_cache_dtype"] == "bfloat16"
     with pytest.raises(StartupError, match="bf16 is not supported for DeepseekV4ForCausalLM"):
         Sim(["--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--kv-cache-dtype", "bf16"])
+
+
+def test_a_model_override_that_is_not_json_stops_the_server_at_its_start():
+    # SGLang takes --json-model-override-args as a string and json.loads it in ModelConfig.from_server_args
+    import pytest
+
+    from pdctl.sim.server import Sim, StartupError
+
+    Sim(["--model-path", "deepseek-ai/DeepSeek-V3.2", "--json-model-override-args", '{"max_position_embeddings": 8}'])
+    with pytest.raises(StartupError, match="JSONDecodeError: Expecting property name"):
+        Sim(["--model-path", "deepseek-ai/DeepSeek-V3.2", "--json-model-override-args", "{bad"])

@@ -450,6 +450,12 @@ def test_extra_args_are_read_as_sglangs_argparse_reads_them():
     (js,) = _extra_args_errors(["--default-chat-template-kwargs", "{bad"])
     assert js.startswith("--default-chat-template-kwargs '{bad': not JSON"), js
     assert _extra_args_errors(["--default-chat-template-kwargs", '{"a": 1}']) == []
+    # a str flag SGLang json.loads after argparse: the server would exit at its start, not at argparse
+    for bad in ("{bad", "[1]"):
+        (override,) = _extra_args_errors(["--json-model-override-args", bad])
+        assert override.startswith(f"--json-model-override-args {bad!r}: not a JSON object"), override
+        assert "| give --json-model-override-args a JSON object" in override, override
+    assert _extra_args_errors(["--json-model-override-args", '{"max_position_embeddings": 163840}']) == []
     (valued,) = _extra_args_errors(["--disable-radix-cache=true"])
     assert valued.startswith("'--disable-radix-cache=true': --disable-radix-cache takes no value"), valued
     (typed,) = _extra_args_errors(["--chunked-prefill-size", "8k"])
