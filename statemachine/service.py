@@ -1134,6 +1134,20 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             # down-started as the last word with no lock held: that down was killed (SIGKILL, a reboot)
             unfinished_down = {"event": last["event"], "ts": last.get("ts"), "pid": last.get("pid"),
                                "error": last.get("error")}
+    if unfinished_down is not None:
+        # A step whose units that down stopped proves nothing any more (its journal still says done: the record goes
+        # only when down finishes); the steps before it may still hold, so reached stops short of it
+        running = {r["unit"]: r["state"] for r in roles} | ({router["unit"]: router["state"]} if router else {})
+        for name, step in steps.items():
+            if step["status"] in ("done", "skipped") and any(
+                    running.get(u) not in ("active", None) for u in _units_of_step(name, topo, names)):
+                step.update(status="pending", summary=f"its units were stopped by {_DOWN_WORDS[unfinished_down['event']]}"
+                            " (`pdctl apply` proves it again)")
+        reached = None
+        for name, step in steps.items():
+            if step["status"] not in ("done", "skipped"):
+                break
+            reached = name
     enabled = getattr(manager, "target_enabled", None)  # (systemd: the process supervisor has no boot-time start)
     target = f"pdctl-{topo.name}.target"
     edited: list[str] = []
@@ -1236,6 +1250,10 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
     else:
         said = f"interrupted{during}: what already runs stays as it is; apply again to converge, or `pdctl down` to stop it"
     sink.emit(Event("apply_interrupted", said, step=step, data={"plan_id": plan.plan_id, "stopped": list(down)}))
+
+
+_DOWN_WORDS = {"down-started": "a `pdctl down` that was killed", "down-interrupted": "a `pdctl down` that was "
+               "interrupted", "down-failed": "a `pdctl down` that failed"}
 
 
 def _units_of_step(step: str, topo: Topology, names: dict[str, str]) -> list[str]:

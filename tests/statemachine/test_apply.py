@@ -2056,6 +2056,12 @@ def test_status_tells_a_down_that_did_not_finish_and_what_finishes_it(demo):
     st = demo.status()
     assert st["router"]["state"] == "inactive" and all(r["state"] == "active" for r in st["roles"]), st
     assert st["unfinished_down"]["event"] == "down-interrupted" and not st["healthy"]
+    # the steps about the stopped router no longer say done (its journal still does until a down finishes)
+    assert st["steps"]["kv_link_verified"]["status"] == "done", st["steps"]
+    for step in ("router_exposed", "parsers_configured"):
+        assert st["steps"][step]["status"] == "pending", st["steps"]
+        assert st["steps"][step]["summary"].startswith("its units were stopped by a `pdctl down` that was interrupted")
+    assert st["reached"] == "kv_link_verified", st["reached"]
     head = _status_text(st).splitlines()[0]
     assert "NOT healthy" in head and "[a `pdctl down` was interrupted at " in head, head
     assert "`pdctl down` again finishes it, `pdctl apply` brings the deployment back]" in head
