@@ -131,17 +131,22 @@ def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, clea
     wait_for(lambda: not pid_alive(main), 10, "role to die")
 
 
+def _running_sleep(tmp_path: Path, cleanup, role: str) -> tuple[ProcessSupervisor, ServiceSpec, Path, int]:  # noqa: ANN001
+    """A role running ``sleep 300`` under its watchdog: its manager, spec, unit folder and main PID."""
+    s = svc(role, ("/bin/sleep", "300"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    return m, s, Path(m.state_dir) / "services" / s.name, m.main_pid(s.name)
+
+
 @pytest.mark.parametrize("damaged", [("main.pid",), ("main.pid", "watchdog.pid"), ("status.json",),
                                      ("status.json", "main.pid", "watchdog.pid")])
 def test_damaged_pid_files_neither_hide_the_running_role_nor_start_a_second_one(tmp_path, cleanup, damaged):
     # (a damaged main.pid: status showed no PID, its server "another process's"; down called it not running and left
     # it serving. A truncated status.json read as "inactive")
-    s = svc("damaged", ("/bin/sleep", "300"))
-    m = install(tmp_path, s)
-    cleanup(m)
-    m.start(s.name, wait=True, timeout=20)
-    folder = Path(m.state_dir) / "services" / s.name
-    main, wd = m.main_pid(s.name), int((folder / "watchdog.pid").read_text())
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "damaged")
+    wd = int((folder / "watchdog.pid").read_text())
     for f in damaged:
         (folder / f).write_text("garbage\n" if f.endswith(".pid") else '{"state": "act')
     st_ = m.status(s.name)
@@ -176,12 +181,7 @@ def _kill(pid: int) -> None:
 def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped(tmp_path, cleanup, lost):
     # (watchdog killed, main.pid and status.json emptied: status called the server failed and its port another
     # process's, and down exited 0 leaving it serving)
-    s = svc("lost", ("/bin/sleep", "300"))
-    m = install(tmp_path, s)
-    cleanup(m)
-    m.start(s.name, wait=True, timeout=20)
-    folder = Path(m.state_dir) / "services" / s.name
-    main = m.main_pid(s.name)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "lost")
     _kill(int((folder / "watchdog.pid").read_text()))
     for f in lost:
         if f.endswith("-deleted"):
@@ -219,12 +219,7 @@ def test_a_main_pid_naming_some_other_live_process_is_not_believed(tmp_path, cle
     # (main.pid holding an unrelated PID: status said the deployment was applied another way, apply waited 225 s for
     # that process to let go of the port, down signalled it)
     import subprocess
-    s = svc("wrongpid", ("/bin/sleep", "300"))
-    m = install(tmp_path, s)
-    cleanup(m)
-    m.start(s.name, wait=True, timeout=20)
-    folder = Path(m.state_dir) / "services" / s.name
-    main = m.main_pid(s.name)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "wrongpid")
     decoy = subprocess.Popen(["/bin/sleep", "300"])
     try:
         (folder / "main.pid").write_text(f"{decoy.pid}\n")
