@@ -34,7 +34,9 @@ title, as smg does, may leave its environ unreadable) — never a group whose id
 hides nothing, nor does a ``main.pid`` naming some other process (its start time is not ``main.start``'s): the
 watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``, or, with the watchdog
 gone too, as the process-group leader whose environment carries ``PDCTL_UNIT`` and ``PDCTL_UNIT_DIR`` (the unit's
-folder: another state directory's role of the same name is never taken). A damaged ``status.json``, or one deleted
+folder: another state directory's role of the same name is never taken) or, where its environment reads empty (smg
+rewrites its title over it), whose start time is ``main.start``'s or, that gone too, whose working directory is the
+unit's folder. A damaged ``status.json``, or one deleted
 while PID files remain, reads as not known, and the processes are looked for, never as ``inactive``.
 
 Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPolicy=bind`` +
@@ -251,36 +253,63 @@ class ProcessSupervisor(ServiceManager):
         if isinstance(last, int) and last > 0 and self._alive(last) and self._is_main(last, name):
             return last
         where = f"{UNIT_DIR_ENV}={posixpath.normpath(self._dir(name))}".encode()
+        recorded = self._recorded_start(name)
         for e in self._pids():
             try:
-                if _proc_pgrp(self.host.read_file(f"/proc/{e}/stat")) != e:
+                stat = self.host.read_file(f"/proc/{e}/stat")
+                if _proc_pgrp(stat) != e or _proc_state(stat) in ("Z", "X"):
                     continue
-                env = self.host.read_file(f"/proc/{e}/environ").split(b"\0")
+                env = self.host.read_file(f"/proc/{e}/environ")
             except OSError:
                 continue
-            if tag in env and where in env and self._alive(e):
+            if env.strip(b"\0"):
+                if tag in env.split(b"\0") and where in env.split(b"\0"):
+                    return e
+            # (an environment that reads empty: smg rewrites its title over it) its start time, else its folder
+            elif _proc_starttime(stat) == recorded if recorded >= 0 else self._in_unit_folder(e, name):
                 return e
         return None
 
+    def _recorded_start(self, name: str) -> int:
+        """The start time ``main.start`` records for *name*'s main process (``/proc/PID/stat`` field 22); −1 where the
+        file is gone or damaged."""
+        try:
+            return int(self.host.read_file(posixpath.join(self._dir(name), "main.start")).decode().strip())
+        except (OSError, ValueError):
+            return -1
+
+    def _in_unit_folder(self, pid: int, name: str) -> bool:
+        """*pid* works in *name*'s folder, where the watchdog starts a role that names no ``working_dir``: how a role
+        whose environment reads empty is told from another process once ``main.start`` is gone too. False for a role
+        with a ``working_dir`` (that folder may be anyone's) and where the link cannot be read."""
+        try:
+            if self._spec(name).working_dir:
+                return False
+            r = self.host.run(["readlink", "-f", f"/proc/{pid}/cwd", self._dir(name)], timeout=10, check=False)
+        except (ServiceFailed, ValueError, OSError, TimeoutError):
+            return False
+        lines = r.stdout.splitlines()
+        return r.returncode == 0 and len(lines) == 2 and lines[0] == lines[1]
+
     def _is_main(self, pid: int, name: str) -> bool:
         """*pid* (alive) is the main process *name*'s watchdog started: its start time is the one in ``main.start``;
-        where that file is gone or damaged, its environment carries ``PDCTL_UNIT=<name>``, or (a role that rewrote
-        its title may leave its environment unreadable) it leads its own process group."""
+        where that file is gone or damaged, its environment carries ``PDCTL_UNIT=<name>``, or, where its environment
+        reads empty (smg rewrites its title over it), it leads its own process group in the unit's folder
+        (:meth:`_in_unit_folder`)."""
         try:
             stat = self.host.read_file(f"/proc/{pid}/stat")
         except OSError:
             return False
-        try:
-            recorded = int(self.host.read_file(posixpath.join(self._dir(name), "main.start")).decode().strip())
-        except (OSError, ValueError):
-            recorded = -1
+        recorded = self._recorded_start(name)
         if recorded >= 0:
             return _proc_starttime(stat) == recorded
         try:
             env = self.host.read_file(f"/proc/{pid}/environ")
         except OSError:
-            return _proc_pgrp(stat) == pid
-        return f"{UNIT_ENV}={name}".encode() in env.split(b"\0") if env else _proc_pgrp(stat) == pid
+            return False  # (another user's process)
+        if env.strip(b"\0"):
+            return f"{UNIT_ENV}={name}".encode() in env.split(b"\0")
+        return _proc_pgrp(stat) == pid and self._in_unit_folder(pid, name)
 
     def _status_record(self, name: str) -> dict:
         """*name*'s ``status.json`` as its watchdog last wrote it; ``{}`` where there is none (never started, or
@@ -330,16 +359,17 @@ class ProcessSupervisor(ServiceManager):
 
     def _group_members(self, pgid: int, name: str) -> list[int]:
         """Live members of process group *pgid*, the role's: all of them while the group's leader is the
-        process the watchdog started (same start time as recorded in ``main.start``), else those that
-        carry ``PDCTL_UNIT=<name>`` in their environment — so a PID (and group id) reused by someone else
-        is never signalled."""
+        process the watchdog started (same start time as recorded in ``main.start``; that file gone, the leader
+        :meth:`_is_main`), else those that carry ``PDCTL_UNIT=<name>`` in their environment — so a PID (and group
+        id) reused by someone else is never signalled."""
         tag = f"{UNIT_ENV}={name}".encode()
-        leader_ours = False
+        recorded = self._recorded_start(name)
         try:
-            recorded = int(self.host.read_file(posixpath.join(self._dir(name), "main.start")).decode().strip())
-            leader_ours = recorded >= 0 and _proc_starttime(self.host.read_file(f"/proc/{pgid}/stat")) == recorded
-        except (OSError, ValueError):
-            pass
+            # (main.start gone: a live leader that is the role's main process by its environment or folder)
+            leader_ours = _proc_starttime(self.host.read_file(f"/proc/{pgid}/stat")) == recorded if recorded >= 0 \
+                else self._alive(pgid) and self._is_main(pgid, name)
+        except OSError:
+            leader_ours = False
         out = []
         try:
             entries = self.host.list_dir("/proc")

@@ -131,9 +131,11 @@ def test_a_killed_watchdog_still_leaves_stop_able_to_end_the_role(tmp_path, clea
     wait_for(lambda: not pid_alive(main), 10, "role to die")
 
 
-def _running_sleep(tmp_path: Path, cleanup, role: str) -> tuple[ProcessSupervisor, ServiceSpec, Path, int]:  # noqa: ANN001
-    """A role running ``sleep 300`` under its watchdog: its manager, spec, unit folder and main PID."""
-    s = svc(role, ("/bin/sleep", "300"))
+def _running_sleep(tmp_path: Path, cleanup, role: str, *, bare: bool = False,  # noqa: ANN001
+                   ) -> tuple[ProcessSupervisor, ServiceSpec, Path, int]:
+    """A role running ``sleep 300`` under its watchdog: its manager, spec, unit folder and main PID. *bare*: with an
+    environment that reads empty, as smg's does once it has rewritten its title over it."""
+    s = svc(role, ("/usr/bin/env", "-i", "/bin/sleep", "300") if bare else ("/bin/sleep", "300"))
     m = install(tmp_path, s)
     cleanup(m)
     m.start(s.name, wait=True, timeout=20)
@@ -176,12 +178,15 @@ def _kill(pid: int) -> None:
     wait_for(lambda: not pid_alive(pid), what=f"process {pid} to die")
 
 
+@pytest.mark.parametrize("bare", [False, True], ids=["environment", "environment-unreadable"])
 @pytest.mark.parametrize("lost", [("main.pid", "status.json"), ("main.pid", "main.start", "status.json"),
                                   ("status.json-deleted", "main.pid-deleted")])
-def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped(tmp_path, cleanup, lost):
+def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped(tmp_path, cleanup, lost, bare):
     # (watchdog killed, main.pid and status.json emptied: status called the server failed and its port another
-    # process's, and down exited 0 leaving it serving)
-    m, s, folder, main = _running_sleep(tmp_path, cleanup, "lost")
+    # process's, and down exited 0 leaving it serving; the router too, whose environment reads empty)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "lost", bare=bare)
+    if bare:
+        assert Path(f"/proc/{main}/environ").read_bytes().strip(b"\0") == b""
     _kill(int((folder / "watchdog.pid").read_text()))
     for f in lost:
         if f.endswith("-deleted"):
@@ -225,6 +230,26 @@ def test_a_main_pid_naming_some_other_live_process_is_not_believed(tmp_path, cle
         (folder / "main.pid").write_text(f"{decoy.pid}\n")
         assert m.status(s.name).main_pid == main
         _kill(int((folder / "watchdog.pid").read_text()))
+        st_ = m.status(s.name)
+        assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, False), st_
+        m.stop(s.name)
+        wait_for(lambda: not pid_alive(main), 10, "role to die")
+        assert decoy.poll() is None  # never signalled
+    finally:
+        decoy.kill()
+        decoy.wait(5)
+
+
+def test_a_process_with_an_empty_environment_is_not_taken_for_the_role_once_main_start_is_gone(tmp_path, cleanup):
+    # (any process-group leader whose environment read empty was believed: down "stopped" a sleep's group and left
+    # the server serving)
+    import subprocess
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "decoyed", bare=True)
+    decoy = subprocess.Popen(["/usr/bin/env", "-i", "/bin/sleep", "300"], start_new_session=True, cwd=tmp_path)
+    try:
+        _kill(int((folder / "watchdog.pid").read_text()))
+        (folder / "main.start").unlink()
+        (folder / "main.pid").write_text(f"{decoy.pid}\n")
         st_ = m.status(s.name)
         assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, False), st_
         m.stop(s.name)
