@@ -555,6 +555,7 @@ class ProcessSupervisor(ServiceManager):
         mpid = self._main_pid(name, wpid)
         if wpid is not None:
             self.host.signal(wpid, signal.SIGTERM)
+            self.host.signal(wpid, signal.SIGCONT)  # (a stopped watchdog, kill -STOP or ^Z: it acts on the TERM now)
             if not self._wait_gone(lambda: self._alive(wpid), t):
                 self.host.signal(wpid, signal.SIGKILL)
                 self._wait_gone(lambda: self._alive(wpid), 5)

@@ -398,6 +398,17 @@ def test_a_stopped_role_gets_sigcont_after_sigterm_and_exits_on_its_own_like_und
     assert not pid_alive(pid)
 
 
+def test_a_stopped_watchdog_is_continued_so_stop_does_not_wait_out_its_timeout(tmp_path, cleanup):
+    # (a watchdog under kill -STOP held the TERM: down waited timeout_stop_s + 15 s, 135 s for a server, then SIGKILLed it
+    # and left its role to the group stop)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "frozen")
+    wd = int((folder / "watchdog.pid").read_text())
+    os.kill(wd, signal.SIGSTOP)
+    began = time.monotonic()
+    m.stop(s.name, timeout=60)
+    assert time.monotonic() - began < 30 and not pid_alive(wd) and not pid_alive(main)
+
+
 def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_writes_nothing(tmp_path, cleanup):
     s = svc("pc", ("/bin/sleep", "300"), secrets=(("HF_TOKEN", "hf_a"),), secrets_file=str(tmp_path / "pc.env"))
     m = install(tmp_path, s)
