@@ -25,6 +25,7 @@ import typer
 
 from pdctl.console.exit_codes import ExitCode, exit_code_for
 from pdctl.statemachine.errors import PdctlError, SpecError, findings_fields, os_error_text
+from pdctl.units import unsupervised_reason
 from pdctl.units.errors import UnitsError
 
 EXIT_HELP = (
@@ -587,7 +588,12 @@ _START_LIMIT = ("  [failed again and again until its start limit stopped the res
                 "`pdctl apply` starts it after the fix]")
 
 
-_UNSUPERVISED = "  [UNSUPERVISED: its supervisor is gone, a crash would not be restarted; `pdctl apply` restarts it]"
+def _unsupervised(unit: dict) -> str:
+    """The note on a unit that runs without a working supervisor (``supervised`` false), or ``""``."""
+    if unit.get("supervised", True):
+        return ""
+    return (f"  [UNSUPERVISED: its supervisor is {unsupervised_reason(unit.get('sub_state'))}, a crash would not be "
+            "restarted; `pdctl apply` restarts it]")
 
 _WATCHDOG_GONE = ("  [its supervisor (pdctl's watchdog process) and its server are both gone, killed or crashed: nothing "
                   "runs or restarts it; its output.log in the state directory's supervisor folder may say why; "
@@ -638,7 +644,7 @@ def _status_text(st: dict) -> str:
             health += _from_another_process(r, own)
         lines.append(
             f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
-            f"restarts {r['restarts']}  {r['url']}" + _UNSUPERVISED * (not r.get("supervised", True))
+            f"restarts {r['restarts']}  {r['url']}" + _unsupervised(r)
             + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (r.get("sub_state") == "watchdog-gone")
         )
@@ -648,7 +654,7 @@ def _status_text(st: dict) -> str:
             + (_from_another_process(rt, own) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  "
             + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + f"  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
-            + _UNSUPERVISED * (not rt.get("supervised", True))
+            + _unsupervised(rt)
             + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")
         )

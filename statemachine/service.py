@@ -22,6 +22,7 @@ from pdctl.statemachine.plan import Plan, make_plan
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
 from pdctl.statemachine.topology import Topology, topology_of, with_legacy_secrets_bridged
+from pdctl.units import unsupervised_reason
 
 __all__ = ["Loaded", "journal_for", "load", "plan_spec"]
 
@@ -213,7 +214,7 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
         fp = fingerprint_of(units, unit)
         proven = (step := state.steps.get(step_of[name])) is not None and step.status in ("done", "skipped")
         if not st.supervised:  # (never waited for nor proven: apply restarts it under a new supervisor)
-            out[name] = Runs(restart="it runs unsupervised (its supervisor is gone)")
+            out[name] = Runs(restart=f"it runs unsupervised (its supervisor is {unsupervised_reason(st.sub_state)})")
         elif rec == STARTED + fp:
             out[name] = Runs(kept="the unfinished apply started it with this spec's definition" + (
                 " and proved it" if proven else "; apply waits until it serves, then proves it"))
@@ -302,7 +303,7 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
     for r in st["roles"]:
         foreign = bool(r["health"]) and not r.get("port_owned", True)
         if not r.get("supervised", True):
-            lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is gone)")
+            lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is {unsupervised_reason(r.get('sub_state'))})")
         elif r["state"] != "active" or foreign:
             lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}"
                            + (" (from another process on its port)" if foreign else ""))
@@ -318,7 +319,7 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
                        "outside pdctl?): apply writes it back, and restarts the unit if it does not serve as specified")
     rt = st.get("router")
     if rt and not rt.get("supervised", True):
-        lasting.append("router UNSUPERVISED (its supervisor is gone)")
+        lasting.append(f"router UNSUPERVISED (its supervisor is {unsupervised_reason(rt.get('sub_state'))})")
     elif rt and rt["state"] != "active":
         lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
     elif rt and rt.get("mismatches_lasting"):

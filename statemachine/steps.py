@@ -44,7 +44,7 @@ from pdctl.statemachine.plan import (
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
-from pdctl.units import SUPERVISOR_LINE, UnitSet
+from pdctl.units import SUPERVISOR_LINE, UnitSet, unsupervised_reason
 
 __all__ = ["Context", "Timeouts", "steps_for"]
 
@@ -1021,7 +1021,8 @@ class ServersUp(Step):
         if not st.is_active:
             raise VerifyFailed(f"{role.name}: unit {unit} is {st.state}", step=self.name)
         if not st.supervised:  # serving, but a crash would not be restarted: apply restarts it under supervision
-            raise VerifyFailed(f"{role.name}: unit {unit} runs unsupervised (its supervisor is gone)", step=self.name)
+            raise VerifyFailed(f"{role.name}: unit {unit} runs unsupervised (its supervisor is "
+                               f"{unsupervised_reason(st.sub_state)})", step=self.name)
         code = probes.health(ctx.client, role.url)
         if code != 200:
             raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)

@@ -32,6 +32,7 @@ from ._systemd import (
 )
 from ._systemd_manager import SystemdManager, parse_show
 from ._types import (
+    SUPERVISOR_STOPPED,
     RouterLaunch,
     ServerLaunch,
     ServiceSpec,
@@ -41,6 +42,7 @@ from ._types import (
     cpu_list,
     cpu_set,
     pairs,
+    unsupervised_reason,
 )
 from .errors import (
     ForeignUnit,
@@ -56,6 +58,7 @@ __all__ = [
     "MARKER",
     "READINESS_GATE",
     "SUPERVISOR_LINE",
+    "SUPERVISOR_STOPPED",
     "CommandResultLike",
     "ForeignUnit",
     "HostLike",
@@ -92,4 +95,5 @@ __all__ = [
     "server_argv",
     "server_env",
     "unit_files",
+    "unsupervised_reason",
 ]

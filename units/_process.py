@@ -68,7 +68,7 @@ from ._manager import (
     secrets_pending,
 )
 from ._systemd import render_env_file
-from ._types import ServiceSpec, ServiceStatus, UnitSet
+from ._types import SUPERVISOR_STOPPED, ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
 
 __all__ = ["SUPERVISOR_LINE", "ProcessSupervisor", "parse_env_file"]
@@ -348,6 +348,13 @@ class ProcessSupervisor(ServiceManager):
         except OSError:
             return False
 
+    def _stopped(self, pid: int | None) -> bool:
+        """Whether *pid* is stopped by a signal (``kill -STOP``) or held by a tracer: ``T``/``t`` in proc(5)."""
+        try:
+            return bool(pid) and _proc_state(self.host.read_file(f"/proc/{pid}/stat")) in ("T", "t")
+        except OSError:
+            return False
+
     def _is_watchdog(self, pid: int | None, name: str) -> bool:
         if not self._alive(pid):
             return False
@@ -602,12 +609,14 @@ class ProcessSupervisor(ServiceManager):
                 sub = "unsupervised"
             else:
                 state, sub = "failed", "watchdog-gone"
+        elif state in ("activating", "active") and self._stopped(wpid) and self._alive(mpid):
+            sub = SUPERVISOR_STOPPED  # (it lives, but restarts nothing and marks nothing ready until continued)
         main = mpid if self._alive(mpid) else None
         if st.get("sub") == "status-unreadable" and main is not None:
             # (readiness unknown: its server runs, supervised or not; the watchdog's next transition rewrites the file)
             state = "active"
         return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
-                             supervised=sub != "unsupervised")
+                             supervised=sub not in ("unsupervised", SUPERVISOR_STOPPED))
 
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
         path = posixpath.join(self._dir(name), "output.log")

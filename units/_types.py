@@ -308,6 +308,18 @@ class UnitSet:
         raise KeyError(name)
 
 
+SUPERVISOR_STOPPED = "supervisor-stopped"
+"""``ServiceStatus.sub_state`` of a service whose watchdog lives but is stopped (``kill -STOP``, or held by a debugger:
+state ``T``/``t`` in ``/proc/PID/stat``): it restarts nothing until it is continued."""
+
+
+def unsupervised_reason(sub_state: str | None) -> str:
+    """Why a service that runs is not supervised, from its ``sub_state``: the words after "its supervisor is"."""
+    if sub_state == SUPERVISOR_STOPPED:
+        return "stopped (kill -STOP or a debugger; `kill -CONT` its watchdog to resume it)"
+    return "gone"
+
+
 @dataclass(frozen=True)
 class ServiceStatus:
     """What a manager observes of one service.
@@ -316,8 +328,8 @@ class ServiceStatus:
     ``activating`` (starting, or waiting for readiness, or waiting to restart), ``deactivating``,
     ``inactive``, ``failed``. ``restarts`` counts automatic restarts since the last manual start.
     ``supervised`` is False while the service's process runs but nothing watches it any more (the process
-    backend's watchdog was killed): it is still ``active``, yet a crash would not restart it. systemd
-    services are always supervised.
+    backend's watchdog was killed, or is stopped: ``sub_state`` :data:`SUPERVISOR_STOPPED`): it is still ``active``,
+    yet a crash would not restart it. systemd services are always supervised. :func:`unsupervised_reason` words why.
     """
 
     name: str

@@ -1963,6 +1963,32 @@ def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(
     assert process_gone(router["main_pid"]) and demo.pids() == []
 
 
+def test_a_role_whose_supervisor_is_stopped_is_reported_and_taken_back_by_apply(demo):
+    # kill -STOP of a watchdog leaves it alive but restarting nothing: status read healthy and supervised
+    demo.apply()
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    wd = int((demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid").read_text())
+    os.kill(wd, signal.SIGSTOP)
+    try:
+        st = demo.status()
+        d = next(r for r in st["roles"] if r["name"] == "decode")
+        assert (d["supervised"], d["sub_state"], d["health"], d["main_pid"]) == (False, "supervisor-stopped", 200,
+                                                                                 dec["main_pid"])
+        assert not st["healthy"]
+        text = demo.cli("status", str(demo.spec))
+        assert text.returncode == 1 and "UNSUPERVISED: its supervisor is stopped" in text.stdout, text.stdout
+        plan = demo.cli("plan", str(demo.spec))
+        assert plan.returncode == 2 and "decode UNSUPERVISED (its supervisor is stopped" in plan.stdout, plan.stdout
+        sink = ListSink()
+        demo.apply(sink=sink)  # (stops the role through its stopped watchdog, which it continues, then starts it anew)
+    finally:
+        if not process_gone(wd):
+            os.kill(wd, signal.SIGCONT)
+    assert ("step_verified", "decode_up") in sink.kinds()
+    st = demo.status()
+    assert st["healthy"] and process_gone(dec["main_pid"]) and process_gone(wd)
+
+
 def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     # The router was moved by a confirmed topology change applied from another spec: chat with the original spec
     # reaches the router that runs (as `pdctl status` reports it) and says the spec differs, instead of refusing.

@@ -26,6 +26,7 @@ from pdctl.units import (
     UnitSet,
     parse_env_file,
     render_env_file,
+    unsupervised_reason,
 )
 
 
@@ -407,6 +408,22 @@ def test_a_stopped_watchdog_is_continued_so_stop_does_not_wait_out_its_timeout(t
     began = time.monotonic()
     m.stop(s.name, timeout=60)
     assert time.monotonic() - began < 30 and not pid_alive(wd) and not pid_alive(main)
+
+
+def test_a_stopped_watchdog_reads_unsupervised_until_it_is_continued(tmp_path, cleanup):
+    # (under kill -STOP the watchdog restarts nothing; status read "active", supervised, as if a crash would be restarted)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "paused")
+    wd = int((folder / "watchdog.pid").read_text())
+    assert m.status(s.name).supervised
+    os.kill(wd, signal.SIGSTOP)
+    try:
+        st = m.status(s.name)
+        assert (st.state, st.sub_state, st.supervised, st.main_pid) == ("active", "supervisor-stopped", False, main)
+        assert "stopped" in unsupervised_reason(st.sub_state) and unsupervised_reason("unsupervised") == "gone"
+    finally:
+        os.kill(wd, signal.SIGCONT)
+    st = wait_for(lambda: (x := m.status(s.name)).supervised and x, what="supervised again")
+    assert (st.state, st.main_pid) == ("active", main)
 
 
 def test_pending_changes_names_what_install_would_change_unit_or_secrets_and_writes_nothing(tmp_path, cleanup):
