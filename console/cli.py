@@ -1231,6 +1231,9 @@ def os_error_hint(e: OSError) -> str:
                 "--state-dir / PDCTL_STATE_DIR, or run as the user that owns it")
     if e.errno == errno.ENOTDIR:
         return "a file is in that path where a folder should be: give --state-dir / PDCTL_STATE_DIR a folder's path"
+    if e.errno == errno.EISDIR and e.filename:
+        return (f"a folder is where pdctl keeps a file (its lock, journal or audit log): move {e.filename} aside "
+                "(pdctl writes no folder of that name; it creates the file itself), or give another --state-dir")
     return "check the path; the journal lives in --state-dir / PDCTL_STATE_DIR (default per service scope)"
 _SAID_WHEN_INTERRUPTED = {
     "plan": "interrupted: a plan changes nothing; run it again",

@@ -919,6 +919,24 @@ def test_a_state_directory_the_os_refuses_is_a_json_error_object_in_pdctls_words
     assert last["data"]["error"] in r.stderr, r.stderr  # the same words as on stderr
 
 
+def test_a_folder_where_the_lock_or_journal_belongs_is_named_with_the_fix(tmp_path):
+    # "lock: Is a directory" came with "check the path; the journal lives in --state-dir", which a folder there fits
+    d = seed_dict()
+    d["service_manager"] = "process"
+    spec = tmp_path / "seed.toml"
+    spec.write_text(_toml_dump(d, list(range(8))))
+    sd = tmp_path / "state"
+    for name in ("lock", "journal.json"):
+        (sd / name).mkdir(parents=True)
+        for cmd in (("plan",), ("down", "--yes")):
+            r = _pdctl(*cmd, str(spec), "--state-dir", str(sd))
+            assert r.returncode == 1 and f"{sd / name}: Is a directory" in r.stderr, (cmd, r.stderr)
+            assert f"move {sd / name} aside" in r.stderr, (cmd, r.stderr)
+        (sd / name).rmdir()
+        assert sorted(p.name for p in sd.iterdir()) == [], list(sd.iterdir())  # nothing written beside it
+    assert _pdctl("plan", str(spec), "--state-dir", str(sd)).returncode == 2  # the fix followed: plans again
+
+
 def test_a_terminal_gone_mutes_the_cli_streams_like_a_closed_pipe_and_other_errors_name_them():
     # After SIGHUP the SSH terminal answers writes with EIO: it raised and turned the exit code 129 into 1
     import errno
