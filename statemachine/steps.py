@@ -44,7 +44,7 @@ from pdctl.statemachine.plan import (
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
-from pdctl.units import SUPERVISOR_LINE, UnitSet, unsupervised_reason
+from pdctl.units import SUPERVISOR_LINE, SUPERVISOR_STOPPED, UnitSet, unsupervised_reason
 
 __all__ = ["Context", "Timeouts", "steps_for"]
 
@@ -1147,13 +1147,16 @@ class ServersUp(Step):
             if st.state == "failed":
                 msg = startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15))
                 raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))
-            if not st.supervised:  # its supervisor died: the unit would read "activating" until the bound ran out
+            if not st.supervised:  # its supervisor died or stopped: the unit would read "activating" until the bound
+                stopped = st.sub_state == SUPERVISOR_STOPPED
                 raise ApplyFailed(
-                    f"{role.name}: the supervisor of {unit} is gone while it started (server PID {st.main_pid} runs "
-                    "unwatched)",
+                    f"{role.name}: the supervisor of {unit} is {unsupervised_reason(st.sub_state)} while it started "
+                    f"(server PID {st.main_pid} runs unwatched)",
                     step=self.name,
-                    hint="check the state directory's disk is not full and read the unit's supervise.log; "
-                         "apply again restarts the role under a new supervisor")
+                    hint=("continue it (`kill -CONT` the PID in the unit's watchdog.pid) or apply again, which "
+                          "restarts the role under a new supervisor") if stopped else
+                         ("check the state directory's disk is not full and read the unit's supervise.log; "
+                          "apply again restarts the role under a new supervisor"))
             if not st.is_active:  # the manager's readiness gate has not passed yet
                 return None
             return True if probes.health(ctx.client, role.url, timeout=2.0) == 200 else None

@@ -1866,9 +1866,10 @@ def _kill_watchdog(demo, unit: str) -> int:
     return wd
 
 
-def test_an_apply_whose_role_loses_its_supervisor_while_starting_fails_at_once(make_demo):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_apply_whose_role_loses_its_supervisor_while_starting_fails_at_once(make_demo, sig):
     # The unit stayed "activating" with nothing left to mark it active, and the apply waited out role_start (30 min
-    # by default) in silence; a full disk had killed the supervisor that way
+    # by default) in silence; a full disk had killed the supervisor that way (a stopped one marks nothing active either)
     def slow(d):
         d["engine"]["env"]["PDCTL_SIM_LOAD_SECONDS"] = "10"
 
@@ -1884,22 +1885,31 @@ def test_an_apply_whose_role_loses_its_supervisor_while_starting_fails_at_once(m
             time.sleep(0.1)
         time.sleep(1)
         t0 = time.monotonic()
-        _kill_watchdog(demo, unit)
+        if sig == signal.SIGKILL:
+            wd = _kill_watchdog(demo, unit)
+        else:
+            wd = int(pid_file.read_text())
+            os.kill(wd, signal.SIGSTOP)
         _, err = p.communicate(timeout=60)
         took = time.monotonic() - t0
+        if sig == signal.SIGKILL:
+            assert f"the supervisor of {unit} is gone while it started" in err and "disk is not full" in err, err
+        else:
+            assert f"the supervisor of {unit} is stopped" in err and "kill -CONT" in err, err
+        # The same apply again restarts the role under a new supervisor (it waited for the unsupervised unit, and
+        # failed the same way every time)
+        r = demo.cli("apply", str(demo.spec))
     finally:
         if p.poll() is None:
             p.kill()
             p.wait(10)
+        if sig == signal.SIGSTOP and not process_gone(wd):
+            os.kill(wd, signal.SIGCONT)
     assert p.returncode == ExitCode.STEP_FAILED, err
-    assert f"the supervisor of {unit} is gone while it started" in err and "disk is not full" in err, err
     assert took < 8, took  # before the server's 10 s load ends, let alone role_start
-    # The same apply again restarts the role under a new supervisor (it waited for the unsupervised unit, and failed
-    # the same way every time)
-    r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 0, r.stderr
     assert f"restarting {unit}" in r.stderr, r.stderr
-    assert demo.status()["healthy"]
+    assert demo.status()["healthy"] and process_gone(wd)
     demo.cli("down", str(demo.spec), "--yes")
 
 
