@@ -68,6 +68,18 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """``kill -STOP`` *pid* and return once proc(5) shows it stopped (``T``): kill returns before the signal lands."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"PID {pid} not stopped {timeout} s after SIGSTOP")
+
+
 def interrupted_while_nvidia_smi_runs(tmp_path: Path, command: list[str], sig: int,
                                       smi_s: int = 30) -> tuple[subprocess.CompletedProcess, float, bool]:
     """``pdctl *command* <discover spec>`` with a host whose ``nvidia-smi`` answers only after *smi_s* seconds, sent

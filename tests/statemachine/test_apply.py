@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from harness import skip_or_fail
-from harness.deploy import process_gone
+from harness.deploy import process_gone, stop_process
 from pdctl.console.exit_codes import ExitCode
 from pdctl.statemachine import service
 from pdctl.statemachine.errors import ApplyFailed, HostError, LockHeld, RunCancelled, StepTimeout, VerifyFailed
@@ -1978,7 +1978,7 @@ def test_a_role_whose_supervisor_is_stopped_is_reported_and_taken_back_by_apply(
     demo.apply()
     dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
     wd = int((demo.state / "supervisor" / "services" / dec["unit"] / "watchdog.pid").read_text())
-    os.kill(wd, signal.SIGSTOP)
+    stop_process(wd)
     try:
         st = demo.status()
         d = next(r for r in st["roles"] if r["name"] == "decode")

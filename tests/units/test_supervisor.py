@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.deploy import stop_process
 from harness.sim import free_port
 from harness.systemd import pid_alive
 from pdctl.statemachine.hosts import LocalHost
@@ -415,7 +416,7 @@ def test_a_stopped_watchdog_reads_unsupervised_until_it_is_continued(tmp_path, c
     m, s, folder, main = _running_sleep(tmp_path, cleanup, "paused")
     wd = int((folder / "watchdog.pid").read_text())
     assert m.status(s.name).supervised
-    os.kill(wd, signal.SIGSTOP)
+    stop_process(wd)
     try:
         st = m.status(s.name)
         assert (st.state, st.sub_state, st.supervised, st.main_pid) == ("active", "supervisor-stopped", False, main)
