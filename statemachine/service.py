@@ -1476,9 +1476,9 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
         )
 
 
-def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
-    """The deployment's units (of what the journal records and what the spec asks) that *manager* has installed,
-    in stopping order: router, decode, the rest."""
+def _candidate_units(loaded: Loaded, state) -> list[str]:  # noqa: ANN001
+    """The deployment's units, of what the journal records and what the spec asks, in stopping order: router, decode,
+    the rest."""
     names: list[str] = list(dict.fromkeys(state.removing))  # an interrupted apply's dropped roles not yet removed
     for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
         if topo is None:
@@ -1487,7 +1487,12 @@ def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN0
             if n not in names:
                 names.append(n)
     names.sort(key=_stop_order)
-    return [n for n in names if manager.installed_text(n) is not None]
+    return names
+
+
+def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
+    """:func:`_candidate_units` that *manager* has installed."""
+    return [n for n in _candidate_units(loaded, state) if manager.installed_text(n) is not None]
 
 
 def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:  # noqa: ANN001
@@ -1502,6 +1507,12 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
         if owner not in (None, loaded.deployment.name):
             names.remove(n)
             sink.emit(Event("info", f"{n} belongs to deployment {owner!r}: left as it is", data={"unit": n}))
+    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()}
+    for n in _candidate_units(loaded, state):
+        # (its supervisor's folder removed by hand while it ran: not installed, yet its processes serve)
+        if n in recorded and n not in names and (pids := manager.stop_orphans(n)):
+            sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
+                            data={"unit": n, "was": "orphaned"}))
     if not names:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:

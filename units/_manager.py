@@ -115,6 +115,11 @@ class ServiceManager(ABC):
         """Stop a unit and every process it started, within *timeout* seconds (default: the
         unit's stop timeout plus a margin). A stopped unit is a no-op."""
 
+    def stop_orphans(self, name: str, *, timeout: float = 60.0) -> list[int]:
+        """Stop what still runs for a unit that is no longer installed (its files removed by hand while it ran), within
+        *timeout* seconds; the PIDs stopped. A manager whose units cannot outlive their files (systemd) has none."""
+        return []
+
     def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
         """Stop then start (see :meth:`stop`, :meth:`start`)."""
         self.stop(name)

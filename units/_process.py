@@ -131,6 +131,10 @@ def parse_env_file(text: str) -> dict[str, str]:
     return out
 
 
+_PID_FILES = ("watchdog.pid", "main.pid", "main.start")
+"""The files a watchdog's start writes and :meth:`ProcessSupervisor.stop` removes: one left means never stopped."""
+
+
 def _proc_state(stat: bytes) -> str:
     """State letter of a ``/proc/PID/stat`` line (after the command name's closing paren)."""
     rest = stat[stat.rfind(b")") + 2:]
@@ -243,11 +247,15 @@ class ProcessSupervisor(ServiceManager):
         if wpid is not None:
             for e in self._pids():
                 try:
-                    if _proc_ppid(self.host.read_file(f"/proc/{e}/stat")) == wpid and \
-                            tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
-                        return e
+                    stat = self.host.read_file(f"/proc/{e}/stat")
+                    if _proc_ppid(stat) != wpid:
+                        continue
+                    env = self.host.read_file(f"/proc/{e}/environ")
                 except OSError:
                     continue
+                # (the watchdog's child that leads its group is its role: smg's environment reads empty)
+                if tag in env.split(b"\0") or (not env.strip(b"\0") and _proc_pgrp(stat) == e):
+                    return e
             return None
         last = st.get("main_pid")
         if isinstance(last, int) and last > 0 and self._alive(last) and self._is_main(last, name):
@@ -322,8 +330,12 @@ class ProcessSupervisor(ServiceManager):
         if isinstance(st, dict):
             return st
         # (gone while a PID file :meth:`stop` removes is still there: deleted under a running role, not stopped)
-        if self.host.exists(path) or any(self.host.exists(posixpath.join(d, f)) for f in ("watchdog.pid", "main.pid")):
+        if self.host.exists(path) or any(self.host.exists(posixpath.join(d, f)) for f in _PID_FILES):
             return {"state": "activating", "sub": "status-unreadable", "updated": 0}
+        # (gone with the PID files, where a watchdog once ran (its logs): deleted, maybe under a running role; nothing
+        # found running, it reads inactive — the PID files that say it was never stopped are gone too)
+        if any(self.host.exists(posixpath.join(d, f)) for f in ("supervise.log", "output.log")):
+            return {"state": "activating", "sub": "status-unreadable", "updated": 0, "ran": True}
         return {}
 
     def _pids(self) -> list[int]:
@@ -550,9 +562,63 @@ class ProcessSupervisor(ServiceManager):
         data = self._unit(name)
         if data["kind"] == "target":
             for s in reversed(data["target"]["wants"]):
-                self._stop_service(s, timeout)
+                if self.installed_text(s) is not None:  # (a folder removed by hand: stop_orphans is for that)
+                    self._stop_service(s, timeout)
             return
         self._stop_service(name, timeout)
+
+    def stop_orphans(self, name: str, *, timeout: float = 60.0) -> list[int]:
+        """The watchdog and role of *name* still running once its folder is gone (``rm -rf`` under a running role):
+        found in one scan of ``/proc`` — a watchdog by its command line (``python -m pdctl.units.supervise <the
+        folder>``), a role as a process-group leader whose environment carries ``PDCTL_UNIT=<name>`` and
+        ``PDCTL_UNIT_DIR=<the folder>`` or, where it reads empty (smg), that works in the deleted folder — and stopped
+        as :meth:`stop` does (SIGTERM then SIGCONT; SIGKILL after *timeout*). The PIDs stopped; ``[]`` while the unit
+        is installed (:meth:`stop` is for that)."""
+        if self.installed_text(name) is not None:
+            return []
+        d = posixpath.normpath(self._dir(name))
+        try:  # (the cwd link of a process holds the resolved path: the folder's parent resolved, and its name)
+            r = self.host.run(["readlink", "-f", posixpath.dirname(d)], timeout=10, check=False)
+            real = posixpath.join(r.stdout.strip(), posixpath.basename(d)) if r.returncode == 0 else d
+        except (OSError, TimeoutError):
+            real = d
+        tag, where = f"{UNIT_ENV}={name}".encode(), f"{UNIT_DIR_ENV}={d}".encode()
+        watchdogs, roles = [], []
+        for e in self._pids():
+            try:
+                stat = self.host.read_file(f"/proc/{e}/stat")
+                if _proc_state(stat) in ("Z", "X"):
+                    continue
+                if WATCHDOG_MODULE.encode() in (cmd := self.host.read_file(f"/proc/{e}/cmdline").split(b"\0")) \
+                        and d.encode() in cmd:
+                    watchdogs.append(e)
+                    continue
+                if _proc_pgrp(stat) != e:
+                    continue
+                env = self.host.read_file(f"/proc/{e}/environ")
+            except OSError:
+                continue
+            if env.strip(b"\0"):
+                if tag in env.split(b"\0") and where in env.split(b"\0"):
+                    roles.append(e)
+                continue
+            try:
+                r = self.host.run(["readlink", f"/proc/{e}/cwd"], timeout=10, check=False)
+            except (OSError, TimeoutError):
+                continue
+            if r.returncode == 0 and r.stdout.rstrip("\n") in (d, real, f"{d} (deleted)", f"{real} (deleted)"):
+                roles.append(e)
+        for w in watchdogs:  # (a watchdog stops its role on SIGTERM, as for any stop)
+            self.host.signal(w, signal.SIGTERM)
+            self.host.signal(w, signal.SIGCONT)
+        for pid in roles:
+            self.host.signal(pid, signal.SIGTERM, group=True)
+            self.host.signal(pid, signal.SIGCONT, group=True)
+        for pid in [*watchdogs, *roles]:
+            if not self._wait_gone(lambda pid=pid: self._alive(pid), timeout):
+                self.host.signal(pid, signal.SIGKILL, group=pid in roles)
+                self._wait_gone(lambda pid=pid: self._alive(pid), 5)
+        return [*watchdogs, *roles]
 
     def _stop_service(self, name: str, timeout: float | None) -> None:
         spec = self._spec(name)
@@ -575,7 +641,7 @@ class ProcessSupervisor(ServiceManager):
                 if not self._wait_gone(lambda: bool(self._group_members(mpid, name)), 5):
                     raise ServiceTimeout(f"{name}: process group {mpid} survived SIGKILL", unit=name)
         d = self._dir(name)
-        for f in ("watchdog.pid", "main.pid", "main.start"):
+        for f in _PID_FILES:
             p = posixpath.join(d, f)
             if self.host.exists(p):
                 self.host.remove_file(p)
@@ -607,6 +673,8 @@ class ProcessSupervisor(ServiceManager):
                 pass  # the watchdog is being born
             elif self._alive(mpid):
                 sub = "unsupervised"
+            elif st.get("ran"):
+                state, sub = "inactive", "dead"
             else:
                 state, sub = "failed", "watchdog-gone"
         elif state in ("activating", "active") and self._stopped(wpid) and self._alive(mpid):

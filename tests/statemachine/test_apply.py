@@ -1999,6 +1999,29 @@ def test_a_role_whose_supervisor_is_stopped_is_reported_and_taken_back_by_apply(
     assert st["healthy"] and process_gone(dec["main_pid"]) and process_gone(wd)
 
 
+def test_down_stops_roles_whose_supervisor_files_were_deleted_or_whose_folder_was_removed(demo):
+    # (files deleted under a running role: status read inactive, "from another process on its port"; down said "was not
+    # running", exited 0 and left the server and smg serving; apply then refused the deployment's own ports)
+    import shutil
+
+    demo.apply()
+    st = demo.status()
+    services = demo.state / "supervisor" / "services"
+    dec = next(r for r in st["roles"] if r["name"] == "decode")
+    _kill_watchdog(demo, dec["unit"])
+    for f in ("status.json", "main.pid", "main.start", "watchdog.pid"):
+        (services / dec["unit"] / f).unlink()
+    router = st["router"]
+    shutil.rmtree(services / router["unit"])  # (its watchdog alive; smg's environment reads empty)
+    st = demo.status()
+    d = next(r for r in st["roles"] if r["name"] == "decode")
+    assert (d["state"], d["main_pid"], d["supervised"]) == ("active", dec["main_pid"], False), d
+    r = demo.cli("down", str(demo.spec), "--yes")
+    assert r.returncode == 0, r.stderr
+    assert f"stopped {router['unit']}'s processes" in r.stderr and f"stopped {dec['unit']}" in r.stderr, r.stderr
+    assert process_gone(dec["main_pid"]) and process_gone(router["main_pid"]) and demo.pids() == []
+
+
 def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     # The router was moved by a confirmed topology change applied from another spec: chat with the original spec
     # reaches the router that runs (as `pdctl status` reports it) and says the spec differs, instead of refusing.

@@ -182,7 +182,9 @@ def _kill(pid: int) -> None:
 
 @pytest.mark.parametrize("bare", [False, True], ids=["environment", "environment-unreadable"])
 @pytest.mark.parametrize("lost", [("main.pid", "status.json"), ("main.pid", "main.start", "status.json"),
-                                  ("status.json-deleted", "main.pid-deleted")])
+                                  ("status.json-deleted", "main.pid-deleted"),
+                                  ("status.json-deleted", "main.pid-deleted", "main.start-deleted",
+                                   "watchdog.pid-deleted")])
 def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped(tmp_path, cleanup, lost, bare):
     # (watchdog killed, main.pid and status.json emptied: status called the server failed and its port another
     # process's, and down exited 0 leaving it serving; the router too, whose environment reads empty)
@@ -200,6 +202,52 @@ def test_a_role_whose_watchdog_and_files_are_all_gone_is_still_found_and_stopped
     m.stop(s.name)
     wait_for(lambda: not pid_alive(main), 10, "role to die")
     assert m.status(s.name).state == "inactive"
+
+
+@pytest.mark.parametrize("bare", [False, True], ids=["environment", "environment-unreadable"])
+def test_a_role_whose_files_are_deleted_under_its_live_watchdog_is_found_and_stopped(tmp_path, cleanup, bare):
+    # (every file but unit.json deleted while the watchdog ran: status read inactive with the server serving, and down
+    # left both the watchdog and its role running)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "deleted", bare=bare)
+    wd = int((folder / "watchdog.pid").read_text())
+    for f in ("status.json", "main.pid", "main.start", "watchdog.pid"):
+        (folder / f).unlink()
+    st_ = m.status(s.name)
+    assert (st_.state, st_.main_pid, st_.supervised) == ("active", main, True), st_
+    m.stop(s.name)
+    wait_for(lambda: not pid_alive(main) and not pid_alive(wd), 10, "role and watchdog to die")
+    assert m.status(s.name).state == "inactive"
+
+
+def test_a_stopped_role_whose_status_file_is_deleted_reads_inactive_not_failed(tmp_path, cleanup):
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "gone")
+    m.stop(s.name)
+    (folder / "status.json").unlink()
+    st_ = m.status(s.name)
+    assert (st_.state, st_.sub_state, st_.main_pid) == ("inactive", "dead", None), st_
+
+
+@pytest.mark.parametrize("watchdog", ["alive", "killed"])
+@pytest.mark.parametrize("bare", [False, True], ids=["environment", "environment-unreadable"])
+def test_a_role_whose_folder_is_removed_is_stopped_by_stop_orphans(tmp_path, cleanup, bare, watchdog):
+    # (rm -rf of the unit's folder under a running role: nothing installed, so down stopped nothing and said nothing)
+    import shutil
+
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "orphan", bare=bare)
+    wd = int((folder / "watchdog.pid").read_text())
+    if watchdog == "killed":
+        _kill(wd)
+    other = install(tmp_path / "other", s)  # (another state directory's role of the same name: never touched)
+    cleanup(other)
+    other.start(s.name, wait=True, timeout=20)
+    theirs = other.main_pid(s.name)
+    shutil.rmtree(folder)
+    assert m.status(s.name).sub_state == "not-found"
+    stopped = m.stop_orphans(s.name, timeout=10)
+    assert main in stopped and (watchdog == "killed" or wd in stopped) and theirs not in stopped, (stopped, main, wd)
+    wait_for(lambda: not pid_alive(main) and not pid_alive(wd), 10, "role and watchdog to die")
+    assert pid_alive(theirs) and other.status(s.name).state == "active"
+    assert m.stop_orphans(s.name) == []
 
 
 def test_another_state_directorys_role_of_the_same_name_is_never_taken_for_this_one(tmp_path, cleanup):
