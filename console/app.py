@@ -446,7 +446,7 @@ class ConsoleApp(App[int]):
             return
         if holder := self._locked_by():
             self.notify(f"Locked by PID {holder.get('pid')} ({holder.get('purpose', '?')}, since {holder.get('since', '?')}): "
-                        "wait for it to finish", severity="warning")
+                        "wait for it to finish", severity="warning", markup=False)
             return
         plan = self.plan
         if plan is None:
@@ -679,7 +679,7 @@ class ConsoleApp(App[int]):
         panel.plan = message.plan
         self._w(TopologyPanel).plan = message.plan
         if message.error:
-            self.notify(f"Spec not planned: {message.error}", severity="error", timeout=8)
+            self.notify(f"Spec not planned: {message.error}", severity="error", timeout=8, markup=False)
         if self._show_plan_on_planned:  # r: reloading the spec shows its plan
             self._show_plan_on_planned = False
             self.action_show_tab("plan")
@@ -706,18 +706,19 @@ class ConsoleApp(App[int]):
             self._progressed_at = time.monotonic()
             self._refresh_proof(steps)
         if ev.kind in ("step_failed", "role_removed"):
-            self.notify(ev.message, severity="error" if ev.kind == "step_failed" else "information", timeout=8)
+            self.notify(ev.message, severity="error" if ev.kind == "step_failed" else "information", timeout=8,
+                        markup=False)
         self.sub_title = self._status_line(ev.message)
 
     def on_console_app_apply_finished(self, message: ApplyFinished) -> None:
         self.applying = False
         self.last_apply_error = message.error
         if message.error is None:
-            self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied")
+            self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied", markup=False)
         elif isinstance(message.error, ApplyCancelled):  # the operator's own x: no error, where it stopped
             stopped = self._interrupted_at
             self.notify(f"the apply stopped{' at ' + stopped if stopped else ' before it changed anything'}"
-                        + ("; a resumes it" if stopped else ""), title="Apply cancelled", severity="warning")
+                        + ("; a resumes it" if stopped else ""), title="Apply cancelled", severity="warning", markup=False)
         else:
             err = message.error
             try:  # (another process's later apply or down writes the journal: the header then stops saying this)
@@ -733,7 +734,8 @@ class ConsoleApp(App[int]):
                     f"{getattr(err, 'message', None) or err}"
                     + (f" (it would have failed at {step})" if step and refused else ""))
             title = "Apply refused" if refused else getattr(err, "title", None) or type(err).__name__
-            self.notify(text + (f"\nhint: {hint}" if hint else ""), title=title, severity="error", timeout=15)
+            # (not markup: an error's "[parsers]" or "[router]" names the fix)
+            self.notify(text + (f"\nhint: {hint}" if hint else ""), title=title, severity="error", timeout=15, markup=False)
             self._w(PlanPanel).last_failure = (f"Last apply ({time.strftime('%H:%M:%S')}): {title}: {text}"
                                                + (f"\nhint: {hint}" if hint else ""))
         self.sub_title = self._status_line()

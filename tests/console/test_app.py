@@ -556,6 +556,30 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
         await wait_for(pilot, lambda: "Last apply" not in str(app.query_one(PlanPanel).render()))
 
 
+async def test_a_failed_apply_toast_keeps_the_bracketed_section_its_hint_names(console_demo):
+    # (the toast read "…on BOTH prefill and decode (), then apply": "[parsers]" was taken for markup and dropped)
+    from textual.content import Content
+
+    from pdctl.statemachine.errors import ApplyFailed
+
+    def failed(loaded, *, confirm=None, expect_plan=None, sink=None, timeouts=None):  # noqa: ANN001, ANN202
+        raise ApplyFailed("parsers not configured [router] side", step="parsers_configured",
+                          hint="set the parsers on BOTH prefill and decode ([parsers]), then apply")
+
+    app = make_app(console_demo, apply_fn=failed)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
+        await wait_for(pilot, lambda: list(app._notifications))
+        # (each message as Textual's Toast.render reads it)
+        shown = " ".join(str(Content.from_markup(n.message) if n.markup else Content(n.message))
+                         for n in app._notifications)
+        assert "([parsers]), then apply" in shown and "[router] side" in shown, shown
+
+
 async def test_reloading_is_not_offered_while_an_apply_runs(console_demo):
     # (r mid-apply replaced the topology, plan and header with an edited spec's while the old plan went on applying)
     fake = BlockingApply()
