@@ -311,6 +311,9 @@ class _Reporter:
         """The apply began (``apply_started``): a failure from then on may have changed the deployment."""
 
     def emit(self, event) -> None:  # noqa: ANN001
+        global _apply_finished
+        # (from its apply_done on, an apply's work is journalled done: a Ctrl-C then must not turn it into 130)
+        _apply_finished = _apply_finished or event.kind == "apply_done"
         self.engine_spoke = True
         self.started = self.started or event.kind == "apply_started"
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
@@ -349,6 +352,10 @@ _apply_entered = False  # apply's body began: from there on it says itself how a
 _interrupted_hint: str | None = None  # a command's own words for an interruption (down's), instead of _INTERRUPTED
 """The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
+_apply_finished = False
+"""The apply reached its end (``apply_done`` emitted): a signal from then on is ignored, so that a finished apply exits 0
+(a Ctrl-C just after it read 130, "interrupted", with nothing interrupted)."""
+
 _terminated: int | None = None
 """The signal that stopped the command, SIGTERM or SIGHUP (``_signals_as_interrupt``): main() then exits 143 or 129,
 not 130."""
@@ -377,6 +384,8 @@ def _signals_as_interrupt() -> Iterator[None]:
 
     def on_signal(signum, frame) -> None:  # noqa: ANN001
         global _terminated
+        if _apply_finished:
+            return
         if _terminated is None and signum != signal.SIGINT:
             _terminated = signum
         for s in stops:
@@ -388,7 +397,7 @@ def _signals_as_interrupt() -> Iterator[None]:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if _apply_finished else handler)  # (finished: only its last line is left)
 
 
 @contextlib.contextmanager
@@ -1098,9 +1107,10 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    global _interrupted_step, _interrupted_hint, _terminated, _apply_entered
+    global _interrupted_step, _interrupted_hint, _terminated, _apply_entered, _apply_finished
     _interrupted_step = _interrupted_hint = _terminated = None
-    _apply_entered = False
+    _apply_entered = _apply_finished = False
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     if not isinstance(sys.stdout, _PipeSafe):
         sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
     exit_kinds, usage_kinds, abort_kinds = _click_kinds()
@@ -1150,6 +1160,9 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         _err(f"error: <stdout>: {e.strerror or e}")
         rc = rc or ExitCode.ERROR
+    if argv is not None:  # (called in-process, not as the program: its caller's handlers back; the program exits here)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 
 

@@ -2022,6 +2022,30 @@ def test_down_stops_roles_whose_supervisor_files_were_deleted_or_whose_folder_wa
     assert process_gone(dec["main_pid"]) and process_gone(router["main_pid"]) and demo.pids() == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_just_after_the_apply_finished_does_not_make_it_an_interruption(demo, sig):
+    # (Ctrl-C as the apply printed its last line: exit 130 and no word, after apply_done and a journalled apply-done)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
+    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        kinds = []
+        for line in p.stdout:  # (bounded: the apply ends, or the finally kills it)
+            kinds.append(json.loads(line)["kind"])
+            if kinds[-1] == "apply_done":
+                p.send_signal(sig)
+                break
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert kinds[-1] == "apply_done" and rest.strip() == "", (kinds, rest)
+    assert p.returncode == 0, (p.returncode, err)
+    assert demo.status()["healthy"]
+    demo.cli("down", str(demo.spec), "--yes")
+
+
 def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     # The router was moved by a confirmed topology change applied from another spec: chat with the original spec
     # reaches the router that runs (as `pdctl status` reports it) and says the spec differs, instead of refusing.
