@@ -109,10 +109,15 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     again; or a role's TP or GPUs changed): once one of the target's roles was started for it (its unit journalled),
     or proven as the target shapes it where that differs from the recorded role (its step done since the target was
     journalled: its unit's record is a plain fingerprint again, no longer ``started:``), that return changes what
-    runs, so it is planned, named and confirmed from the interrupted target."""
+    runs, so it is planned, named and confirmed from the interrupted target. With nothing recorded as deployed (a first
+    deployment interrupted), the plan starts from that target once one of its units was started for it."""
     deployed, target = state.deployed, state.target
-    if target is None or deployed is None or target == desired:
+    if target is None or target == desired:
         return deployed
+    if deployed is None:
+        # an interrupted first deployment toward another topology: once it started a unit, apply stops and removes
+        # what *desired* lacks of it, so the plan starts from it (it read "a first deployment", every role added)
+        return target if any(n in state.units for n in unit_names(target).values()) else None
     from pdctl.statemachine.steps import STARTED
 
     names, wanted = unit_names(target), {x.name for x in desired.roles}
@@ -364,7 +369,10 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
         other = pending != plan.to_topology
         notes = ["an earlier apply did not finish; `pdctl apply` re-proves every step and restarts what it left "
                  "half-changed"]
-        if plan.from_topology == pending != recorded.deployed:
+        if plan.from_topology == pending and recorded.deployed is None:
+            notes.append("that apply (a first deployment) had started roles of its spec, so this plan starts from "
+                         "what it was applying: apply stops and removes what this spec lacks of it")
+        elif plan.from_topology == pending != recorded.deployed:
             notes.append("that apply had begun to change the topology (roles of its spec were started), so this plan "
                          "starts from what it was applying: going back is a topology change too")
         # (the roles the comparison restarts that the plan keeps as that apply left them: it says so itself)

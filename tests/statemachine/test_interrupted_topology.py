@@ -221,6 +221,28 @@ def test_a_first_deployment_interrupted_once_prefill_was_proven_plans_prefill_as
     assert _pids(demo)["prefill"] == prefill and demo.status()["healthy"]
 
 
+def test_another_spec_after_an_interrupted_first_deployment_plans_the_roles_apply_removes(demo):
+    # (a first PD deployment killed once prefill ran, then a single-server spec of the same name: plan said "2 to add,
+    # 0 to destroy ... a first deployment, no --confirm-topology needed", and apply stopped and removed prefill and decode)
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(sink=_InterruptAt("step_verified", step="prefill_up"))
+    prefill = _pids(demo)["prefill"]
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    plan = demo.cli("plan", str(collapse))
+    assert plan.returncode == 2, plan.stderr
+    assert "- role.prefill" in plan.stdout and "- role.decode" in plan.stdout, plan.stdout
+    assert "--confirm-topology" in plan.stdout and "PD disaggregation → single server" in plan.stdout, plan.stdout
+    assert "apply stops and removes what this spec lacks of it" in plan.stderr, plan.stderr
+    r = demo.cli("apply", str(collapse))  # (the collapse the plan names is refused unconfirmed: prefill still serves)
+    assert r.returncode == 2 and _pids(demo)["prefill"] == prefill, r.stderr
+    planned = service.plan_spec(demo.load(collapse))
+    assert {c.address for c in planned.changes if c.action == "delete"} >= {"role.prefill", "role.decode"}
+    r = demo.cli("apply", str(collapse), "--confirm-topology", planned.plan_id)
+    assert r.returncode == 0, r.stderr
+    assert f"stopped and removed pdctl-{demo.name}-prefill.service" in r.stderr, r.stderr
+    assert demo.load(collapse).journal.read().deployed == planned.to_topology
+
+
 def test_a_router_an_interrupted_first_deployment_started_is_kept_not_restarted(demo):
     # (the router's start, unlike a restart, was not journalled: the resume took the ready router for another
     # definition and restarted it, while its plan had said nothing of it but "+ router will be created")
