@@ -56,7 +56,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ._host import HostLike
 from ._manager import (
@@ -219,15 +219,34 @@ class ProcessSupervisor(ServiceManager):
         st = self._status_record(name)
         if st.get("state") not in ("activating", "active", "deactivating"):
             return None
+        return next(iter(self._watchdogs_of(name)), None)
+
+    def _watchdogs_of(self, name: str) -> list[int]:
+        """The live processes whose command line is ``python -m pdctl.units.supervise <name's folder>`` (one scan of
+        ``/proc``), whatever the folder holds."""
         want = (WATCHDOG_MODULE.encode(), self._dir(name).encode())
+        out = []
         for e in self._pids():
             try:
                 cmd = self.host.read_file(f"/proc/{e}/cmdline").split(b"\0")
             except OSError:
                 continue
             if all(w in cmd for w in want) and self._alive(e):
-                return e
-        return None
+                out.append(e)
+        return out
+
+    def _group_leaders(self) -> Iterator[tuple[int, bytes, bytes]]:
+        """``(pid, stat, environ)`` of each live process-group leader whose ``/proc`` files this user can read: where a
+        role's main process is looked for once its PID files are gone (the watchdog starts it in its own group)."""
+        for e in self._pids():
+            try:
+                stat = self.host.read_file(f"/proc/{e}/stat")
+                if _proc_pgrp(stat) != e or _proc_state(stat) in ("Z", "X"):
+                    continue
+                env = self.host.read_file(f"/proc/{e}/environ")
+            except OSError:
+                continue
+            yield e, stat, env
 
     def _main_pid(self, name: str, wpid: int | None) -> int | None:
         """The PID of *name*'s main process while it runs: ``main.pid``'s while that names the process the watchdog
@@ -262,14 +281,7 @@ class ProcessSupervisor(ServiceManager):
             return last
         where = f"{UNIT_DIR_ENV}={posixpath.normpath(self._dir(name))}".encode()
         recorded = self._recorded_start(name)
-        for e in self._pids():
-            try:
-                stat = self.host.read_file(f"/proc/{e}/stat")
-                if _proc_pgrp(stat) != e or _proc_state(stat) in ("Z", "X"):
-                    continue
-                env = self.host.read_file(f"/proc/{e}/environ")
-            except OSError:
-                continue
+        for e, stat, env in self._group_leaders():
             if env.strip(b"\0"):
                 if tag in env.split(b"\0") and where in env.split(b"\0"):
                     return e
@@ -583,20 +595,9 @@ class ProcessSupervisor(ServiceManager):
         except (OSError, TimeoutError):
             real = d
         tag, where = f"{UNIT_ENV}={name}".encode(), f"{UNIT_DIR_ENV}={d}".encode()
-        watchdogs, roles = [], []
-        for e in self._pids():
-            try:
-                stat = self.host.read_file(f"/proc/{e}/stat")
-                if _proc_state(stat) in ("Z", "X"):
-                    continue
-                if WATCHDOG_MODULE.encode() in (cmd := self.host.read_file(f"/proc/{e}/cmdline").split(b"\0")) \
-                        and d.encode() in cmd:
-                    watchdogs.append(e)
-                    continue
-                if _proc_pgrp(stat) != e:
-                    continue
-                env = self.host.read_file(f"/proc/{e}/environ")
-            except OSError:
+        watchdogs, roles = self._watchdogs_of(name), []
+        for e, _stat, env in self._group_leaders():
+            if e in watchdogs:
                 continue
             if env.strip(b"\0"):
                 if tag in env.split(b"\0") and where in env.split(b"\0"):

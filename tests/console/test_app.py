@@ -508,6 +508,15 @@ async def test_quitting_when_the_apply_finishes_before_the_answer_exits_with_how
     assert "the apply finished before it could be stopped" in said and "waiting for it" not in said, said
 
 
+async def _apply_that_fails(pilot, app) -> None:  # noqa: ANN001
+    """Press a, confirm with y, and wait until the apply (its apply_fn raising) has ended with its error."""
+    await wait_for(pilot, lambda: app.plan is not None)
+    await pilot.press("a")
+    await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
+    await pilot.press("y")
+    await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
+
+
 async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(console_demo):
     # (its toast expired and nothing said it: the header kept an earlier apply's words)
     from pdctl.statemachine.errors import ApplyFailed
@@ -518,11 +527,7 @@ async def test_an_apply_refused_before_its_first_step_stays_said_in_the_header(c
 
     app = make_app(console_demo, apply_fn=refused)
     async with app.run_test(size=(160, 24)) as pilot:
-        await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
+        await _apply_that_fails(pilot, app)
         app.clear_notifications()
         await pilot.pause(0.3)
         # refused, nothing changed: not "FAILED at router_exposed" as though a step had run and failed there
@@ -568,11 +573,7 @@ async def test_a_failed_apply_toast_keeps_the_bracketed_section_its_hint_names(c
 
     app = make_app(console_demo, apply_fn=failed)
     async with app.run_test(size=(160, 40)) as pilot:
-        await wait_for(pilot, lambda: app.plan is not None)
-        await pilot.press("a")
-        await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
-        await pilot.press("y")
-        await wait_for(pilot, lambda: app.last_apply_error is not None and not app.applying)
+        await _apply_that_fails(pilot, app)
         await wait_for(pilot, lambda: list(app._notifications))
         # (each message as Textual's Toast.render reads it)
         shown = " ".join(str(Content.from_markup(n.message) if n.markup else Content(n.message))

@@ -1500,7 +1500,7 @@ def test_status_tells_an_apply_that_runs_from_one_that_was_interrupted(demo):
     assert demo.status()["healthy"]
 
 
-def _json_apply_signalled(demo, sig, *, spec: Path | None = None, at: tuple[str, str] = ("step_started", "prefill_up"),
+def _json_apply_signalled(demo, sig, *, spec: Path | None = None, at: tuple[str, str | None] = ("step_started", "prefill_up"),
                           **popen) -> tuple:  # noqa: ANN001, ANN003
     """``pdctl apply SPEC --json`` (*spec*, else the demo's) in a child process, sent *sig* right after the event *at*
     (kind, step): (process, events, stderr)."""
@@ -2025,22 +2025,8 @@ def test_down_stops_roles_whose_supervisor_files_were_deleted_or_whose_folder_wa
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_just_after_the_apply_finished_does_not_make_it_an_interruption(demo, sig):
     # (Ctrl-C as the apply printed its last line: exit 130 and no word, after apply_done and a journalled apply-done)
-    env = {**os.environ, "PDCTL_STATE_DIR": str(demo.state)}
-    p = subprocess.Popen([sys.executable, "-m", "pdctl", "apply", str(demo.spec), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        kinds = []
-        for line in p.stdout:  # (bounded: the apply ends, or the finally kills it)
-            kinds.append(json.loads(line)["kind"])
-            if kinds[-1] == "apply_done":
-                p.send_signal(sig)
-                break
-        rest, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-    assert kinds[-1] == "apply_done" and rest.strip() == "", (kinds, rest)
+    p, events, err = _json_apply_signalled(demo, sig, at=("apply_done", None))
+    assert events[-1]["kind"] == "apply_done" and "apply_interrupted" not in [e["kind"] for e in events], events
     assert p.returncode == 0, (p.returncode, err)
     assert demo.status()["healthy"]
     demo.cli("down", str(demo.spec), "--yes")
