@@ -81,8 +81,8 @@ class SpecError(PdctlError, ValueError):
     def findings_json(self, level: str = "error") -> list[dict[str, str | None]]:
         """The errors among :attr:`findings` (*level* ``"warning"``: the warnings found beside them) for ``--json``
         output: ``[{field, message, fix}]``. A rule's finding (``rules.Finding``) as it is; a parse error's
-        ``(field, message, fix)`` (an unknown or missing key) as those; any other parse error's line,
-        ``"field: message"`` (its fix in the message; always an error), split at its first ``": "`` with ``fix`` null.
+        ``(field, message, fix)`` (an unknown or missing key, a wrong type, shape, choice or range) as those; any other
+        parse error's line, ``"field: message"`` (always an error), split at its first ``": "`` with ``fix`` null.
         Empty for a spec that cannot be read at all (the message says why)."""
         out: list[dict[str, str | None]] = []
         for f in self.findings:

@@ -491,33 +491,35 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
-# Messages for a value of the wrong shape (pydantic error type -> what to write instead).
+# Messages for a value of the wrong shape (pydantic error type -> (what is wrong, what to write instead)).
 _SHAPE_FIXES = {
-    "string_type": "must be text: put it in quotes",
-    "dict_type": "must be a table: write it as [section] or { key = value }",
-    "too_short": "must not be empty: give at least one",
-    "finite_number": "must be a finite number: write a number, not inf or nan",
+    "string_type": ("must be text", "put it in quotes"),
+    "dict_type": ("must be a table", "write it as [section] or { key = value }"),
+    "too_short": ("must not be empty", "give at least one"),
+    "finite_number": ("must be a finite number", "write a number, not inf or nan"),
 }
 
 
-def _list_fix(loc: tuple) -> str:
-    # A list written as something else: an example that fits the field.
+def _list_fix(loc: tuple) -> tuple[str, str]:
+    # A list written as something else: (message, fix) with an example that fits the field.
     name = loc[-1] if loc else ""
     if name in ("prefill", "decode", "server"):
-        return f"must be a list of tables: write each one as [[{name}]] (double brackets)"
+        return "must be a list of tables", f"write each one as [[{name}]] (double brackets)"
     example = {"gpus": "[0, 1, 2, 3]", "gpu_numa": "[0, 0, 1, 1]", "which": '["sparse_mla_decode"]',
                "extra_args": '["--flag", "value"]'}.get(name, '["a", "b"]')
-    return f"must be a list: write it in brackets, e.g. {example}"
+    return "must be a list", f"write it in brackets, e.g. {example}"
 
 
-def _choice_fix(value: Any, expected: str) -> str:
-    """The message for a value outside a field's fixed choices (a ``Literal``), worded as the other messages are,
-    with the nearest choices (:func:`difflib.get_close_matches`, case ignored) when one is close.
+def _choice_fix(value: Any, expected: str) -> tuple[str, str | None]:
+    """``(message, fix)`` for a value outside a field's fixed choices (a ``Literal``), worded as the other messages
+    are; the fix names the nearest choices (:func:`difflib.get_close_matches`, case ignored) when one is close, else
+    None (the message lists them all).
     *expected* is pydantic's rendering of the choices (``"'a', 'b' or 'c'"``); pdctl's choices are plain names
     without quotes in them."""
     choices = re.findall(r"'([^']*)'", expected)
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     msg = f"must be one of {', '.join(repr(c) for c in choices)}, not {shown}"
+    fix = None
     if isinstance(value, str):
         lower = {c.lower(): c for c in choices}
         # the choices a short value begins ("fp8": fp8_e4m3, fp8_e5m2), then the closest by spelling
@@ -525,8 +527,8 @@ def _choice_fix(value: Any, expected: str) -> str:
         near = list(dict.fromkeys([*starts, *(lower[n] for n in difflib.get_close_matches(
             value.lower(), list(lower), n=3, cutoff=0.6))]))[:max(3, len(starts))]
         if near:
-            msg += f": did you mean {' or '.join(repr(n) for n in near)}?"
-    return msg
+            fix = f"did you mean {' or '.join(repr(n) for n in near)}?"
+    return msg, fix
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -594,11 +596,12 @@ def _is_toml_number(text: str, *, whole: bool) -> bool:
     return isinstance(v, int) if whole else isinstance(v, (int, float))
 
 
-def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | None] = lambda v: None) -> str:
-    """The message for a number or switch written as another TOML type (strict fields above). ``check(v)`` gives the
-    validation error the field would raise for the value ``v`` (None if it would pass): a fix that proposes a value
-    (the number without its quotes, a whole number for an integral float, a percentage as a fraction) names the
-    field's range instead when that value would fail it, so that following the message leads somewhere."""
+def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | None] = lambda v: None,
+              ) -> tuple[str, str]:
+    """``(message, fix)`` for a number or switch written as another TOML type (strict fields above). ``check(v)``
+    gives the validation error the field would raise for the value ``v`` (None if it would pass): a fix that
+    proposes a value (the number without its quotes, a whole number for an integral float, a percentage as a
+    fraction) names the field's range instead when that value would fail it, so that following it leads somewhere."""
     want = {"int_type": "a whole number", "float_type": "a number"}.get(kind, "true or false")
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     proposed: Any = None
@@ -621,11 +624,11 @@ def _type_fix(kind: str, value: Any, check: Callable[[Any], dict[str, Any] | Non
         err = check(proposed)
         if err is not None and err["type"] in _BOUNDS:
             words, bound, hint = _range_parts(err["type"], proposed, err.get("ctx", {}))
-            return f"must be {want} {words} {bound}, not {shown}: {hint}"
+            return f"must be {want} {words} {bound}, not {shown}", hint
         if err is not None:  # e.g. "inf" or "1e400" unquoted: not a finite number either
             fin = err["type"] == "finite_number"
-            return f"must be {want}, not {shown}: write {'a finite number, not inf or nan' if fin else want}"
-    return f"must be {want}, not {shown}: {fix}"
+            return f"must be {want}, not {shown}", f"write {'a finite number, not inf or nan' if fin else want}"
+    return f"must be {want}, not {shown}", fix
 
 
 def _is_fraction(check: Callable[[Any], dict[str, Any] | None], text: str) -> bool:
@@ -659,11 +662,11 @@ _BOUNDS = {"greater_than": ("more than", "gt"), "greater_than_equal": ("at least
            "less_than": ("less than", "lt"), "less_than_equal": ("at most", "le")}
 
 
-def _range_fix(kind: str, value: Any, ctx: dict[str, Any]) -> str:
-    """The message for a number outside its field's range: the bound, the value, and for a fraction written as a
-    percentage (e.g. ``mem_fraction = 90``) the fraction meant."""
+def _range_fix(kind: str, value: Any, ctx: dict[str, Any]) -> tuple[str, str]:
+    """``(message, fix)`` for a number outside its field's range: the bound, the value, and for a fraction written as
+    a percentage (e.g. ``mem_fraction = 90``) the fraction meant."""
     words, bound, hint = _range_parts(kind, value, ctx)
-    return f"must be {words} {bound}, not {value}: {hint}"
+    return f"must be {words} {bound}, not {value}", hint
 
 
 def _range_parts(kind: str, value: Any, ctx: dict[str, Any]) -> tuple[str, Any, str]:
@@ -735,7 +738,8 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
             if len(err["loc"]) >= 2 and err["loc"][-1] == "[key]":  # a table's key, e.g. numa_cpus = { zero = … }
                 field = _loc(err["loc"][:-2])
                 if err["type"] in _BOUNDS:
-                    msg = f"key {err['loc'][-2]!r} " + _range_fix(err["type"], err["input"], err.get("ctx", {}))
+                    msg, fix = _range_fix(err["type"], err["input"], err.get("ctx", {}))
+                    msg = f"key {err['loc'][-2]!r} {msg}"
                 elif err["loc"][-3:-2] == ("numa_cpus",):
                     msg = (f"key {err['loc'][-2]!r} must be a NUMA node number (0, 1, …): write e.g. "
                            f'{{ 0 = "0-31", 1 = "32-63" }}')
@@ -752,19 +756,19 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
             elif err["type"] == "missing":
                 msg, fix = "required", "add it"
             elif err["type"] in ("int_type", "bool_type", "float_type"):
-                msg = _type_fix(err["type"], err["input"], lambda v, loc=err["loc"]: _error_at(data, loc, v))
+                msg, fix = _type_fix(err["type"], err["input"], lambda v, loc=err["loc"]: _error_at(data, loc, v))
             elif err["type"] == "list_type":
-                msg = _list_fix(err["loc"])
+                msg, fix = _list_fix(err["loc"])
             elif err["type"] == "literal_error":
-                msg = _choice_fix(err["input"], err.get("ctx", {}).get("expected", ""))
+                msg, fix = _choice_fix(err["input"], err.get("ctx", {}).get("expected", ""))
             elif err["type"] in _BOUNDS:
-                msg = _range_fix(err["type"], err["input"], err.get("ctx", {}))
+                msg, fix = _range_fix(err["type"], err["input"], err.get("ctx", {}))
             elif err["type"] == "string_type" and isinstance(err["input"], dict):
                 # e.g. numa_cpus = { 1.0 = "32-63" }: TOML reads the dotted key as the table { 1 = { 0 = "32-63" } }
                 msg = (f"must be text, not the table {err['input']!r}: a dotted key (like 1.0 or a.b) makes a "
                        "nested table in TOML; put the whole key in quotes")
             elif err["type"] in _SHAPE_FIXES:
-                msg = _SHAPE_FIXES[err["type"]]
+                msg, fix = _SHAPE_FIXES[err["type"]]
             lines.append(f"{field}: {msg}" + (f": {fix}" if fix else ""))
             found.append((field, msg, fix) if fix else lines[-1])
         where = f"{path}: " if path else ""

@@ -875,12 +875,13 @@ def test_plan_json_on_a_bad_spec_still_prints_an_object_and_os_errors_get_a_fitt
     r = _pdctl("validate", str(SEED), "--json")
     assert r.returncode == 0 and json.loads(r.stdout) == {"spec": str(SEED), "valid": True, "findings": [],
                                                          "warnings": [], "error": None, "hint": None}, r.stdout
-    d["decode"][0]["port"] = "30020"  # a parse error: its line split at the field, the fix inside the message
+    d["decode"][0]["port"] = "30020"  # a parse error: field, message and fix apart (the fix was inside the message)
     spec.write_text(_toml_dump(d, list(range(8))))
     for cmd in (("plan", "--json"), ("status", "--json")):
         out = json.loads(_pdctl(cmd[0], str(spec), *cmd[1:]).stdout)
-        assert out["findings"] == [{"field": "decode[0].port", "message": "must be a whole number, not '30020': "
-                                    "remove the quotes", "fix": None}], (cmd, out)
+        assert out["findings"] == [{"field": "decode[0].port", "message": "must be a whole number, not '30020'",
+                                    "fix": "remove the quotes"}], (cmd, out)
+        assert "decode[0].port: must be a whole number, not '30020': remove the quotes" in out["error"], out
     events = [json.loads(x) for x in _pdctl("apply", str(spec), "--json").stdout.splitlines()]
     assert events[-1]["kind"] == "apply_failed" and events[-1]["data"]["findings"][0]["field"] == "decode[0].port"
     # a read-only state directory (a ro mount, another user's): "check the path" did not help
