@@ -832,6 +832,7 @@ def apply(
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
+                _stop_orphaned(ctx.manager, state, sink)  # (the plan restarts them: its unit files are written back)
                 ports_taken_elsewhere(ctx, own)
                 gpus_taken_elsewhere(ctx, own)
             except StepError as exc:
@@ -1498,6 +1499,20 @@ def _candidate_units(loaded: Loaded, state) -> list[str]:  # noqa: ANN001
     return names
 
 
+def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
+    """Stop what still runs of the journal's units (deployed, an unfinished apply's target, its drop list) whose unit
+    files are gone (a supervisor folder removed by hand while its role ran: :meth:`ServiceManager.stop_orphans`), each
+    said as an event. down and apply do it before their port checks, which would otherwise find the deployment's own
+    processes on its ports with nothing to stop them (apply waited 225 s for them, then failed)."""
+    from pdctl.statemachine.events import Event
+
+    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()}
+    for n in sorted(recorded, key=_stop_order):
+        if manager.installed_text(n) is None and (pids := manager.stop_orphans(n)):
+            sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
+                            data={"unit": n, "was": "orphaned"}))
+
+
 def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
     """:func:`_candidate_units` that *manager* has installed."""
     return [n for n in _candidate_units(loaded, state) if manager.installed_text(n) is not None]
@@ -1515,12 +1530,7 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
         if owner not in (None, loaded.deployment.name):
             names.remove(n)
             sink.emit(Event("info", f"{n} belongs to deployment {owner!r}: left as it is", data={"unit": n}))
-    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()}
-    for n in _candidate_units(loaded, state):
-        # (its supervisor's folder removed by hand while it ran: not installed, yet its processes serve)
-        if n in recorded and n not in names and (pids := manager.stop_orphans(n)):
-            sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
-                            data={"unit": n, "was": "orphaned"}))
+    _stop_orphaned(manager, state, sink)
     if not names:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     for n in names:

@@ -2032,6 +2032,23 @@ def test_a_signal_just_after_the_apply_finished_does_not_make_it_an_interruption
     demo.cli("down", str(demo.spec), "--yes")
 
 
+def test_apply_stops_a_role_whose_supervisor_folder_was_removed_and_starts_it_again(demo):
+    # (apply waited 225 s for "this deployment's previous processes" to let go of decode's port, which nothing had asked
+    # them to, then failed; down stopped them)
+    import shutil
+
+    demo.apply()
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    shutil.rmtree(demo.state / "supervisor" / "services" / dec["unit"])
+    t0 = time.monotonic()
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert f"stopped {dec['unit']}'s processes" in r.stderr and "its files were gone" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 120 and process_gone(dec["main_pid"])
+    st = demo.status()
+    assert st["healthy"] and next(x for x in st["roles"] if x["name"] == "decode")["main_pid"] != dec["main_pid"]
+
+
 def test_chat_talks_to_the_router_that_runs_after_a_confirmed_move(demo):
     # The router was moved by a confirmed topology change applied from another spec: chat with the original spec
     # reaches the router that runs (as `pdctl status` reports it) and says the spec differs, instead of refusing.
