@@ -1485,9 +1485,9 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
         )
 
 
-def _candidate_units(loaded: Loaded, state) -> list[str]:  # noqa: ANN001
-    """The deployment's units, of what the journal records and what the spec asks, in stopping order: router, decode,
-    the rest."""
+def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
+    """The deployment's units (of what the journal records and what the spec asks) that *manager* has installed,
+    in stopping order: router, decode, the rest."""
     names: list[str] = list(dict.fromkeys(state.removing))  # an interrupted apply's dropped roles not yet removed
     for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
         if topo is None:
@@ -1496,26 +1496,24 @@ def _candidate_units(loaded: Loaded, state) -> list[str]:  # noqa: ANN001
             if n not in names:
                 names.append(n)
     names.sort(key=_stop_order)
-    return names
+    return [n for n in names if manager.installed_text(n) is not None]
 
 
 def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
     """Stop what still runs of the journal's units (deployed, an unfinished apply's target, its drop list) whose unit
     files are gone (a supervisor folder removed by hand while its role ran: :meth:`ServiceManager.stop_orphans`), each
     said as an event. down and apply do it before their port checks, which would otherwise find the deployment's own
-    processes on its ports with nothing to stop them (apply waited 225 s for them, then failed)."""
+    processes on its ports with nothing to stop them (apply waited 225 s for them, then failed). Only units the journal
+    records as started are looked for (each look is a scan of the host's ``/proc``): a target's unit never started has
+    nothing to find."""
     from pdctl.statemachine.events import Event
 
-    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()}
+    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()
+                                      if n in state.units}
     for n in sorted(recorded, key=_stop_order):
         if manager.installed_text(n) is None and (pids := manager.stop_orphans(n)):
             sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
                             data={"unit": n, "was": "orphaned"}))
-
-
-def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
-    """:func:`_candidate_units` that *manager* has installed."""
-    return [n for n in _candidate_units(loaded, state) if manager.installed_text(n) is not None]
 
 
 def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:  # noqa: ANN001
