@@ -707,6 +707,9 @@ def _status_text(st: dict) -> str:
             stale = (f"  [proven before {', '.join(since)} restarted (a crash its supervisor recovered from?): "
                      "`pdctl apply` proves it again]") if since else ""
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}{stale}")
+    for unit in st.get("missing_units") or ():
+        lines.append(f"  {unit}: its files are gone (removed outside pdctl?): `pdctl apply` stops what it still "
+                     "runs and installs the unit again; `pdctl down` stops it")
     for unit in st.get("edited_units") or ():
         lines.append(f"  {unit}: its unit file differs from what pdctl writes (edited outside pdctl?); a crash or reboot "
                      "would start the edited one: `pdctl apply` writes it back")
@@ -738,6 +741,8 @@ def _from_another_process(view: dict, leftover: "set[str] | frozenset[str]" = fr
         return f" (from this deployment's {unit}, of the recorded deployment the unfinished apply drops: see below)"
     if unit:
         return f" (from another process on its port: pdctl unit {unit})"
+    if view.get("port_orphaned"):
+        return " (from this deployment's own process, whose supervisor folder is gone)"
     if how is not None:
         return " (from this deployment's own process, applied another way" + (f": it runs under {how})" if how else ")")
     return " (from another process on its port)"

@@ -310,8 +310,9 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
         if not r.get("supervised", True):
             lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is {unsupervised_reason(r.get('sub_state'))})")
         elif r["state"] != "active" or foreign:
-            lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}"
-                           + (" (from another process on its port)" if foreign else ""))
+            lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}" + (
+                " (from its own process, whose supervisor folder is gone)" if foreign and r.get("port_orphaned")
+                else " (from another process on its port)" if foreign else ""))
         elif not r["healthy"]:
             answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
     if (st.get("target") or {}).get("enabled") is False:  # installed, not enabled: a reboot would not start it
@@ -319,6 +320,9 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
     elif (st.get("target") or {}).get("state") not in (None, "active"):  # (apply starts it once every step is proven)
         lasting.append(f"{st['target']['unit']} is {st['target']['state']} (the units it groups run without it; "
                        "`systemctl stop` of it would not stop them): apply starts it")
+    for unit in st.get("missing_units") or ():
+        lasting.append(f"{unit}'s files are gone (removed outside pdctl?): apply stops what it still runs and installs it "
+                       "again")
     for unit in st.get("edited_units") or ():  # (a crash or reboot would start what the edit says)
         lasting.append(f"{unit}'s unit file differs from what pdctl writes for the definition it proved (edited "
                        "outside pdctl?): apply writes it back, and restarts the unit if it does not serve as specified")
@@ -577,21 +581,28 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     return plan
 
 
-def _port_holder(host, port: int, found, own: set[str]) -> tuple[str | None, str | None]:  # noqa: ANN001
+def _port_holder(host, port: int, found, own: set[str],  # noqa: ANN001
+                 state_dir: str) -> tuple[str | None, str | None, bool]:
     """Who a listener on *port* (among *found*, :func:`ports.listeners`) runs for, where the status's own unit does
-    not: ``(another deployment's pdctl unit, None)`` (:func:`ports.pdctl_unit_of`), ``(None, how)`` for this
-    deployment's own unit (one of *own*) applied another way (another ``--state-dir``, user or service manager:
-    :func:`ports.applied_with`'s words, "" where they do not tell), ``(None, None)`` otherwise."""
+    not: ``(another deployment's pdctl unit, None, False)`` (:func:`ports.pdctl_unit_of`); ``(None, how, False)`` for
+    this deployment's own unit (one of *own*) applied another way (another ``--state-dir``, user or service manager:
+    :func:`ports.applied_with`'s words, "" where they do not tell); ``(None, None, True)`` for its own unit under the
+    process supervisor of *state_dir*, the one status reads, whose unit folder is gone (removed by hand while it ran:
+    ``down`` and ``apply`` stop it, :meth:`~pdctl.units.ServiceManager.stop_orphans`); ``(None, None, False)``
+    otherwise."""
     from pdctl.statemachine import ports
 
     for x in found:
         if x.port != port or x.pid is None:
             continue
         if unit := ports.pdctl_unit_of(host, x.pid, other_than=own):
-            return unit[0], None
+            return unit[0], None, False
         if how := ports.started_by(host, x.pid, own):
-            return None, ports.applied_with(how) or ""
-    return None, None
+            words = ports.applied_with(how)
+            if words == ports.applied_with(f"{state_dir}/supervisor/services/pdctl-"):
+                return None, None, True
+            return None, words or "", False
+    return None, None, False
 
 
 def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
@@ -976,7 +987,12 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     of the deployment is still recorded or running, that record's event, ts, pid and error; else None;
     ``edited_units``: with no apply unfinished and the spec's topology deployed, the units whose installed file (or
     secrets file) differs from what pdctl writes for the definition apply proved (``steps.edited_units``: edited
-    outside pdctl), which a crash or reboot would start as edited.
+    outside pdctl), which a crash or reboot would start as edited; ``missing_units``: with no apply unfinished, the
+    units apply proved running (``JournalState.units``) that are no longer installed (their files removed by hand),
+    which ``down`` and ``apply`` still stop where they run;
+    each role's and the router's ``port_orphaned``: whether its port is answered by this deployment's own process under
+    this state directory's process supervisor whose unit folder is gone (``port_held_for`` /
+    ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way).
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -1034,8 +1050,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # router port answered by another deployment's router read as this one's)
         router["port_owned"] = bool(router["readiness"]) and router["main_pid"] is not None and ports.listener_belongs(
             host, topo.router.port, router["main_pid"], found, bind=ports.bind_address(topo.router.host))[0]
-        router["port_held_for"], router["port_applied_elsewhere"] = (None, None) if router["port_owned"] or not \
-            router["readiness"] else _port_holder(host, topo.router.port, found, set(names.values()))
+        router["port_held_for"], router["port_applied_elsewhere"], router["port_orphaned"] = (None, None, False) \
+            if router["port_owned"] or not router["readiness"] else _port_holder(
+                host, topo.router.port, found, set(names.values()), str(loaded.journal.dir))
         # where its own process tree listens: after an apply interrupted before it restarted the router, the one that
         # runs is the recorded deployment's, bound where that one said (e.g. every interface while the target says
         # loopback), and status says so rather than the target's address
@@ -1047,8 +1064,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             host, r.port, st.main_pid, found, bind=ports.bind_address(r.http_host))[0]
         # (the answer came from another pdctl deployment's server, e.g. this spec's before it was renamed, or from this
         # deployment's own, applied with another --state-dir, user or service manager)
-        held_for, elsewhere = (None, None) if owned or not code else _port_holder(host, r.port, found,
-                                                                                   set(names.values()))
+        held_for, elsewhere, orphaned = (None, None, False) if owned or not code else _port_holder(
+            host, r.port, found, set(names.values()), str(loaded.journal.dir))
         roles.append(
             {
                 "name": r.name,
@@ -1066,6 +1083,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "port_owned": owned,
                 "port_held_for": held_for,
                 "port_applied_elsewhere": elsewhere,
+                "port_orphaned": orphaned,
                 "supervised": st.supervised,
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
             }
@@ -1171,6 +1189,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             units = None
         if units is not None:
             edited = edited_units(manager, units, state.units, [u for u in names.values() if u in units.names])
+    # a unit apply proved whose files were removed by hand (its supervisor folder `rm -rf`'d): not "edited"
+    missing = [u for u in names.values() if state.target is None and u in state.units
+               and manager.installed_text(u) is None]
+    edited = [u for u in edited if u not in missing]
     return {
         "deployment": topo.name,
         "mode": topo.mode,
@@ -1191,6 +1213,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "leftover": leftover,
         "removed": removed,
         "edited_units": edited,
+        "missing_units": missing,
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }

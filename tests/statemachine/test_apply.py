@@ -2040,6 +2040,18 @@ def test_apply_stops_a_role_whose_supervisor_folder_was_removed_and_starts_it_ag
     demo.apply()
     dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
     shutil.rmtree(demo.state / "supervisor" / "services" / dec["unit"])
+    # status and plan say whose the answers are and what is missing (they said "this deployment's own process, applied
+    # another way: it runs under state directory <this one>", hinted at another --state-dir, and called the removed
+    # unit file "edited")
+    st = demo.status()
+    d = next(r for r in st["roles"] if r["name"] == "decode")
+    assert (d["port_orphaned"], d["port_applied_elsewhere"], d["port_held_for"]) == (True, None, None), d
+    assert st["missing_units"] == [dec["unit"]] and st["edited_units"] == [], st
+    r = demo.cli("status", str(demo.spec))
+    assert "(from this deployment's own process, whose supervisor folder is gone)" in r.stdout, r.stdout
+    assert f"{dec['unit']}: its files are gone" in r.stdout and "applied another way" not in r.stdout, r.stdout
+    r = demo.cli("plan", str(demo.spec))
+    assert r.returncode == 2 and f"{dec['unit']}'s files are gone" in r.stdout and "edited" not in r.stdout, r.stdout
     t0 = time.monotonic()
     r = demo.cli("apply", str(demo.spec))
     assert r.returncode == 0, r.stderr
