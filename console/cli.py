@@ -742,7 +742,7 @@ def _from_another_process(view: dict, leftover: "set[str] | frozenset[str]" = fr
     if unit:
         return f" (from another process on its port: pdctl unit {unit})"
     if view.get("port_orphaned"):
-        return " (from this deployment's own process, whose supervisor folder is gone)"
+        return " (from this deployment's own process, whose supervisor's files are gone)"
     if how is not None:
         return " (from this deployment's own process, applied another way" + (f": it runs under {how})" if how else ")")
     return " (from another process on its port)"

@@ -311,7 +311,7 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
             lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is {unsupervised_reason(r.get('sub_state'))})")
         elif r["state"] != "active" or foreign:
             lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}" + (
-                " (from its own process, whose supervisor folder is gone)" if foreign and r.get("port_orphaned")
+                " (from its own process, whose supervisor's files are gone)" if foreign and r.get("port_orphaned")
                 else " (from another process on its port)" if foreign else ""))
         elif not r["healthy"]:
             answers.append(f"{r['name']} active, health {r['health'] or 'down'}")
@@ -587,7 +587,7 @@ def _port_holder(host, port: int, found, own: set[str],  # noqa: ANN001
     not: ``(another deployment's pdctl unit, None, False)`` (:func:`ports.pdctl_unit_of`); ``(None, how, False)`` for
     this deployment's own unit (one of *own*) applied another way (another ``--state-dir``, user or service manager:
     :func:`ports.applied_with`'s words, "" where they do not tell); ``(None, None, True)`` for its own unit under the
-    process supervisor of *state_dir*, the one status reads, whose unit folder is gone (removed by hand while it ran:
+    process supervisor of *state_dir*, the one status reads, whose unit's files are gone (removed by hand while it ran:
     ``down`` and ``apply`` stop it, :meth:`~pdctl.units.ServiceManager.stop_orphans`); ``(None, None, False)``
     otherwise."""
     from pdctl.statemachine import ports
@@ -991,7 +991,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     units apply proved running (``JournalState.units``) that are no longer installed (their files removed by hand),
     which ``down`` and ``apply`` still stop where they run;
     each role's and the router's ``port_orphaned``: whether its port is answered by this deployment's own process under
-    this state directory's process supervisor whose unit folder is gone (``port_held_for`` /
+    this state directory's process supervisor whose unit's files are gone (``port_held_for`` /
     ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way).
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
@@ -1524,8 +1524,8 @@ def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN0
 
 def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
     """Stop what still runs of the journal's units (deployed, an unfinished apply's target, its drop list) whose unit
-    files are gone (a supervisor folder removed by hand while its role ran: :meth:`ServiceManager.stop_orphans`), each
-    said as an event. down and apply do it before their port checks, which would otherwise find the deployment's own
+    files are gone (a supervisor folder removed by hand while its role ran, or all its files but the unit's own:
+    :meth:`ServiceManager.stop_orphans`), each said as an event. down and apply do it before their port checks, which would otherwise find the deployment's own
     processes on its ports with nothing to stop them (apply waited 225 s for them, then failed). Only units the journal
     records as started are looked for (each look is a scan of the host's ``/proc``): a target's unit never started has
     nothing to find."""
@@ -1534,7 +1534,7 @@ def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
     recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()
                                       if n in state.units}
     for n in sorted(recorded, key=_stop_order):
-        if manager.installed_text(n) is None and (pids := manager.stop_orphans(n)):
+        if pids := manager.stop_orphans(n):
             sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
                             data={"unit": n, "was": "orphaned"}))
 

@@ -584,9 +584,11 @@ class ProcessSupervisor(ServiceManager):
         found in one scan of ``/proc`` — a watchdog by its command line (``python -m pdctl.units.supervise <the
         folder>``), a role as a process-group leader whose environment carries ``PDCTL_UNIT=<name>`` and
         ``PDCTL_UNIT_DIR=<the folder>`` or, where it reads empty (smg), that works in the deleted folder — and stopped
-        as :meth:`stop` does (SIGTERM then SIGCONT; SIGKILL after *timeout*). The PIDs stopped; ``[]`` while the unit
-        is installed (:meth:`stop` is for that)."""
-        if self.installed_text(name) is not None:
+        as :meth:`stop` does (SIGTERM then SIGCONT; SIGKILL after *timeout*). The same for a folder that holds its
+        ``unit.json`` and nothing else (the watchdog's files and logs deleted under it: nothing says it ran, so
+        :meth:`status` reads it inactive). The PIDs stopped; ``[]`` while the unit is installed with any record of its
+        watchdog (:meth:`stop` is for that)."""
+        if self.installed_text(name) is not None and self._status_record(name):
             return []
         d = posixpath.normpath(self._dir(name))
         try:  # (the cwd link of a process holds the resolved path: the folder's parent resolved, and its name)

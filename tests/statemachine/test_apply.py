@@ -2022,6 +2022,24 @@ def test_down_stops_roles_whose_supervisor_files_were_deleted_or_whose_folder_wa
     assert process_gone(dec["main_pid"]) and process_gone(router["main_pid"]) and demo.pids() == []
 
 
+def test_down_stops_a_role_whose_folder_holds_only_its_unit_file(demo):
+    # (every file but unit.json deleted, logs too: status read the role inactive, "another process on its port", and
+    # down said "was not running" and left it serving)
+    demo.apply()
+    pre = next(r for r in demo.status()["roles"] if r["name"] == "prefill")
+    folder = demo.state / "supervisor" / "services" / pre["unit"]
+    for f in folder.iterdir():
+        if f.name != "unit.json":
+            f.unlink()
+    st = demo.status()
+    p = next(r for r in st["roles"] if r["name"] == "prefill")
+    assert (p["state"], p["health"], p["port_orphaned"]) == ("inactive", 200, True), p
+    r = demo.cli("down", str(demo.spec), "--yes")
+    assert r.returncode == 0, r.stderr
+    assert f"stopped {pre['unit']}'s processes" in r.stderr, r.stderr
+    assert process_gone(pre["main_pid"]) and demo.pids() == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_just_after_the_apply_finished_does_not_make_it_an_interruption(demo, sig):
     # (Ctrl-C as the apply printed its last line: exit 130 and no word, after apply_done and a journalled apply-done)
@@ -2048,7 +2066,7 @@ def test_apply_stops_a_role_whose_supervisor_folder_was_removed_and_starts_it_ag
     assert (d["port_orphaned"], d["port_applied_elsewhere"], d["port_held_for"]) == (True, None, None), d
     assert st["missing_units"] == [dec["unit"]] and st["edited_units"] == [], st
     r = demo.cli("status", str(demo.spec))
-    assert "(from this deployment's own process, whose supervisor folder is gone)" in r.stdout, r.stdout
+    assert "(from this deployment's own process, whose supervisor's files are gone)" in r.stdout, r.stdout
     assert f"{dec['unit']}: its files are gone" in r.stdout and "applied another way" not in r.stdout, r.stdout
     r = demo.cli("plan", str(demo.spec))
     assert r.returncode == 2 and f"{dec['unit']}'s files are gone" in r.stdout and "edited" not in r.stdout, r.stdout

@@ -250,6 +250,31 @@ def test_a_role_whose_folder_is_removed_is_stopped_by_stop_orphans(tmp_path, cle
     assert m.stop_orphans(s.name) == []
 
 
+@pytest.mark.parametrize("watchdog", ["alive", "killed"])
+def test_a_role_whose_folder_holds_only_its_unit_file_is_stopped_by_stop_orphans(tmp_path, cleanup, watchdog):
+    # (every file but unit.json deleted, the logs too: nothing says a watchdog ran, so status reads inactive, and down
+    # looked for nothing, leaving the role serving)
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "bare-folder")
+    wd = int((folder / "watchdog.pid").read_text())
+    if watchdog == "killed":
+        _kill(wd)
+    for f in folder.iterdir():
+        if f.name != "unit.json":
+            f.unlink()
+    assert m.status(s.name).state == "inactive"
+    stopped = m.stop_orphans(s.name, timeout=10)
+    assert main in stopped and (watchdog == "killed" or wd in stopped), (stopped, main, wd)
+    wait_for(lambda: not pid_alive(main) and not pid_alive(wd), 10, "role and watchdog to die")
+    assert m.stop_orphans(s.name) == []
+
+
+def test_stop_orphans_leaves_an_installed_unit_with_its_records_to_stop(tmp_path, cleanup):
+    m, s, folder, main = _running_sleep(tmp_path, cleanup, "kept")
+    assert m.stop_orphans(s.name) == [] and pid_alive(main)
+    m.stop(s.name)
+    assert m.stop_orphans(s.name) == []
+
+
 def test_another_state_directorys_role_of_the_same_name_is_never_taken_for_this_one(tmp_path, cleanup):
     s = svc("twin", ("/bin/sleep", "300"))
     mine, theirs = install(tmp_path / "a", s), install(tmp_path / "b", s)
