@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
@@ -141,6 +141,24 @@ class Host(ABC):
                 if link.startswith("socket:["):
                     found.append((int(pid), link[8:-1]))
         return found
+
+    def proc_files(self, name: str, pids: Iterable[int] | None = None) -> dict[int, bytes]:
+        """``{pid: bytes of /proc/<pid>/<name>}`` (``stat``, ``cmdline``, ``environ``…) of every process, or of *pids*,
+        whose file this host lets us read; a process gone meanwhile, or one whose file may not be read, is left out
+        (over SSH an empty file is too). Hosts where a round trip is costly answer in one command: a scan of ``/proc``
+        is one file read per process otherwise."""
+        if pids is None:
+            try:
+                pids = [int(p) for p in self.list_dir("/proc") if p.isdigit()]
+            except OSError:
+                return {}
+        out: dict[int, bytes] = {}
+        for pid in pids:
+            try:
+                out[pid] = self.read_file(f"/proc/{pid}/{name}")
+            except OSError:
+                continue
+        return out
 
     def http_transport(self):  # noqa: ANN201
         """An ``httpx`` transport that reaches this host's services as pdctl on the host would (None: dial

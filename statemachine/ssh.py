@@ -30,7 +30,7 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -451,6 +451,27 @@ class SshHost(Host):
         if status != 0:
             raise OSError(f"readlink {path} on {self.name}: {err.strip() or 'not a link'}")
         return out.decode("utf-8", "replace").rstrip("\n")
+
+    def proc_files(self, name: str, pids: Iterable[int] | None = None) -> dict[int, bytes]:
+        # One command instead of one SFTP read per process: GNU grep prints each NUL-ended record of each file as
+        # "PATH:RECORD\0" (-z; a stat line is one record, each argument of cmdline or environ one), -a for bytes,
+        # -s for files gone or unreadable meanwhile
+        if not re.fullmatch(r"[a-z_]+", name):
+            raise ValueError(f"not a /proc file name: {name!r}")
+        paths = "/proc/[0-9]*/" + name if pids is None else " ".join(f"/proc/{int(p)}/{name}" for p in pids)
+        if not paths:
+            return {}
+        status, out, _err = self._sh(f"grep -a -s -H -z '' -- {paths}")
+        if not out and status > 1:  # (no grep, one without -z, or every file unreadable: file by file)
+            return super().proc_files(name, pids)
+        parts: dict[int, list[bytes]] = {}
+        for record in out.split(b"\0")[:-1]:
+            path, sep, body = record.partition(b":")
+            fields = path.split(b"/")
+            if sep and len(fields) == 4 and fields[2].isdigit():
+                parts.setdefault(int(fields[2]), []).append(body)
+        return {pid: b"".join(x + b"\0" for x in bodies) if name != "stat" else b"".join(bodies)
+                for pid, bodies in parts.items()}
 
     def socket_links(self) -> list[tuple[int, str]]:
         status, out, _err = self._sh("find /proc/[0-9]*/fd -lname 'socket:*' -printf '%h %l\\n' 2>/dev/null; true")

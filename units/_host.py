@@ -7,7 +7,7 @@ managers goes through this surface, so a manager works on whatever host it is gi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 __all__ = ["CommandResultLike", "HostLike"]
@@ -28,7 +28,8 @@ class HostLike(Protocol):
     (temp file + rename) and creates parent directories. ``read_file`` raises
     ``FileNotFoundError`` for a missing file. ``spawn_detached`` starts a process in a new session
     that outlives the caller and returns its PID. ``signal`` returns False when no such process
-    (or group) exists.
+    (or group) exists. ``proc_files`` reads one ``/proc/<pid>/`` file of every process (or of the PIDs given) at
+    once, ``{pid: bytes}``, leaving out those gone or unreadable.
     """
 
     name: str
@@ -54,3 +55,5 @@ class HostLike(Protocol):
                        cwd: str | None = None, log_path: str | None = None) -> int: ...
 
     def signal(self, pid: int, sig: int, *, group: bool = False) -> bool: ...
+
+    def proc_files(self, name: str, pids: Iterable[int] | None = None) -> dict[int, bytes]: ...

@@ -225,28 +225,18 @@ class ProcessSupervisor(ServiceManager):
         """The live processes whose command line is ``python -m pdctl.units.supervise <name's folder>`` (one scan of
         ``/proc``), whatever the folder holds."""
         want = (WATCHDOG_MODULE.encode(), self._dir(name).encode())
-        out = []
-        for e in self._pids():
-            try:
-                cmd = self.host.read_file(f"/proc/{e}/cmdline").split(b"\0")
-            except OSError:
-                continue
-            if all(w in cmd for w in want) and self._alive(e):
-                out.append(e)
-        return out
+        return [e for e, cmd in self.host.proc_files("cmdline").items()
+                if all(w in cmd.split(b"\0") for w in want) and self._alive(e)]
 
     def _group_leaders(self) -> Iterator[tuple[int, bytes, bytes]]:
         """``(pid, stat, environ)`` of each live process-group leader whose ``/proc`` files this user can read: where a
         role's main process is looked for once its PID files are gone (the watchdog starts it in its own group)."""
-        for e in self._pids():
-            try:
-                stat = self.host.read_file(f"/proc/{e}/stat")
-                if _proc_pgrp(stat) != e or _proc_state(stat) in ("Z", "X"):
-                    continue
-                env = self.host.read_file(f"/proc/{e}/environ")
-            except OSError:
-                continue
-            yield e, stat, env
+        leaders = {e: stat for e, stat in self.host.proc_files("stat").items()
+                   if _proc_pgrp(stat) == e and _proc_state(stat) not in ("Z", "X")}
+        envs = self.host.proc_files("environ", sorted(leaders)) if leaders else {}
+        for e, stat in leaders.items():
+            # (an environment that reads empty, smg's, is one over SSH that was left out: both read b"")
+            yield e, stat, envs.get(e, b"")
 
     def _main_pid(self, name: str, wpid: int | None) -> int | None:
         """The PID of *name*'s main process while it runs: ``main.pid``'s while that names the process the watchdog
@@ -264,14 +254,10 @@ class ProcessSupervisor(ServiceManager):
             return None
         tag = f"{UNIT_ENV}={name}".encode()
         if wpid is not None:
-            for e in self._pids():
-                try:
-                    stat = self.host.read_file(f"/proc/{e}/stat")
-                    if _proc_ppid(stat) != wpid:
-                        continue
-                    env = self.host.read_file(f"/proc/{e}/environ")
-                except OSError:
-                    continue
+            children = {e: stat for e, stat in self.host.proc_files("stat").items() if _proc_ppid(stat) == wpid}
+            envs = self.host.proc_files("environ", sorted(children)) if children else {}
+            for e, stat in children.items():
+                env = envs.get(e, b"")
                 # (the watchdog's child that leads its group is its role: smg's environment reads empty)
                 if tag in env.split(b"\0") or (not env.strip(b"\0") and _proc_pgrp(stat) == e):
                     return e
@@ -350,12 +336,6 @@ class ProcessSupervisor(ServiceManager):
             return {"state": "activating", "sub": "status-unreadable", "updated": 0, "ran": True}
         return {}
 
-    def _pids(self) -> list[int]:
-        try:
-            return [int(e) for e in self.host.list_dir("/proc") if e.isdigit()]
-        except OSError:
-            return []
-
     def _write_status(self, name: str, state: str, sub: str, **extra: object) -> None:
         body = {"state": state, "sub": sub, "updated": time.time(), **extra}
         self.host.write_file(posixpath.join(self._dir(name), "status.json"), json.dumps(body).encode())
@@ -401,28 +381,12 @@ class ProcessSupervisor(ServiceManager):
                 else self._alive(pgid) and self._is_main(pgid, name)
         except OSError:
             leader_ours = False
-        out = []
-        try:
-            entries = self.host.list_dir("/proc")
-        except OSError:
-            return out
-        for e in entries:
-            if not e.isdigit():
-                continue
-            try:
-                st = self.host.read_file(f"/proc/{e}/stat")
-            except OSError:
-                continue
-            if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"):
-                if leader_ours:
-                    out.append(int(e))
-                    continue
-                try:
-                    if tag in self.host.read_file(f"/proc/{e}/environ").split(b"\0"):
-                        out.append(int(e))
-                except OSError:
-                    continue
-        return out
+        members = sorted(e for e, st in self.host.proc_files("stat").items()
+                         if _proc_pgrp(st) == pgid and _proc_state(st) not in ("Z", "X"))
+        if leader_ours or not members:
+            return members
+        envs = self.host.proc_files("environ", members)
+        return [e for e in members if tag in envs.get(e, b"").split(b"\0")]
 
     def _wait_gone(self, check, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -150,6 +151,36 @@ def test_socket_links_find_a_listener_with_one_command(host):
     finally:
         srv.close()
     assert host.readlink(f"/proc/{os.getpid()}/exe") == os.readlink(f"/proc/{os.getpid()}/exe")
+
+
+def test_proc_files_read_every_process_in_one_command_as_the_local_host_does(host, monkeypatch):
+    # (a /proc scan over SSH was one SFTP read per process: 386 reads for one `down` of the demo on this machine, one
+    # per process per scan, which a far host's round trip multiplies)
+    from pdctl.statemachine.hosts import LocalHost
+
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    odd = subprocess.Popen([sys.executable, "-c", code, "an arg with spaces", "a\nnewline", ":colon:"],
+                           env={"PATH": "/usr/bin:/bin", "PDCTL_UNIT": "x.service", "EMPTY": ""}, stdout=subprocess.PIPE)
+    try:
+        assert odd.stdout.readline() == b"up\n"
+        reads = []
+        monkeypatch.setattr(SshHost, "read_file", lambda self, path: reads.append(path) or b"")
+        over, here = host.proc_files("cmdline"), LocalHost().proc_files("cmdline")
+        want = b"\x00".join([sys.executable.encode(), b"-c", code.encode(), b"an arg with spaces", b"a\nnewline",
+                              b":colon:"]) + b"\x00"
+        assert over[odd.pid] == here[odd.pid] == want, (over.get(odd.pid), here.get(odd.pid))
+        assert over[os.getpid()] == here[os.getpid()]
+        env = host.proc_files("environ", [odd.pid, 1 << 22])  # (a PID that does not exist is left out)
+        assert set(env) == {odd.pid} and env[odd.pid].split(b"\0")[:-1] == [
+            b"PATH=/usr/bin:/bin", b"PDCTL_UNIT=x.service", b"EMPTY="], env
+        stat = host.proc_files("stat")
+        assert stat[odd.pid] == open(f"/proc/{odd.pid}/stat", "rb").read()
+        assert reads == [] and host.proc_files("stat", []) == {}
+        with pytest.raises(ValueError):
+            host.proc_files("../etc")
+    finally:
+        odd.kill()
+        odd.wait(10)
 
 
 def test_http_reaches_the_hosts_loopback_through_the_connection(host):
