@@ -109,7 +109,9 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     again; or a role's TP or GPUs changed): once one of the target's roles was started for it (its unit journalled),
     or proven as the target shapes it where that differs from the recorded role (its step done since the target was
     journalled: its unit's record is a plain fingerprint again, no longer ``started:``), that return changes what
-    runs, so it is planned, named and confirmed from the interrupted target. With nothing recorded as deployed (a first
+    runs, so it is planned, named and confirmed from the interrupted target; so is any *desired* that lacks a role the
+    target started (apply stops and removes it), whatever going from the recorded deployment needs. With nothing
+    recorded as deployed (a first
     deployment interrupted), the plan starts from that target once one of its units was started for it."""
     deployed, target = state.deployed, state.target
     if target is None or target == desired:
@@ -126,11 +128,14 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     proven = proven_by_unfinished(state, target)
     # a role of the target that desired lacks and that has a unit record, or one that was (re)started for the target,
     # or a role (or the router) the target reshapes that it proved so
-    began = any((r.name not in wanted and names[r.name] in state.units)
-                or str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles) \
+    dropping = any(r.name not in wanted and names[r.name] in state.units for r in target.roles)
+    began = dropping or any(str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles) \
         or any(n in proven and now[n] != was.get(n) for n in names)
+    # (a role the target started that *desired* lacks is stopped and removed by apply: planned from the recorded
+    # deployment, which never had it, the plan would not list it, nor the topology change its removal is, even where
+    # that plan needs a confirmation of its own: a reshape, whose id was the one confirmed before the interruption)
     if began and make_plan(target, desired).requires_confirmation \
-            and not make_plan(deployed, desired).requires_confirmation:
+            and (dropping or not make_plan(deployed, desired).requires_confirmation):
         return target
     return deployed
 

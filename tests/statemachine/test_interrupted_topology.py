@@ -378,6 +378,28 @@ def test_resuming_a_collapse_whose_server_started_plans_the_server_as_kept(demo)
     assert "server_up: already satisfied" in r.stderr and _pids(demo)["server"] == server, r.stderr
 
 
+def test_a_reshaped_pd_spec_after_a_collapse_that_started_its_server_plans_the_servers_removal(demo):
+    # (helper-99: the plan of a PD spec whose prefill TP differs from the recorded one listed prefill's reshape only,
+    # under the id confirmed before the collapse; apply then stopped and removed the server the collapse had started,
+    # which the plan never showed)
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0].update(gpus=[0, 1], tp=2)
+    reshape = demo.write(d, "reshape.toml")
+    before = service.plan_spec(demo.load(reshape))  # (the reshape's confirmation, before the collapse)
+    _collapse_interrupted(demo, _InterruptAt("step_verified", step="server_up"))
+    plan = demo.cli("plan", str(reshape))
+    assert plan.returncode == 2, plan.stderr
+    assert "- role.server" in plan.stdout and "single server → PD disaggregation" in plan.stdout, plan.stdout
+    data = json.loads(demo.cli("plan", str(reshape), "--json").stdout)
+    assert ("role.server", "delete") in [(c["address"], c["action"]) for c in data["changes"]], data["changes"]
+    assert data["counts"][2] >= 1 and data["plan_id"] != before.plan_id
+    r = demo.cli("apply", str(reshape), "--confirm-topology", data["plan_id"])
+    assert r.returncode == 0, r.stderr
+    assert "stopped and removed" in r.stderr and _server_info(demo.ports["prefill"])["tp_size"] == 2, r.stderr
+    assert demo.status()["healthy"]
+
+
 def test_a_change_interrupted_once_both_servers_were_proven_is_planned_and_applied_as_kept(demo):
     # (the plan listed prefill and decode as updates that restart them, with a note that apply keeps one of them, and
     # apply's first event said "changes that restart roles" while it restarted nothing)
