@@ -138,6 +138,9 @@ class PortHeld(_Frozen):
     other_deployment: str | None = None
     """Set when the holder runs for another pdctl deployment's unit (another name, e.g. this spec's deployment before
     it was renamed): ``pdctl unit pdctl-<name>-<role>.service``, with how it was applied where that tells."""
+    listening: bool = True
+    """False where the holder does not listen on the port but holds a connection from it (its local end: an outbound
+    connection given the port from the host's ephemeral range), which the server's bind fails against all the same."""
 
 
 class GpuHeld(_Frozen):
@@ -163,6 +166,14 @@ class GpuHeld(_Frozen):
     other_deployment: str | None = None
     """As :attr:`PortHeld.other_deployment`: another pdctl deployment's process."""
 
+
+EPHEMERAL_PORT_HINT = ("a port in the host's ephemeral range (`sysctl net.ipv4.ip_local_port_range`) can be taken "
+                       "by any outbound connection: reserve the spec's ports with `net.ipv4.ip_local_reserved_ports`, "
+                       "or give the roles ports outside that range")
+"""Added to the fix where a port is held by a connection from it, not a listener (:attr:`PortHeld.listening`)."""
+
+CONNECTION_WORDS = ", a connection from that port, not a listener"
+"""How a holder that does not listen on the port is named after its command (:attr:`PortHeld.listening`)."""
 
 APPLIED_ELSEWHERE_HINT = ("manage it the way it was applied (the same user, service_manager and --state-dir or "
                           "XDG_STATE_HOME), or `pdctl down` it that way before applying here")
@@ -713,14 +724,17 @@ def _render_ports_held(held: tuple[PortHeld, ...]) -> str:
         how = f": it runs under {x.applied_elsewhere}" if x.applied_elsewhere else ""
         own = "" if x.applied_elsewhere is None else f"; this deployment's own process, applied another way{how}"
         other = f", started for {x.other_deployment}" if x.other_deployment else ""
+        conn = "" if x.listening else CONNECTION_WORDS
         lines.append(f"  ! {x.role} needs port {x.port} at {x.step}, held by PID {x.pid or '?'} "
-                     f"({x.command or 'unknown'}){own}{other}")
+                     f"({x.command or 'unknown'}){conn}{own}{other}")
     if all(x.applied_elsewhere is not None for x in held):
         lines.append(f"  hint: {APPLIED_ELSEWHERE_HINT}")
     elif any(x.other_deployment for x in held):
         lines.append(f"  hint: {OTHER_DEPLOYMENT_HINT}")
     else:
         lines.append("  hint: stop those processes (another deployment?) or give the roles other ports in the spec")
+    if not all(x.listening for x in held):
+        lines.append(f"  hint: {EPHEMERAL_PORT_HINT}")
     return "\n".join(lines)
 
 

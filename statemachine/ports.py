@@ -45,15 +45,22 @@ class Listener:
     """The local addresses its listening sockets on *port* are bound to (``0.0.0.0`` / ``::``: every address; an
     IPv4-mapped IPv6 address as its IPv4 one); None when one of them could not be read (the host's byte order
     unknown): such a listener is in the way of any bind on its port."""
+    listening: bool = True
+    """False for a socket bound to *port* without listening on it (:func:`listeners` with ``connections``): the local
+    end of a connection, such as an outbound one given *port* as its ephemeral port, which a server's ``bind`` on it
+    fails against (EADDRINUSE) as against a listener."""
 
 
-def parse_proc_net_tcp(text: str) -> dict[str, tuple[int, str]]:
+def parse_proc_net_tcp(text: str, *, connections: bool = False) -> dict[str, tuple[int, str]]:
     """``{socket inode: (local port, local address field)}`` of the LISTEN sockets in a ``/proc/net/tcp*`` table; the
-    address field is the table's hex, which :func:`local_address` reads."""
+    address field is the table's hex, which :func:`local_address` reads. With *connections*, also the sockets a
+    process holds bound to a port in any other state (a connection's local end, a socket bound and not connected),
+    but not those no process holds (inode 0: TIME_WAIT and the other ends of a closed process's connections, which a
+    server binding with ``SO_REUSEADDR``, as SGLang's uvicorn and smg's tokio listeners do, binds past)."""
     out: dict[str, tuple[int, str]] = {}
     for row in text.splitlines()[1:]:
         f = row.split()
-        if len(f) > 9 and f[3] == "0A":
+        if len(f) > 9 and (f[3] == "0A" or (connections and f[3] != "06" and f[9] != "0")):
             addr, port = f[1].rsplit(":", 1)
             out[f[9]] = (int(port, 16), addr)
     return out
@@ -132,32 +139,43 @@ def _addresses(fields: Iterable[str], byteorder: str) -> frozenset[IPAddress] | 
     return None if any(a is None for a in out) else frozenset(a for a in out if a is not None)
 
 
-def listeners(host, ports: Iterable[int]) -> list[Listener]:  # noqa: ANN001
+def listeners(host, ports: Iterable[int], *, connections: bool = False) -> list[Listener]:  # noqa: ANN001
     """The processes listening on any of *ports* on *host* (one entry per port and PID, with the addresses its sockets
-    on that port are bound to)."""
+    on that port are bound to). With *connections*, also those that hold a socket bound to one of *ports* without
+    listening on it (:func:`parse_proc_net_tcp`), as entries with ``listening`` False where the process does not also
+    listen on that port."""
     ports = set(ports)
     inodes: dict[str, tuple[int, str]] = {}  # inode -> (port, local address field)
+    listening: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for inode, (port, field) in parse_proc_net_tcp(_read(host, table)).items():
+        text = _read(host, table)
+        listening |= set(parse_proc_net_tcp(text)) if connections else set()
+        for inode, (port, field) in parse_proc_net_tcp(text, connections=connections).items():
             if port in ports:
                 inodes[inode] = (port, field)
+    if not connections:
+        listening = set(inodes)
     if not inodes:
         return []
     byteorder = _read(host, "/sys/kernel/cpu_byteorder").strip()  # (Linux >= 3.15; unreadable: addresses unknown)
-    found: dict[tuple[int, int], tuple[str, set[str]]] = {}  # (port, pid) -> (command, address fields)
+    # (port, pid) -> (command, address fields, whether one of those sockets listens)
+    found: dict[tuple[int, int], tuple[str, set[str], list[bool]]] = {}
     owned: set[str] = set()
     for pid, inode in host.socket_links():
         if inode in inodes:
             port, field = inodes[inode]
             owned.add(inode)
             if (port, pid) not in found:
-                found[(port, pid)] = (command_line(host, pid), set())
+                found[(port, pid)] = (command_line(host, pid), set(), [False])
             found[(port, pid)][1].add(field)
-    out = [Listener(port, pid, cmd, _addresses(fields, byteorder)) for (port, pid), (cmd, fields) in found.items()]
+            found[(port, pid)][2][0] |= inode in listening
+    out = [Listener(port, pid, cmd, _addresses(fields, byteorder), listens[0])
+           for (port, pid), (cmd, fields, listens) in found.items()]
     seen_ports = {p for p, _ in found}
     unowned: dict[int, set[str]] = {}
     for inode, (port, field) in inodes.items():
-        if inode not in owned and port not in seen_ports:
+        # (a listener with no owner: being torn down, or another user's; a connection's, owned, is always found)
+        if inode not in owned and port not in seen_ports and inode in listening:
             unowned.setdefault(port, set()).add(field)
     out += [Listener(p, None, "", _addresses(fields, byteorder)) for p, fields in unowned.items()]
     return sorted(out, key=lambda x: (x.port, x.pid or 0))
@@ -271,10 +289,12 @@ def foreign_listeners(host, ports: Mapping[int, str | None], main_pid: int | Non
 def held_outside(host, ports: Mapping[int, str | None], main_pids: list[int]) -> list[Listener]:  # noqa: ANN001
     """Listeners in the way of *ports* (``{port: the address the server binds it on}``, None where any listener on the
     port is: :func:`in_the_way`) that are none of *main_pids* nor a descendant of one (all of them when the list is
-    empty; those whose owner is unknown always)."""
+    empty; those whose owner is unknown always). A process holding a connection whose local port is one of *ports*
+    counts (``listening`` False): the server's ``bind`` fails against it too (an outbound connection given the port
+    from the host's ephemeral range, ``net.ipv4.ip_local_port_range``)."""
     return [
         lst
-        for lst in listeners(host, ports)
+        for lst in listeners(host, ports, connections=True)
         if in_the_way(lst, ports[lst.port])
         and (lst.pid is None or not any(is_descendant(host, lst.pid, pid) for pid in main_pids))
     ]

@@ -34,6 +34,8 @@ from pdctl.statemachine.journal import Journal, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES, Proof, Step, role_steps
 from pdctl.statemachine.plan import (
     APPLIED_ELSEWHERE_HINT,
+    CONNECTION_WORDS,
+    EPHEMERAL_PORT_HINT,
     HIDDEN_GPU_PROCESS,
     OTHER_DEPLOYMENT_HINT,
     GpuHeld,
@@ -370,7 +372,13 @@ def deployment_binds(topo: Topology) -> dict[int, tuple[str, str | None]]:
 
 
 def _describe(ls: list[ports.Listener]) -> str:
-    return ", ".join(f"port {x.port} by PID {x.pid or '?'} ({x.command or 'unknown'})" for x in ls)
+    return ", ".join(f"port {x.port} by PID {x.pid or '?'} ({x.command or 'unknown'})"
+                     + ("" if x.listening else CONNECTION_WORDS) for x in ls)
+
+
+def _ports_hint(ls: list[ports.Listener], hint: str) -> str:
+    """*hint*, with where a holder is a connection from the port (not a listener) what to do about ephemeral ports."""
+    return hint if all(x.listening for x in ls) else f"{hint}; {EPHEMERAL_PORT_HINT}"
 
 
 def _preflight_ports(ctx: Context, name: str, wanted: dict[int, str | None], main_pid: int | None, step: str) -> None:
@@ -381,7 +389,8 @@ def _preflight_ports(ctx: Context, name: str, wanted: dict[int, str | None], mai
         raise ApplyFailed(
             f"{name}: cannot start, its ports are taken: {_describe(foreign)}",
             step=step,
-            hint="stop that process (another deployment?) or give this role other ports in the spec",
+            hint=_ports_hint(foreign, "stop that process (another deployment?) or give this role other ports in the "
+                                      "spec"),
         )
 
 
@@ -454,7 +463,8 @@ def ports_held_elsewhere(ctx: Context, own_units: set[str]) -> list[PortHeld]:
         how = ports.started_by(ctx.host, x.pid, markers) if x.pid is not None else None
         out.append(PortHeld(port=x.port, role=wanted[x.port][0], step=wanted[x.port][1], pid=x.pid, command=x.command,
                             applied_elsewhere=None if how is None else ports.applied_with(how) or "",
-                            other_deployment=None if how is not None else _other_deployment(ctx, x.pid, markers)))
+                            other_deployment=None if how is not None else _other_deployment(ctx, x.pid, markers),
+                            listening=x.listening))
     return out
 
 
@@ -509,6 +519,7 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
             ", ".join(f"{wanted[x.port][0]}{' needs' if i == 0 else ''} port {x.port} at {wanted[x.port][1]}"
                       for i, (x, _o) in enumerate(xs))
             + f", held by PID {xs[0][0].pid or '?'} ({xs[0][0].command or 'unknown'})"
+            + ("" if all(x.listening for x, _o in xs) else CONNECTION_WORDS)
             + (f", started for {xs[0][1]}" if xs[0][1] else "")
             for xs in by_pid.values())
         applied = sorted({a for how in started if how and (a := ports.applied_with(how))})
@@ -525,8 +536,8 @@ def ports_taken_elsewhere(ctx: Context, own_units: set[str]) -> None:
             + (f" ({ours} of them this deployment's own, applied another way"
                + (f": it runs under {' and '.join(applied)})" if applied else ")") if ours else ""),
             step=wanted[first.port][1],
-            hint=OTHER_DEPLOYMENT_HINT if any(other) else
-            "stop those processes (another deployment?) or give the roles other ports in the spec",
+            hint=_ports_hint(held, OTHER_DEPLOYMENT_HINT if any(other) else
+                             "stop those processes (another deployment?) or give the roles other ports in the spec"),
         )
 
 

@@ -1034,6 +1034,30 @@ def test_a_port_held_by_another_process_stops_the_apply_before_anything_starts(d
     assert demo.status()["healthy"]
 
 
+def test_a_port_taken_by_a_connection_not_a_listener_stops_the_apply_before_anything_starts(demo):
+    # (helper-99: an outbound connection given the router's metrics port as its ephemeral port passed the check; apply
+    # started both servers, then smg failed: "failed to bind metrics server …: Address already in use")
+    server = _socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = _socket.socket()
+    client.bind(("127.0.0.1", demo.ports["prom"]))
+    client.connect(server.getsockname())
+    try:
+        plan = demo.cli("plan", str(demo.spec))
+        assert (f"router needs port {demo.ports['prom']} at router_exposed, held by PID {os.getpid()}"
+                in plan.stdout and "a connection from that port, not a listener" in plan.stdout), plan.stdout
+        assert "net.ipv4.ip_local_reserved_ports" in plan.stdout, plan.stdout
+        with pytest.raises(Exception) as e:
+            demo.apply()
+        assert getattr(e.value, "step", None) == "router_exposed", e.value
+        assert "a connection from that port, not a listener" in str(e.value) and "ip_local_port_range" in e.value.hint
+        assert demo.pids() == [] and Journal(demo.state, demo.name).read().target is None
+    finally:
+        client.close()
+        server.close()
+
+
 def _ports_in_35k(demo) -> None:  # noqa: ANN001
     """Move *demo* onto free loopback ports in 35000-35999 (the range this suite's port tests keep to)."""
     import random
@@ -1065,8 +1089,10 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     demo = make_demo()
     _ports_in_35k(demo)
     port = demo.ports["router"]
-    with open(f"/proc/{os.getpid()}/cmdline") as f:
-        me = f.read().replace("\0", " ").strip()[:60]  # (the start of it: a long one is shortened, ending in …)
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.ports import command_line
+
+    me = command_line(LocalHost(), os.getpid())  # (this pytest's: a long one is shortened, ending in …)
     squatter = _socket.socket()
     squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
     squatter.bind(("127.0.0.1", port))
@@ -1084,7 +1110,7 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     assert rj.returncode == ExitCode.CHANGES, rj.stderr
     assert json.loads(rj.stdout)["ports_held"] == [{"port": port, "role": "router", "step": "router_exposed",
                                                     "pid": os.getpid(), "command": me, "applied_elsewhere": None,
-                                                    "other_deployment": None}]
+                                                    "other_deployment": None, "listening": True}]
     assert ra.returncode == ExitCode.STEP_FAILED and said in ra.stderr, ra.stderr  # what apply refuses, the same
     demo.apply()
     # its own running roles hold every port now: no warning

@@ -9,6 +9,8 @@ table, an established connection (state 01) from 127.0.0.1:30010, was added by h
 from __future__ import annotations
 
 import ipaddress
+import socket
+import os
 from pathlib import Path
 
 from pdctl.statemachine.ports import Listener, bind_address, in_the_way, local_address, parse_proc_net_tcp
@@ -27,6 +29,41 @@ def test_listening_sockets_are_read_with_their_port_and_address_field():
     assert read == {30001: ipaddress.ip_address("127.0.0.2"), 30010: ipaddress.ip_address("0.0.0.0"),
                     30020: ipaddress.ip_address("::1"), 30110: ipaddress.ip_address("127.0.0.1"),  # (IPv4-mapped)
                     30120: ipaddress.ip_address("::")}
+
+
+def test_with_connections_a_bound_socket_held_by_a_process_counts_and_one_no_process_holds_does_not():
+    # (a connection whose local port was the router's metrics port passed the check: smg then failed to bind it,
+    # "Address already in use", after both servers had started)
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    rows = {"0A": "11", "01": "12", "02": "13", "07": "14", "08": "15", "06": "0", "05": "0"}
+    table = head + "".join(f"   {i}: 0100007F:{0x7000 + i:04X} 0100007F:9C40 {st} 00000000:00000000 00:00000000 "
+                           f"00000000     0        0 {inode} 1 0000000000000000 20 4 30 10 -1\n"
+                           for i, (st, inode) in enumerate(rows.items()))
+    assert parse_proc_net_tcp(table) == {"11": (0x7000, "0100007F")}
+    # LISTEN, ESTABLISHED, SYN_SENT, CLOSE (bound, not connected), CLOSE_WAIT; not TIME_WAIT nor an orphaned FIN_WAIT2
+    assert parse_proc_net_tcp(table, connections=True) == {
+        inode: (0x7000 + i, "0100007F") for i, inode in enumerate(["11", "12", "13", "14", "15"])}
+
+
+def test_held_outside_names_a_process_whose_connection_holds_the_port():
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.ports import held_outside, listeners
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.socket()
+    client.bind(("127.0.0.1", 0))
+    port = client.getsockname()[1]
+    client.connect(server.getsockname())
+    try:
+        assert listeners(LocalHost(), {port}) == []  # (what status reads: listeners only)
+        held = held_outside(LocalHost(), {port: None}, [])
+        assert [(x.port, x.pid, x.listening) for x in held] == [(port, os.getpid(), False)], held
+        assert held_outside(LocalHost(), {port: "127.0.0.2"}, []) == []  # (another specific address: Linux binds it)
+    finally:
+        client.close()
+        server.close()
 
 
 def test_an_address_is_read_in_the_hosts_byte_order_and_not_at_all_without_it():
