@@ -415,7 +415,8 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
     processes); ``gpus_held``, its roles' GPUs that a compute process outside it uses
     (:func:`~pdctl.statemachine.steps.gpus_held_elsewhere`; None on a host without nvidia-smi); ``binds_unusable``,
     why apply would refuse the spec's bind addresses or engine Python (:func:`~pdctl.statemachine.steps.
-    bind_addresses_unusable`'s refusal and hint, in words), or a NUMA node the host lacks
+    bind_addresses_unusable`'s refusal and hint, in words), a router executable that is not one there
+    (:func:`~pdctl.statemachine.steps.router_executable_unusable`) or a NUMA node the host lacks
     (:func:`~pdctl.statemachine.steps.numa_nodes_missing`), one refusal a line; None: it would not. *recorded*: the
     journal's state.
     Reads ``/proc``, runs nvidia-smi and one probe on the deployment's host (*host*, else the spec's: one connection
@@ -427,6 +428,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         gpus_held_elsewhere,
         numa_nodes_missing,
         ports_held_elsewhere,
+        router_executable_unusable,
         service_manager_changed,
         units_of_another_deployment,
     )
@@ -457,7 +459,8 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
             refusals = []
             # (each a refusal of its own before apply's first step, exit 3; a NUMA node the host lacks was found
             # only by apply, after the operator had confirmed the plan)
-            for refuse in (units_of_another_deployment, bind_addresses_unusable, numa_nodes_missing):
+            for refuse in (units_of_another_deployment, bind_addresses_unusable, router_executable_unusable,
+                           numa_nodes_missing):
                 try:
                     refuse(ctx)
                 except ApplyFailed as exc:

@@ -2292,6 +2292,10 @@ def test_a_router_executable_missing_on_the_host_is_refused_before_anything_chan
     before = demo.pids()
     router_pid = demo.status()["router"]["main_pid"]
     spec = demo.write({**demo.dict, "router": {**demo.dict["router"], "executable": "/nonexistent/smg"}}, "exe.toml")
+    # plan warns of it in apply's words (it listed the setting's change only: helper-99)
+    plan = demo.cli("plan", str(spec), "--json")
+    assert "router.executable = '/nonexistent/smg' is not an executable file on host" in (
+        json.loads(plan.stdout)["binds_unusable"] or ""), plan.stdout
     r = demo.cli("apply", str(spec))
     assert r.returncode == 3, r.stderr
     assert "router.executable = '/nonexistent/smg' is not an executable file on host" in r.stderr, r.stderr
