@@ -433,14 +433,14 @@ class Deployment(_Model):
     def _shape(self) -> Deployment:
         pd = bool(self.prefill or self.decode)
         if pd and self.server:
-            raise ValueError(
-                "a spec is either PD ([[prefill]] + [[decode]]) or single-server ([[server]]), not both"
-            )
+            raise FieldError("server", "a spec is either PD ([[prefill]] + [[decode]]) or single-server ([[server]]), "
+                                       "not both", "remove [[server]], or the [[prefill]] and [[decode]] groups")
         if not pd and not self.server:
-            raise ValueError("no serving role: add [[prefill]] and [[decode]] groups, or a [[server]]")
+            raise FieldError("server", "no serving role", "add [[prefill]] and [[decode]] groups, or a [[server]]")
         if pd and (not self.prefill or not self.decode):
-            missing = "[[decode]]" if self.prefill else "[[prefill]]"
-            raise ValueError(f"PD disaggregation needs both prefill and decode groups: add {missing}")
+            missing = "decode" if self.prefill else "prefill"
+            raise FieldError(missing, "PD disaggregation needs both prefill and decode groups; there is no "
+                                      f"[[{missing}]]", f"add [[{missing}]]")
         return self
 
     @property
@@ -472,13 +472,26 @@ class Deployment(_Model):
         seen: dict[str, str] = {}
         for name, _kind, role, where in self._named_roles():
             said = f"{where} = {name!r}" if role.name else f"{where} (named {name!r} by its position)"
+            field = where if role.name else f"{where}.name"
+            this = repr(name) if role.name else f"unset, so the role is named {name!r} by its position, which"
             if name == "router":
-                raise ValueError(f"{said}: 'router' is the router's unit name; give the role another name")
+                raise FieldError(field, f"{this} is the router's unit name", "give the role another name")
             if name in seen:
-                raise ValueError(f"{said} repeats the name of {seen[name]}: each role needs its own name, its unit's "
-                                 f"(pdctl-{self.name}-{name}.service); set `name` on one of them to another")
+                raise FieldError(field, f"{this} repeats the name of {seen[name]}: each role needs its own name, its "
+                                        f"unit's (pdctl-{self.name}-{name}.service)",
+                                 "set `name` on one of them to another")
             seen[name] = said
         return self
+
+
+class FieldError(ValueError):
+    """A check of a whole table (a model validator) that fails at one of its fields: pydantic gives such an error the
+    table's own location ("(root)" for the spec's top level) and no fix, so it carries both, for :func:`parse_spec`'s
+    finding (``{field, message, fix}``). *field* is relative to the table."""
+
+    def __init__(self, field: str, message: str, fix: str) -> None:
+        super().__init__(f"{message}: {fix}")
+        self.field, self.message, self.fix = field, message, fix
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -745,6 +758,9 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                            f'{{ 0 = "0-31", 1 = "32-63" }}')
                 else:
                     msg = f"key {err['loc'][-2]!r}: {msg}"
+            elif isinstance(cause := err.get("ctx", {}).get("error"), FieldError):
+                field = f"{_loc(err['loc'])}.{cause.field}" if err["loc"] else cause.field
+                msg, fix = cause.message, cause.fix
             elif err["type"] == "extra_forbidden":
                 msg, fix = "unknown key", "remove it or check its spelling"
                 near = _near_keys(err["loc"])

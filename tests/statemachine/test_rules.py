@@ -1262,13 +1262,15 @@ def _refused_or_not(where: tuple[str, str], value: str, ok: bool, words: str) ->
     assert not errors if ok else errors and words in errors[0].message, errors
 
 
-@pytest.mark.parametrize("index,name,said", [
-    (0, "prefill-1", "prefill[1] (named 'prefill-1' by its position) repeats the name of prefill[0].name = 'prefill-1'"),
-    (1, "prefill", "prefill[1].name = 'prefill' repeats the name of prefill[0] (named 'prefill' by its position)"),
-    (0, "decode", "decode[0] (named 'decode' by its position) repeats the name of prefill[0].name = 'decode'"),
-    (1, "router", "prefill[1].name = 'router': 'router' is the router's unit name"),
+@pytest.mark.parametrize("index,name,field,said", [
+    (0, "prefill-1", "prefill[1].name", "unset, so the role is named 'prefill-1' by its position, which repeats the "
+                                        "name of prefill[0].name = 'prefill-1'"),
+    (1, "prefill", "prefill[1].name", "'prefill' repeats the name of prefill[0] (named 'prefill' by its position)"),
+    (0, "decode", "decode[0].name", "unset, so the role is named 'decode' by its position, which repeats the name of "
+                                    "prefill[0].name = 'decode'"),
+    (1, "router", "prefill[1].name", "'router' is the router's unit name"),
 ])
-def test_role_names_that_collide_are_refused_naming_both_fields(index, name, said):
+def test_role_names_that_collide_are_refused_naming_both_fields(index, name, field, said):
     # (validate said valid, then plan, apply and units died with a traceback: "unit names repeat")
     d = seed_dict()
     extra = copy.deepcopy(d["prefill"][0])
@@ -1279,8 +1281,27 @@ def test_role_names_that_collide_are_refused_naming_both_fields(index, name, sai
         parse_spec(d)
     assert said in str(e.value), str(e.value)
     assert "Traceback" not in str(e.value)
+    # the field is the one to change, with the fix apart (it was "(root)", its fix inside the message: helper-99)
+    [(where, message, fix)] = e.value.findings
+    assert where == field and message.startswith(said) and fix in ("set `name` on one of them to another",
+                                                                   "give the role another name"), e.value.findings
     d["prefill"][index]["name"] = "p-extra"  # (a name of its own is fine)
     parse_spec(d)
+
+
+@pytest.mark.parametrize("drop,field,fix", [
+    (("decode",), "decode", "add [[decode]]"),
+    (("prefill",), "prefill", "add [[prefill]]"),
+    (("prefill", "decode"), "server", "add [[prefill]] and [[decode]] groups, or a [[server]]"),
+])
+def test_a_spec_missing_its_serving_groups_names_the_group_to_add(drop, field, fix):
+    d = seed_dict()
+    for k in drop:
+        d.pop(k)
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    [(where, _message, said_fix)] = e.value.findings
+    assert (where, said_fix) == (field, fix), e.value.findings
 
 
 @pytest.mark.parametrize("where,field,value,near", [
