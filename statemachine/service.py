@@ -11,7 +11,7 @@ import functools
 import ipaddress
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ def _with_inventories(dep: Deployment, inventories: dict | None) -> Deployment:
         for key, h in dep.hosts.items()}})
 
 
-def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
+def plan_base(state, desired: Topology, running: Collection[str] | None = None) -> Topology | None:  # noqa: ANN001
     """What a plan toward *desired* starts from: what the journal records as deployed, unless an interrupted apply
     toward another topology (``state.target``) had begun and going from there to *desired* changes the topology
     while going from the recorded deployment does not (PD half collapsed into one server, then the PD spec applied
@@ -112,14 +112,21 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     runs, so it is planned, named and confirmed from the interrupted target; so is any *desired* that lacks a role the
     target started (apply stops and removes it), whatever going from the recorded deployment needs. With nothing
     recorded as deployed (a first
-    deployment interrupted), the plan starts from that target once one of its units was started for it."""
+    deployment interrupted), the plan starts from that target once one of its units was started for it.
+    *running*: the target's units that run now (:func:`running_units`), where the caller asked the service manager:
+    a unit journalled as started that does not run (the apply was interrupted as it started it, or it stopped since)
+    changed nothing that going back would undo, so it does not count as begun. None: every record counts."""
     deployed, target = state.deployed, state.target
     if target is None or target == desired:
         return deployed
+
+    def runs(unit: str) -> bool:
+        return running is None or unit in running
+
     if deployed is None:
         # an interrupted first deployment toward another topology: once it started a unit, apply stops and removes
         # what *desired* lacks of it, so the plan starts from it (it read "a first deployment", every role added)
-        return target if any(n in state.units for n in unit_names(target).values()) else None
+        return target if any(n in state.units and runs(n) for n in unit_names(target).values()) else None
     from pdctl.statemachine.steps import STARTED
 
     names, wanted = unit_names(target), {x.name for x in desired.roles}
@@ -127,10 +134,11 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
     now = {r.name: r for r in target.roles} | {"router": target.router}
     proven = proven_by_unfinished(state, target)
     # a role of the target that desired lacks and that has a unit record, or one that was (re)started for the target,
-    # or a role (or the router) the target reshapes that it proved so
-    dropping = any(r.name not in wanted and names[r.name] in state.units for r in target.roles)
-    began = dropping or any(str(state.units.get(names[r.name], "")).startswith(STARTED) for r in target.roles) \
-        or any(n in proven and now[n] != was.get(n) for n in names)
+    # or a role (or the router) the target reshapes that it proved so; each only while its unit runs
+    dropping = any(r.name not in wanted and names[r.name] in state.units and runs(names[r.name]) for r in target.roles)
+    began = dropping or any(str(state.units.get(names[r.name], "")).startswith(STARTED) and runs(names[r.name])
+                            for r in target.roles) \
+        or any(n in proven and now[n] != was.get(n) and runs(names[n]) for n in names)
     # (a role the target started that *desired* lacks is stopped and removed by apply: planned from the recorded
     # deployment, which never had it, the plan would not list it, nor the topology change its removal is, even where
     # that plan needs a confirmation of its own: a reshape, whose id was the one confirmed before the interruption)
@@ -138,6 +146,21 @@ def plan_base(state, desired: Topology) -> Topology | None:  # noqa: ANN001
             and (dropping or not make_plan(deployed, desired).requires_confirmation):
         return target
     return deployed
+
+
+def running_units(loaded: Loaded, state, *, host=None) -> set[str] | None:  # noqa: ANN001
+    """While an apply is unfinished, the units of its target that run now (active, activating, deactivating or
+    reloading), for :func:`plan_base`; None with none unfinished. Asks the service manager on *host* (else the spec's)
+    and raises what that raises."""
+    if state.target is None:
+        return None
+    from pdctl.statemachine import launch
+
+    dep = loaded.deployment
+    manager = launch.manager_for(as_recorded_manager(dep, state), host or deployment_host(dep),
+                                 state_dir=str(loaded.journal.dir))
+    return {u for u in unit_names(state.target).values()
+            if manager.status(u).state in ("active", "activating", "deactivating", "reloading")}
 
 
 def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
@@ -256,8 +279,9 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     down: dict = {}
     runs: dict = {}
     if state.target is not None and _lock_holder(loaded) is None:
-        host = deployment_host(loaded.deployment)  # (one connection for both questions)
+        host = deployment_host(loaded.deployment)  # (one connection for every question)
         try:
+            base = plan_base(state, desired, running_units(loaded, state, host=host))
             down = not_running(loaded, state, base, host=host)
             runs = runs_now(loaded, state, host=host)
         finally:
@@ -751,9 +775,9 @@ def apply(
     with j.lock("apply"):
         state = j.read()
         desired = topology_of(loaded.deployment)
-        base = plan_base(state, desired)
         # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
         host = deployment_host(loaded.deployment) if state.target is not None else None
+        base = plan_base(state, desired, running_units(loaded, state, host=host))
         plan = make_plan(base, desired, from_serial=state.serial,
                          not_running=not_running(loaded, state, base, host=host),
                          runs=runs_now(loaded, state, host=host))
@@ -904,7 +928,8 @@ def apply(
             # the plan on: the journal keeps any target (a re-run converges), the step that ran is marked
             # interrupted, and a --json stream ends with an event too
             _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing,
-                         down=_stopped_of(ctx.manager, ctx.restarting_now) if ctx is not None else ())
+                         down=_stopped_of(ctx.manager, ctx.restarting_now) if ctx is not None else (),
+                         removed=_stopped_of(ctx.manager, ctx.removing_now) if ctx is not None else ())
             raise
 
 
@@ -960,11 +985,13 @@ def _remove_gone_roles(ctx, state, sink) -> None:  # noqa: ANN001
         state.units.pop(name, None)
         if ctx.manager.installed_text(name) is not None and ctx.manager.installed_deployment(name) in (None,
                                                                                                        ctx.dep.name):
+            ctx.removing_now.add(name)  # (an interruption from here on says it was stopped: apply_interrupted)
             ctx.manager.stop(name)
             ctx.manager.remove([name], deployment=ctx.dep.name)
             sink.emit(Event("role_removed", f"stopped and removed {name}", data={"unit": name}))
         state.removing.remove(name)
         ctx.journal.write(state)
+        ctx.removing_now.discard(name)
 
 
 # --- status and down -----------------------------------------------------------------------------
@@ -1117,7 +1144,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     # the other shape), so that status says a confirmation is needed exactly when `pdctl plan` of that spec asks one
     back_confirm = None
     if state.target is not None and state.deployed is not None:
-        back_confirm = make_plan(plan_base(state, state.deployed), state.deployed).requires_confirmation
+        running = {names[r.name] for r, st, _code in seen if st.state in ("active", "activating", "deactivating",
+                                                                          "reloading")}
+        if router is not None and router["state"] in ("active", "activating", "deactivating", "reloading"):
+            running.add(router["unit"])
+        back_confirm = make_plan(plan_base(state, state.deployed, running), state.deployed).requires_confirmation
     from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 
     order = PD_STATES if topo.mode == "pd" else SINGLE_STATES
@@ -1263,7 +1294,9 @@ def _router_listening(host, rt, main_pid: int | None, found) -> tuple[list[str],
 
 
 def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = None,  # noqa: ANN001
-                 changing: bool = True, down: Sequence[str] = ()) -> None:
+                 changing: bool = True, down: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+    # *down*: units it had begun to restart (or stopped first for another role), not started again; *removed*: units
+    # of dropped roles it had begun to stop and remove, not crossed off: neither may run now
     # *stale*: the steps as the run found them: before it journals its own target (the port checks), a "running"
     # step there is a killed earlier apply's, not where this one stopped. *changing*: the run had begun to journal its
     # target; before that it changed nothing, and where the journal records nothing deployed and no unfinished apply
@@ -1282,15 +1315,22 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
         state.steps[step].status = "interrupted"
         state.steps[step].finished_at = time.time()
         j.write(state)
-    j.audit("apply-interrupted", plan_id=plan.plan_id, step=step, stopped=list(down))
+    j.audit("apply-interrupted", plan_id=plan.plan_id, step=step, stopped=[*down, *removed])
     during = f" during {step}" if step else ""
-    if down:  # (*down*: units it had begun to restart, stopped and not started again: they may not run now)
+    if removed and not down:
+        said = (f"interrupted{during} while removing {', '.join(removed)} (the spec drops "
+                f"{'its role' if len(removed) == 1 else 'their roles'}): {'it was' if len(removed) == 1 else 'they were'}"
+                " stopped and may not run now (`pdctl status` shows it); apply again to converge, or `pdctl down` to "
+                "stop the rest")
+    elif down:  # (*down*: units it had begun to restart, stopped and not started again: they may not run now)
+        down = [*down, *removed]
         said = (f"interrupted{during} while restarting {', '.join(down)}: "
                 f"{'it was' if len(down) == 1 else 'they were'} stopped for the restart and may not run now "
                 "(`pdctl status` shows it); apply again to start it and converge, or `pdctl down` to stop the rest")
     else:
         said = f"interrupted{during}: what already runs stays as it is; apply again to converge, or `pdctl down` to stop it"
-    sink.emit(Event("apply_interrupted", said, step=step, data={"plan_id": plan.plan_id, "stopped": list(down)}))
+    sink.emit(Event("apply_interrupted", said, step=step, data={"plan_id": plan.plan_id,
+                                                                "stopped": list(dict.fromkeys([*down, *removed]))}))
 
 
 _DOWN_WORDS = {"down-started": "a `pdctl down` that was killed", "down-interrupted": "a `pdctl down` that was "

@@ -175,7 +175,12 @@ class Context:
     """Where progress inside a step goes (an :class:`~pdctl.statemachine.events.EventSink`; None: nowhere)."""
     restarting_now: set[str] = field(default_factory=set)
     """Units :meth:`restart_unit` has begun to stop and not yet started again: an interruption now leaves them down,
-    which the apply's ``apply_interrupted`` says (instead of "what already runs stays as it is")."""
+    which the apply's ``apply_interrupted`` says (instead of "what already runs stays as it is"). So are a unit
+    stopped first to free GPUs or ports for another role (its own step starts it again) and a dropped role's unit
+    being stopped for its removal (:attr:`removing_now`)."""
+    removing_now: set[str] = field(default_factory=set)
+    """Units of roles the spec drops that the apply has begun to stop and not yet crossed off: an interruption now
+    leaves them stopped, which ``apply_interrupted`` says."""
 
     def say(self, message: str, *, step: str | None = None, **data: Any) -> None:
         """Emit one ``info`` event: progress a step would otherwise make in silence (a stop that may take minutes)."""
@@ -204,6 +209,7 @@ class Context:
     def started(self, unit: str) -> None:
         """Journal (atomically) that *unit* was just started or restarted with its desired definition, not yet
         proven (:data:`STARTED`)."""
+        self.restarting_now.discard(unit)  # (one stopped first for another role, started again by its own step)
         self.journal_state.units[unit] = STARTED + self.fingerprint(unit)
         self.journal.write(self.journal_state)
 
@@ -924,6 +930,7 @@ def _vacate_for(ctx: Context, role: RoleTopology) -> None:
             ctx.say(f"stopping {unit} first: {why}; its own step starts it again", step=role_steps(ctx.topology).get(
                 role.name), unit=unit)
             ctx.forget(unit)  # from here on its step must start it again, never skip it as proven
+            ctx.restarting_now.add(unit)  # (down until its step starts it: an interruption says so)
             ctx.manager.stop(unit)
 
     for lst in ports.listeners(ctx.host, set(_role_ports(role))):

@@ -194,6 +194,53 @@ def test_status_of_pd_roles_removed_once_the_single_server_started_names_the_con
     assert r.returncode == 2 and "changes the topology" in r.stderr, r.stderr
 
 
+def test_going_back_once_the_started_server_no_longer_runs_is_no_topology_change(demo):
+    # (helper-99: an apply interrupted as it started a role of the other shape left it not running, yet plan and status
+    # of the recorded spec asked a topology confirmation and counted the stopped role as a destroy)
+    from pdctl.statemachine import launch
+
+    _collapse_interrupted(demo, _InterruptAt("step_verified", step="server_up"))
+    loaded = demo.load()
+    manager = launch.manager_for(loaded.deployment, LocalHost(), state_dir=str(loaded.journal.dir))
+    manager.stop(f"pdctl-{demo.name}-server.service")
+    st = json.loads(demo.cli("status", str(demo.spec), "--json").stdout)
+    assert st["recorded_requires_confirmation"] is False, st
+    plan = json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)
+    assert plan["class"] != "topology" and plan["from_topology"]["mode"] == "pd", plan
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert demo.status()["healthy"] and len(demo.pids()) == 3
+
+
+def test_an_apply_interrupted_while_it_removes_a_dropped_role_says_that_role_was_stopped(demo, monkeypatch):
+    # (helper-99: SIGTERM just after apply_started of a collapse: "what already runs stays as it is", stopped [], and
+    # no role_removed, while the router it was removing had been stopped)
+    from pdctl.statemachine.events import ListSink
+    from pdctl.units import ProcessSupervisor
+
+    demo.apply()
+    router = demo.status()["router"]["main_pid"]
+    collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
+    confirmed = service.plan_spec(demo.load(collapse))
+    real_stop = ProcessSupervisor.stop
+
+    def stop_then_interrupted(self, name, **kw):  # (Ctrl-C as the first removal's stop returns)
+        real_stop(self, name, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProcessSupervisor, "stop", stop_then_interrupted)
+    sink = ListSink()
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=confirmed.plan_id, sink=sink)
+    monkeypatch.setattr(ProcessSupervisor, "stop", real_stop)
+    end = sink.events[-1]
+    unit = f"pdctl-{demo.name}-router.service"
+    assert end.kind == "apply_interrupted" and end.data["stopped"] == [unit], end
+    assert f"while removing {unit} (the spec drops its role): it was stopped" in end.message, end.message
+    assert not [e for e in sink.events if e.kind == "role_removed"]
+    assert router not in demo.pids()
+
+
 def _pids(demo) -> dict[str, int | None]:  # noqa: ANN001
     st = demo.status()
     router = {"router": st["router"]["main_pid"]} if st["router"] else {}
