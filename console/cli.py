@@ -711,8 +711,10 @@ def _status_text(st: dict) -> str:
         lines.append(f"  {unit}: its files are gone (removed outside pdctl?): `pdctl apply` stops what it still "
                      "runs and installs the unit again; `pdctl down` stops it")
     for unit in st.get("edited_units") or ():
-        lines.append(f"  {unit}: its unit file differs from what pdctl writes (edited outside pdctl?); a crash or reboot "
-                     "would start the edited one: `pdctl apply` writes it back")
+        effect = ("its supervisor keeps the unit file it started with (a secrets file it reads again at each restart)"
+                  if st.get("service_manager") == "process" else "a crash or reboot would start the edited one")
+        lines.append(f"  {unit}: its unit file differs from what pdctl writes (edited outside pdctl?); {effect}: "
+                     "`pdctl apply` writes it back")
     target = st.get("target") or {}
     if target.get("enabled") is False:
         lines.append(f"  {target['unit']} is not enabled: a reboot would not start the deployment; `pdctl apply` "

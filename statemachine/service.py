@@ -1022,7 +1022,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     of the deployment is still recorded or running, that record's event, ts, pid and error; else None;
     ``edited_units``: with no apply unfinished and the spec's topology deployed, the units whose installed file (or
     secrets file) differs from what pdctl writes for the definition apply proved (``steps.edited_units``: edited
-    outside pdctl), which a crash or reboot would start as edited; ``missing_units``: with no apply unfinished, the
+    outside pdctl), which under systemd a crash or reboot would start as edited (the process supervisor keeps the
+    unit file its watchdog read at the start, and reads a secrets file again at each restart); ``service_manager``:
+    the one the units run under (the journal's record, else the spec's); ``missing_units``: with no apply unfinished, the
     units apply proved running (``JournalState.units``) that are no longer installed (their files removed by hand),
     which ``down`` and ``apply`` still stop where they run;
     each role's and the router's ``port_orphaned``: whether its port is answered by this deployment's own process under
@@ -1253,6 +1255,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "removed": removed,
         "edited_units": edited,
         "missing_units": missing,
+        "service_manager": as_recorded_manager(loaded.deployment, state).service_manager,
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }

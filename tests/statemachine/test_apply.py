@@ -2591,6 +2591,8 @@ def test_a_unit_file_edited_outside_pdctl_is_drift_that_apply_writes_back(demo):
     assert why.kind == "drift" and f"{unit}'s unit file differs from what pdctl writes" in why.text, why
     r = demo.cli("status", str(demo.spec))
     assert f"{unit}: its unit file differs from what pdctl writes (edited outside pdctl?)" in r.stdout, r.stdout
+    # (under the process supervisor a crash restart runs what its watchdog started with, not the edit: helper-99)
+    assert "its supervisor keeps the unit file it started with" in r.stdout and "crash or reboot" not in r.stdout
     sink = ListSink()
     assert demo.apply(sink=sink).state == "parsers_configured"
     assert path.read_text() == written  # written back, and the process, which serves as specified, kept
