@@ -45,12 +45,14 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
     if not samples:
         return Text("waiting for the first scrape…", style="dim")
     lines: list[RenderableType] = []
-    spark_w = max(8, min(60, width - 54))
+    # (a role's name is up to 32 characters: the column fits the longest, one space after it)
+    name_w = max(9, *(len(s.source) + 1 for s in samples))
+    spark_w = max(8, min(60, width - 54 - (name_w - 9)))
     for s in samples:
         dim = s.state != "ok"
         st_style = {"ok": "green", "stale": "yellow", "down": "bold red", "waiting": "dim"}.get(s.state, "")
         l1 = Text(no_wrap=True, overflow="ellipsis")
-        l1.append(f"{s.source:<9}", style="bold")
+        l1.append(f"{s.source:<{name_w}}", style="bold")
         l1.append(f"{s.state:<6}", style=st_style)
         if s.kind == "router":
             l1.append(f"{_f(s.req_s):>7} req/s ")
@@ -66,16 +68,16 @@ def render_throughput(samples: tuple[ThroughputSample, ...], width: int = 78) ->
             l1.append(f"run {_f(s.running, '{:.0f}')} q {_f(s.queued, '{:.0f}')} ")
             kv = "—" if s.kv_usage is None else f"{s.kv_usage * 100:.0f}%"
             l1.append(f"KV {kv:>4} ")
-        pad = 9 + 6 + 38 - l1.cell_len
+        pad = name_w + 6 + 38 - l1.cell_len
         if pad > 0:
             l1.append(" " * pad)
         l1.append(sparkline(s.history, spark_w), style="cyan" if not dim else "dim")
         if dim:
-            l1.stylize("dim", 15)
+            l1.stylize("dim", name_w + 6)
         lines.append(l1)
 
         l2 = Text(no_wrap=True, overflow="ellipsis", style="dim" if dim else "")
-        l2.append("         ")
+        l2.append(" " * name_w)
         if s.state in ("down", "stale"):
             age = "" if s.age_s is None else f", last good {s.age_s:.0f}s ago"
             l2.append(f"{s.error or 'no recent scrape'}{age}", style="red")

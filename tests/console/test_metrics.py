@@ -236,3 +236,14 @@ def test_percentiles_inside_the_first_bucket_read_as_at_most_its_bound():
     s = tr.observe("prefill", "prefill", "u", 104.0, parse_scrape(_server_text(20, 0, {0.1: 12, 0.2: 16, math.inf: 16}), 104.0))
     text = "\n".join(t.plain for t in render_throughput((s,), 120).renderables)
     assert "TTFT ≤100/160/196ms" in text, text  # window: 6 of 10 in (0, 0.1], 4 in (0.1, 0.2]
+
+
+def test_a_long_role_name_keeps_its_own_column_apart_from_the_state():
+    # (helper-99: a 9-character role read "prefill-1ok" in the Throughput tab)
+    tr = ThroughputTracker(smooth_s=2.0, window_s=10.0)
+    long = tr.observe("prefill-extra-long-name", "prefill", "u", 100.0, parse_scrape("", 100.0))
+    short = tr.observe("router", "router", "u", 100.0, parse_scrape(_smg_responses(1, 0, 0, 0), 100.0))
+    lines = [t.plain for t in render_throughput((long, short), 120).renderables]
+    assert lines[0].startswith(f"prefill-extra-long-name {long.state}"), lines
+    assert lines[2].startswith(f"router{' ' * 18}{short.state}"), lines
+    assert lines[1].startswith(" " * 24) and not lines[1][24:25].isspace(), lines
