@@ -70,15 +70,11 @@ def current_topology(loaded: Any, journal: JournalState | None) -> Topology:
 
 
 def gpu_owners(dep: Any, topo: Topology) -> dict[int, str]:
-    """GPU index → role name, for roles on this machine."""
-    out: dict[int, str] = {}
-    for r in topo.roles:
-        h = dep.hosts.get(r.host)
-        if h is not None and not h.is_local:
-            continue
-        for g in r.gpus:
-            out[g] = r.name
-    return out
+    """GPU index → role name. A deployment runs on one host (apply refuses more), and the GPU panel reads that host,
+    over SSH where it is another machine: every role's GPUs are on it (they were left out for a remote host, so its
+    panel had no role column and no "GPUs by role")."""
+    del dep  # (the host every role runs on is the one the panel reads)
+    return {g: r.name for r in topo.roles for g in r.gpus}
 
 
 def role_numa(dep: Any, role_name: str) -> tuple[int | None, str | None]:

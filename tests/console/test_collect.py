@@ -59,6 +59,11 @@ def test_seed_roles_numa_and_gpu_owners():
     assert role_numa(loaded.deployment, "decode") == (1, "32-63,96-127")
     owners = gpu_owners(loaded.deployment, topology_of(loaded.deployment))
     assert owners == {0: "prefill", 1: "prefill", 2: "prefill", 3: "prefill", 4: "decode", 5: "decode", 6: "decode", 7: "decode"}
+    # a GPU host reached over SSH: the panel reads that host, so its roles own its GPUs the same (they were left out)
+    remote = loaded.deployment.model_copy(update={"hosts": {"local": loaded.deployment.hosts["local"].model_copy(
+        update={"address": "10.0.0.2"})}})
+    assert not remote.hosts["local"].is_local
+    assert gpu_owners(remote, topology_of(remote)) == owners
 
 
 def test_a_source_going_down_is_reported_and_the_rest_still_collected(tmp_path):
