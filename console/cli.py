@@ -233,7 +233,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         except (PdctlError, UnitsError):
             # a host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script
             # that gates apply on plan that nothing needs doing (HostError, ManagerUnavailable…)
-            _err("note: the plan cannot tell whether what was deployed still runs:")
+            _err("note: the plan cannot tell whether what was deployed still runs, for the error that follows")
             raise
         for note in why.notes:
             _err(f"note: {note}")

@@ -793,10 +793,16 @@ def apply(
                     hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
                 )
             if saved_plan.to_topology != desired:
+                # (what the spec now asks otherwise, by setting: "topology" read as a topology change for an edit of
+                # context_length)
+                edited = [f"{c.address}.{a.path}" for c in make_plan(saved_plan.to_topology, desired).changes
+                          for a in c.changes] or [c.address for c in make_plan(saved_plan.to_topology, desired).changes]
+                shown = (", ".join(edited[:6]) + (", …" if len(edited) > 6 else "")) or "its settings"
                 raise StalePlanError(
-                    f"the spec no longer produces saved plan {saved_plan.plan_id}'s topology; nothing was changed",
+                    f"the spec was edited since saved plan {saved_plan.plan_id} was made from it ({shown} differ); "
+                    "nothing was changed",
                     plan_id=saved_plan.plan_id,
-                    hint="make a new plan from the current spec",
+                    hint="make a new plan from the current spec with `pdctl plan SPEC -o FILE` and review it",
                 )
             # the changes its two topologies make, as `plan -o` wrote them: with what an unfinished apply left
             # running noted on them (kept, not running, runs otherwise) when it was made while one was, without when

@@ -153,6 +153,20 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
     r = demo.cli("apply", str(later))
     assert r.returncode == 1 and f"the spec this plan was made from, {moved}, is not there any more" in r.stderr
     assert f"put the spec back at {moved}" in r.stderr and "relative paths" not in r.stderr, r.stderr
+    # A plan whose spec was edited after it was saved: said as an edit, naming the setting (it read "the spec no longer
+    # produces saved plan …'s topology" for a context_length edit, which changes no topology: helper-99)
+    edited = demo.tmp / "edited.plan"
+    assert demo.cli("plan", str(demo.spec), "-o", str(edited)).returncode == 0
+    d = copy.deepcopy(demo.dict)
+    d["model"]["context_length"] = 65536
+    spec_before = demo.spec.read_text()
+    demo.write(d, demo.spec.name)
+    try:
+        r = demo.cli("apply", str(edited))
+    finally:
+        demo.spec.write_text(spec_before)
+    assert r.returncode == 2 and "the spec was edited since saved plan" in r.stderr, r.stderr
+    assert "model.context_length" in r.stderr and "topology" not in r.stderr.split("hint:")[0], r.stderr
     # A saved topology change edited to read as a mere restart: the confirmation it needs is not taken from the file
     # (a collapse of PD into one server applied with no --confirm-topology)
     collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")
