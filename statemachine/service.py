@@ -111,8 +111,8 @@ def plan_base(state, desired: Topology, running: Collection[str] | None = None) 
     journalled: its unit's record is a plain fingerprint again, no longer ``started:``), that return changes what
     runs, so it is planned, named and confirmed from the interrupted target; so is any *desired* that lacks a role the
     target started (apply stops and removes it), whatever going from the recorded deployment needs. With nothing
-    recorded as deployed (a first
-    deployment interrupted), the plan starts from that target once one of its units was started for it.
+    recorded as deployed (a first deployment interrupted), the plan starts from that target once one of its units was
+    started for it.
     *running*: the target's units that run now (:func:`running_units`), where the caller asked the service manager:
     a unit journalled as started that does not run (the apply was interrupted as it started it, or it stopped since)
     changed nothing that going back would undo, so it does not count as begun. None: every record counts."""
@@ -795,8 +795,8 @@ def apply(
             if saved_plan.to_topology != desired:
                 # (what the spec now asks otherwise, by setting: "topology" read as a topology change for an edit of
                 # context_length)
-                edited = [f"{c.address}.{a.path}" for c in make_plan(saved_plan.to_topology, desired).changes
-                          for a in c.changes] or [c.address for c in make_plan(saved_plan.to_topology, desired).changes]
+                differ = make_plan(saved_plan.to_topology, desired).changes
+                edited = [f"{c.address}.{a.path}" for c in differ for a in c.changes] or [c.address for c in differ]
                 shown = (", ".join(edited[:6]) + (", …" if len(edited) > 6 else "")) or "its settings"
                 raise StalePlanError(
                     f"the spec was edited since saved plan {saved_plan.plan_id} was made from it ({shown} differ); "
