@@ -149,18 +149,20 @@ def plan_base(state, desired: Topology, running: Collection[str] | None = None) 
 
 
 def running_units(loaded: Loaded, state, *, host=None) -> set[str] | None:  # noqa: ANN001
-    """While an apply is unfinished, the units of its target that run now (active, activating, deactivating or
-    reloading), for :func:`plan_base`; None with none unfinished. Asks the service manager on *host* (else the spec's)
-    and raises what that raises."""
-    if state.target is None:
+    """While an apply toward another topology than the spec's is unfinished, the units of its target that the journal
+    records (:func:`plan_base` reads no other) and that run now (active, activating, deactivating or reloading); None
+    otherwise (:func:`plan_base` then needs none). Asks the service manager on *host* (else the spec's) and raises
+    what that raises."""
+    if state.target is None or state.target == topology_of(loaded.deployment):
         return None
     from pdctl.statemachine import launch
 
     dep = loaded.deployment
     manager = launch.manager_for(as_recorded_manager(dep, state), host or deployment_host(dep),
                                  state_dir=str(loaded.journal.dir))
-    return {u for u in unit_names(state.target).values()
-            if manager.status(u).state in ("active", "activating", "deactivating", "reloading")}
+    # (a unit not installed runs nothing: its manager is not asked, as not_running does not ask it)
+    return {u for u in unit_names(state.target).values() if u in state.units and manager.installed_text(u) is not None
+            and manager.status(u).state in ("active", "activating", "deactivating", "reloading")}
 
 
 def proven_by_unfinished(state, desired: Topology) -> set[str]:  # noqa: ANN001
