@@ -937,7 +937,7 @@ def apply(
             # interrupted, and a --json stream ends with an event too
             _interrupted(j, state, plan, sink, stale=stale_steps, changing=changing,
                          down=_stopped_of(ctx.manager, ctx.restarting_now) if ctx is not None else (),
-                         removed=_stopped_of(ctx.manager, ctx.removing_now) if ctx is not None else ())
+                         removed=sorted(ctx.removing_now) if ctx is not None else ())
             raise
 
 
@@ -1329,10 +1329,11 @@ def _interrupted(j: Journal, state, plan: Plan, sink, *, stale: dict | None = No
     j.audit("apply-interrupted", plan_id=plan.plan_id, step=step, stopped=[*down, *removed])
     during = f" during {step}" if step else ""
     if removed and not down:
+        # (each one's stop had begun: its processes may still be exiting when this is said, so not asked, as *down* is)
         said = (f"interrupted{during} while removing {', '.join(removed)} (the spec drops "
                 f"{'its role' if len(removed) == 1 else 'their roles'}): {'it was' if len(removed) == 1 else 'they were'}"
-                " stopped and may not run now (`pdctl status` shows it); apply again to converge, or `pdctl down` to "
-                "stop the rest")
+                " being stopped and may not run now (`pdctl status` shows it); apply again to converge, or `pdctl down` "
+                "to stop the rest")
     elif down:  # (*down*: units it had begun to restart, stopped and not started again: they may not run now)
         down = [*down, *removed]
         said = (f"interrupted{during} while restarting {', '.join(down)}: "

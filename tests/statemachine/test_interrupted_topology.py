@@ -228,6 +228,11 @@ def test_an_apply_interrupted_while_it_removes_a_dropped_role_says_that_role_was
         real_stop(self, name, **kw)
         raise KeyboardInterrupt
 
+    def signalled_then_interrupted(self, name, **kw):  # (Ctrl-C a moment after its SIGTERM, the role still exiting)
+        wpid = self._watchdog_pid(name)
+        os.kill(wpid, signal.SIGTERM)
+        raise KeyboardInterrupt
+
     monkeypatch.setattr(ProcessSupervisor, "stop", stop_then_interrupted)
     sink = ListSink()
     with pytest.raises(KeyboardInterrupt):
@@ -236,9 +241,18 @@ def test_an_apply_interrupted_while_it_removes_a_dropped_role_says_that_role_was
     end = sink.events[-1]
     unit = f"pdctl-{demo.name}-router.service"
     assert end.kind == "apply_interrupted" and end.data["stopped"] == [unit], end
-    assert f"while removing {unit} (the spec drops its role): it was stopped" in end.message, end.message
+    assert f"while removing {unit} (the spec drops its role): it was being stopped" in end.message, end.message
     assert not [e for e in sink.events if e.kind == "role_removed"]
     assert router not in demo.pids()
+    # the same with the role still exiting when the interruption is said (helper-100: SIGTERM ~5 ms after
+    # apply_started gave stopped [] and "what already runs stays as it is": the unit still read active)
+    demo.apply()
+    monkeypatch.setattr(ProcessSupervisor, "stop", signalled_then_interrupted)
+    sink = ListSink()
+    with pytest.raises(KeyboardInterrupt):
+        demo.apply(collapse, confirm=service.plan_spec(demo.load(collapse)).plan_id, sink=sink)
+    monkeypatch.setattr(ProcessSupervisor, "stop", real_stop)
+    assert sink.events[-1].data["stopped"] == [unit], sink.events[-1]
 
 
 def _pids(demo) -> dict[str, int | None]:  # noqa: ANN001
