@@ -1582,6 +1582,13 @@ def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN0
     return [n for n in names if manager.installed_text(n) is not None]
 
 
+def _recorded_units(state) -> set[str]:  # noqa: ANN001
+    """The journal's units that may have processes to look for once their files are gone: those of the deployed
+    topology and of an unfinished apply's target that it records as started, and its drop list."""
+    return set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()
+                                  if n in state.units}
+
+
 def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
     """Stop what still runs of the journal's units (deployed, an unfinished apply's target, its drop list) whose unit
     files are gone (a supervisor folder removed by hand while its role ran, or all its files but the unit's own:
@@ -1591,9 +1598,7 @@ def _stop_orphaned(manager, state, sink) -> None:  # noqa: ANN001
     nothing to find."""
     from pdctl.statemachine.events import Event
 
-    recorded = set(state.removing) | {n for t in (state.target, state.deployed) if t for n in unit_names(t).values()
-                                      if n in state.units}
-    for n in sorted(recorded, key=_stop_order):
+    for n in sorted(_recorded_units(state), key=_stop_order):
         if pids := manager.stop_orphans(n):
             sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
                             data={"unit": n, "was": "orphaned"}))
@@ -1611,16 +1616,28 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
         if owner not in (None, loaded.deployment.name):
             names.remove(n)
             sink.emit(Event("info", f"{n} belongs to deployment {owner!r}: left as it is", data={"unit": n}))
-    _stop_orphaned(manager, state, sink)
-    if not names:
+    # every unit in stop order (router first, then decode, then prefill: the router never routes to a role already
+    # stopped), an orphaned one's processes (its files gone) stopped in its turn; they were stopped before all others
+    orphans = set(_recorded_units(state))
+    if not names and not orphans:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
-    for n in names:
+    for n in sorted(set(names) | orphans, key=_stop_order):
+        if n in orphans and (pids := manager.stop_orphans(n)):
+            sink.emit(Event("info", f"stopped {n}'s processes (PIDs {', '.join(map(str, pids))}): its files were gone",
+                            data={"unit": n, "was": "orphaned"}))
+            if n in names:
+                manager.stop(n)  # (what its folder still records, if anything)
+            continue
+        if n not in names:
+            continue
         was = manager.status(n).state
         ran = was in ("active", "activating", "deactivating")
         if ran:  # (a server or router may take seconds to exit: said before, not only after)
             sink.emit(Event("info", f"stopping {n}", data={"unit": n, "was": was}))
         manager.stop(n)
         sink.emit(Event("info", f"stopped {n}" if ran else f"{n} was not running ({was})", data={"unit": n, "was": was}))
+    if not names and orphans:
+        _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"], deployment=loaded.deployment.name)
     state.deployed = None
     state.target = None

@@ -2078,6 +2078,12 @@ def test_down_stops_a_role_whose_folder_holds_only_its_unit_file(demo):
     assert r.returncode == 0, r.stderr
     assert f"stopped {pre['unit']}'s processes" in r.stderr, r.stderr
     assert process_gone(pre["main_pid"]) and demo.pids() == []
+    # in its turn, after the router and decode (helper-100: it was stopped first, the router still routing to it), and
+    # not then said to have not been running
+    router, dec = st["router"]["unit"], next(x["unit"] for x in st["roles"] if x["name"] == "decode")
+    assert r.stderr.index(f"stopping {router}") < r.stderr.index(f"stopping {dec}") < r.stderr.index(
+        f"stopped {pre['unit']}'s processes"), r.stderr
+    assert f"{pre['unit']} was not running" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
