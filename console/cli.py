@@ -707,6 +707,9 @@ def _status_text(st: dict) -> str:
             stale = (f"  [proven before {', '.join(since)} restarted (a crash its supervisor recovered from?): "
                      "`pdctl apply` proves it again]") if since else ""
             lines.append(f"    {name:<20} {s['status']:<{ssw}} {summary}{age}{stale}")
+    for path in st.get("unit_files_not_pdctls") or ():
+        lines.append(f"  {path}: not a unit file pdctl wrote (damaged?); `pdctl apply` refuses it until it is restored "
+                     "or moved aside (apply then stops what its unit still runs and installs it anew)")
     for unit in st.get("missing_units") or ():
         lines.append(f"  {unit}: its files are gone (removed outside pdctl?): `pdctl apply` stops what it still "
                      "runs and installs the unit again; `pdctl down` stops it")

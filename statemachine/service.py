@@ -351,6 +351,9 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
     elif (st.get("target") or {}).get("state") not in (None, "active"):  # (apply starts it once every step is proven)
         lasting.append(f"{st['target']['unit']} is {st['target']['state']} (the units it groups run without it; "
                        "`systemctl stop` of it would not stop them): apply starts it")
+    for path in st.get("unit_files_not_pdctls") or ():
+        lasting.append(f"{path} is not a unit file pdctl wrote (damaged?): apply refuses it until it is restored or "
+                       "moved aside")
     for unit in st.get("missing_units") or ():
         lasting.append(f"{unit}'s files are gone (removed outside pdctl?): apply stops what it still runs and installs it "
                        "again")
@@ -456,6 +459,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         ports_held_elsewhere,
         router_executable_unusable,
         service_manager_changed,
+        unit_files_not_pdctls,
         units_of_another_deployment,
     )
 
@@ -485,8 +489,8 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
             refusals = []
             # (each a refusal of its own before apply's first step, exit 3; a NUMA node the host lacks was found
             # only by apply, after the operator had confirmed the plan)
-            for refuse in (units_of_another_deployment, bind_addresses_unusable, router_executable_unusable,
-                           numa_nodes_missing):
+            for refuse in (units_of_another_deployment, unit_files_not_pdctls, bind_addresses_unusable,
+                           router_executable_unusable, numa_nodes_missing):
                 try:
                     refuse(ctx)
                 except ApplyFailed as exc:
@@ -767,6 +771,7 @@ def apply(
         router_executable_unusable,
         service_manager_changed,
         steps_for,
+        unit_files_not_pdctls,
         unit_files_unrenderable,
         units_of_another_deployment,
     )
@@ -880,6 +885,7 @@ def apply(
                 service_manager_changed(ctx)
                 unit_files_unrenderable(ctx)
                 units_of_another_deployment(ctx)
+                unit_files_not_pdctls(ctx)
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
@@ -1032,7 +1038,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     secrets file) differs from what pdctl writes for the definition apply proved (``steps.edited_units``: edited
     outside pdctl), which under systemd a crash or reboot would start as edited (the process supervisor keeps the
     unit file its watchdog read at the start, and reads a secrets file again at each restart); ``service_manager``:
-    the one the units run under (the journal's record, else the spec's); ``missing_units``: with no apply unfinished, the
+    the one the units run under (the journal's record, else the spec's); ``unit_files_not_pdctls``: the paths of its
+    unit files there that pdctl did not write as they stand (damaged, or written by hand), which apply refuses before
+    anything; ``missing_units``: with no apply unfinished, the
     units apply proved running (``JournalState.units``) that are no longer installed (their files removed by hand),
     which ``down`` and ``apply`` still stop where they run;
     each role's and the router's ``port_orphaned``: whether its port is answered by this deployment's own process under
@@ -1240,7 +1248,8 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             edited = edited_units(manager, units, state.units, [u for u in names.values() if u in units.names])
     # a unit apply proved whose files were removed by hand (its supervisor folder `rm -rf`'d): not "edited"
     missing = [u for u in names.values() if state.target is None and u in state.units
-               and manager.installed_text(u) is None]
+               and manager.installed_text(u) is None and manager.unit_file_not_pdctls(u) is None]
+    damaged = [p for u in names.values() if (p := manager.unit_file_not_pdctls(u))]
     edited = [u for u in edited if u not in missing]
     return {
         "deployment": topo.name,
@@ -1263,6 +1272,7 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         "removed": removed,
         "edited_units": edited,
         "missing_units": missing,
+        "unit_files_not_pdctls": damaged,
         "service_manager": as_recorded_manager(loaded.deployment, state).service_manager,
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,

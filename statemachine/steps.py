@@ -851,6 +851,26 @@ def units_of_another_deployment(ctx: Context) -> None:
         step=min((step_of[role] for role, _u, _o in taken), key=order.index), hint=OTHER_DEPLOYMENT_HINT)
 
 
+def unit_files_not_pdctls(ctx: Context) -> None:
+    """Before anything starts or stops: no unit file of this deployment may be there without being one pdctl wrote
+    (:meth:`~pdctl.units.ServiceManager.unit_file_not_pdctls`: damaged, or written by hand), which its step's install
+    would refuse to overwrite after apply had stopped what the unit ran. Raises :class:`ApplyFailed` naming each, at
+    the first step that would install one."""
+    from pdctl.statemachine.machine import role_steps
+
+    step_of = role_steps(ctx.topology)
+    bad = [(role, path) for role, unit in ctx.unit_of.items() if (path := ctx.manager.unit_file_not_pdctls(unit))]
+    if not bad:
+        return
+    order = list(step_of.values())
+    raise ApplyFailed(
+        "unit files that pdctl did not write as they stand (damaged, or written by hand), nothing was started or "
+        "changed: " + "; ".join(f"{path} (role {role})" for role, path in bad),
+        step=min((step_of[role] for role, _p in bad), key=order.index),
+        hint="restore each from a backup, or move it aside (mv FILE FILE.bad) and apply again: apply then stops what "
+             "the unit still runs, found by its watchdog, and installs the unit anew")
+
+
 def unit_files_refusal(units, scope: str | None, step: str) -> ApplyFailed | None:  # noqa: ANN001
     """:func:`unit_files_unrenderable`'s refusal (journalled at *step*) of *units* under *scope* (``"system"``,
     ``"user"``; anything else writes no unit files), or None where every file renders; for ``pdctl plan`` too."""

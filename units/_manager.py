@@ -104,6 +104,12 @@ class ServiceManager(ABC):
         ``a-prefill``, ``hX-a`` with ``prefill``): one must never take over or remove the other's."""
         return None
 
+    def unit_file_not_pdctls(self, name: str) -> str | None:
+        """The path of *name*'s unit file where one is there that pdctl did not write as it stands (damaged: not the
+        JSON it writes, or written by hand), which :meth:`install` refuses to overwrite; None where there is none or
+        it is pdctl's. A manager whose install overwrites its files (systemd's, which it checks there) has none."""
+        return None
+
     @abstractmethod
     def start(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
         """Start a unit (a target starts its services; a service starts what it requires

@@ -492,6 +492,10 @@ class ProcessSupervisor(ServiceManager):
         data = self._read_json(posixpath.join(self._dir(name), "unit.json"))  # (None when absent)
         return _owner(data) if data and data.get("managed_by") == "pdctl" else None
 
+    def unit_file_not_pdctls(self, name: str) -> str | None:
+        path = posixpath.join(self._dir(name), "unit.json")
+        return path if self.host.exists(path) and self.installed_text(name) is None else None
+
     def installed_text(self, name: str) -> str | None:
         path = posixpath.join(self._dir(name), "unit.json")
         if not self.host.exists(path):
@@ -551,8 +555,10 @@ class ProcessSupervisor(ServiceManager):
         as :meth:`stop` does (SIGTERM then SIGCONT; SIGKILL after *timeout*). The same for a folder that holds its
         ``unit.json`` and nothing else (the watchdog's files and logs deleted under it: nothing says it ran, so
         :meth:`status` reads it inactive). The PIDs stopped; ``[]`` while the unit is installed with any record of its
-        watchdog (:meth:`stop` is for that)."""
-        if self.installed_text(name) is not None and self._status_record(name):
+        watchdog (:meth:`stop` is for that), or while a ``unit.json`` that is not pdctl's is there (damaged: apply refuses
+        it before anything, :meth:`unit_file_not_pdctls`)."""
+        if self.unit_file_not_pdctls(name) is not None or (self.installed_text(name) is not None
+                                                           and self._status_record(name)):
             return []
         d = posixpath.normpath(self._dir(name))
         try:  # (the cwd link of a process holds the resolved path: the folder's parent resolved, and its name)

@@ -2086,6 +2086,29 @@ def test_down_stops_a_role_whose_folder_holds_only_its_unit_file(demo):
     assert f"{pre['unit']} was not running" not in r.stderr, r.stderr
 
 
+def test_a_damaged_unit_file_is_refused_before_anything_and_apply_mends_it_once_moved_aside(demo):
+    # (helper-100: a unit.json overwritten with garbage read as "files gone": apply stopped the serving decode, then
+    # failed at decode_up, "not written by pdctl: refusing to overwrite it", and left it down)
+    demo.apply()
+    st = demo.status()
+    dec = next(r for r in st["roles"] if r["name"] == "decode")
+    path = demo.state / "supervisor" / "services" / dec["unit"] / "unit.json"
+    path.write_text("{garbage")
+    before = demo.pids()
+    st = demo.status()
+    assert st["unit_files_not_pdctls"] == [str(path)] and st["missing_units"] == [], st
+    plan = demo.cli("plan", str(demo.spec), "--json")
+    assert str(path) in (json.loads(plan.stdout)["binds_unusable"] or ""), plan.stdout
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 3 and "unit files that pdctl did not write as they stand" in r.stderr, r.stderr
+    assert "nothing was started or changed" in r.stderr and "mv FILE FILE.bad" in r.stderr, r.stderr
+    assert demo.pids() == before  # the decode serving before it still serves
+    path.rename(path.with_name("unit.json.bad"))
+    r = demo.cli("apply", str(demo.spec))
+    assert r.returncode == 0, r.stderr
+    assert process_gone(dec["main_pid"]) and demo.status()["healthy"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_just_after_the_apply_finished_does_not_make_it_an_interruption(demo, sig):
     # (Ctrl-C as the apply printed its last line: exit 130 and no word, after apply_done and a journalled apply-done)
