@@ -647,19 +647,21 @@ def _status_text(st: dict) -> str:
     # (columns as wide as their longest word: "deactivating", "failed (watchdog-gone)", a step "interrupted")
     sw = max([11, *(len(_state_word(x)) for x in [*st["roles"], *([rt] if rt else [])]),
               *(len(u["state"]) for u in st.get("leftover") or ())])
+    # (and the name column as wide as the longest role name, up to 32 characters: a longer one pushed the rest out)
+    nw = max([10, *(len(x["name"]) for x in [*st["roles"], *(st.get("leftover") or ()), *(st.get("removed") or ())])])
     for r in st["roles"]:
         health = f"{r['health'] or 'down':<5}"
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
             health += _from_another_process(r, own)
         lines.append(
-            f"  {r['name']:<10} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
+            f"  {r['name']:<{nw}} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _unsupervised(r)
             + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
             + _WATCHDOG_GONE * (r.get("sub_state") == "watchdog-gone")
         )
     if rt:
         lines.append(
-            f"  {'router':<10} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
+            f"  {'router':<{nw}} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
             + (_from_another_process(rt, own) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  "
             + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + f"  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
@@ -669,14 +671,14 @@ def _status_text(st: dict) -> str:
         )
         if rt.get("exposure_differs"):  # (where it listens is what the network sees; the topology's is the intent)
             public = [a for a in rt["listening"] if a.startswith(("0.0.0.0:", "[::]:"))]
-            lines.append(f"  {'':<10} it listens on {', '.join(rt['listening'])}"
+            lines.append(f"  {'':<{nw}} it listens on {', '.join(rt['listening'])}"
                          + (" (every interface)" if public else "")
                          + f", not on {rt['exposure']} as the deployment says: "
                          + ("the unfinished apply has not restarted it yet; applying its spec again restarts it there"
                             if st.get("applying") else "`pdctl apply` restarts it there"))
         if rt.get("mismatches"):  # (what router_exposed proves, no longer so)
             lasting = bool(rt.get("mismatches_lasting"))
-            lines.append(f"  {'':<10} its workers differ from the deployment: {'; '.join(rt['mismatches'])} ["
+            lines.append(f"  {'':<{nw}} its workers differ from the deployment: {'; '.join(rt['mismatches'])} ["
                          + ("registered otherwise than the deployment (started for other workers, or one removed from "
                             "it since), which its health checks do not mend: applying the deployment's spec restarts "
                             "the router with its workers]" if lasting else
@@ -690,11 +692,11 @@ def _status_text(st: dict) -> str:
     back = f"applying {recorded_spec} is a topology change to confirm (`pdctl plan` shows its id)"
     for u in st.get("leftover") or ():
         kept = "keeps it" if u["state"] in ("active", "activating") else "starts it again"
-        lines.append(f"  {u['name']:<10} {u['state']:<{sw}} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
+        lines.append(f"  {u['name']:<{nw}} {u['state']:<{sw}} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
                      f"which the unfinished apply drops: {back if confirm else f'applying {recorded_spec} {kept}'}; "
                      f"applying {target_spec} again, or `pdctl down`, removes it]")
     for u in st.get("removed") or ():
-        lines.append(f"  {u['name']:<10} {'removed':<{sw}} pid {'-':<8} [of the recorded deployment, removed already by "
+        lines.append(f"  {u['name']:<{nw}} {'removed':<{sw}} pid {'-':<8} [of the recorded deployment, removed already by "
                      f"the unfinished apply that drops it: " + (f"{back} that starts it again]" if confirm else
                                                                  f"applying {recorded_spec} starts it again]"))
     if st["steps"]:

@@ -1130,8 +1130,10 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                 "sub_state": st.sub_state,
                 "url": r.url,
                 "health": code,
-                "error": (None if owned else f"GET {r.url}/health was answered by another process on its port, "
-                          "not this role's unit") if code == 200 else f"GET {r.url}/health: " + (
+                "error": (None if owned else f"GET {r.url}/health was answered by this deployment's own process, "
+                          "whose supervisor's files are gone, not by this role's unit" if orphaned else
+                          f"GET {r.url}/health was answered by another process on its port, not this role's unit")
+                if code == 200 else f"GET {r.url}/health: " + (
                     f"HTTP {code}" if code else "nothing answered (connection refused, reset or timed out)"),
                 "port_owned": owned,
                 "port_held_for": held_for,

@@ -147,3 +147,20 @@ def test_the_topology_panel_says_why_a_unit_is_failed_or_waiting_to_restart():
     assert state_word("activating", "start") == "activating"
     assert state_word("failed", "failed") == "failed"
     assert state_word("active", "running") == "active"
+
+
+def test_status_text_columns_fit_a_long_role_name():
+    # (helper-100: "decode-longname-b22 inactive" pushed the later columns out of line)
+    from pdctl.console.cli import _status_text
+
+    def role(name: str) -> dict:
+        return {"name": name, "kind": "decode", "unit": f"pdctl-x-{name}.service", "state": "active", "main_pid": 12,
+                "restarts": 0, "sub_state": "running", "url": "http://127.0.0.1:1", "health": 200, "error": None,
+                "port_owned": True, "supervised": True, "healthy": True}
+
+    st = {"deployment": "x", "mode": "pd", "recorded_mode": "pd", "deployed": True, "applying": False, "healthy": True,
+          "matches_spec": True, "reached": "parsers_configured", "roles": [role("prefill"), role("decode-longname-b22")],
+          "router": None, "leftover": [], "removed": [], "steps": {}}
+    lines = _status_text(st).splitlines()[1:]
+    assert [line.index(" active") for line in lines] == [len("  decode-longname-b22")] * 2, lines
+    assert len({line.index("pid") for line in lines}) == 1, lines
