@@ -321,7 +321,8 @@ class ServerRole(_Model):
     @classmethod
     def _name_ok(cls, v: str | None) -> str | None:
         if v is not None and not _ROLE_NAME_RE.match(v):
-            raise ValueError(f"role name {v!r}: use lower-case letters, digits and '-', at most 32")
+            raise FieldError("", f"role name {v!r} cannot be part of a unit name",
+                             "use lower-case letters, digits and '-', at most 32")
         return v
 
 
@@ -487,7 +488,8 @@ class Deployment(_Model):
 class FieldError(ValueError):
     """A check of a whole table (a model validator) that fails at one of its fields: pydantic gives such an error the
     table's own location ("(root)" for the spec's top level) and no fix, so it carries both, for :func:`parse_spec`'s
-    finding (``{field, message, fix}``). *field* is relative to the table."""
+    finding (``{field, message, fix}``). *field* is relative to the table ("" from a field's own validator: the
+    field itself)."""
 
     def __init__(self, field: str, message: str, fix: str) -> None:
         super().__init__(f"{message}: {fix}")
@@ -759,7 +761,7 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
                 else:
                     msg = f"key {err['loc'][-2]!r}: {msg}"
             elif isinstance(cause := err.get("ctx", {}).get("error"), FieldError):
-                field = f"{_loc(err['loc'])}.{cause.field}" if err["loc"] else cause.field
+                field = ".".join(x for x in (_loc(err["loc"]) if err["loc"] else "", cause.field) if x) or "(root)"
                 msg, fix = cause.message, cause.fix
             elif err["type"] == "extra_forbidden":
                 msg, fix = "unknown key", "remove it or check its spelling"

@@ -1289,6 +1289,17 @@ def test_role_names_that_collide_are_refused_naming_both_fields(index, name, fie
     parse_spec(d)
 
 
+@pytest.mark.parametrize("name", ["", "a b", "PREFILL"])
+def test_a_role_name_that_cannot_be_a_unit_name_is_a_finding_with_its_fix_apart(name):
+    d = seed_dict()
+    d["prefill"][0]["name"] = name
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    [(where, message, fix)] = e.value.findings
+    assert (where, fix) == ("prefill[0].name", "use lower-case letters, digits and '-', at most 32"), e.value.findings
+    assert repr(name) in message
+
+
 @pytest.mark.parametrize("drop,field,fix", [
     (("decode",), "decode", "add [[decode]]"),
     (("prefill",), "prefill", "add [[prefill]]"),
