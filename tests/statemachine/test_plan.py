@@ -1267,6 +1267,9 @@ def _runs_fixture(tmp_path, monkeypatch, states: dict[str, str]):  # noqa: ANN20
         def installed_deployment(self, unit: str) -> str | None:
             return None  # (as a unit file pdctl did not write: no deployment of its own)
 
+        def unit_file_not_pdctls(self, unit: str) -> str | None:
+            return None
+
     monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
     return loaded, loaded.journal.read(), recorded
 

@@ -560,6 +560,9 @@ def test_status_marks_a_proof_that_a_later_apply_took_again_stale_too(tmp_path, 
             def status(self, unit: str) -> ServiceStatus:
                 return ServiceStatus(unit, "active", main_pid=younger.pid if "-prefill." in unit else 1)  # (1: since boot)
 
+            def unit_file_not_pdctls(self, unit: str) -> str | None:
+                return None
+
         monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
         steps = service.status(loaded)["steps"]
     finally:
