@@ -285,7 +285,7 @@ def _unset_secrets_note(dep) -> None:  # noqa: ANN001
     warning after the plan, ``Plan.secrets_refused``)."""
     from pdctl.statemachine.spec import secret_value
 
-    for key, value in sorted(dep.secrets.items()):
+    for key, value in sorted(dep.secret_refs().items()):
         got = secret_value(value, os.environ)
         if got is None:
             _err(f"note: secrets.{key} = {value!r}: {value[4:]} is not set here, so the plan cannot compare the secret "

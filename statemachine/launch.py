@@ -246,7 +246,7 @@ def resolve_secrets(dep: Deployment, environ: dict[str, str] | None = None) -> d
     out = {}
     unset = []
     empty = []
-    for k, v in dep.secrets.items():
+    for k, v in dep.secret_refs().items():
         value = secret_value(v, environ)
         if value is None:
             unset.append(f"secrets.{k} = {v!r}")
@@ -335,6 +335,7 @@ def services_for(
     target = target_name(dep)
     rdma = bool(dep.kv_transfer and dep.kv_transfer.backend in _RDMA_BACKENDS)
     out: list[ServiceSpec] = []
+    resolved = resolve_secrets(dep)
 
     def logp(unit: str) -> str | None:
         return os.path.join(os.path.abspath(str(log_dir)), unit.removesuffix(".service") + ".log") if log_dir else None
@@ -342,7 +343,7 @@ def services_for(
     for role_name, kind, role in dep.roles():
         s = _server_launch(dep, kind, role)
         plain, secret = split_secrets(server_env(s))
-        secret.update(resolve_secrets(dep))
+        secret.update({k: resolved[k] for k in dep.secrets_for(role_name)})
         plain = {k: v for k, v in plain.items() if k not in secret}
         start = int(2 * role.expected_cold_start_s) if role.expected_cold_start_s else 3600
         name = unit_name(dep, role_name)
@@ -373,7 +374,7 @@ def services_for(
     r = router_launch(dep)
     if r is not None:
         plain, secret = split_secrets(router_env(r))
-        secret.update(resolve_secrets(dep))
+        secret.update({k: resolved[k] for k in dep.secrets_for("router")})
         plain = {k: v for k, v in plain.items() if k not in secret}
         name = router_unit_name(dep)
         out.append(ServiceSpec(

@@ -396,7 +396,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     if deployed is not None:
         wide = _diff("deployment", _reach_free(deployed.deployment), _reach_free(desired.deployment), "disruptive")
     wide_restarts = tuple(sorted(set(old_roles) & set(new_roles)))
-    # the router's unit carries every secret and runs under engine.python too (its readiness gate; sglang-router's
+    # the router's unit carries every plain secret and runs under engine.python too (its readiness gate; sglang-router's
     # executable): such a change restarts it as well (statemachine/launch.py, services_for)
     if (deployed is not None and deployed.router is not None and desired.router is not None
             and any(c.path.startswith(("deployment.secrets", "deployment.engine.python")) for c in wide)):

@@ -1000,7 +1000,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{key} looks like a secret, and env values are written into unit files and plans in clear",
                     f'move it to [secrets] ({key} = "env:{key}"): written 0600 and shown as ***',
                 )
-    for key, value in dep.secrets.items():
+    for key, value in dep.secret_refs().items():
         if value and not value.startswith("env:"):
             warn(
                 f"secrets.{key}",

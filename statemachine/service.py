@@ -547,7 +547,9 @@ def _unit_files_refusal(loaded: Loaded) -> str | None:
 
     dep = loaded.deployment
     if dep.secrets:
-        dep = dep.model_copy(update={"secrets": {k: "placeholder" for k in dep.secrets}})
+        dep = dep.model_copy(update={"secrets": {k: "placeholder" if isinstance(v, str) else
+                                                 v.model_copy(update={"value": "placeholder"})
+                                                 for k, v in dep.secrets.items()}})
     refusal = unit_files_refusal(unit_set_for(dep, state_dir=str(loaded.journal.dir)), scope_for(dep),
                                  topology_of(dep).roles[0].kind + "_up")
     return None if refusal is None else refusal.message + (f"\n  hint: {refusal.hint}" if refusal.hint else "")

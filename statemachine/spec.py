@@ -37,7 +37,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -391,6 +393,26 @@ class Engine(_Model):
     env: dict[EnvName, str] = Field(default_factory=dict)
 
 
+class Secret(_Model):
+    """A ``[secrets]`` entry given only to some roles: ``HF_TOKEN = { value = "env:HF_TOKEN", roles = ["prefill",
+    "decode"] }``. A plain string (``HF_TOKEN = "env:HF_TOKEN"``) goes to every role and the router."""
+
+    value: str
+    """As a plain entry's value: ``env:NAME`` (read from pdctl's environment at apply time) or the value itself."""
+    roles: list[str] = Field(min_length=1)
+    """Who gets it: role names (``prefill``, ``decode-1``…, ``router``), or a kind (``prefill``, ``decode``,
+    ``server``) for every role of it."""
+
+
+# a plain string, or a table: chosen by the value's shape, so that a finding names one of them, not both (the tags are
+# left out of findings' field paths, _loc)
+_SECRET_TAGS = ("secret-text", "secret-table")
+SecretEntry = Annotated[
+    Annotated[str, Tag(_SECRET_TAGS[0])] | Annotated[Secret, Tag(_SECRET_TAGS[1])],
+    Discriminator(lambda v: _SECRET_TAGS[1] if isinstance(v, (dict, Secret)) else _SECRET_TAGS[0]),
+]
+
+
 class Console(_Model):
     """Console and telemetry settings (in place: changing them restarts nothing)."""
 
@@ -415,10 +437,31 @@ class Deployment(_Model):
     parsers: Parsers = Field(default_factory=Parsers)
     kernels: Kernels = Field(default_factory=Kernels)
     console: Console = Field(default_factory=Console)
-    secrets: dict[EnvName, str] = Field(default_factory=dict)
+    secrets: dict[EnvName, SecretEntry] = Field(default_factory=dict)
     """Environment secrets (``HF_TOKEN``, the router's API key…). A value ``env:NAME`` is read from
     pdctl's own environment at apply time. They reach processes only through an
-    ``EnvironmentFile=`` written 0600 and show as ``***`` in plans, journals and logs."""
+    ``EnvironmentFile=`` written 0600 and show as ``***`` in plans, journals and logs. A plain value goes to every
+    role and the router; a :class:`Secret` table (``{ value = …, roles = […] }``) only to the roles it names."""
+
+    def secret_refs(self) -> dict[str, str]:
+        """Every ``[secrets]`` key with its reference (``env:NAME`` or the value as written), whoever gets it."""
+        return {k: v if isinstance(v, str) else v.value for k, v in self.secrets.items()}
+
+    def secret_scoped(self, key: str) -> bool:
+        """Whether ``secrets.<key>`` names the roles that get it (otherwise every role and the router do)."""
+        return not isinstance(self.secrets[key], str)
+
+    def secrets_for(self, role_name: str) -> dict[str, str]:
+        """The ``[secrets]`` keys (with their references) that role *role_name* (``"router"`` for the router) gets."""
+        kinds = {name: kind for name, kind, _r in self.roles()}
+        kinds["router"] = "router"
+        out = {}
+        for k, v in self.secrets.items():
+            if isinstance(v, str):
+                out[k] = v
+            elif role_name in v.roles or kinds.get(role_name) in v.roles:
+                out[k] = v.value
+        return out
 
     @field_validator("name")
     @classmethod
@@ -484,6 +527,23 @@ class Deployment(_Model):
             seen[name] = said
         return self
 
+    @model_validator(mode="after")
+    def _secret_roles_exist(self) -> Deployment:
+        # (a misspelt role would silently keep the secret from the role that needs it: a model download failing late)
+        names = [n for n, _k, _r in self.roles()] + (["router"] if self.router is not None else [])
+        kinds = sorted({k for _n, k, _r in self.roles()})
+        valid = list(dict.fromkeys([*names, *kinds]))
+        for key, v in self.secrets.items():
+            if isinstance(v, str):
+                continue
+            for i, who in enumerate(v.roles):
+                if who not in valid:
+                    what = ("the spec has no [router]" if who == "router"
+                            else f"{who!r} is neither a role of this spec nor a kind of role")
+                    raise FieldError(f"secrets.{key}.roles[{i}]", what,
+                                     f"name roles ({', '.join(valid)}), or remove {who!r}")
+        return self
+
 
 class FieldError(ValueError):
     """A check of a whole table (a model validator) that fails at one of its fields: pydantic gives such an error the
@@ -499,6 +559,8 @@ class FieldError(ValueError):
 def _loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for p in loc:
+        if p in _SECRET_TAGS:
+            continue
         if isinstance(p, int):
             parts[-1] = f"{parts[-1]}[{p}]" if parts else f"[{p}]"
         else:

@@ -211,7 +211,7 @@ def with_legacy_secrets_bridged(recorded: Topology, dep: Deployment) -> Topology
     new = dict(old)
     for k, v in old.items():
         if k in dep.secrets and str(v).startswith("sha256:"):
-            value = _secret_now(dep.secrets[k])
+            value = _secret_now(dep.secret_refs()[k])
             if v == "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:16]:
                 new[k] = _fingerprint(value, f"{dep.name}/{k}")
     return recorded.model_copy(update={"deployment": {**recorded.deployment, "secrets": new}})
@@ -242,6 +242,15 @@ def role_node(numa_node: int | None, gpus: list[int], gpu_numa: list[int] | tupl
 def topology_of(dep: Deployment) -> Topology:
     """Resolve *dep* (already validated) into its :class:`Topology`."""
     model = dep.model.model_dump()
+    # a secret's fingerprint (scrypt, tens of ms) once per key: the value the units get, so a rotation restarts those
+    # that get it: every role and the router for a plain entry (deployment-wide), the roles it names for a table
+    refs = dep.secret_refs()
+    fingerprint = {k: _fingerprint(_secret_now(v), f"{dep.name}/{k}") for k, v in sorted(refs.items())}
+
+    def scoped_secrets(role_name: str) -> dict[str, dict[str, str]]:
+        got = {k: fingerprint[k] for k in sorted(dep.secrets_for(role_name)) if dep.secret_scoped(k)}
+        return {"secrets": got} if got else {}  # (absent when none: a spec without scoped secrets records as before)
+
     roles: list[RoleTopology] = []
     for name, kind, r in dep.roles():
         host = dep.hosts.get(r.host)
@@ -259,6 +268,7 @@ def topology_of(dep: Deployment) -> Topology:
             "expected_cold_start_s": r.expected_cold_start_s,
             # what the unit binds to: changing gpu_numa or numa_cpus re-renders it and restarts the role
             "numa_binding": dict(zip(("node", "cpus"), numa_binding(dep, r))),
+            **scoped_secrets(name),
         }
         roles.append(
             RoleTopology(
@@ -313,6 +323,7 @@ def topology_of(dep: Deployment) -> Topology:
                 "executable": rt.executable,
                 "extra_args": list(rt.extra_args),
                 "env": dict(sorted(rt.env.items())),
+                **scoped_secrets("router"),
             },
         )
     deployment = {
@@ -321,7 +332,7 @@ def topology_of(dep: Deployment) -> Topology:
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
         # the value the units get: a rotated secret restarts the roles
-        "secrets": {k: _fingerprint(_secret_now(v), f"{dep.name}/{k}") for k, v in sorted(dep.secrets.items())},
+        "secrets": {k: fp for k, fp in fingerprint.items() if not dep.secret_scoped(k)},
         # where each host is; how pdctl reaches it (ssh_user, ssh_port, keys) changes no running process
         "hosts": {k: {"address": h.address} for k, h in sorted(dep.hosts.items())},
     }

@@ -211,3 +211,81 @@ def test_plan_warns_of_a_state_directory_systemd_cannot_name(tmp_path, monkeypat
                        capture_output=True, text=True, timeout=60)
     assert "Warning: `pdctl apply` stops before its first step (exit 3" in r.stdout, r.stdout
     assert "a unit file cannot be written" in r.stdout, r.stdout
+
+
+def _scoped(monkeypatch) -> dict:  # noqa: ANN001
+    """The seed with a model-hub token for the servers only and an API key for the router only."""
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_servers_only")
+    monkeypatch.setenv("PDCTL_TEST_KEY", "key_router_only")
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": {"value": "env:PDCTL_TEST_HF", "roles": ["prefill", "decode"]},
+                    "ROUTER_API_KEY": {"value": "env:PDCTL_TEST_KEY", "roles": ["router"]},
+                    "SHARED_TOKEN": "env:PDCTL_TEST_KEY"}
+    return d
+
+
+def test_a_secret_given_roles_reaches_only_those_roles(tmp_path, monkeypatch):
+    # (every [secrets] entry went to every unit: the router, exposed on the deployment's one port, held the model
+    # hub's token it never uses)
+    dep = parse_spec(_scoped(monkeypatch))
+    got = {s.role: dict(s.secrets) for s in services_for(dep)}
+    assert got == {"prefill": {"HF_TOKEN": "hf_servers_only", "SHARED_TOKEN": "key_router_only"},
+                   "decode": {"HF_TOKEN": "hf_servers_only", "SHARED_TOKEN": "key_router_only"},
+                   "router": {"ROUTER_API_KEY": "key_router_only", "SHARED_TOKEN": "key_router_only"}}
+    written = {p.name: p.read_text() for p in write_units(dep, tmp_path) if p.suffix == ".env"}
+    assert "hf_servers_only" not in written["router.env"] and "hf_servers_only" in written["prefill.env"]
+    assert "ROUTER_API_KEY" not in written["decode.env"] and "ROUTER_API_KEY" in written["router.env"]
+    # a kind names every role of it: a second decode group gets the token too
+    d = _scoped(monkeypatch)
+    d["decode"].append({**d["decode"][0], "gpus": [0, 1, 2, 3], "port": 30021, "nccl_port": 30121})
+    d["secrets"]["HF_TOKEN"]["roles"] = ["decode"]
+    got = {s.role: dict(s.secrets) for s in services_for(parse_spec(d))}
+    assert "HF_TOKEN" in got["decode"] and "HF_TOKEN" in got["decode-1"] and "HF_TOKEN" not in got["prefill"]
+
+
+def test_a_scoped_secrets_rotation_restarts_only_the_roles_that_get_it(monkeypatch):
+    from pdctl.statemachine.plan import make_plan
+    from pdctl.statemachine.topology import topology_of
+
+    d = _scoped(monkeypatch)
+    d["secrets"].pop("SHARED_TOKEN")
+    before = topology_of(parse_spec(d))
+    monkeypatch.setenv("PDCTL_TEST_KEY", "key_rotated")
+    p = make_plan(before, topology_of(parse_spec(d)))
+    assert [(c.address, c.restarts) for c in p.changes] == [("router", ("router",))]
+    assert [a.path for c in p.changes for a in c.changes] == ["settings.secrets.ROUTER_API_KEY"]
+    assert "key_rotated" not in p.model_dump_json()
+    monkeypatch.setenv("PDCTL_TEST_KEY", "key_router_only")
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_rotated")
+    p = make_plan(before, topology_of(parse_spec(d)))
+    assert {c.address for c in p.changes} == {"role.prefill", "role.decode"}
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_servers_only")
+    assert not make_plan(before, topology_of(parse_spec(d))).has_changes
+
+
+@pytest.mark.parametrize(("roles", "field", "words"), [
+    (["prefil"], "secrets.HF_TOKEN.roles[0]", "'prefil' is neither a role of this spec nor a kind of role"),
+    ([], "secrets.HF_TOKEN.roles", "must not be empty"),
+    (None, "secrets.HF_TOKEN.roles", "required"),
+])
+def test_a_secrets_roles_that_name_no_role_are_a_finding_with_its_fix(roles, field, words):
+    from pdctl.statemachine.errors import SpecError
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": {"value": "env:X"} if roles is None else {"value": "env:X", "roles": roles}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    text = str(e.value)
+    assert f"{field}: {words}" in text, text
+    assert "secret-table" not in text and "secret-text" not in text and "Secret" not in text
+    if roles == ["prefil"]:
+        assert "name roles (prefill, decode, router), or remove 'prefil'" in text
+
+
+def test_a_secret_for_the_router_of_a_spec_without_one_is_a_finding(monkeypatch):
+    from pdctl.statemachine.errors import SpecError
+
+    d = _scoped(monkeypatch)
+    del d["router"]
+    with pytest.raises(SpecError, match=r"secrets\.ROUTER_API_KEY\.roles\[0\]: the spec has no \[router\]"):
+        parse_spec(d)
