@@ -39,6 +39,17 @@ Where each behaviour comes from (SGLang 0.5.23):
   "Decode batch, ..." log lines; ``sglang/srt/utils/common.py`` ``configure_logger``: the
   ``[YYYY-mm-dd HH:MM:SS] message`` format.
 
+* torch.distributed's rendezvous: each server's rank 0 initialises the process group with
+  ``tcp://127.0.0.1:<--nccl-port>`` (the ``--dist-init-addr`` port where given), whose ``TCPStore`` server
+  (torch ≥ 2.4, libuv backend, ``TCPStoreLibUvBackend.cpp``) listens on every address, ``[::]`` dual-stack, else
+  ``0.0.0.0``, with ``SO_REUSEADDR`` (libuv's ``uv_tcp_bind``), for the server's life. A port in use fails the
+  scheduler with ``torch.distributed.DistNetworkError: The server socket has failed to listen on any local network
+  address. port: P, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use``; the scheduler
+  logs ``Scheduler hit an exception: …`` and sends SIGQUIT to the launcher, which logs ``Received sigquit from a
+  child process. It usually means the child failed.`` and kills its process tree, itself included (SIGKILL;
+  ``sglang/srt/entrypoints/engine.py``). Without ``--nccl-port`` SGLang 0.5.23 takes a free port below the
+  ephemeral range (``shared/reference/sglang-pd.md``); the stand-in draws one at random from 10000 up to it.
+
 SIM-ONLY: the prefill bootstrap server also serves ``GET /sim/kv?room=R&wait=S``, the stand-in for the
 NIXL/Mooncake data plane: decode long-polls it for the KV of bootstrap room R; it is not an SGLang route.
 """
@@ -225,6 +236,7 @@ class Sim:
         self.ensure_retry_interval = _env_float("PDCTL_SIM_ENSURE_RETRY_INTERVAL", 1.0)
         self.http: ThreadingHTTPServer | None = None
         self.bootstrap: ThreadingHTTPServer | None = None
+        self.nccl_store: socket.socket | None = None  # (rank 0's TCPStore port, held for the process's life)
         self.stop_event = threading.Event()
         self.running = 0
         self.forward_ct = 0
@@ -705,6 +717,36 @@ class Sim:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def init_torch_distributed(self) -> None:
+        """Hold the rendezvous store's port as rank 0's ``TCPStore`` does (module docstring); on EADDRINUSE, fail as
+        SGLang's launcher does: log the scheduler's exception and the SIGQUIT, then SIGKILL this process."""
+        a = self.resolved
+        if a.get("dist_init_addr"):
+            port = int(str(a["dist_init_addr"]).rsplit(":", 1)[1])
+        elif a.get("nccl_port"):
+            port = int(a["nccl_port"])
+        else:
+            port = _free_port_below_ephemeral()
+        log.info("Init torch distributed begin.")
+        try:
+            self.nccl_store = _tcp_store_listener(port)
+        except OSError as e:
+            code, name = -(e.errno or 0), _ERRNO_NAMES.get(e.errno or 0, "UNKNOWN")
+            message = (os.strerror(e.errno) if e.errno else str(e)).lower()
+            log.error("Scheduler hit an exception: Traceback (most recent call last):\n"
+                      '  File "sglang/srt/distributed/parallel_state.py", in init_distributed_environment\n'
+                      '  File "torch/distributed/rendezvous.py", in _create_c10d_store\n'
+                      "torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                      f"network address. port: {port}, useIpv6: false, code: {code}, name: {name}, "
+                      f"message: {message}")
+            log.error("Received sigquit from a child process. It usually means the child failed.")
+            for h in log.handlers:
+                h.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise
+        log.info("Init torch distributed ends. mem usage=0.00 GB")
+
     def bootstrap_ready(self) -> bool:
         return self.registered >= self.expected_ranks
 
@@ -720,6 +762,7 @@ class Sim:
             log.info(w)
         for w in self._startup_warnings:
             log.warning(w)
+        self.init_torch_distributed()
         if self.mode == "prefill":
             bport = int(a["disaggregation_bootstrap_port"])
             self.bootstrap = _Server((host, bport), BootstrapHandler, self)
@@ -772,6 +815,54 @@ class Sim:
             if srv is not None:
                 srv.shutdown()
                 srv.server_close()
+
+
+_ERRNO_NAMES = {98: "EADDRINUSE", 13: "EACCES", 99: "EADDRNOTAVAIL"}
+
+
+def _tcp_store_listener(port: int) -> socket.socket:
+    """A listening socket on every address at *port*, as torch's libuv ``TCPStore`` server binds: ``[::]`` dual-stack
+    first, else ``0.0.0.0``; ``SO_REUSEADDR`` set. Raises the IPv4 attempt's :class:`OSError`."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", port))
+            sock.listen(128)
+            return sock
+        except OSError:
+            sock.close()
+    except OSError:  # (no IPv6 on this host)
+        pass
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _free_port_below_ephemeral() -> int:
+    """A port no socket holds, drawn at random from 10000 up to the ephemeral range's start (at most 100 draws)."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randint(10000, max(low - 1, 10001))
+        try:
+            _tcp_store_listener(port).close()
+            return port
+        except OSError:
+            continue
+    raise OSError(98, f"no free port in 10000-{low - 1} after 100 draws")
 
 
 class _Server(ThreadingHTTPServer):

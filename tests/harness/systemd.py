@@ -223,7 +223,7 @@ def pd_deployment(tmp_path: Path, service_manager: str, name: str = "t") -> PD:
         "model": {"path": "deepseek-ai/DeepSeek-V4-Flash", "page_size": 64, "kv_cache_dtype": "fp8_e4m3"},
         "prefill": [{"gpus": [0], "port": ports["prefill"], "bootstrap_port": ports["bootstrap"],
                      "nccl_port": ports["pnccl"]}],
-        "decode": [{"gpus": [1], "port": ports["decode"], "nccl_port": ports["pnccl"]}],
+        "decode": [{"gpus": [1], "port": ports["decode"], "nccl_port": ports["dnccl"]}],
         "kv_transfer": {"backend": "mooncake_tcp"},
         "router": {"port": ports["router"], "prometheus_port": ports["metrics"], "health_check_interval_s": 1,
                    "worker_startup_timeout_s": 60, "executable": str(wrapper),

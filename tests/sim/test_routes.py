@@ -249,6 +249,60 @@ def test_port_in_use_fails_startup():
         assert "Address already in use" in proc.stderr
 
 
+def _listening(pid: int | None = None) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket in LISTEN on this host (of process *pid* only, if given), from
+    /proc/net/tcp and tcp6 (the kernel's own table; ``::`` for an IPv6 wildcard, which also takes IPv4)."""
+    inodes = None
+    if pid is not None:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or (inodes is not None and cols[9] not in inodes):
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # (host-order 32-bit words)
+                out.append((socket.inet_ntop(family, raw), int(hexport, 16)))
+    return out
+
+
+def test_the_nccl_port_is_held_on_every_address_and_a_second_server_on_it_dies_as_sglang_does():
+    # (SGLang's rank 0 holds --nccl-port with torch's TCPStore for its life; the stand-in held nothing there, so a
+    # spec giving prefill and decode one NCCL port ran, where real servers on one host fail at start-up)
+    nccl = free_port()
+    with start_sim(["--nccl-port", str(nccl)]) as p:
+        assert [a for a, port in _listening() if port == nccl] in (["::"], ["0.0.0.0"]), _listening()
+        assert "Init torch distributed begin." in p.log_text()
+        proc = subprocess.run([sys.executable, "-m", "pdctl.sim", "--model-path", "m", "--port", str(free_port()),
+                               "--nccl-port", str(nccl)], capture_output=True, text=True, timeout=20,
+                              env={**os.environ, "PDCTL_SIM_LOAD_SECONDS": "0"})
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)  # (the launcher kills its tree)
+        assert ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+                f"address. port: {nccl}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+                in proc.stderr), proc.stderr
+        assert "Received sigquit from a child process. It usually means the child failed." in proc.stderr
+        assert "Uvicorn running" not in proc.stderr
+    assert [a for a, port in _listening() if port == nccl] == []  # (released with the process)
+
+
+def test_without_nccl_port_a_free_one_below_the_ephemeral_range_is_held():
+    with start_sim([]) as p:
+        held = {port for _a, port in _listening(p.pid)}
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        store = held - {int(p.url.rsplit(":", 1)[1])}
+        assert len(store) == 1 and 10000 <= store.pop() < low, held
+
+
 def test_api_key_guards_all_but_health_ready_metrics():
     import urllib.request
     with start_sim(["--api-key", "sekret", "--enable-metrics"]) as p:
