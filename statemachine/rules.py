@@ -15,6 +15,7 @@ groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS
 from pdctl.statemachine.spec import Deployment, ServerRole
 from pdctl.statemachine.topology import is_wildcard, role_node, url_host
 from pdctl.units import cpu_list, cpu_set
+from pdctl.units._process import UNIT_DIR_ENV, UNIT_ENV
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
 
@@ -78,6 +80,7 @@ _OWNED_ENV = {
     "PDCTL_KERNELS_DIR": "kernels",
     "PDCTL_KERNELS_ROUTE": "kernels.which",
 }
+_SUPERVISOR_ENV = (UNIT_ENV, UNIT_DIR_ENV)
 # pdctl's SGLang plugin hooks these DSA decode paths of SGLang 0.5.23 (pdctl.kernels.sglang_plugin).
 _PLUGIN_DECODE_BACKENDS = ("flashmla_kv", "flashmla_sparse")
 _PLUGIN_VERSIONS = ("0.5.23",)
@@ -646,6 +649,20 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 f"router metrics are exposed on {url_host(router.prometheus_host)}:{router.prometheus_port}",
                 "bind them to 127.0.0.1, or set router.allow_public_prometheus = true to mean it",
             )
+        if dep.router_impl == "smg":
+            # smg 1.13 parses its bind addresses as IP literals and refuses to start otherwise ("invalid bind host
+            # 'localhost': expected an IP address such as 0.0.0.0, ::, [::] or [fd00::1]"), after apply stopped the
+            # router it replaces
+            for fld in ("host", "prometheus_host"):
+                value = getattr(router, fld)
+                try:
+                    ipaddress.ip_address(value.strip("[]"))
+                except ValueError:
+                    err(f"router.{fld}", f"{value!r} is a host name, and smg binds only an IP address (it refuses to "
+                                         "start with a name)",
+                        f'write {fld} = "127.0.0.1"' if value == "localhost" else
+                        f"write the address the name stands for (`getent hosts {value}` on the host), or "
+                        f'{fld} = "0.0.0.0" for every interface')
         for fld in ("reasoning_parser", "tool_call_parser", "chat_template"):
             if getattr(router, fld) is not None:
                 err(
@@ -947,6 +964,19 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     for key in dep.engine.env:
         if key in _OWNED_ENV:
             err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+    # a secret is one more variable of the units' environment, and the last written: it would override these
+    for key in dep.secrets:
+        if key in _OWNED_ENV:
+            err(f"secrets.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+    # the process supervisor's marks on every role's process (how status and down find it): no table sets them
+    tables = [("engine.env", dep.engine.env), ("router.env", dep.router.env if dep.router else {}),
+              ("secrets", dep.secrets),
+              *((f"{_role_field(dep, role)}.env", role.env) for _n, _k, role in roles)]
+    for where, table in tables:
+        for key in table:
+            if key in _SUPERVISOR_ENV:
+                err(f"{where}.{key}", f"{key} is set by pdctl's process supervisor on every role's process: "
+                                      "status and down find the role by it", "remove it")
 
     # --- executables: the units' first argument is an absolute path ---------------------------------------
     if dep.engine.python is not None and not dep.engine.python.startswith("/"):
@@ -1000,6 +1030,11 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{key} looks like a secret, and env values are written into unit files and plans in clear",
                     f'move it to [secrets] ({key} = "env:{key}"): written 0600 and shown as ***',
                 )
+    getters = [n for n, _k, _r in roles] + (["router"] if dep.router is not None else [])
+    for key in dep.secrets:
+        if dep.secret_scoped(key) and not any(key in dep.secrets_for(n) for n in getters):
+            warn(f"secrets.{key}.roles", f"no role of this spec gets it (roles = {dep.secrets[key].roles!r})",  # type: ignore[union-attr]
+                 f"name the roles that need it ({', '.join(getters)}), or remove it")
     for key, value in dep.secret_refs().items():
         if value and not value.startswith("env:"):
             warn(

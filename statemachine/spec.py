@@ -528,19 +528,26 @@ class Deployment(_Model):
         return self
 
     @model_validator(mode="after")
-    def _secret_roles_exist(self) -> Deployment:
-        # (a misspelt role would silently keep the secret from the role that needs it: a model download failing late)
-        names = [n for n, _k, _r in self.roles()] + (["router"] if self.router is not None else [])
-        kinds = sorted({k for _n, k, _r in self.roles()})
-        valid = list(dict.fromkeys([*names, *kinds]))
+    def _secrets_well_formed(self) -> Deployment:
+        # (a misspelt role would silently keep the secret from the role that needs it: a model download failing late.
+        # Any kind is taken, and the router, so that one [secrets] table serves a spec before and after a change of
+        # shape, PD to a single server, say)
+        valid = list(dict.fromkeys([*(n for n, _k, _r in self.roles()), "prefill", "decode", "server", "router"]))
         for key, v in self.secrets.items():
+            ref = v if isinstance(v, str) else v.value
+            if ref.startswith("env:"):
+                try:
+                    env_name(ref[4:])
+                except ValueError as e:
+                    field = f"secrets.{key}" + ("" if isinstance(v, str) else ".value")
+                    raise FieldError(field, f"{ref!r} names no environment variable ({e})",
+                                     f'write "env:NAME" with the variable that holds it, e.g. "env:{key}"') from None
             if isinstance(v, str):
                 continue
             for i, who in enumerate(v.roles):
                 if who not in valid:
-                    what = ("the spec has no [router]" if who == "router"
-                            else f"{who!r} is neither a role of this spec nor a kind of role")
-                    raise FieldError(f"secrets.{key}.roles[{i}]", what,
+                    raise FieldError(f"secrets.{key}.roles[{i}]",
+                                     f"{who!r} is neither a role of this spec nor a kind of role",
                                      f"name roles ({', '.join(valid)}), or remove {who!r}")
         return self
 

@@ -685,33 +685,68 @@ def numa_nodes_missing(ctx: Context) -> None:
     """Before anything starts or stops: the NUMA node each role's unit binds its memory to (``NUMAMask=``; the process
     supervisor's ``set_mempolicy(2)``) must exist on the host, ``/sys/devices/system/node/node<N>`` (sysfs-devices-node
     ABI). systemd fails such a unit before exec (exit 242, NUMA) with nothing in the role's log, after its predecessor
-    was stopped. A host without that folder (a kernel without NUMA) is not checked. Raises :class:`ApplyFailed`
-    naming each spec field, its node and the nodes the host has."""
+    was stopped. A host without that folder (a kernel without NUMA) is not checked. Then the CPUs each role is pinned
+    to (:func:`_numa_cpus_missing`). Raises :class:`ApplyFailed` naming each spec field, its node and the nodes the
+    host has (or the CPUs)."""
     base = "/sys/devices/system/node"
-    if not ctx.host.exists(base):
-        return
     from pdctl.statemachine.rules import _role_field
 
     missing: list[tuple[str, int, str]] = []
+    numa = ctx.host.exists(base)  # (a kernel without NUMA: no node to check)
     for _name, kind, role in ctx.dep.roles():
         node, _cpus = numa_binding(ctx.dep, role)
-        if node is not None and not ctx.host.exists(f"{base}/node{node}"):
+        if numa and node is not None and not ctx.host.exists(f"{base}/node{node}"):
             field = (f"{_role_field(ctx.dep, role)}.numa_node" if role.numa_node is not None
                      else f"hosts.{role.host}.gpu_numa")
             missing.append((field, node, f"{kind}_up"))
-    if not missing:
-        return
+    if missing:
+        try:
+            online = ctx.host.read_file(f"{base}/online").decode().strip()
+        except Exception:  # noqa: BLE001 - the nodes it has are a courtesy in the message
+            online = "?"
+        said = "; ".join(f"{field} = {node}" for field, node, _ in missing)
+        raise ApplyFailed(
+            f"NUMA node(s) the host {ctx.host.name} does not have (its nodes: {online}), nothing was started or "
+            f"changed: {said}",
+            step=missing[0][2],
+            hint=f"write a node the host has ({online}; `lscpu` or /sys/devices/system/node lists them), or leave "
+                 "numa_node unset to bind none",
+        )
+    _numa_cpus_missing(ctx)
+
+
+def _numa_cpus_missing(ctx: Context) -> None:
+    """The CPUs each role's unit is pinned to (``CPUAffinity=``; the process supervisor's ``sched_setaffinity(2)``),
+    ``hosts.<h>.numa_cpus`` of its node, must all be CPUs the host has (``/sys/devices/system/cpu/online``). None of
+    them there: systemd fails the unit before exec (exit 214, CPUAFFINITY) after its predecessor was stopped; some:
+    the kernel pins the role to the rest, away from its GPUs' node, with nothing said. Raises :class:`ApplyFailed`
+    naming each field, the CPUs the host lacks and those it has. A host without that file is not checked."""
+    from pdctl.units import cpu_list, cpu_set
+
     try:
-        online = ctx.host.read_file(f"{base}/online").decode().strip()
-    except Exception:  # noqa: BLE001 - the nodes it has are a courtesy in the message
-        online = "?"
-    said = "; ".join(f"{field} = {node}" for field, node, _ in missing)
+        online_text = ctx.host.read_file("/sys/devices/system/cpu/online").decode().strip()
+        online = cpu_set(online_text)
+    except Exception:  # noqa: BLE001 - a host that does not say which CPUs it has is not checked
+        return
+    lacking: dict[str, tuple[str, set[int], str]] = {}  # field -> (CPU list, CPUs the host lacks, first step)
+    for _name, kind, role in ctx.dep.roles():
+        node, cpus = numa_binding(ctx.dep, role)
+        if node is None or not cpus:
+            continue
+        gone = cpu_set(cpus) - online
+        field = f"hosts.{role.host}.numa_cpus.{node}"
+        if gone and field not in lacking:
+            lacking[field] = (cpus, gone, f"{kind}_up")
+    if not lacking:
+        return
+    said = "; ".join(f'{field} = "{cpus}" (lacks {cpu_list(",".join(map(str, gone)))})'
+                     for field, (cpus, gone, _s) in lacking.items())
     raise ApplyFailed(
-        f"NUMA node(s) the host {ctx.host.name} does not have (its nodes: {online}), nothing was started or changed: "
+        f"CPUs the host {ctx.host.name} does not have (its CPUs: {online_text}), nothing was started or changed: "
         f"{said}",
-        step=missing[0][2],
-        hint=f"write a node the host has ({online}; `lscpu` or /sys/devices/system/node lists them), or leave "
-             "numa_node unset to bind none",
+        step=next(iter(lacking.values()))[2],
+        hint="write each node's CPUs as the host has them (/sys/devices/system/node/node<N>/cpulist), or use "
+             'inventory = "discover" to read them from the host',
     )
 
 
@@ -1120,7 +1155,9 @@ class ServersUp(Step):
             recorded = ctx.journal_state.units.get(unit)
             fp = ctx.fingerprint(unit)
             serves = self._serves_as_specified(ctx, r)
-            if running and recorded == fp and ctx.file_edited(unit):  # (install_units below writes it back)
+            # (a role the plan restarts has its files written anew anyway: a rotated secret changes its secrets file
+            # and not its definition, which is no edit outside pdctl)
+            if running and recorded == fp and r.name not in ctx.restart and ctx.file_edited(unit):
                 ctx.say(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back"
                         + ("" if serves else " and restarting it: it does not serve as specified"),
                         step=self.name, unit=unit)

@@ -33,6 +33,8 @@ PR_SET_CHILD_SUBREAPER = 36
 MPOL_BIND = 2
 EXIT_NUMA_POLICY = 242
 """systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")."""
+EXIT_CPUAFFINITY = 214
+"""systemd's exit status for a CPU affinity it could not set (systemd.exec(5), "Process exit codes")."""
 SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 
@@ -93,20 +95,25 @@ class Watchdog:
     def env(self) -> dict[str, str]:
         env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
         env.update(dict(self.spec.env))
-        env[UNIT_ENV] = self.spec.name
-        env[UNIT_DIR_ENV] = os.path.normpath(self.dir)
         if self.secrets_file and os.path.exists(self.secrets_file):
             env.update(parse_env_file(Path(self.secrets_file).read_text()))
+        # last: how status and down find this role's process, whatever the spec's tables say
+        env[UNIT_ENV] = self.spec.name
+        env[UNIT_DIR_ENV] = os.path.normpath(self.dir)
         return env
 
     def preexec(self) -> None:  # runs in the child between fork and exec (single-threaded parent)
         os.setpgid(0, 0)
         if self.spec.cpu_affinity:
+            # (within the CPUs this supervisor may use, a container's cpuset say; none of them: the whole list, which
+            # the kernel refuses when the host has none of its CPUs: end the child before exec as systemd does)
             cpus = cpu_set(self.spec.cpu_affinity)
             try:
                 os.sched_setaffinity(0, cpus & os.sched_getaffinity(0) or cpus)
-            except OSError:
-                pass
+            except OSError as e:
+                os.write(2, f"pdctl supervise: sched_setaffinity(CPUs {self.spec.cpu_affinity}) failed: "
+                            f"{os.strerror(e.errno or 0)}; are they CPUs of this host?\n".encode())
+                os._exit(EXIT_CPUAFFINITY)
         if self.spec.numa_node is not None:
             self.bind_memory(self.spec.numa_node)
         if self.spec.memlock_infinity:

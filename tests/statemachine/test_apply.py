@@ -74,6 +74,28 @@ def test_demo_from_nothing_to_parsers_configured(demo):
     assert audit.count("apply-done") == 2
 
 
+def test_a_rotated_secret_restarts_the_roles_that_get_it_and_is_not_called_an_edit(demo, monkeypatch):
+    # (every rotation said "unit file differs from what pdctl writes (edited outside pdctl?)": the secrets file
+    # differs, the definition does not, and the plan restarts the role anyway)
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_before")
+    d = copy.deepcopy(demo.dict)
+    d["secrets"] = {"HF_TOKEN": {"value": "env:PDCTL_TEST_HF", "roles": ["decode"]}}
+    spec = demo.write(d, "secret.toml")
+    demo.apply(spec)
+    before = {r["name"]: r["main_pid"] for r in service.status(demo.load(spec))["roles"]}
+    monkeypatch.setenv("PDCTL_TEST_HF", "hf_after")
+    sink = ListSink()
+    demo.apply(spec, sink=sink)
+    said = [e.message for e in sink.events]
+    assert not [m for m in said if "edited outside pdctl" in m], said
+    st = service.status(demo.load(spec))
+    after = {r["name"]: r["main_pid"] for r in st["roles"]}
+    assert after["prefill"] == before["prefill"] and after["decode"] != before["decode"], (before, after)
+    env = Path(f"/proc/{after['decode']}/environ").read_bytes().split(b"\0")
+    assert b"HF_TOKEN=hf_after" in env and st["healthy"] and not st["edited_units"]
+    assert not any(x.startswith(b"HF_TOKEN=") for x in Path(f"/proc/{after['prefill']}/environ").read_bytes().split(b"\0"))
+
+
 def _collapse(d: dict, port: int) -> dict:
     c = copy.deepcopy(d)
     c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer"), c.pop("router")
@@ -927,12 +949,12 @@ def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
     demo.apply()
     pids = demo.pids()
     d = copy.deepcopy(demo.dict)
-    d["prefill"][0]["http_host"] = "192.0.2.1"
-    d["router"]["prometheus_host"] = "gpu-typo.invalid"
+    d["prefill"][0]["http_host"] = "gpu-typo.invalid"
+    d["router"]["prometheus_host"] = "192.0.2.1"  # (a name here is refused by the spec's rules: smg binds IPs only)
     with pytest.raises(ApplyFailed, match=r"bind addresses unusable, nothing was started or changed: "
-                                          r"prefill\[0\].http_host = '192.0.2.1' cannot be bound on this host \(.*\); "
-                                          r"router.prometheus_host = 'gpu-typo.invalid' does not resolve on this "
-                                          r"host") as e:
+                                          r"prefill\[0\].http_host = 'gpu-typo.invalid' does not resolve on this "
+                                          r"host; router.prometheus_host = '192.0.2.1' cannot be bound on this host "
+                                          r"\(") as e:
         demo.apply(demo.write(d, "typo.toml"))
     assert e.value.step == "prefill_up" and "ip addr" in e.value.hint
     assert demo.pids() == pids and demo.status()["healthy"]  # nothing stopped
@@ -957,12 +979,12 @@ def test_plan_warns_of_a_bind_address_apply_would_refuse(demo):
     # (a fresh user: plan showed only the change, exit 2; `apply --confirm-topology …` then said "bind addresses
     # unusable" and exit 3: the operator confirmed a change to learn what plan could have said)
     d = copy.deepcopy(demo.dict)
-    d["router"]["prometheus_host"] = "gpu-typo.invalid"  # never resolves (RFC 6761)
+    d["decode"][0]["http_host"] = "gpu-typo.invalid"  # never resolves (RFC 6761)
     spec = demo.write(d, "typo.toml")
     r = demo.cli("plan", str(spec))
     assert r.returncode == ExitCode.CHANGES, r.stderr
     said = ("Warning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is given): "
-            "bind addresses unusable, nothing was started or changed: router.prometheus_host = 'gpu-typo.invalid' "
+            "bind addresses unusable, nothing was started or changed: decode[0].http_host = 'gpu-typo.invalid' "
             "does not resolve on this host")
     assert said in r.stdout and "hint: write an address this host has" in r.stdout, r.stdout
     got = json.loads(demo.cli("plan", str(spec), "--json").stdout)["binds_unusable"]

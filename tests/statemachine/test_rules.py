@@ -1456,3 +1456,35 @@ def test_an_empty_ssh_user_is_refused_naming_the_field():
     with pytest.raises(SpecError, match=r"hosts\.local\.ssh_user: empty: leave the key out to leave it unset, or "
                                         r"write a value"):
         parse_spec(d)
+
+
+@pytest.mark.parametrize(("field", "value", "fix"), [
+    ("host", "localhost", 'write host = "127.0.0.1"'),
+    ("prometheus_host", "gpu1.example.com",
+     'write the address the name stands for (`getent hosts gpu1.example.com` on the host), or prometheus_host = '
+     '"0.0.0.0" for every interface'),
+])
+def test_a_host_name_as_an_smg_bind_address_is_refused_with_the_address_to_write(field, value, fix):
+    # (it passed validate and plan; apply stopped the serving router and smg then refused to start: "invalid bind
+    # host 'localhost': expected an IP address such as 0.0.0.0, ::, [::] or [fd00::1]")
+    d = seed_dict()
+    d["router"][field] = value
+    got = [f for f in _errors(d) if f.field == f"router.{field}"]
+    assert [(f.message, f.fix) for f in got] == [
+        (f"{value!r} is a host name, and smg binds only an IP address (it refuses to start with a name)", fix)]
+    d["router"][field] = "::1"
+    assert not [f for f in _errors(d) if f.field == f"router.{field}"]
+
+
+def test_secrets_and_env_tables_cannot_set_what_pdctl_sets():
+    # (a secret named CUDA_VISIBLE_DEVICES put decode on prefill's GPU: env tables were checked, [secrets] not; and
+    # PDCTL_UNIT in any of them would hide a role's process from status and down)
+    d = seed_dict()
+    d["secrets"] = {"CUDA_VISIBLE_DEVICES": {"value": "0", "roles": ["decode"]}, "PDCTL_UNIT_DIR": "x"}
+    d["decode"][0]["env"] = {"PDCTL_UNIT": "pdctl-other.service"}
+    got = {f.field: (f.message, f.fix) for f in _errors(d)}
+    assert got["secrets.CUDA_VISIBLE_DEVICES"] == ("CUDA_VISIBLE_DEVICES is set by pdctl from gpus",
+                                                   "remove it and set gpus")
+    said = "is set by pdctl's process supervisor on every role's process: status and down find the role by it"
+    assert got["secrets.PDCTL_UNIT_DIR"] == (f"PDCTL_UNIT_DIR {said}", "remove it")
+    assert got["decode[0].env.PDCTL_UNIT"] == (f"PDCTL_UNIT {said}", "remove it")

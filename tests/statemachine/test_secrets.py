@@ -279,13 +279,35 @@ def test_a_secrets_roles_that_name_no_role_are_a_finding_with_its_fix(roles, fie
     assert f"{field}: {words}" in text, text
     assert "secret-table" not in text and "secret-text" not in text and "Secret" not in text
     if roles == ["prefil"]:
-        assert "name roles (prefill, decode, router), or remove 'prefil'" in text
+        assert "name roles (prefill, decode, server, router), or remove 'prefil'" in text
 
 
-def test_a_secret_for_the_router_of_a_spec_without_one_is_a_finding(monkeypatch):
-    from pdctl.statemachine.errors import SpecError
+def test_a_secret_for_a_kind_the_spec_lacks_is_taken_and_warned_of_when_no_role_gets_it(monkeypatch):
+    # (one [secrets] table serves a spec before and after a change of shape: "server" in a PD spec, "router" in one
+    # without [router], are kinds, not misspellings; a secret that reaches no role at all is worth a warning)
+    from pdctl.statemachine.rules import validate
 
     d = _scoped(monkeypatch)
-    del d["router"]
-    with pytest.raises(SpecError, match=r"secrets\.ROUTER_API_KEY\.roles\[0\]: the spec has no \[router\]"):
-        parse_spec(d)
+    del d["router"]  # (refused for a PD spec: validate lists that beside the warning)
+    d["secrets"]["HF_TOKEN"]["roles"] = ["server", "prefill", "decode"]
+    dep = parse_spec(d)
+    got = {s.role: dict(s.secrets) for s in services_for(dep)}
+    assert got == {"prefill": {"HF_TOKEN": "hf_servers_only", "SHARED_TOKEN": "key_router_only"},
+                   "decode": {"HF_TOKEN": "hf_servers_only", "SHARED_TOKEN": "key_router_only"}}
+    warned = {f.field: f for f in validate(dep) if f.level == "warning"}
+    assert "secrets.HF_TOKEN.roles" not in warned
+    assert warned["secrets.ROUTER_API_KEY.roles"].message == "no role of this spec gets it (roles = ['router'])"
+    assert warned["secrets.ROUTER_API_KEY.roles"].fix == "name the roles that need it (prefill, decode), or remove it"
+
+
+@pytest.mark.parametrize("ref", ["env:", "env:1X", "env:HF-TOKEN"])
+def test_an_env_reference_that_names_no_variable_is_a_finding(ref):
+    from pdctl.statemachine.errors import SpecError
+
+    for entry, field in ((ref, "secrets.HF_TOKEN"), ({"value": ref, "roles": ["decode"]}, "secrets.HF_TOKEN.value")):
+        d = seed_dict()
+        d["secrets"] = {"HF_TOKEN": entry}
+        with pytest.raises(SpecError) as e:
+            parse_spec(d)
+        assert f"{field}: {ref!r} names no environment variable" in str(e.value), str(e.value)
+        assert str(e.value).endswith(': write "env:NAME" with the variable that holds it, e.g. "env:HF_TOKEN"')

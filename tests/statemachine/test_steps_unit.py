@@ -753,3 +753,36 @@ def test_runtime_drift_counts_a_router_started_for_other_workers_as_lasting_and_
     assert service.runtime_drift(None, recorded) == (
         ["router active, readiness 503, its workers differ from the deployment: worker http://127.0.0.1:30020 "
          "(decode) missing"], [])
+
+
+class _SysfsHost:
+    """A host whose /sys says it has NUMA nodes 0 and 1 and the CPUs *online*."""
+
+    name = "local"
+
+    def __init__(self, online: str) -> None:
+        self.files = {"/sys/devices/system/cpu/online": online.encode(), "/sys/devices/system/node/online": b"0-1\n"}
+
+    def exists(self, path: str) -> bool:
+        return path in ("/sys/devices/system/node", "/sys/devices/system/node/node0", "/sys/devices/system/node/node1")
+
+    def read_file(self, path: str) -> bytes:
+        return self.files[path]
+
+
+def test_cpus_a_role_is_pinned_to_that_the_host_lacks_are_refused_before_anything():
+    # (declared numa_cpus naming CPUs the host lacks: the process supervisor's sched_setaffinity failed, which it
+    # ignored, and apply proved roles running on CPUs of no particular node; systemd fails such a unit, exit 214)
+    from types import SimpleNamespace
+
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.steps import numa_nodes_missing
+
+    dep = parse_spec(seed_dict())  # numa_cpus = { 0 = "0-31,64-95", 1 = "32-63,96-127" }
+    with pytest.raises(ApplyFailed) as e:
+        numa_nodes_missing(SimpleNamespace(dep=dep, host=_SysfsHost("0-63\n")))
+    assert e.value.message == (
+        'CPUs the host local does not have (its CPUs: 0-63), nothing was started or changed: '
+        'hosts.local.numa_cpus.0 = "0-31,64-95" (lacks 64-95); hosts.local.numa_cpus.1 = "32-63,96-127" (lacks 96-127)')
+    assert e.value.step == "prefill_up" and "/sys/devices/system/node/node<N>/cpulist" in e.value.hint
+    numa_nodes_missing(SimpleNamespace(dep=dep, host=_SysfsHost("0-127\n")))  # every CPU there: nothing to say

@@ -429,6 +429,29 @@ def test_a_numa_node_the_host_lacks_fails_the_role_with_systemds_exit_242_and_sa
     assert any("exited, code=242" in line for line in log), log
 
 
+def test_cpus_the_host_lacks_fail_the_role_with_systemds_exit_214_and_say_why(tmp_path, cleanup):
+    # (the refused sched_setaffinity was ignored: the role ran on any CPU and apply called it proven)
+    s = svc("cpus", ("/bin/sleep", "300"), cpu_affinity="8000-8001", start_limit_burst=1, start_limit_interval_s=60)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
+    assert st_.main_pid is None
+    log = m.logs(s.name, lines=20)
+    assert any("sched_setaffinity(CPUs 8000-8001) failed: Invalid argument" in line for line in log), log
+    assert any("exited, code=214" in line for line in log), log
+
+
+def test_a_secret_cannot_take_the_marks_status_and_down_find_a_role_by(tmp_path, cleanup):
+    s = svc("marks", ("/bin/sleep", "300"), secrets=(("PDCTL_UNIT", "pdctl-other.service"),),
+            secrets_file=str(tmp_path / "marks.env"))
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    env = dict(x.split("=", 1) for x in Path(f"/proc/{m.main_pid(s.name)}/environ").read_text().split("\0") if "=" in x)
+    assert env["PDCTL_UNIT"] == s.name
+
+
 def test_restart_gives_a_new_main_pid_and_unknown_units_are_inactive(tmp_path, cleanup):
     s = svc("rs", ("/bin/sleep", "300"))
     m = install(tmp_path, s)
