@@ -12,7 +12,7 @@ code  name            meaning
                       or a saved plan that no longer matches the deployment
 3     STEP_FAILED     ``apply``: a state-machine step failed (a lost connection to the host included), or a
                       check refused the apply before its first step: a port or GPU used outside the
-                      deployment, a bind address, ``engine.python``, the router executable, a NUMA node or
+                      deployment, a bind address, ``engine.python``, the router executable, a NUMA node or CPUs or
                       the process supervisor's folder unusable on the host (the step is named on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
