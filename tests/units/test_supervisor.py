@@ -414,32 +414,28 @@ def test_cpu_affinity_numa_binding_and_memlock_are_applied(tmp_path, cleanup):
         assert "bind:0" in Path(f"/proc/{pid}/numa_maps").read_text()
 
 
-@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64") or not Path("/sys/devices/system/node").exists(),
-                    reason="set_mempolicy(2) numbers known for x86_64 and aarch64 only; a kernel without NUMA")
-def test_a_numa_node_the_host_lacks_fails_the_role_with_systemds_exit_242_and_says_why(tmp_path, cleanup):
+_NO_SET_MEMPOLICY = (os.uname().machine not in ("x86_64", "aarch64")  # (syscall numbers known for these only)
+                     or not Path("/sys/devices/system/node").exists())  # (a kernel without NUMA)
+
+
+@pytest.mark.parametrize(("binding", "said", "code"), [
     # (the syscall's failure was ignored: the role ran unbound and apply called it proven, while systemd failed it)
-    s = svc("numa", ("/bin/sleep", "300"), numa_node=63, start_limit_burst=1, start_limit_interval_s=60)
+    pytest.param({"numa_node": 63}, "set_mempolicy(MPOL_BIND, NUMA node 63) failed: Invalid argument", 242,
+                 marks=pytest.mark.skipif(_NO_SET_MEMPOLICY, reason="set_mempolicy(2) not known or no NUMA")),
+    # (the refused sched_setaffinity was ignored: the role ran on any CPU)
+    ({"cpu_affinity": "8000-8001"}, "sched_setaffinity(CPUs 8000-8001) failed: Invalid argument", 214),
+], ids=["numa-node", "cpus"])
+def test_a_binding_the_host_lacks_fails_the_role_with_systemds_exit_status_and_says_why(tmp_path, cleanup, binding,
+                                                                                        said, code):
+    s = svc("bind", ("/bin/sleep", "300"), start_limit_burst=1, start_limit_interval_s=60, **binding)
     m = install(tmp_path, s)
     cleanup(m)
     m.start(s.name)
     st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
     assert st_.main_pid is None
     log = m.logs(s.name, lines=20)
-    assert any("set_mempolicy(MPOL_BIND, NUMA node 63) failed: Invalid argument" in line for line in log), log
-    assert any("exited, code=242" in line for line in log), log
-
-
-def test_cpus_the_host_lacks_fail_the_role_with_systemds_exit_214_and_say_why(tmp_path, cleanup):
-    # (the refused sched_setaffinity was ignored: the role ran on any CPU and apply called it proven)
-    s = svc("cpus", ("/bin/sleep", "300"), cpu_affinity="8000-8001", start_limit_burst=1, start_limit_interval_s=60)
-    m = install(tmp_path, s)
-    cleanup(m)
-    m.start(s.name)
-    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
-    assert st_.main_pid is None
-    log = m.logs(s.name, lines=20)
-    assert any("sched_setaffinity(CPUs 8000-8001) failed: Invalid argument" in line for line in log), log
-    assert any("exited, code=214" in line for line in log), log
+    assert any(said in line for line in log), log
+    assert any(f"exited, code={code}" in line for line in log), log
 
 
 def test_a_secret_cannot_take_the_marks_status_and_down_find_a_role_by(tmp_path, cleanup):
