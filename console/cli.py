@@ -653,6 +653,8 @@ def _status_text(st: dict) -> str:
         health = f"{r['health'] or 'down':<5}"
         if r["health"] and not r.get("port_owned", True):  # an inactive unit's port can answer too (another state dir)
             health += _from_another_process(r, own)
+        elif r.get("port_silent_holder"):  # (a listener that answers no HTTP: it keeps the role from its port)
+            health += f" (its port is held by {r['port_silent_holder']})"
         lines.append(
             f"  {r['name']:<{nw}} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
             f"restarts {r['restarts']}  {r['url']}" + _unsupervised(r)

@@ -621,6 +621,14 @@ def load_saved_plan(path: str | os.PathLike[str]) -> Plan:
     return plan
 
 
+def _holder_words(listener) -> str:  # noqa: ANN001
+    """``PID 123 (nc -l 44010)`` for a :class:`~pdctl.statemachine.ports.Listener` (``a process of another user``
+    where its owner could not be read)."""
+    if listener.pid is None:
+        return "a process pdctl cannot see (another user's, or another namespace's)"
+    return f"PID {listener.pid}" + (f" ({listener.command})" if listener.command else "")
+
+
 def _port_holder(host, port: int, found, own: set[str],  # noqa: ANN001
                  state_dir: str) -> tuple[str | None, str | None, bool]:
     """Who a listener on *port* (among *found*, :func:`ports.listeners`) runs for, where the status's own unit does
@@ -1047,7 +1055,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     which ``down`` and ``apply`` still stop where they run;
     each role's and the router's ``port_orphaned``: whether its port is answered by this deployment's own process under
     this state directory's process supervisor whose unit's files are gone (``port_held_for`` /
-    ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way).
+    ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way); each role's
+    ``port_silent_holder``: where its port answers no HTTP yet a process outside its unit listens there, that process
+    (``PID 123 (command)``), else None.
 
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
@@ -1121,6 +1131,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
         # deployment's own, applied with another --state-dir, user or service manager)
         held_for, elsewhere, orphaned = (None, None, False) if owned or not code else _port_holder(
             host, r.port, found, set(names.values()), str(loaded.journal.dir))
+        # nothing answered HTTP, yet a process outside the unit listens on the port (a foreign server of another
+        # protocol, taken after a crash): the role cannot come back there; say whose it is, as plan and apply do
+        silent = [x for x in found if x.port == r.port and ports.in_the_way(x, ports.bind_address(r.http_host))
+                  and not (st.main_pid is not None and x.pid is not None
+                           and ports.is_descendant(host, x.pid, st.main_pid))] if not code else []
         roles.append(
             {
                 "name": r.name,
@@ -1136,11 +1151,14 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
                           "whose supervisor's files are gone, not by this role's unit" if orphaned else
                           f"GET {r.url}/health was answered by another process on its port, not this role's unit")
                 if code == 200 else f"GET {r.url}/health: " + (
-                    f"HTTP {code}" if code else "nothing answered (connection refused, reset or timed out)"),
+                    f"HTTP {code}" if code else "nothing answered (connection refused, reset or timed out)" + (
+                        f"; port {r.port} is held by {_holder_words(silent[0])}, not this role's unit"
+                        if silent else "")),
                 "port_owned": owned,
                 "port_held_for": held_for,
                 "port_applied_elsewhere": elsewhere,
                 "port_orphaned": orphaned,
+                "port_silent_holder": _holder_words(silent[0]) if silent else None,
                 "supervised": st.supervised,
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
             }

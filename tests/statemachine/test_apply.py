@@ -96,6 +96,25 @@ def test_a_rotated_secret_restarts_the_roles_that_get_it_and_is_not_called_an_ed
     assert not any(x.startswith(b"HF_TOKEN=") for x in Path(f"/proc/{after['prefill']}/environ").read_bytes().split(b"\0"))
 
 
+def test_status_names_a_process_that_holds_a_roles_port_without_answering_http(demo):
+    # (a foreign listener of another protocol on the port after a crash read only "health down", while plan and apply
+    # named its PID)
+    with _socket.socket() as s:
+        s.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", demo.ports["decode"]))
+        s.listen()  # (never accepts: the health probe connects, and nothing answers)
+        st = service.status(demo.load())
+    decode = next(r for r in st["roles"] if r["name"] == "decode")
+    assert decode["health"] == 0 and not decode["healthy"]
+    said = decode["error"]
+    assert said.startswith(f"GET http://127.0.0.1:{demo.ports['decode']}/health: nothing answered (connection refused, "
+                           f"reset or timed out); port {demo.ports['decode']} is held by PID {os.getpid()} ("), said
+    assert said.endswith("), not this role's unit"), said
+    assert decode["port_silent_holder"].startswith(f"PID {os.getpid()} (")
+    prefill = next(r for r in st["roles"] if r["name"] == "prefill")
+    assert prefill["error"].endswith("nothing answered (connection refused, reset or timed out)"), prefill["error"]
+
+
 def _collapse(d: dict, port: int) -> dict:
     c = copy.deepcopy(d)
     c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer"), c.pop("router")
