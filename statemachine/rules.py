@@ -960,14 +960,14 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 err(f"{f}.extra_args", message, fix)
         for key in role.env:
             if key in _OWNED_ENV:
-                err(f"{f}.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+                err(f"{f}.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
     for key in dep.engine.env:
         if key in _OWNED_ENV:
-            err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+            err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
     # a secret is one more variable of the units' environment, and the last written: it would override these
     for key in dep.secrets:
         if key in _OWNED_ENV:
-            err(f"secrets.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key]}")
+            err(f"secrets.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
     # the process supervisor's marks on every role's process (how status and down find it): no table sets them
     tables = [("engine.env", dep.engine.env), ("router.env", dep.router.env if dep.router else {}),
               ("secrets", dep.secrets),

@@ -1166,7 +1166,9 @@ class ServersUp(Step):
             ours = recorded == STARTED + fp and st.supervised
             stale = not serves or (
                 not ours and (r.name in ctx.restart or ctx.definition_changed(unit)))
-            loading = st.state == "activating" and st.supervised and (
+            # (a unit between restarts after its server exited, "activating (auto-restart)", loads nothing: waiting on
+            # it only watched it fail again until its start limit; it is restarted)
+            loading = st.state == "activating" and st.sub_state != "auto-restart" and st.supervised and (
                 ours or (r.name not in ctx.restart and (recorded is None or recorded == fp)))
             actions[unit] = ("wait" if loading else "restart" if stale else None) if running else "start"
         # restarted below: a kill before it must not leave the unit looking like a server loading what is wanted

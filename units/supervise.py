@@ -39,11 +39,20 @@ SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 
 
+
+def _online_cpus() -> set[int]:
+    """The host's online CPUs (``/sys/devices/system/cpu/online``); empty when that cannot be read."""
+    try:
+        return cpu_set(Path("/sys/devices/system/cpu/online").read_text().strip())
+    except (OSError, ValueError):
+        return set()
+
 class Watchdog:
     def __init__(self, d: Path) -> None:
         self.dir = d
         unit = json.loads((d / "unit.json").read_text())
         self.spec = ServiceSpec.from_json({**unit["service"], "secrets": []})
+        self.affinity: set[int] = set()  # (the CPUs spawn() pins the role to; empty: left as inherited)
         self.secrets_file = unit["service"].get("secrets_file")
         self.stopping = False
         self.restarts = 0
@@ -104,13 +113,16 @@ class Watchdog:
 
     def preexec(self) -> None:  # runs in the child between fork and exec (single-threaded parent)
         os.setpgid(0, 0)
-        if self.spec.cpu_affinity:
-            # (within the CPUs this supervisor may use, a container's cpuset say; none of them: the whole list, which
-            # the kernel refuses when the host has none of its CPUs: end the child before exec as systemd does)
-            cpus = cpu_set(self.spec.cpu_affinity)
-            try:
-                os.sched_setaffinity(0, cpus & os.sched_getaffinity(0) or cpus)
-            except OSError as e:
+        # The role's CPUs, else every CPU of the host, never the affinity this watchdog inherited from whoever ran
+        # pdctl (`taskset -c 0 pdctl apply` pinned every role to CPU 0): as under systemd, whose services start with
+        # its own affinity. The kernel keeps them within the cgroup's cpuset (a container's) and refuses a set
+        # with none of its CPUs (EINVAL): for the role's own CPUs that ends the child before exec, as systemd does.
+        cpus = self.affinity
+        try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            if self.spec.cpu_affinity:
                 os.write(2, f"pdctl supervise: sched_setaffinity(CPUs {self.spec.cpu_affinity}) failed: "
                             f"{os.strerror(e.errno or 0)}; are they CPUs of this host?\n".encode())
                 os._exit(EXIT_CPUAFFINITY)
@@ -149,6 +161,8 @@ class Watchdog:
 
     def spawn(self) -> None:
         cwd = self.spec.working_dir or str(self.dir)
+        # (read before the fork: preexec only sets it)
+        self.affinity = cpu_set(self.spec.cpu_affinity) if self.spec.cpu_affinity else _online_cpus()
         self.proc = subprocess.Popen(
             list(self.spec.argv), env=self.env(), cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=self.preexec, close_fds=True,

@@ -115,6 +115,28 @@ def test_status_names_a_process_that_holds_a_roles_port_without_answering_http(d
     assert prefill["error"].endswith("nothing answered (connection refused, reset or timed out)"), prefill["error"]
 
 
+def test_a_role_between_restarts_is_restarted_not_waited_for(demo):
+    # (a server that had exited, its unit "activating (auto-restart)" while its supervisor waits restart_sec, was
+    # waited for as if it were loading: a crash loop ran on into its start limit and apply failed)
+    demo.apply()
+    st = demo.status()
+    decode = next(r for r in st["roles"] if r["name"] == "decode")
+    os.kill(decode["main_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+        if now["sub_state"] == "auto-restart":
+            break
+        time.sleep(0.05)
+    assert now["sub_state"] == "auto-restart", now  # (the supervisor waits 10 s before it starts the server again)
+    sink = ListSink()
+    demo.apply(sink=sink)
+    said = [e.message for e in sink.events if e.step == "decode_up"]
+    assert not [m for m in said if "waiting for it, not restarting it" in m], said
+    assert [m for m in said if "restarting pdctl-" in m and "-decode.service" in m], said
+    assert demo.status()["healthy"]
+
+
 def _collapse(d: dict, port: int) -> dict:
     c = copy.deepcopy(d)
     c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer"), c.pop("router")

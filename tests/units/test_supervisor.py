@@ -438,6 +438,27 @@ def test_a_binding_the_host_lacks_fails_the_role_with_systemds_exit_status_and_s
     assert any(f"exited, code={code}" in line for line in log), log
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to narrow")
+def test_a_role_does_not_inherit_the_cpu_affinity_of_whoever_ran_pdctl(tmp_path, cleanup):
+    # (`taskset -c 0 pdctl apply` pinned every role to CPU 0: the watchdog passed its own affinity on, which systemd
+    # does not; a role with CPUs of its own got their intersection with it)
+    everyone = os.sched_getaffinity(0)
+    first = min(everyone)
+    pinned = svc("pinned", ("/bin/sleep", "300"), cpu_affinity=",".join(map(str, sorted(everyone))))
+    free = svc("free", ("/bin/sleep", "300"))
+    m = install(tmp_path, pinned, free)
+    cleanup(m)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {first})  # the watchdogs it starts inherit this, as from `taskset -c N pdctl apply`
+    try:
+        for s in (pinned, free):
+            m.start(s.name, wait=True, timeout=20)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert os.sched_getaffinity(m.main_pid(pinned.name)) == everyone
+    assert os.sched_getaffinity(m.main_pid(free.name)) == everyone
+
+
 def test_a_secret_cannot_take_the_marks_status_and_down_find_a_role_by(tmp_path, cleanup):
     s = svc("marks", ("/bin/sleep", "300"), secrets=(("PDCTL_UNIT", "pdctl-other.service"),),
             secrets_file=str(tmp_path / "marks.env"))
