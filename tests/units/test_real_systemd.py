@@ -76,6 +76,7 @@ def test_secrets_file_is_0600_and_the_unit_never_holds_the_secret(clean_user_sys
     got = _roundtrip(m, tmp_path, ["x"], "plain", "s3cr3t-value")
     assert got["secret"] == "s3cr3t-value"
     assert stat.S_IMODE((tmp_path / "secrets" / "probe.env").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "secrets").stat().st_mode) == 0o700  # (created so; it was 0755)
     unit = (clean_user_systemd.unit_dir / "pdctl-prop-probe.service").read_text()
     assert "s3cr3t-value" not in unit and f"EnvironmentFile={tmp_path}/secrets/probe.env" in unit
 

@@ -384,6 +384,7 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
     cleanup(m)
     assert "HF_TOKEN" not in (m.installed_text(s.name) or "") or "it's" not in m.installed_text(s.name)
     assert oct((tmp_path / "secrets" / "env.env").stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "secrets").stat().st_mode & 0o777) == "0o700"  # (it was 0755: the names showed)
     m.start(s.name)
     env = json.loads(wait_for(lambda: out.exists() and out.read_text(), what="env dump"))
     assert env["PLAIN"] == "a b $c 50%" and env["HF_TOKEN"] == "it's \"x\"\n$y"
