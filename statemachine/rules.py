@@ -27,8 +27,7 @@ from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.sglang_facts import DERIVED_PORT_OFFSETS, KNOWN_VERSIONS, facts_for
 from pdctl.statemachine.spec import Deployment, ServerRole
 from pdctl.statemachine.topology import is_wildcard, role_node, url_host
-from pdctl.units import cpu_list, cpu_set
-from pdctl.units._process import UNIT_DIR_ENV, UNIT_ENV
+from pdctl.units import UNIT_DIR_ENV, UNIT_ENV, cpu_list, cpu_set
 
 __all__ = ["Finding", "Inventory", "check", "validate"]
 
@@ -958,23 +957,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         if facts is not None and facts.arguments:
             for message, fix in _launch_arg_faults(list(role.extra_args), facts, refused):
                 err(f"{f}.extra_args", message, fix)
-        for key in role.env:
-            if key in _OWNED_ENV:
-                err(f"{f}.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
-    for key in dep.engine.env:
-        if key in _OWNED_ENV:
-            err(f"engine.env.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
-    # a secret is one more variable of the units' environment, and the last written: it would override these
-    for key in dep.secrets:
-        if key in _OWNED_ENV:
-            err(f"secrets.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}", f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
-    # the process supervisor's marks on every role's process (how status and down find it): no table sets them
-    tables = [("engine.env", dep.engine.env), ("router.env", dep.router.env if dep.router else {}),
-              ("secrets", dep.secrets),
-              *((f"{_role_field(dep, role)}.env", role.env) for _n, _k, role in roles)]
+    # What pdctl sets in the units' environment, no table of the spec sets: the servers' variables (a secret too: one
+    # more variable, and the last written, it would override them), and the process supervisor's marks on every
+    # role's process, the router's included (how status and down find it)
+    tables = [*((f"{_role_field(dep, role)}.env", role.env) for _n, _k, role in roles), ("engine.env", dep.engine.env),
+              ("secrets", dep.secrets), ("router.env", dep.router.env if dep.router else {})]
     for where, table in tables:
         for key in table:
-            if key in _SUPERVISOR_ENV:
+            if key in _OWNED_ENV and where != "router.env":
+                err(f"{where}.{key}", f"{key} is set by pdctl from {_OWNED_ENV[key]}",
+                    f"remove it and set {_OWNED_ENV[key].split(' (')[0]}")
+            elif key in _SUPERVISOR_ENV:
                 err(f"{where}.{key}", f"{key} is set by pdctl's process supervisor on every role's process: "
                                       "status and down find the role by it", "remove it")
 

@@ -1133,9 +1133,9 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
             host, r.port, found, set(names.values()), str(loaded.journal.dir))
         # nothing answered HTTP, yet a process outside the unit listens on the port (a foreign server of another
         # protocol, taken after a crash): the role cannot come back there; say whose it is, as plan and apply do
-        silent = [x for x in found if x.port == r.port and ports.in_the_way(x, ports.bind_address(r.http_host))
-                  and not (st.main_pid is not None and x.pid is not None
-                           and ports.is_descendant(host, x.pid, st.main_pid))] if not code else []
+        silent = [] if code else [x for x in ports.listener_belongs(
+            host, r.port, st.main_pid, found, bind=ports.bind_address(r.http_host))[1]
+            if x.pid is None or st.main_pid is None or not ports.is_descendant(host, x.pid, st.main_pid)]
         roles.append(
             {
                 "name": r.name,

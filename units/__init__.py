@@ -15,7 +15,7 @@ the concrete hosts).
 from ._argv import router_argv, router_env, server_argv, server_env
 from ._host import CommandResultLike, HostLike
 from ._manager import OTHER_DEPLOYMENT_HINT, ServiceManager
-from ._process import SUPERVISOR_LINE, ProcessSupervisor, parse_env_file
+from ._process import SUPERVISOR_LINE, UNIT_DIR_ENV, UNIT_ENV, ProcessSupervisor, parse_env_file
 from ._process import _proc_starttime as proc_starttime
 from ._systemd import (
     MARKER,
@@ -59,6 +59,8 @@ __all__ = [
     "READINESS_GATE",
     "SUPERVISOR_LINE",
     "SUPERVISOR_STOPPED",
+    "UNIT_DIR_ENV",
+    "UNIT_ENV",
     "CommandResultLike",
     "ForeignUnit",
     "HostLike",

@@ -39,7 +39,6 @@ SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
 
 
-
 def _online_cpus() -> set[int]:
     """The host's online CPUs (``/sys/devices/system/cpu/online``); empty when that cannot be read."""
     try:
