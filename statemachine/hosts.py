@@ -22,6 +22,7 @@ import os
 import shutil
 import signal as _signal
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -87,8 +88,10 @@ class Host(ABC):
     def exists(self, path: str) -> bool: ...
 
     @abstractmethod
-    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
-        """``mkdir -p``."""
+    def make_dirs(self, path: str, *, mode: int = 0o755, private: bool = False) -> None:
+        """``mkdir -p`` (the last folder created with *mode*). *private*: the last folder is created 0700, and one
+        that exists loses its group and other permissions (a folder of secrets made 0755 by an older pdctl or by
+        hand). Raises HostError when it cannot be created or made private."""
 
     @abstractmethod
     def list_dir(self, path: str) -> list[str]:
@@ -290,9 +293,11 @@ class LocalHost(Host):
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 
-    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
+    def make_dirs(self, path: str, *, mode: int = 0o755, private: bool = False) -> None:
         try:
-            os.makedirs(path, mode=mode, exist_ok=True)
+            os.makedirs(path, mode=0o700 if private else mode, exist_ok=True)
+            if private and (st := os.stat(path)).st_mode & 0o077:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
         except OSError as exc:
             raise HostError(f"cannot create {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
 

@@ -344,6 +344,12 @@ def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = F
     o["http_host"] = _canonical_ip(o["http_host"])
     if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
         n["settings"].pop("numa_binding", None)
+    else:
+        # an explicit numa_node dropped (or written) where gpu_numa gives the same node binds the role as before
+        # (the unit is the same): no change
+        bound = [(d["settings"].get("numa_binding") or {}).get("node") for d in (o, n)]
+        if bound[0] == bound[1] is not None:
+            o["numa_node"] = n["numa_node"]
     out: list[AttrChange] = []
     for a in _ROLE_TOPOLOGY_ATTRS:
         out += _diff(a, o[a], n[a], "topology")

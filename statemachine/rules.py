@@ -1024,6 +1024,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f'move it to [secrets] ({key} = "env:{key}"): written 0600 and shown as ***',
                 )
     getters = [n for n, _k, _r in roles] + (["router"] if dep.router is not None else [])
+    for key, entry in dep.secrets.items():
+        # an empty value would reach the servers as an empty variable (a model download failing minutes later);
+        # apply refuses it, so validate says so first
+        where = f"secrets.{key}" if isinstance(entry, str) else f"secrets.{key}.value"
+        if not dep.secret_refs()[key].strip():
+            err(where, "the value is empty", f'write "env:{key}" and export {key} where pdctl runs, or remove it')
+        if not isinstance(entry, str):
+            repeated = sorted({r for r in entry.roles if entry.roles.count(r) > 1})
+            if repeated:
+                warn(f"secrets.{key}.roles", f"{', '.join(repeated)} listed more than once",
+                     "list each role or kind once")
     for key in dep.secrets:
         if dep.secret_scoped(key) and not any(key in dep.secrets_for(n) for n in getters):
             warn(f"secrets.{key}.roles", f"no role of this spec gets it (roles = {dep.secrets[key].roles!r})",  # type: ignore[union-attr]

@@ -386,8 +386,10 @@ class SshHost(Host):
         q = shlex.quote(path)
         return self._sh(f"test -e {q} || test -L {q}")[0] == 0
 
-    def make_dirs(self, path: str, *, mode: int = 0o755) -> None:
-        status, _out, err = self._sh(f"mkdir -p -m {mode:o} -- {shlex.quote(path)}")
+    def make_dirs(self, path: str, *, mode: int = 0o755, private: bool = False) -> None:
+        q = shlex.quote(path)
+        cmd = f"mkdir -p -m 700 -- {q} && chmod go-rwx -- {q}" if private else f"mkdir -p -m {mode:o} -- {q}"
+        status, _out, err = self._sh(cmd)
         if status != 0:
             raise HostError(f"cannot create {path} on {self.name}: {err.strip()[-300:]}", host=self.name)
 

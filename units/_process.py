@@ -420,7 +420,7 @@ class ProcessSupervisor(ServiceManager):
         for s in units.services:
             if s.secrets:
                 path = bodies[s.name]["service"]["secrets_file"]
-                self.host.make_dirs(posixpath.dirname(path), mode=0o700)  # (created so: only the files were 0600)
+                self.host.make_dirs(posixpath.dirname(path), private=True)  # (not only the files 0600: the folder too)
                 self.host.write_file(path, render_env_file(s.secrets, deployment=s.deployment).encode(), mode=0o600)
         for name, body in bodies.items():
             text = _unit_text(body)

@@ -209,7 +209,7 @@ class SystemdManager(ServiceManager):
         for d in {posixpath.dirname(s.log_path) for s in units.services if s.log_path}:
             self.host.make_dirs(d)
         for path, text in secrets.items():
-            self.host.make_dirs(posixpath.dirname(path), mode=0o700)  # (created so: only the files were 0600)
+            self.host.make_dirs(posixpath.dirname(path), private=True)  # (not only the files 0600: the folder too)
             self.host.write_file(path, text.encode(), mode=0o600)
         changed = []
         dropped = []

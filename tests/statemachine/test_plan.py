@@ -1421,3 +1421,18 @@ def test_apply_option_is_read_with_a_space_or_an_equals_sign():
     assert _rewrite(["--json", "--apply=x.toml", "--confirm-topology", "ab"]) == ["apply", "--json", "x.toml",
                                                                                   "--confirm-topology", "ab"]
     assert _rewrite(["chat", "x.toml", "--", "--apply=y"]) == ["chat", "x.toml", "--", "--apply=y"]  # (after --)
+
+
+def test_dropping_an_explicit_numa_node_that_gpu_numa_gives_anyway_plans_nothing():
+    # (it was planned as a topology change, needing a confirmation, for a unit that binds exactly as before)
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    for kind in ("prefill", "decode"):
+        del other[kind][0]["numa_node"]
+    assert not make_plan(topo(seed), topo(other)).has_changes
+    assert not make_plan(topo(other), topo(seed)).has_changes  # and writing it out
+    moved = copy.deepcopy(seed)
+    moved["decode"][0]["numa_node"] = 0  # a node its GPUs are not on: a change as before
+    p = make_plan(topo(seed), topo(moved))
+    assert [(a.path, a.before, a.after, a.cls) for c in p.changes for a in c.changes if a.path == "numa_node"] == [
+        ("numa_node", 1, 0, "topology")]

@@ -311,3 +311,30 @@ def test_an_env_reference_that_names_no_variable_is_a_finding(ref):
             parse_spec(d)
         assert f"{field}: {ref!r} names no environment variable" in str(e.value), str(e.value)
         assert str(e.value).endswith(': write "env:NAME" with the variable that holds it, e.g. "env:HF_TOKEN"')
+
+
+@pytest.mark.parametrize(("entry", "field"), [
+    ("", "secrets.HF_TOKEN"),
+    ("  ", "secrets.HF_TOKEN"),
+    ({"value": "", "roles": ["router"]}, "secrets.HF_TOKEN.value"),
+])
+def test_an_empty_secret_value_is_an_error_of_validate_not_only_of_apply(entry, field):
+    # (validate said "valid" and apply refused it: the spec's check should find what apply will refuse)
+    from pdctl.statemachine.rules import validate
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": entry}
+    errors = {f.field: f for f in validate(parse_spec(d)) if f.level == "error"}
+    assert errors[field].message == "the value is empty"
+    assert 'write "env:HF_TOKEN" and export HF_TOKEN' in errors[field].fix
+
+
+def test_a_role_listed_twice_in_a_secret_is_a_warning():
+    from pdctl.statemachine.rules import validate
+
+    d = seed_dict()
+    d["secrets"] = {"HF_TOKEN": {"value": "env:X", "roles": ["decode", "prefill", "decode"]}}
+    warned = {f.field: f for f in validate(parse_spec(d)) if f.level == "warning"}
+    assert warned["secrets.HF_TOKEN.roles"].message == "decode listed more than once"
+    d["secrets"]["HF_TOKEN"]["roles"] = ["decode", "prefill"]
+    assert "secrets.HF_TOKEN.roles" not in {f.field for f in validate(parse_spec(d))}

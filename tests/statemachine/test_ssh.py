@@ -112,6 +112,11 @@ def test_files_are_written_atomically_with_their_mode(host, tmp_path):
     assert host.run(["cat"], timeout=5).stdout == ""
     host.make_dirs(str(tmp_path / "a" / "b"))
     assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "a" / "b").chmod(0o755)
+    host.make_dirs(str(tmp_path / "a" / "b"), private=True)  # one that exists loses group and other permissions
+    assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
+    host.make_dirs(str(tmp_path / "a" / "c"), private=True)
+    assert (tmp_path / "a" / "c").stat().st_mode & 0o777 == 0o700
     assert host.which("sh") and host.which("pdctl-no-such-tool") is None
 
 

@@ -380,6 +380,8 @@ def test_environment_is_clean_and_secrets_arrive_from_the_0600_file(tmp_path, cl
     s = svc("env", (sys.executable, "-c", f"import json,os; json.dump(dict(os.environ), open({str(out)!r},'w'))"),
             env={"PLAIN": "a b $c 50%"}, secrets={"HF_TOKEN": "it's \"x\"\n$y"},
             secrets_file=str(tmp_path / "secrets" / "env.env"))
+    (tmp_path / "secrets").mkdir(mode=0o755)  # as an older pdctl left it
+    (tmp_path / "secrets").chmod(0o755)
     m = install(tmp_path, s)
     cleanup(m)
     assert "HF_TOKEN" not in (m.installed_text(s.name) or "") or "it's" not in m.installed_text(s.name)
