@@ -109,11 +109,11 @@ def _address(v: str, info: ValidationInfo) -> str:
         return f'host and port are separate fields: write {key} = "{host}" and {port_field} = {port}'
 
     if v == "":
-        raise ValueError("must not be empty: write an IP address (127.0.0.1, ::1) or a host name")
+        raise FieldError("", "must not be empty", "write an IP address (127.0.0.1, ::1) or a host name")
     if any(c.isspace() for c in v):
         words = v.split()
         fix = f'write {key} = "{words[0]}"' if len(words) == 1 else "write one host name or IP address"
-        raise ValueError(f"{v!r} contains whitespace, which no address has: {fix}")
+        raise FieldError("", f"{v!r} contains whitespace, which no address has", fix)
     if "://" in v:
         url = urllib.parse.urlsplit(v)
         host = url.hostname or "HOST"
@@ -127,27 +127,27 @@ def _address(v: str, info: ValidationInfo) -> str:
             fix = f'write address = "{host}" (the servers\' ports are each role\'s port)'
         else:
             fix = f'write {key} = "{host}"'
-        raise ValueError(f"{v!r} is a URL, not an address: {fix} (pdctl builds the URLs)")
+        raise FieldError("", f"{v!r} is a URL, not an address", f"{fix} (pdctl builds the URLs)")
     if "@" in v:
         user, _, host = v.rpartition("@")
         if key == "address":
-            raise ValueError(f'{v!r} includes a user: write address = "{host}" and ssh_user = "{user}"')
-        raise ValueError(f'{v!r} includes a user, which a bind address has not: write {key} = "{host}"')
+            raise FieldError("", f"{v!r} includes a user", f'write address = "{host}" and ssh_user = "{user}"')
+        raise FieldError("", f"{v!r} includes a user, which a bind address has not", f'write {key} = "{host}"')
     if v.startswith("["):
         m = re.fullmatch(r"\[([^\]]*)\](?::([0-9]+))?", v)
         if m and m.group(2):
-            raise ValueError(f"{v!r} includes a port: {split(m.group(1), int(m.group(2)))}")
+            raise FieldError("", f"{v!r} includes a port", split(m.group(1), int(m.group(2))))
         inner = m.group(1) if m else v.strip("[]")
-        raise ValueError(f'{v!r}: write an IPv6 address without brackets, {key} = "{inner}" (pdctl adds them '
-                         "where it builds a URL)")
+        raise FieldError("", f"{v!r} is in brackets", f'write an IPv6 address without brackets, {key} = "{inner}" '
+                         "(pdctl adds them where it builds a URL)")
     if v == "*":
-        raise ValueError(f'{v!r} is no address: for every interface write {key} = "0.0.0.0" (IPv4) or "::" (IPv6)')
+        raise FieldError("", f"{v!r} is no address", f'for every interface write {key} = "0.0.0.0" (IPv4) or "::" (IPv6)')
     if "/" in v:
         try:
             ip = ipaddress.ip_interface(v).ip
         except ValueError:
-            raise ValueError(f"{v!r} is neither an IP address nor a host name: write one without '/'") from None
-        raise ValueError(f'{v!r} carries a prefix length, which an address has not: write {key} = "{ip}"')
+            raise FieldError("", f"{v!r} is neither an IP address nor a host name", "write one without '/'") from None
+        raise FieldError("", f"{v!r} carries a prefix length, which an address has not", f'write {key} = "{ip}"')
     try:
         ip = ipaddress.ip_address(v)
     except ValueError:
@@ -155,30 +155,30 @@ def _address(v: str, info: ValidationInfo) -> str:
     else:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             # an IPv6-only socket (uvicorn's, smg's) cannot bind it (EINVAL), and ssh reaches the IPv4 form alike
-            raise ValueError(f"{v!r} is an IPv4 address written as IPv6: write {key} = \"{ip.ipv4_mapped}\"")
+            raise FieldError("", f"{v!r} is an IPv4 address written as IPv6", f'write {key} = "{ip.ipv4_mapped}"')
         if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id and not ip.is_link_local:
             # getaddrinfo refuses it ("Name or service not known"): the server would never start
-            raise ValueError(f"{v!r}: a zone (%{ip.scope_id}) belongs to a link-local address (fe80::/10) only: "
+            raise FieldError("", f"{v!r}: a zone (%{ip.scope_id}) belongs to a link-local address (fe80::/10) only",
                              f'write {key} = "{str(ip).split("%")[0]}"')
         if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id and key != "address":
             # a bind address ends up in the URLs the router, the decode side and pdctl dial, where a zone needs
             # RFC 6874's %25 escape that not every client takes: ssh (hosts.*.address) takes it as it is
-            raise ValueError(f"{v!r}: a link-local address with a zone cannot be dialled through the URLs built from "
-                             f'{key}: bind a loopback, global or wildcard address instead, e.g. {key} = "::"')
+            raise FieldError("", f"{v!r}: a link-local address with a zone cannot be dialled through the URLs built from "
+                             f"{key}", f'bind a loopback, global or wildcard address instead, e.g. {key} = "::"')
         # the canonical form (::0 -> ::, 0:0:0:0:0:0:0:1 -> ::1), which the loopback and every-interface checks
         # compare against
         return str(ip)
     m = re.fullmatch(r"([^:]+):([0-9]+)", v)
     if m:
-        raise ValueError(f"{v!r} includes a port: {split(m.group(1), int(m.group(2)))}")
+        raise FieldError("", f"{v!r} includes a port", split(m.group(1), int(m.group(2))))
     if ":" in v:
-        raise ValueError(f"{v!r} is not an IPv6 address: write one as ip -6 addr prints it, e.g. ::1 or fe80::1")
+        raise FieldError("", f"{v!r} is not an IPv6 address", "write one as ip -6 addr prints it, e.g. ::1 or fe80::1")
     name = v.removesuffix(".")
     if re.fullmatch(r"[0-9.]+", name):  # RFC 1123 §2.1: a host name never has the dotted-decimal form
         try:
             ipaddress.IPv4Address(v)
         except ValueError as exc:
-            raise ValueError(f"{v!r} is not an IPv4 address ({exc}): write four numbers 0-255, e.g. 127.0.0.1") \
+            raise FieldError("", f"{v!r} is not an IPv4 address ({exc})", "write four numbers 0-255, e.g. 127.0.0.1") \
                 from None
     labels = name.split(".")
     if all(re.fullmatch(r"0[xX][0-9a-fA-F]+|[0-9]+", label) for label in labels):  # 0x7f000001, 0x7f.1: inet_aton's
@@ -186,15 +186,15 @@ def _address(v: str, info: ValidationInfo) -> str:
             means = f" (inet_aton reads it as {ipaddress.IPv4Address(socket.inet_aton(name))})"
         except OSError:
             means = ""
-        raise ValueError(f"{v!r} is an IPv4 address in hexadecimal shorthand{means}, which not every resolver and "
-                         "tool reads alike: write four decimal numbers 0-255, e.g. 127.0.0.1")
+        raise FieldError("", f"{v!r} is an IPv4 address in hexadecimal shorthand{means}, which not every resolver "
+                         "and tool reads alike", "write four decimal numbers 0-255, e.g. 127.0.0.1")
     if len(labels) == 4 and sum(label.isdigit() for label in labels) == 3:  # 127.0.0.l, 10.O.0.1: a typo'd IPv4
-        raise ValueError(f"{v!r} looks like an IPv4 address with a typo in it (three of its four labels are numbers): "
-                         "write four numbers 0-255, e.g. 127.0.0.1")
+        raise FieldError("", f"{v!r} looks like an IPv4 address with a typo in it (three of its four labels are "
+                         "numbers)", "write four numbers 0-255, e.g. 127.0.0.1")
     if len(name) > 253 or not all(_LABEL_RE.fullmatch(label) for label in labels):
-        raise ValueError(f"{v!r} is neither an IP address nor a host name: a host name (RFC 1123) is labels of "
-                         "letters, digits and '-' (and '_', which ssh aliases and container names use) joined by '.', "
-                         "e.g. gpu1.example.com")
+        raise FieldError("", f"{v!r} is neither an IP address nor a host name",
+                         "write a host name (RFC 1123): labels of letters, digits and '-' (and '_', which ssh aliases "
+                         "and container names use) joined by '.', e.g. gpu1.example.com")
     return v
 
 
@@ -314,9 +314,9 @@ class ServerRole(_Model):
     @classmethod
     def _gpus_unique(cls, v: list[int]) -> list[int]:
         if any(g < 0 for g in v):
-            raise ValueError(f"GPU ids are >= 0, not {min(v)}: use the ids nvidia-smi lists (0, 1, …)")
+            raise FieldError("", f"GPU ids are >= 0, not {min(v)}", "use the ids nvidia-smi lists (0, 1, …)")
         if len(set(v)) != len(v):
-            raise ValueError(f"GPU ids repeat in {v}: list each GPU once")
+            raise FieldError("", f"GPU ids repeat in {v}", "list each GPU once")
         return v
 
     @field_validator("name")
@@ -467,9 +467,9 @@ class Deployment(_Model):
     @classmethod
     def _name_is_unit_safe(cls, v: str) -> str:
         if not _NAME_RE.match(v):
-            raise ValueError(
-                f"{v!r} cannot become a systemd unit name (pdctl-{v}-prefill.service): use letters, "
-                "digits, '_', '.' and '-', starting with a letter or digit, at most 64 characters"
+            raise FieldError(
+                "", f"{v!r} cannot become a systemd unit name (pdctl-{v}-prefill.service)",
+                "use letters, digits, '_', '.' and '-', starting with a letter or digit, at most 64 characters",
             )
         return v
 

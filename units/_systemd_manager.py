@@ -365,9 +365,13 @@ class SystemdManager(ServiceManager):
                     return []
                 return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
         flag = "--user-unit" if self.scope == "user" else "--unit"
-        res = self.host.run(self._with_env([*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]),
-                            timeout=self.command_timeout, check=False)
-        return clean_log_lines(res.stdout, lines) if res.returncode == 0 else []
+        argv = [*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]
+        res = self.host.run(self._with_env(argv), timeout=self.command_timeout, check=False)
+        if res.returncode != 0:  # (a host without journald, a user not in systemd-journal): say so, not nothing
+            said = (res.stderr or "").strip().splitlines()
+            return [f"(no log lines: {' '.join(argv)} exited {res.returncode}"
+                    + (f": {said[-1][-200:]})" if said else ")")]
+        return clean_log_lines(res.stdout, lines)
 
 
 def _environment_files(unit_text: str) -> list[str]:

@@ -926,7 +926,7 @@ def test_ip_literals_are_kept_in_the_form_the_loopback_and_wildcard_checks_compa
     (("router", "host"), "http://localhost:30001", 'write host = "localhost" and port = 30001'),
     (("hosts", "local", "address"), "root@gpu1",
      "hosts.local.address: 'root@gpu1' includes a user: write address = \"gpu1\" and ssh_user = \"root\""),
-    (("router", "host"), "[::1]", "router.host: '[::1]': write an IPv6 address without brackets, host = \"::1\""),
+    (("router", "host"), "[::1]", "router.host: '[::1]' is in brackets: write an IPv6 address without brackets, host = \"::1\""),
     (("decode", 0, "http_host"), "local host", "decode[0].http_host: 'local host' contains whitespace"),
     (("router", "host"), " 0.0.0.0", "contains whitespace, which no address has: write host = \"0.0.0.0\""),
     (("prefill", 0, "http_host"), "300.1.1.1",
@@ -1488,3 +1488,19 @@ def test_secrets_and_env_tables_cannot_set_what_pdctl_sets():
     said = "is set by pdctl's process supervisor on every role's process: status and down find the role by it"
     assert got["secrets.PDCTL_UNIT_DIR"] == (f"PDCTL_UNIT_DIR {said}", "remove it")
     assert got["decode[0].env.PDCTL_UNIT"] == (f"PDCTL_UNIT {said}", "remove it")
+
+
+@pytest.mark.parametrize(("path", "value", "field", "message", "fix"), [
+    (("router", "host"), "*", "router.host", "'*' is no address",
+     'for every interface write host = "0.0.0.0" (IPv4) or "::" (IPv6)'),
+    (("prefill", 0, "http_host"), "10.0.0.1:30010", "prefill[0].http_host", "'10.0.0.1:30010' includes a port",
+     'host and port are separate fields: write http_host = "10.0.0.1" and port = 30010'),
+    (("decode", 0, "gpus"), [4, 4, 5, 6], "decode[0].gpus", "GPU ids repeat in [4, 4, 5, 6]", "list each GPU once"),
+    (("name",), "demo deployment", "name",
+     "'demo deployment' cannot become a systemd unit name (pdctl-demo deployment-prefill.service)",
+     "use letters, digits, '_', '.' and '-', starting with a letter or digit, at most 64 characters"),
+])
+def test_a_fields_own_check_gives_its_fix_apart_from_its_message_in_json(path, value, field, message, fix):
+    # (--json gave these as one message with the fix inside and "fix": null, unlike every other finding)
+    e = _refused(path, value)
+    assert {"field": field, "message": message, "fix": fix} in e.value.findings_json(), e.value.findings_json()

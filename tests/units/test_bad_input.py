@@ -194,3 +194,16 @@ def test_user_units_go_to_the_hosts_users_config_folder_not_this_machines(monkey
 
     with pytest.raises(ManagerUnavailable, match="cannot tell where the user units go on host"):
         SystemdManager(Homeless(), scope="user").unit_dir  # noqa: B018
+
+
+def test_a_journal_that_cannot_be_read_is_said_in_the_log_lines_not_left_blank(tmp_path):
+    # (a host without journald, or a user outside systemd-journal: the console's log panel and a failed step's
+    # "last log lines" showed nothing at all, as if the server had printed nothing)
+    journal = ("sh", "-c", 'echo "No journal files were found." >&2; echo "-- No entries --"; exit 1', "journalctl")
+    m = SystemdManager(LocalHost(), scope="user", unit_dir=str(tmp_path), journalctl=journal)
+    [line] = m.logs("pdctl-x-prefill.service", lines=5)
+    assert line.startswith("(no log lines: sh -c ") and "--user-unit pdctl-x-prefill.service" in line
+    assert line.endswith("exited 1: No journal files were found.)")
+    ok = ("sh", "-c", 'printf "one\\ntwo\\n"', "journalctl")
+    assert SystemdManager(LocalHost(), scope="user", unit_dir=str(tmp_path), journalctl=ok).logs("u", lines=5) == [
+        "one", "two"]
