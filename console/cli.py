@@ -871,12 +871,18 @@ def _refuse_own_file(out: Path, shown: str | None, spec: Path, journal) -> None:
         raise PdctlError(f"-o {shown} is the spec the plan is made from ({spec}): saving the plan there would replace "
                          "it; nothing was written", hint=f"give -o/--out another file: {_PLAN_OUT_EXAMPLE}")
     home = journal.dir.resolve()
-    files = {p.resolve() for p in (journal.path, journal.audit_path, journal.lock_path)}
-    folders = (home / "supervisor", home / "secrets")
-    if target in files or any(target == f or f in target.parents for f in folders):
-        raise PdctlError(f"-o {shown} is one of the files pdctl keeps for the deployment in {home} (its journal, audit "
-                         "log, lock, supervisor and secrets); nothing was written",
-                         hint=f"give -o/--out another file: {_PLAN_OUT_EXAMPLE}")
+    # this deployment's state directory, and any other deployment's (a folder with a journal.json, which plan -o
+    # ../other/journal.json replaced: that deployment could then be neither planned, applied nor taken down)
+    homes = [home] + [d for d in target.parents if d != home and ((d / journal.path.name).is_file() or (
+        (d / journal.audit_path.name).is_file() and (d / journal.lock_path.name).is_file()))]
+    for d in homes:
+        files = {d / journal.path.name, d / journal.audit_path.name, d / journal.lock_path.name}
+        folders = (d / "supervisor", d / "secrets")
+        if target in files or any(target == f or f in target.parents for f in folders):
+            whose = "the deployment" if d == home else "another deployment"
+            raise PdctlError(f"-o {shown} is one of the files pdctl keeps for {whose} in {d} (its journal, audit "
+                             "log, lock, supervisor and secrets); nothing was written",
+                             hint=f"give -o/--out another file: {_PLAN_OUT_EXAMPLE}")
 
 
 _DESCRIPTOR_OUT_HINT = "-o - prints the plan (JSON) on stdout; to save it, give -o/--out a file path, e.g. -o plan.json"

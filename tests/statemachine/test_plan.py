@@ -589,6 +589,28 @@ def test_cli_plan_out_never_replaces_its_spec_or_a_file_of_the_state_directory(t
     assert json.loads((sd / "plan.json").read_text())["spec_path"] == str(spec)
 
 
+def test_cli_plan_out_never_replaces_another_deployments_journal(tmp_path):
+    # (plan c2.toml -o STATE/c2/../base/journal.json replaced base's journal: base could then be neither planned,
+    # applied nor taken down, its roles running on)
+    base = tmp_path / "pdctl" / "base"
+    (base / "secrets").mkdir(parents=True)
+    (base / "journal.json").write_text('{"name": "base"}')
+    (tmp_path / "pdctl" / "fresh").mkdir()  # one whose first apply was refused: an audit log and a lock
+    (tmp_path / "pdctl" / "fresh" / "audit.log").write_text("")
+    (tmp_path / "pdctl" / "fresh" / "lock").write_text("")
+    sd = tmp_path / "pdctl" / "seed"
+    sd.mkdir()
+    for target in (sd / ".." / "base" / "journal.json", base / "audit.log", base / "secrets" / "prefill.env",
+                   tmp_path / "pdctl" / "fresh" / "lock"):
+        r = _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(target))
+        assert r.returncode == 1, (target, r.stdout, r.stderr)
+        home = tmp_path / "pdctl" / ("fresh" if "fresh" in str(target) else "base")
+        assert f"-o {target} is one of the files pdctl keeps for another deployment in {home}" in r.stderr, r.stderr
+        assert "nothing was written" in r.stderr
+    assert (base / "journal.json").read_text() == '{"name": "base"}' and not (base / "audit.log").exists()
+    assert _pdctl("plan", str(SEED), "--state-dir", str(sd), "-o", str(base / "plan.json")).returncode == 2
+
+
 def test_a_usage_error_under_json_answers_on_stdout_and_json_may_come_before_apply(tmp_path):
     # (stdout was empty, click's usage text on stderr only; `pdctl --json --apply SPEC` was "No such option: --json")
     r = _pdctl("plan", str(SEED), "--json", "--bogus")
