@@ -46,8 +46,6 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
     "--attn-dp-size": "attn_dp",
     "--attention-data-parallel-size": "attn_dp",
     "--enable-dp-attention": "attn_dp",
-    "--dp-size": "attn_dp",
-    "--data-parallel-size": "attn_dp",
     "--ep-size": "ep",
     "--expert-parallel-size": "ep",
     "--ep": "ep",
@@ -60,6 +58,7 @@ _OWNED_SERVER_FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "model.kv_cache_dtype",
     "--context-length": "model.context_length",
     "--trust-remote-code": "model.trust_remote_code",
+    "--load-format": "model.load_format",
     "--mem-fraction-static": "mem_fraction",
     "--reasoning-parser": "parsers.reasoning_parser",
     "--tool-call-parser": "parsers.tool_call_parser",
@@ -80,6 +79,10 @@ _OWNED_ENV = {
     "PDCTL_KERNELS_ROUTE": "kernels.which",
 }
 _SUPERVISOR_ENV = (UNIT_ENV, UNIT_DIR_ENV)
+_KERNELS_ENV = {  # (launch.kernels_env: what the units carry while [kernels] is enabled, beside _OWNED_ENV's)
+    "PDCTL_KERNELS_REQUIRED": "a refused plugin activation stops the server rather than serve on SGLang's kernels",
+    "TRITON_CACHE_DIR": "the Triton binaries kernels_built compiled and verified, under engine.cache_dir",
+}
 # pdctl's SGLang plugin hooks these DSA decode paths of SGLang 0.5.23 (pdctl.kernels.sglang_plugin).
 _PLUGIN_DECODE_BACKENDS = ("flashmla_kv", "flashmla_sparse")
 _PLUGIN_VERSIONS = ("0.5.23",)
@@ -100,6 +103,33 @@ _OWNED_ROUTER_FLAGS = {
     "--health-success-threshold": "router.health_success_threshold",
 }
 _PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--chat-template")
+_DP_REPLICA_FLAGS = ("--dp-size", "--data-parallel-size")
+"""SGLang 0.5.23's ``--dp-size`` (``--data-parallel-size``): "The number of data-parallel replicas of the model"
+(``launch_server --help``), each replica a whole TP group of its own GPUs behind the one HTTP port; pdctl renders
+attn_dp as ``--attn-dp-size`` there. Up to 0.5.20 (``SglangFacts.legacy_dp_attention``) pdctl itself spells attention
+DP ``--dp-size N --enable-dp-attention``."""
+_PIPELINE_FLAGS = ("--pp-size", "--pipeline-parallel-size")
+"""SGLang 0.5.23's pipeline-parallel size and its alias (``data/sglang-0.5.23-flags.json``): a server runs
+tp × pp ranks, one per GPU (``--pp`` alone is an ambiguous prefix, refused as such)."""
+# Settings SGLang's reference says must be the same on prefill and decode, which pdctl renders from no spec field:
+# flag -> (the value when not given, why). Sources: shared/reference/sglang-pd.md §1.3 (prefill tokenizes the same
+# chat independently and samples the first output token: one tokenizer on both), §1.1 and SGLang 0.5.23
+# `launch_server --help` ("--disaggregation-enable-kv-checksum ... Enable on both prefill and decode engines";
+# "--disaggregation-decode-allocation-policy ... Set the same policy on both roles. Default: early").
+# (None: --tokenizer-path's default, the model path; True: a switch given.)
+_SAME_ON_BOTH_SIDES: dict[str, tuple[str | bool | None, str]] = {
+    "--tokenizer-path": (None, "prefill and decode each tokenize the same request, and decode continues from the "
+                               "first token prefill sampled: they must use one tokenizer"),
+    "--disaggregation-enable-kv-checksum": (False, "prefill computes the KV pages' checksum and decode verifies it: "
+                                                   "SGLang says to enable it on both prefill and decode"),
+    "--disaggregation-decode-allocation-policy": ("early", "it decides when decode reserves a request's KV and how "
+                                                           "long prefill keeps it: SGLang says to set the same policy "
+                                                           "on both roles"),
+}
+# --disaggregation-decode-allocation-policy prefill_complete: "Mooncake only, no attn-TP>1, no PP/CP"
+# (shared/reference/sglang-pd.md §1.1, SGLang 0.5.23 arg_groups/fields/disagg.py). mooncake_tcp is Mooncake's
+# transfer engine over TCP (§1.6), so it is counted as Mooncake here.
+_MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
 _ONE_HOST_FLAGS = ("--dist-init-addr", "--nnodes", "--node-rank")
 """SGLang 0.5.23's multi-node flags (``server_args.py``; ``--dist-init-addr`` also names the torch.distributed
 rendezvous and moves the ports SGLang derives, ``PortArgs.init_new``): refused in a role's ``extra_args``."""
@@ -368,6 +398,47 @@ def _json_or_none(text: str) -> object:
         return None
 
 
+def _given(args: list[str], facts) -> dict[str, str | bool]:  # noqa: ANN001
+    """What *args* (a role's ``extra_args``) set, as SGLang's argparse reads them: ``{flag: value}`` keyed by the
+    argument's first option string (``--pipeline-parallel-size`` → ``--pp-size``; an unambiguous abbreviation as its
+    flag), the last occurrence winning as argparse's store does; True for a flag given without a value. *facts*
+    (:class:`~pdctl.statemachine.sglang_facts.SglangFacts` or None) says what each flag takes; a flag it does not
+    record takes the one word after it that is not an option."""
+    known = facts.flags if facts is not None and facts.flags is not None else frozenset()
+    out: dict[str, str | bool] = {}
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if not word.startswith("--") or not _is_option(word, known):
+            continue
+        name, eq, inline = word.partition("=")
+        if known and name not in known:
+            prefix_of = [x for x in known if x.startswith(name)]
+            name = prefix_of[0] if len(prefix_of) == 1 else name
+        arg = facts.argument(name) if facts is not None else None
+        canon = arg.flags[0] if arg is not None else ("--pp-size" if name in _PIPELINE_FLAGS else name)
+        most = arg.takes[1] if arg is not None else 1
+        if eq:
+            out[canon] = inline
+            continue
+        values = []
+        while i < len(args) and not _is_option(args[i], known) and (most is None or len(values) < most):
+            values.append(args[i])
+            i += 1
+        out[canon] = " ".join(values) if values else True
+    return out
+
+
+def _pipeline_size(given: dict[str, str | bool]) -> int:
+    """The ``--pp-size`` *given* sets (1 unset; a value that is no positive whole number is judged elsewhere)."""
+    try:
+        pp = int(given.get("--pp-size", 1))  # type: ignore[arg-type]
+    except ValueError:
+        return 1
+    return pp if pp >= 1 else 1
+
+
 def _flag_name(arg: str) -> str | None:
     if not arg.startswith("--"):
         return None
@@ -457,12 +528,18 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
         f = _role_field(dep, role)
         if role.host not in dep.hosts:
             continue
-        # GPU count vs parallel sizes (SGLang: attention-DP groups live inside the TP group).
-        if len(role.gpus) != role.tp:
+        # GPU count vs parallel sizes (SGLang: attention-DP groups live inside the TP group; pipeline stages, given
+        # in extra_args as --pp-size, each take a TP group of their own: tp × pp ranks, one per GPU)
+        pp = _pipeline_size(_given(list(role.extra_args), facts))
+        if len(role.gpus) != role.tp * pp:
             err(
                 f"{f}.gpus",
-                f"{len(role.gpus)} GPUs ({_gpu_range(role.gpus)}) but tp = {role.tp}: SGLang runs one rank per GPU",
-                f"list exactly {role.tp} GPUs, or set tp = {len(role.gpus)}",
+                f"{len(role.gpus)} GPUs ({_gpu_range(role.gpus)}) but tp = {role.tp}: SGLang runs one rank per GPU"
+                if pp == 1 else
+                f"{len(role.gpus)} GPUs ({_gpu_range(role.gpus)}) but tp = {role.tp} × pp {pp} = {role.tp * pp} "
+                "ranks (pp: --pp-size in extra_args): SGLang runs tp × pp ranks, one rank per GPU",
+                f"list exactly {role.tp} GPUs, or set tp = {len(role.gpus)}" if pp == 1 else
+                f"list exactly {role.tp * pp} GPUs, or set tp and --pp-size so that tp × pp = {len(role.gpus)}",
             )
         if role.tp % role.attn_dp:
             err(f"{f}.attn_dp", f"attn_dp = {role.attn_dp} does not divide tp = {role.tp}", "choose an attn_dp that divides tp")
@@ -739,6 +816,39 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"{kv.backend!r} is not a transfer backend of SGLang {facts.version}",
                     f"use one of {sorted(facts.transfer_backends)}",
                 )
+            # --disaggregation-ib-device: "mlx5_0 | mlx5_0,mlx5_1 | per-GPU JSON '{"0":"mlx5_0,mlx5_1","1":"mlx5_2"}'
+            # | path to JSON file" (shared/reference/sglang-pd.md §1.1): a comma-separated list of HCA names, where a
+            # space would be read as part of a device name
+            if kv.ib_device is not None:
+                lists: list[tuple[str, str]] = []  # (where in the value, the device list)
+                text = kv.ib_device.strip()
+                if text.startswith("{"):
+                    per_gpu = _json_or_none(text)
+                    if isinstance(per_gpu, dict):
+                        lists = [(f"GPU {k}'s list", v) for k, v in per_gpu.items() if isinstance(v, str)]
+                elif "/" not in text and not text.endswith(".json"):  # (else a path to the JSON file)
+                    lists = [("", kv.ib_device)]
+                for where, devices in lists:
+                    if re.search(r"\s", devices):
+                        fixed = ",".join(x for x in re.split(r"[\s,]+", devices) if x)
+                        err(
+                            "kv_transfer.ib_device",
+                            f"{(where + ' ') if where else ''}{devices!r} holds whitespace: SGLang takes a "
+                            "comma-separated list of HCA names (--disaggregation-ib-device) and would look for a "
+                            "device named with the space",
+                            f'write "{fixed}"' + (f" for GPU {where.split()[1][:-2]}" if where else ""),
+                        )
+            # UCX_NET_DEVICES is read by UCX, which only NIXL uses (SGLANG_DISAGGREGATION_NIXL_BACKEND, default UCX;
+            # shared/reference/sglang-pd.md §1.5: "UCX device/transport selection for NIXL")
+            if kv.ucx_net_devices is not None and kv.backend != "nixl":
+                warn(
+                    "kv_transfer.ucx_net_devices",
+                    f"UCX_NET_DEVICES only applies to NIXL over UCX; with backend = {kv.backend!r} nothing reads it, "
+                    "and the KV link uses the backend's own device choice",
+                    "remove kv_transfer.ucx_net_devices" + (" and name the HCAs in kv_transfer.ib_device"
+                                                            if kv.backend.startswith("mooncake") else "")
+                    + ', or set backend = "nixl"',
+                )
         decode_hosts = {r.host for r in dep.decode if r.host in dep.hosts}  # (an undeclared one is reported above)
         for i, p in enumerate(dep.prefill):
             if p.host not in dep.hosts:  # (reported above; where it runs is not known, so neither is what it reaches)
@@ -767,6 +877,51 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     f"transfer ('{attr.replace('_', ' ').capitalize()} mismatch')",
                     f"set one model.{attr} and remove the per-role overrides",
                 )
+        # settings the reference says must match on prefill and decode, given in extra_args (_SAME_ON_BOTH_SIDES)
+        pd_roles = [(_role_field(dep, r), r, _given(list(r.extra_args), facts)) for r in dep.prefill + dep.decode]
+        for flag, (default, why) in _SAME_ON_BOTH_SIDES.items():
+            if not any(flag in g for _f, _r, g in pd_roles):
+                continue
+            if flag == "--tokenizer-path":  # (unset: the model path's tokenizer)
+                default = dep.model.path
+            seen = [(f, g.get(flag, default), flag in g) for f, _r, g in pd_roles]
+            if len({str(v) for _f, v, _x in seen}) > 1:
+                unset = ("off" if default is False else f"the model path, {default!r}" if flag == "--tokenizer-path"
+                         else f"{default!r}, the default")
+                said = "; ".join(f"{f}.extra_args " + (("gives it" if v is True else f"gives {v!r}") if given else
+                                                      f"leaves it unset ({unset})")
+                                 for f, v, given in seen)
+                first = next(f for f, _v, given in seen if given)
+                err(
+                    f"{first}.extra_args",
+                    f"{flag} differs between prefill and decode ({said}): {why}",
+                    f"give every [[prefill]] and [[decode]] group the same {flag} in its extra_args, or remove it "
+                    "from all of them",
+                )
+        policy = "--disaggregation-decode-allocation-policy"
+        for f, r, g in pd_roles:
+            if g.get(policy) != "prefill_complete":
+                continue
+            faults, fixes = [], []
+            if kv is not None and kv.backend not in _MOONCAKE_BACKENDS:
+                faults.append(f"kv_transfer.backend = {kv.backend!r}")
+                fixes.append('set kv_transfer.backend = "mooncake"')
+            if r.tp // max(r.attn_dp, 1) > 1:
+                faults.append(f"attention TP {r.tp // max(r.attn_dp, 1)} (tp = {r.tp}, attn_dp = {r.attn_dp})")
+                fixes.append(f"set attn_dp = tp on {f}")
+            for flag, what in (("--pp-size", "pipeline"), ("--attn-cp-size", "context")):
+                size = g.get(flag, "1")
+                if isinstance(size, str) and size.isdigit() and int(size) > 1:
+                    faults.append(f"{flag} {size}")
+                    fixes.append(f"drop {flag} ({what} parallelism)")
+            if faults:
+                err(
+                    f"{f}.extra_args",
+                    f"{policy} prefill_complete works only with Mooncake, attention TP 1 and no pipeline or "
+                    f"context parallelism (SGLang 0.5.23), and this role has {', '.join(faults)}",
+                    f"remove {policy} (early, the default) from every group's extra_args, or {' and '.join(fixes)}",
+                )
+                break
         if kv is not None and kv.backend in ("nixl", "mooncake", "mori") and dep.service_manager == "systemd-user":
             # the units ask LimitMEMLOCK=infinity for RDMA registration; a user's manager cannot raise its own hard
             # limit (setrlimit(2): only a privileged process can), so it starts the servers with the user's
@@ -909,6 +1064,56 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             # (argparse takes an unambiguous abbreviation as the flag itself: judged as that flag, and said so)
             full = prefix_of[0] if len(prefix_of) == 1 else flag
             said = f"{flag} (an abbreviation of {full})" if full != flag else flag
+            if full in _DP_REPLICA_FLAGS and facts is not None and facts.legacy_dp_attention:
+                # (SGLang <= 0.5.20: pdctl renders attn_dp as --dp-size N --enable-dp-attention)
+                err(f"{f}.extra_args", f"{said} is set by pdctl from attn_dp",
+                    f"remove {flag} from extra_args and set attn_dp instead")
+                continue
+            if full in _DP_REPLICA_FLAGS:
+                v = facts.version if facts is not None else dep.sglang_version
+                err(
+                    f"{f}.extra_args",
+                    f"{said} is SGLang {v}'s number of data-parallel replicas of the model (not attention DP, "
+                    "which pdctl renders from attn_dp as --attn-dp-size): each replica runs a whole TP group on GPUs "
+                    "of its own behind this one port, which pdctl neither gives GPUs nor proves",
+                    f"remove {flag}; pdctl runs one server per role group: for more replicas add [[prefill]] / "
+                    "[[decode]] groups (the router balances them); for attention DP set attn_dp",
+                )
+                continue
+            if full == "--enable-pd-role-switch":
+                # shared/reference/sglang-pd.md §1.1: "runtime /pd_role_switch; starts a bootstrap server on every PD
+                # instance → distinct bootstrap ports needed on one host"; SGLang 0.5.23 --help: "Allow runtime
+                # prefill<->decode role switch via /pd_role_switch (PD mode)." pdctl passes a decode server
+                # --disaggregation-bootstrap-port only where its role sets bootstrap_port (launch._bootstrap_port)
+                err(
+                    f"{f}.extra_args",
+                    f"{said} lets SGLang switch this server between prefill and decode at runtime (POST "
+                    "/pd_role_switch), which pdctl's fixed topology (the router's --prefill/--decode lists, the "
+                    "proofs of each role) does not follow; and it starts a bootstrap server on every PD server, "
+                    "decode too, on its --disaggregation-bootstrap-port (for a decode role without bootstrap_port, "
+                    "SGLang's default 8998, which a prefill on the same host binds by default), a port pdctl neither "
+                    "assigns nor checks",
+                    f"remove {flag}; to move GPUs between prefill and decode, edit the [[prefill]] / [[decode]] "
+                    "groups and apply",
+                )
+                continue
+            if full == "--skip-tokenizer-init":
+                parsers = role.parsers or dep.parsers
+                where = f"{f}.parsers" if role.parsers is not None else "parsers"
+                set_ = [f"{where}.{x}" for x in ("reasoning_parser", "tool_call_parser", "chat_template")
+                        if getattr(parsers, x) is not None]
+                if set_:
+                    # shared/reference/sglang-pd.md §1.2: "requests must carry input_ids; OpenAI chat/parsers
+                    # unusable → not for a parser-enabled deployment" (SGLang 0.5.23 --help: "skip init tokenizer
+                    # and pass input_ids in generate request")
+                    err(
+                        f"{f}.extra_args",
+                        f"{said} starts the server without a tokenizer: requests must carry input_ids, and the "
+                        f"OpenAI chat API, chat template and parsers are unusable, while {', '.join(set_)} "
+                        f"{'is' if len(set_) == 1 else 'are'} set {_FAILS_LATE}",
+                        f"remove {flag}, or remove {' and '.join(set_)}",
+                    )
+                    continue
             if full in _OWNED_SERVER_FLAGS:
                 source = _OWNED_SERVER_FLAGS[full]
                 always = source.startswith("(")  # (a flag pdctl always passes: nothing of the spec sets it)
@@ -970,6 +1175,16 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             elif key in _SUPERVISOR_ENV:
                 err(f"{where}.{key}", f"{key} is set by pdctl's process supervisor on every role's process: "
                                       "status and down find the role by it", "remove it")
+            elif key in _KERNELS_ENV and dep.kernels.enabled and where != "router.env":
+                err(f"{where}.{key}", f"{key} is set by pdctl while [kernels] is enabled: {_KERNELS_ENV[key]}",
+                    "remove it")
+            elif (key == "UCX_NET_DEVICES" and where != "router.env" and dep.kv_transfer is not None
+                  and dep.kv_transfer.ucx_net_devices is not None):
+                warn(f"{where}.{key}", f"overrides kv_transfer.ucx_net_devices = "
+                                       f"{dep.kv_transfer.ucx_net_devices!r} for "
+                                       f"{where.removesuffix('.env') if where.endswith('].env') else 'every role'}",
+                     "set the devices in one place: kv_transfer.ucx_net_devices for every role, or each role's "
+                     "env.UCX_NET_DEVICES (e.g. the NICs of its NUMA node) and no kv_transfer.ucx_net_devices")
 
     # --- executables: the units' first argument is an absolute path ---------------------------------------
     if dep.engine.python is not None and not dep.engine.python.startswith("/"):

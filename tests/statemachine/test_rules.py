@@ -386,6 +386,147 @@ def test_extra_args_that_fight_pdctl_owned_settings():
     _one(d, "decode[0].extra_args", "--tool-call-parser is set by pdctl")
 
 
+def test_load_format_in_extra_args_fights_model_load_format():
+    # (pdctl renders model.load_format as --load-format; the unit had both, the last won: prefill on dummy weights)
+    d = seed_dict()
+    d["model"]["load_format"] = "auto"
+    d["prefill"][0]["extra_args"] = ["--load-format", "dummy"]
+    d["decode"][0]["extra_args"] = ["--load-format=dummy"]
+    for side in ("prefill", "decode"):
+        _one(d, f"{side}[0].extra_args", "--load-format is set by pdctl from model.load_format",
+             "set model.load_format instead")
+
+
+def test_every_flag_pdctl_renders_for_a_server_is_refused_in_extra_args():
+    # compared with what units.server_argv renders: a flag rendered from the spec and missing from the owned list
+    # is taken twice, and the last one wins
+    from pdctl.statemachine.launch import launch_for_role
+    from pdctl.statemachine.rules import _OWNED_SERVER_FLAGS
+    from pdctl.units import server_argv
+
+    d = seed_dict()
+    d["model"].update(load_format="auto", attention_backend="fa3", page_size=256,
+                      dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_kv")
+    d["kv_transfer"]["ib_device"] = "mlx5_0"
+    d["decode"][0].update(attn_dp=2, ep=2, bootstrap_port=8998)
+    dep = parse_spec(d)
+    rendered = set()
+    for name, _kind, _role in dep.roles():
+        argv = server_argv(launch_for_role(dep, name))
+        rendered |= {a for a in argv[3:] if a.startswith("--")}
+    assert rendered - set(_OWNED_SERVER_FLAGS) == set(), rendered - set(_OWNED_SERVER_FLAGS)
+
+
+def test_gpu_count_counts_pipeline_stages_given_in_extra_args():
+    # SGLang runs tp x pp ranks, one per GPU: 4 GPUs with tp 4 and --pp-size 2 passed and failed at start
+    d = seed_dict()
+    d["prefill"][0]["extra_args"] = ["--pp-size", "2"]
+    d["decode"][0]["extra_args"] = ["--pipeline-parallel-size=2"]
+    for side in ("prefill", "decode"):
+        f = _one(d, f"{side}[0].gpus", "tp = 4 × pp 2 = 8", "one rank per GPU", "list exactly 8 GPUs")
+        assert "--pp-size" in f.fix, f
+    d = seed_dict()
+    d["prefill"][0].update(tp=2, extra_args=["--pp-size", "2"])
+    assert not [f for f in _errors(d) if f.field == "prefill[0].gpus"], _errors(d)
+    d["prefill"][0]["extra_args"] = ["--pp-size", "4"]
+    _one(d, "prefill[0].gpus", "tp = 2 × pp 4 = 8")
+
+
+def test_pd_role_switch_is_refused():
+    # it lets SGLang switch a role at runtime and starts a bootstrap server on decode too, on a port nobody checks
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--enable-pd-role-switch"]
+    f = _one(d, "decode[0].extra_args", "--enable-pd-role-switch", "/pd_role_switch", "bootstrap server",
+             "remove --enable-pd-role-switch", "[[prefill]]")
+    assert "8998" in f.message, f
+    assert len(_extra_args_errors(["--enable-pd-role-switch"])) == 1
+
+
+def test_skip_tokenizer_init_with_parsers_is_refused():
+    d = seed_dict()  # (the seed sets a reasoning and a tool-call parser)
+    d["decode"][0]["extra_args"] = ["--skip-tokenizer-init"]
+    _one(d, "decode[0].extra_args", "--skip-tokenizer-init", "input_ids", "parsers.reasoning_parser",
+         "remove --skip-tokenizer-init")
+    d["parsers"] = {"chat_template": "/opt/t.jinja"}
+    _one(d, "decode[0].extra_args", "--skip-tokenizer-init", "parsers.chat_template")
+    d.pop("parsers")
+    assert not [f for f in _errors(d) if "skip-tokenizer-init" in f.message], _errors(d)
+
+
+def test_dp_size_in_extra_args_says_what_it_is():
+    # 0.5.23: --dp-size is data-parallel replicas, attn_dp renders --attn-dp-size; the refusal said the opposite
+    for flag in ("--dp-size", "--data-parallel-size"):
+        (msg,) = _extra_args_errors([flag, "2"])
+        assert "data-parallel replicas" in msg and "--attn-dp-size" in msg, msg
+        assert "is set by pdctl from attn_dp" not in msg, msg
+        assert "[[prefill]]" in msg and "attn_dp" in msg.split("|")[1], msg
+    # ≤ 0.5.20 pdctl spells attention DP --dp-size N --enable-dp-attention: there it is pdctl's own
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
+    d["decode"][0]["extra_args"] = ["--dp-size", "2"]
+    _one(d, "decode[0].extra_args", "--dp-size is set by pdctl from attn_dp", "set attn_dp instead")
+
+
+def test_settings_that_must_match_on_prefill_and_decode():
+    d = seed_dict()
+    d["prefill"][0]["extra_args"] = ["--tokenizer-path", "/opt/tok"]
+    f = _one(d, "prefill[0].extra_args", "--tokenizer-path", "prefill[0]", "decode[0]", "/opt/tok")
+    assert "decode[0].extra_args" in f.message or "decode[0].extra_args" in f.fix, f
+    d["decode"][0]["extra_args"] = ["--tokenizer-path=/opt/tok"]
+    assert not [f for f in _errors(d) if "--tokenizer-path" in f.message], _errors(d)
+    # the model path written out is SGLang's default: the same tokenizer
+    d["prefill"][0]["extra_args"] = ["--tokenizer-path", d["model"]["path"]]
+    d["decode"][0]["extra_args"] = []
+    assert not [f for f in _errors(d) if "--tokenizer-path" in f.message], _errors(d)
+
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--disaggregation-enable-kv-checksum"]
+    _one(d, "decode[0].extra_args", "--disaggregation-enable-kv-checksum", "prefill[0]", "both")
+    d["prefill"][0]["extra_args"] = ["--disaggregation-enable-kv-checksum"]
+    assert not [f for f in _errors(d) if "checksum" in f.message], _errors(d)
+
+    # the allocation policy: the same on both, and prefill_complete is Mooncake's only
+    d = seed_dict()
+    d["prefill"][0]["extra_args"] = ["--disaggregation-decode-allocation-policy", "prefill_complete"]
+    _one(d, "prefill[0].extra_args", "--disaggregation-decode-allocation-policy", "decode[0]")
+    d["decode"][0]["extra_args"] = ["--disaggregation-decode-allocation-policy", "prefill_complete"]
+    f = _one(d, "prefill[0].extra_args", "prefill_complete", "Mooncake", "kv_transfer.backend = 'nixl'")
+    assert not [x for x in _errors(d) if "differ" in x.message], _errors(d)
+    assert "mooncake" in f.fix, f
+    d["kv_transfer"]["backend"] = "mooncake"  # (attention TP 4 is refused too)
+    _one(d, "prefill[0].extra_args", "prefill_complete", "attention TP 4", "set attn_dp = tp on prefill[0]")
+    for side in ("prefill", "decode"):
+        d[side][0]["attn_dp"] = 4
+    assert not [f for f in _errors(d) if "allocation-policy" in f.message], _errors(d)
+    # "early" written on one side is the default on the other: the same policy
+    d["prefill"][0]["extra_args"] = ["--disaggregation-decode-allocation-policy", "early"]
+    d["decode"][0]["extra_args"] = []
+    assert not [f for f in _errors(d) if "allocation-policy" in f.message], _errors(d)
+
+
+def test_ib_device_is_a_comma_separated_list():
+    d = seed_dict()
+    d["kv_transfer"]["ib_device"] = "mlx5_0 mlx5_1"
+    _one(d, "kv_transfer.ib_device", "comma-separated", 'write "mlx5_0,mlx5_1"')
+    d["kv_transfer"]["ib_device"] = "mlx5_0, mlx5_1"
+    _one(d, "kv_transfer.ib_device", 'write "mlx5_0,mlx5_1"')
+    for fine in ("mlx5_0", "mlx5_0,mlx5_1", '{"0": "mlx5_0,mlx5_1", "1": "mlx5_2"}', "/etc/sglang/ib.json"):
+        d["kv_transfer"]["ib_device"] = fine
+        assert not [f for f in validate(parse_spec(d)) if f.field == "kv_transfer.ib_device"], fine
+    d["kv_transfer"]["ib_device"] = '{"0": "mlx5_0 mlx5_1"}'
+    _one(d, "kv_transfer.ib_device", "GPU 0", 'write "mlx5_0,mlx5_1"')
+
+
+def test_ucx_net_devices_with_a_backend_that_is_not_ucx_is_a_warning():
+    d = seed_dict()
+    d["kv_transfer"].update(backend="mooncake", ucx_net_devices="mlx5_0:1")
+    _one(d, "kv_transfer.ucx_net_devices", "mooncake", "NIXL", "remove kv_transfer.ucx_net_devices",
+         level="warning")
+    d["kv_transfer"]["backend"] = "nixl"
+    assert not [f for f in validate(parse_spec(d)) if f.field == "kv_transfer.ucx_net_devices"]
+
+
 def test_unknown_flags_in_extra_args():
     d = seed_dict()
     d["decode"][0]["extra_args"] = ["--no-such-flag"]
@@ -1504,3 +1645,23 @@ def test_a_fields_own_check_gives_its_fix_apart_from_its_message_in_json(path, v
     # (--json gave these as one message with the fix inside and "fix": null, unlike every other finding)
     e = _refused(path, value)
     assert {"field": field, "message": message, "fix": fix} in e.value.findings_json(), e.value.findings_json()
+
+
+def test_env_that_overrides_what_kernels_or_kv_transfer_set_is_found():
+    # (TRITON_CACHE_DIR in a role's env moved the servers off the binaries kernels_built verified; an env
+    # UCX_NET_DEVICES silently overrode kv_transfer.ucx_net_devices for that role)
+    from pdctl.statemachine.rules import validate
+
+    d = seed_dict()
+    d["decode"][0]["env"] = {"TRITON_CACHE_DIR": "/tmp/t", "UCX_NET_DEVICES": "mlx5_1:1"}
+    d["kv_transfer"]["ucx_net_devices"] = "mlx5_0:1"
+    found = {(f.level, f.field): f for f in validate(parse_spec(d))}
+    assert ("error", "decode[0].env.TRITON_CACHE_DIR") not in found  # (kernels off: the operator's own)
+    w = found[("warning", "decode[0].env.UCX_NET_DEVICES")]
+    assert w.message == "overrides kv_transfer.ucx_net_devices = 'mlx5_0:1' for decode[0]", w.message
+    d["kernels"] = {"enabled": True}
+    found = {(f.level, f.field): f for f in validate(parse_spec(d))}
+    assert found[("error", "decode[0].env.TRITON_CACHE_DIR")].message.startswith(
+        "TRITON_CACHE_DIR is set by pdctl while [kernels] is enabled")
+    del d["kv_transfer"]["ucx_net_devices"]  # (per role, with none deployment-wide: the role's own choice)
+    assert ("warning", "decode[0].env.UCX_NET_DEVICES") not in {(f.level, f.field) for f in validate(parse_spec(d))}
