@@ -137,6 +137,10 @@ class JournalState:
     """The machine the deployment's units were installed on, as an apply found it: ``machine_id``
     (``/etc/machine-id``), ``hostname``, ``reached_as`` (how the spec reached it); None: not recorded."""
     updated_at: float | None = None
+    generation: int = 0
+    """How many applies completed with a ``deployed`` topology other than the one before (0 in journals from before
+    2026-12-04): part of the plan id, so that a ``--confirm-topology`` id confirmed once does not confirm the same
+    change again after the deployment went elsewhere and back (a command line replayed from a shell's history)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -151,6 +155,7 @@ class JournalState:
             "removing": list(self.removing),
             "machine": dict(self.machine) if self.machine else None,
             "updated_at": self.updated_at,
+            "generation": self.generation,
         }
 
     @classmethod
@@ -176,6 +181,7 @@ class JournalState:
             removing=[str(u) for u in data.get("removing") or []],
             machine=dict(data["machine"]) if isinstance(data.get("machine"), dict) else None,
             updated_at=data.get("updated_at"),
+            generation=int(data.get("generation") or 0),
         )
 
 

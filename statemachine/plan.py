@@ -7,12 +7,13 @@ values (``deployed`` is None when nothing is deployed) and returns a frozen :cla
   (``+`` create, ``~`` update, ``-/+`` replace, ``-`` delete) and every changed attribute;
 * a change **class** per difference — ``topology`` (the shape: PD ↔ single server, roles added or
   removed, GPU sets, TP/attention-DP/EP, NUMA nodes, hosts, the transfer backend, the router's
-  exposure), ``disruptive`` (restarts serving roles: parsers, chat template, model, ports, env,
+  exposure, a server behind it bound more widely or moved onto its port), ``disruptive`` (restarts serving roles: parsers, chat template, model, ports, env,
   flags) or ``in_place`` (restarts nothing);
 * the roles each change restarts, topology changes said in words ("PD disaggregation → single
   server", "router exposure 127.0.0.1:30001 → 0.0.0.0:30001");
-* a **plan id**: a hash of both sides (canonical JSON), so a confirmation given for one plan
-  never applies to another. ``from_serial`` binds the plan to the journal it was made against;
+* a **plan id**: a hash of both sides (canonical JSON) and of the journal's generation (how many applies changed
+  what is deployed), so a confirmation given for one plan never applies to another, nor to the same change planned
+  again after the deployment went elsewhere and back. ``from_serial`` binds the plan to the journal it was made against;
 * with *not_running* (the service layer fills it while an apply is unfinished), what of the "from" side no longer
   runs: such a role (the router, the KV link of a prefill or decode among them) that the spec keeps is planned as
   started again (``+``, ``not_running`` saying why) rather than as no change or an update of a process that is not
@@ -40,7 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, is_wildcard
+from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, is_wildcard, url_host
 
 __all__ = ["NOT_INSTALLED", "AttrChange", "ChangeClass", "GpuHeld", "Plan", "PortHeld", "ResourceChange", "Runs",
            "format_value", "gpu_holder", "gpus_held_hint", "make_plan", "plan_id_of", "render_gpus_held", "render_text"]
@@ -295,12 +296,15 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def plan_id_of(deployed: Topology | None, desired: Topology) -> str:
-    """Hash of both sides (canonical JSON, key order irrelevant): 16 hex digits of SHA-256."""
+def plan_id_of(deployed: Topology | None, desired: Topology, generation: int = 0) -> str:
+    """Hash of both sides (canonical JSON, key order irrelevant) and of the journal's *generation* (how many applies
+    changed what is deployed, :attr:`JournalState.generation`): 16 hex digits of SHA-256. The same change planned
+    again after the deployment went elsewhere and back gets another id."""
     body = _canon(
         {
             "from": deployed.model_dump(mode="json") if deployed else None,
             "to": desired.model_dump(mode="json"),
+            **({"generation": generation} if generation else {}),
         }
     )
     return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -337,9 +341,29 @@ def _canonical_ip(host: Any) -> Any:
         return host
 
 
-def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = False) -> list[AttrChange]:
+def _reach(host: str) -> int:
+    # how widely a bind address is reachable: 0 loopback, 1 one address (or a host name), 2 every interface
+    if is_wildcard(host):
+        return 2
+    try:
+        return 0 if ipaddress.ip_address(host).is_loopback else 1
+    except ValueError:
+        return 0 if host.lower().rstrip(".") == "localhost" else 1
+
+
+def widens(before: str, after: str) -> bool:
+    """Whether moving a server's bind address from *before* to *after* lets more of the network reach it: loopback
+    → an address or every interface, one address → every interface. Behind a router such a server is reachable
+    around it (its engine's API, with no router policy in front): a change of the deployment's exposure, confirmed
+    like the router's. Narrowing is not (pdctl drives one host per deployment, whose peers dial loopback)."""
+    return _reach(after) > _reach(before)
+
+
+def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = False,
+                  router_port: int | None = None) -> list[AttrChange]:
     # entry_point: the role is where clients connect (a single server with no router in front), so its bind
-    # address and port are the deployment's exposure, a topology change like the router's.
+    # address and port are the deployment's exposure, a topology change like the router's. router_port: the port
+    # the deployed router is exposed on; a server moved onto it takes the clients' port (exposure too).
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
     o["http_host"] = _canonical_ip(o["http_host"])
     if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
@@ -354,7 +378,9 @@ def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = F
     for a in _ROLE_TOPOLOGY_ATTRS:
         out += _diff(a, o[a], n[a], "topology")
     for a in _ROLE_DISRUPTIVE_ATTRS:
-        out += _diff(a, o[a], n[a], "topology" if entry_point and a in ("http_host", "port") else "disruptive")
+        exposure = (entry_point and a in ("http_host", "port") or a == "http_host" and widens(o[a], n[a])
+                    or a == "port" and n[a] == router_port)
+        out += _diff(a, o[a], n[a], "topology" if exposure else "disruptive")
     out += _diff("settings", o["settings"], n["settings"], "disruptive")
     return out
 
@@ -379,9 +405,10 @@ def _router_changes(orr: RouterTopology, nr: RouterTopology) -> list[AttrChange]
     return diffs
 
 
-def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0,
+def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0, generation: int = 0,
               not_running: Mapping[str, str] | None = None, runs: Mapping[str, Runs] | None = None) -> Plan:
-    """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing. *not_running*: role names
+    """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing. *generation*: the journal's
+    (:func:`plan_id_of`). *not_running*: role names
     (and ``router``) of *deployed* that do not run now, each with why (:data:`NOT_INSTALLED`, or its unit's state);
     *runs*: role names (and ``router``) of *desired* that an unfinished apply left running otherwise than *deployed*
     says, each a :class:`Runs`: see the module docstring."""
@@ -438,14 +465,26 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     for name in ordered(old_roles.keys() & new_roles.keys()):
         old, new = old_roles[name], new_roles[name]
         exposed = new.kind == old.kind == "server" and desired.router is None and deployed.router is None
-        diffs = _role_changes(old, new, entry_point=exposed)
+        diffs = _role_changes(old, new, entry_point=exposed,
+                              router_port=deployed.router.port if deployed.router is not None else None)
         if not diffs:
             continue
         cls = _worst(diffs)
         action: Action = "replace" if cls == "topology" else "update"
         if cls == "topology":
             for d in diffs:
-                if d.cls == "topology" and not (exposed and d.path in ("http_host", "port")):  # said as exposure
+                if d.cls != "topology" or exposed and d.path in ("http_host", "port"):  # (said as exposure below)
+                    continue
+                if d.path in ("http_host", "port"):  # a server behind the router reachable around it, or on its port
+                    if d.path == "port" and any(e.path == "http_host" and e.cls == "topology" for e in diffs):
+                        continue  # (one line for both)
+                    public = " (every interface)" if is_wildcard(new.http_host) else ""
+                    where = (", the port clients reached the router on" if deployed.router is not None
+                             and new.port == deployed.router.port != old.port else "")
+                    words.append(f"{new.kind} {name!r} reachable around the router: "
+                                 f"{url_host(old.http_host)}:{old.port} → {url_host(new.http_host)}:{new.port}"
+                                 f"{public}{where}")
+                else:
                     words.append(f"{name} {d.path} {format_value(d.before)} → {format_value(d.after)}")
         changes.append(
             ResourceChange(
@@ -578,7 +617,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         changes = _not_running(deployed, desired, changes, dict(not_running))
 
     return Plan(
-        plan_id=plan_id_of(deployed, desired),
+        plan_id=plan_id_of(deployed, desired, generation),
         deployment=desired.name,
         from_serial=from_serial,
         from_topology=deployed,

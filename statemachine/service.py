@@ -289,8 +289,8 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
         finally:
             host.close()
     elif state.target is None and state.deployed is not None:
-        runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial))
-    return make_plan(base, desired, from_serial=state.serial, not_running=down, runs=runs)
+        runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial, generation=state.generation))
+    return make_plan(base, desired, from_serial=state.serial, generation=state.generation, not_running=down, runs=runs)
 
 
 def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN001
@@ -795,11 +795,11 @@ def apply(
         # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
         host = deployment_host(loaded.deployment) if state.target is not None else None
         base = plan_base(state, desired, running_units(loaded, state, host=host))
-        plan = make_plan(base, desired, from_serial=state.serial,
+        plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation,
                          not_running=not_running(loaded, state, base, host=host),
                          runs=runs_now(loaded, state, host=host))
         if state.target is None and state.deployed is not None:  # (as `pdctl plan` lists them)
-            plan = make_plan(base, desired, from_serial=state.serial, runs=rendered_otherwise(loaded, state, plan))
+            plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation, runs=rendered_otherwise(loaded, state, plan))
         if saved_plan is not None:
             if saved_plan.from_topology != base:
                 raise StalePlanError(
@@ -825,7 +825,7 @@ def apply(
             # running noted on them (kept, not running, runs otherwise) when it was made while one was, without when
             # not. A plan saved before an apply that was then interrupted is what was reviewed: the notes are added
             # now, as they are to any plan of the deployment
-            pure = make_plan(base, desired, from_serial=state.serial)
+            pure = make_plan(base, desired, from_serial=state.serial, generation=state.generation)
             held = (saved_plan.plan_id, saved_plan.changes, saved_plan.topology_changes)
             noted = any(c.kept or c.not_running or c.runs or c.kept_restarts for c in saved_plan.changes)
             if held in ((plan.plan_id, plan.changes, plan.topology_changes),
@@ -941,6 +941,8 @@ def apply(
                 sink.emit(Event.apply_failed(exc, started=True))
                 raise
             _enable_and_start_target(ctx, sink)
+            if state.deployed is None or state.deployed.model_dump(mode="json") != desired.model_dump(mode="json"):
+                state.generation += 1
             state.deployed = desired
             state.target = None
             j.write(state)

@@ -178,6 +178,17 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     r = demo.cli("apply", str(moved), "--confirm-topology", plan_id)
     assert r.returncode == 2 and "names another plan" in r.stderr and "changes no topology" in r.stderr, r.stderr
     assert demo.pids() == after
+    # Back to PD, confirmed with its own plan's id; then the collapse's old confirmation replayed (a shell's history):
+    # the same change from the same topology, but the deployment went elsewhere since, so it confirms nothing
+    r = demo.cli("plan", str(demo.spec))
+    back = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    generation = Journal(demo.state, demo.name).read().generation
+    assert demo.cli("apply", str(demo.spec), "--confirm-topology", back).returncode == 0
+    assert Journal(demo.state, demo.name).read().generation == generation + 1
+    pd_pids = demo.pids()
+    r = demo.cli("apply", str(collapse), "--confirm-topology", plan_id)
+    assert r.returncode == 2 and "names another plan" in r.stderr, r.stderr
+    assert demo.pids() == pd_pids
     # down with the collapsed spec leaves nothing running.
     service.down(demo.load(collapse))
     assert demo.pids() == []

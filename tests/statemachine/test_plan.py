@@ -98,9 +98,13 @@ def test_an_address_a_journal_recorded_as_typed_is_no_change_once_specs_read_it_
     assert make_plan(old, topo(d)).topology_changes == ("router exposure [0:0::1]:30001 → [::2]:30001",)
 
 
-def test_a_server_behind_a_router_changes_its_bind_address_without_confirmation():
-    p = make_plan(topo(_single("127.0.0.1", router=True)), topo(_single("0.0.0.0", router=True)))
+def test_a_server_behind_a_router_narrows_its_bind_address_without_confirmation_and_widens_it_with_one():
+    # (widening was "disruptive" too: the engine then answered on every interface around the router, unconfirmed)
+    p = make_plan(topo(_single("0.0.0.0", router=True)), topo(_single("127.0.0.1", router=True)))
     assert p.cls == "disruptive" and not p.requires_confirmation and p.topology_changes == ()
+    p = make_plan(topo(_single("127.0.0.1", router=True)), topo(_single("0.0.0.0", router=True)))
+    assert p.requires_confirmation and p.topology_changes == (
+        "server 'server' reachable around the router: 127.0.0.1:30001 → 0.0.0.0:30001 (every interface)",)
 
 
 def test_a_first_deployment_is_a_topology_plan_that_says_it_needs_no_confirmation():
@@ -1458,3 +1462,46 @@ def test_dropping_an_explicit_numa_node_that_gpu_numa_gives_anyway_plans_nothing
     p = make_plan(topo(seed), topo(moved))
     assert [(a.path, a.before, a.after, a.cls) for c in p.changes for a in c.changes if a.path == "numa_node"] == [
         ("numa_node", 1, 0, "topology")]
+
+
+@pytest.mark.parametrize(("kind", "host", "port", "said"), [
+    ("prefill", "0.0.0.0", None, "prefill 'prefill' reachable around the router: 127.0.0.1:30010 → 0.0.0.0:30010 "
+                                 "(every interface)"),
+    ("decode", "10.0.0.5", None, "decode 'decode' reachable around the router: 127.0.0.1:30020 → 10.0.0.5:30020"),
+    ("decode", "::", 30001, "decode 'decode' reachable around the router: 127.0.0.1:30020 → [::]:30001 "
+                            "(every interface), the port clients reached the router on"),
+    ("decode", None, 30001, "decode 'decode' reachable around the router: 127.0.0.1:30020 → 127.0.0.1:30001, "
+                            "the port clients reached the router on"),
+])
+def test_a_server_behind_the_router_exposed_around_it_is_a_topology_change_said_in_words(kind, host, port, said):
+    # (an engine put on 0.0.0.0, or moved onto the port the router left, was "disruptive": applied with no
+    # confirmation, clients reaching the bare engine around the router)
+    seed = seed_dict()
+    seed["router"]["host"] = "127.0.0.1"
+    other = copy.deepcopy(seed)
+    if host is not None:
+        other[kind][0]["http_host"] = host
+    if port is not None:
+        other[kind][0]["port"] = port
+        other["router"]["port"] = 30002
+    p = make_plan(topo(seed), topo(other))
+    assert p.cls == "topology" and said in p.topology_changes, p.topology_changes
+    narrowed = make_plan(topo(other), topo(seed)) if port is None else None  # back to loopback: no confirmation
+    assert narrowed is None or narrowed.cls == "disruptive", narrowed and narrowed.topology_changes
+
+
+def test_a_server_moved_between_loopback_addresses_is_no_exposure_change():
+    seed = seed_dict()
+    other = copy.deepcopy(seed)
+    other["prefill"][0]["http_host"] = "127.0.0.2"
+    assert make_plan(topo(seed), topo(other)).cls == "disruptive"
+
+
+def test_the_same_change_planned_again_after_the_deployment_went_elsewhere_gets_another_id():
+    # (PD → single server confirmed with id X; back to PD; `apply single.toml --confirm-topology X` replayed from
+    # history collapsed PD again, nobody having seen a fresh plan)
+    pd, single = topo(seed_dict()), topo(collapsed(seed_dict()))
+    first = make_plan(pd, single, generation=3)
+    assert make_plan(pd, single, generation=3).plan_id == first.plan_id  # (re-planned, nothing applied: the same)
+    assert make_plan(pd, single, from_serial=9, generation=3).plan_id == first.plan_id  # (an unfinished apply's writes)
+    assert make_plan(pd, single, generation=5).plan_id != first.plan_id
