@@ -50,7 +50,7 @@ from pdctl.console._throughput import ThroughputPanel
 from pdctl.console._topology import TopologyPanel
 from pdctl.console.collect import Collector, Snapshot, current_topology, log_sources
 from pdctl.console.views import StepView, expected_states, step_views
-from pdctl.statemachine.errors import RunCancelled
+from pdctl.statemachine.errors import PdctlError, RunCancelled
 from pdctl.statemachine.events import Event
 from pdctl.statemachine.machine import role_steps
 from pdctl.statemachine.plan import Plan
@@ -63,6 +63,12 @@ MUTATING_ACTIONS = frozenset({"apply", "cancel_apply"})
 """Actions that change (or halt a change to) the deployment: gone in ``--readonly``."""
 
 TABS = ("topology", "gpu", "throughput", "logs", "proof", "plan")
+
+
+def _said(exc: BaseException) -> str:
+    """An error as the console shows it: pdctl's own errors in their words (and hint), as the CLI prints them; any
+    other exception with its type, which says more than its text alone (``KeyError: 'name'``)."""
+    return str(exc) if isinstance(exc, PdctlError) else f"{type(exc).__name__}: {exc}"
 
 
 class ApplyCancelled(RunCancelled):
@@ -371,7 +377,7 @@ class ConsoleApp(App[int]):
                 # Logs are read only while their tab shows (a log file is re-read whole).
                 snap = self.collector.collect(log_role=self.log_role if self._active_tab == "logs" else None)
             except Exception as exc:  # noqa: BLE001 - keep polling; say what broke
-                self.call_from_thread(self.notify, f"telemetry: {type(exc).__name__}: {exc}", severity="warning")
+                self.call_from_thread(self.notify, f"telemetry: {_said(exc)}", severity="warning")
             else:
                 if not worker.is_cancelled:
                     self.post_message(self.TelemetryUpdated(snap, started=t0))
@@ -396,7 +402,7 @@ class ConsoleApp(App[int]):
             recorded = loaded.journal.read()
             plan = plan_spec(loaded, recorded)
         except Exception as exc:  # noqa: BLE001 - a broken spec is shown, never fatal
-            self.post_message(self.Planned(loaded, None, f"{type(exc).__name__}: {exc}"))
+            self.post_message(self.Planned(loaded, None, _said(exc)))
             return
         # what `pdctl plan` says beside the changes: an apply running or unfinished, a role not serving as proven
         try:
@@ -404,7 +410,7 @@ class ConsoleApp(App[int]):
         except Exception as exc:  # noqa: BLE001 - the host cannot be asked now: say so, the plan stands
             why = None
             plan = plan.model_copy(update={"unsettled": f"whether what was deployed still runs cannot be told "
-                                                        f"({type(exc).__name__}: {exc})"})
+                                                        f"({_said(exc)})"})
         if why is not None and why.text:
             plan = plan.model_copy(update={"unsettled": why.text})
         # the ports a process outside the deployment holds: `pdctl plan`'s warning after the plan (apply refuses them);

@@ -389,8 +389,11 @@ def _worst(changes: list[AttrChange]) -> ChangeClass:
     return max((c.cls for c in changes), key=_RANK.__getitem__)
 
 
-def _mode_words(mode: str) -> str:
-    return "PD disaggregation" if mode == "pd" else "single server"
+def _mode_words(topology: Topology) -> str:
+    if topology.mode == "pd":
+        return "PD disaggregation"
+    servers = sum(r.kind == "server" for r in topology.roles)
+    return "single server" if servers == 1 else f"{servers} regular servers (no PD)"
 
 
 def _router_changes(orr: RouterTopology, nr: RouterTopology) -> list[AttrChange]:
@@ -422,7 +425,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         return sorted(names, key=lambda n: order.get(n, len(order)))
 
     if deployed is not None and deployed.mode != desired.mode:
-        words.append(f"{_mode_words(deployed.mode)} → {_mode_words(desired.mode)}")
+        words.append(f"{_mode_words(deployed)} → {_mode_words(desired)}")
 
     # Deployment-wide settings restart every serving role.
     wide: list[AttrChange] = []

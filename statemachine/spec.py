@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import ipaddress
+import json
 import re
 import socket
 import tomllib
@@ -597,13 +598,13 @@ def _list_fix(loc: tuple) -> tuple[str, str]:
 def _choice_fix(value: Any, expected: str) -> tuple[str, str | None]:
     """``(message, fix)`` for a value outside a field's fixed choices (a ``Literal``), worded as the other messages
     are; the fix names the nearest choices (:func:`difflib.get_close_matches`, case ignored) when one is close, else
-    None (the message lists them all).
+    says to write one of them (the message lists them all).
     *expected* is pydantic's rendering of the choices (``"'a', 'b' or 'c'"``); pdctl's choices are plain names
     without quotes in them."""
     choices = re.findall(r"'([^']*)'", expected)
     shown = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     msg = f"must be one of {', '.join(repr(c) for c in choices)}, not {shown}"
-    fix = None
+    fix = f"write one of them, e.g. {choices[0]!r}" if len(choices) > 2 else f"write {' or '.join(map(repr, choices))}"
     if isinstance(value, str):
         lower = {c.lower(): c for c in choices}
         # the choices a short value begins ("fp8": fp8_e4m3, fp8_e5m2), then the closest by spelling
@@ -887,9 +888,22 @@ def load_spec(path: str | Path) -> Deployment:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
+        if _a_saved_plan(text):
+            raise SpecError(f"{p} is a plan saved by `pdctl plan -o`, not a spec", path=str(p),
+                            hint=f"`pdctl apply {p}` applies it; `pdctl plan` and `validate` take the spec it was "
+                                 "made from (its spec_path)") from None
         message, hint = _toml_error_words(str(exc), text)
         raise SpecError(f"{p}: TOML syntax error: {message}", path=str(p), hint=hint) from None
     return _resolve_host_paths(parse_spec(data, path=str(p)), p.parent)
+
+
+def _a_saved_plan(text: str) -> bool:
+    """Whether *text* is a JSON object with a plan's ``plan_id`` and ``spec_path`` (what ``plan -o`` writes)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "plan_id" in data and "spec_path" in data
 
 
 def _toml_error_words(said: str, text: str) -> tuple[str, str]:

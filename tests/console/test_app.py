@@ -1077,3 +1077,20 @@ def test_a_signal_while_the_console_starts_ends_it_with_its_code(console_demo, t
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, (sig, r.returncode, r.stderr[-2000:])
         assert r.stdout.split() == ["rc", str(code), "signal", str(code), "handler", "back", "True"], (sig, r.stdout)
+
+
+async def test_a_spec_broken_while_open_is_said_in_pdctls_words_not_a_python_class_name(console_demo):
+    # (the toast read "Spec not planned: SpecError: …", with the error's class name before its text)
+    from textual.content import Content
+
+    app = make_app(console_demo)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.plan is not None)
+        console_demo.spec.write_text("name = \"x\"\n[model\n")
+        app.clear_notifications()
+        await pilot.press("r")
+        await wait_for(pilot, lambda: list(app._notifications))
+        shown = " ".join(str(Content.from_markup(n.message) if n.markup else Content(n.message))
+                         for n in app._notifications)
+        assert "Spec not planned: " in shown and "TOML syntax error" in shown, shown
+        assert "SpecError" not in shown, shown

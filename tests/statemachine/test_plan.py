@@ -1505,3 +1505,24 @@ def test_the_same_change_planned_again_after_the_deployment_went_elsewhere_gets_
     assert make_plan(pd, single, generation=3).plan_id == first.plan_id  # (re-planned, nothing applied: the same)
     assert make_plan(pd, single, from_serial=9, generation=3).plan_id == first.plan_id  # (an unfinished apply's writes)
     assert make_plan(pd, single, generation=5).plan_id != first.plan_id
+
+
+def test_pd_turned_into_two_regular_servers_is_not_called_a_single_server():
+    seed = seed_dict()
+    two = collapsed(seed_dict())
+    two["server"] = [{**two["server"][0], "gpus": [0, 1, 2, 3], "tp": 4, "port": 30010, "name": "a"},
+                     {**two["server"][0], "gpus": [4, 5, 6, 7], "tp": 4, "port": 30020, "name": "b"}]
+    two["router"] = {"host": "127.0.0.1", "port": 30001, "prometheus_port": 29000}
+    p = make_plan(topo(seed), topo(two))
+    assert "PD disaggregation → 2 regular servers (no PD)" in p.topology_changes, p.topology_changes
+
+
+def test_a_saved_plan_given_to_validate_or_plan_is_named_for_what_it_is(tmp_path):
+    # (it read "TOML syntax error … line 1": the plan is a spec's product, applied with `pdctl apply PLANFILE`)
+    out = tmp_path / "p.json"
+    assert _pdctl("plan", str(SEED), "--state-dir", str(tmp_path / "s"), "-o", str(out)).returncode == 2
+    for cmd in (("validate",), ("plan", "--state-dir", str(tmp_path / "s"))):
+        r = _pdctl(cmd[0], str(out), *cmd[1:])
+        assert r.returncode == 1, r.stderr
+        assert f"{out} is a plan saved by `pdctl plan -o`, not a spec" in r.stderr, r.stderr
+        assert f"`pdctl apply {out}` applies it" in r.stderr and "TOML syntax error" not in r.stderr

@@ -1194,7 +1194,7 @@ def test_a_plaintext_secret_is_warned_and_an_env_reference_is_not():
     (("router_impl",), "sglang_router", "not 'sglang_router': did you mean 'sglang-router'?"),
     (("kernels", "which"), ["sparse_mla"], "kernels.which[0]: must be one of 'sparse_mla_decode', 'lightning_indexer', "
      "not 'sparse_mla': did you mean 'sparse_mla_decode'?"),
-    (("hosts", "local", "connect"), "telnet", "hosts.local.connect: must be one of 'auto', 'local', 'ssh', not 'telnet'\n"),
+    (("hosts", "local", "connect"), "telnet", "hosts.local.connect: must be one of 'auto', 'local', 'ssh', not 'telnet': write one of them, e.g. 'auto'\n"),
     (("hosts", "local", "inventory"), 5, "hosts.local.inventory: must be one of 'declared', 'discover', not 5"),
 ])
 def test_a_value_outside_a_fields_choices_names_them_and_the_nearest(path, value, words):
