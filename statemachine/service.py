@@ -313,9 +313,15 @@ def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN0
     restarted = set(plan.restarts()) | {c.address.removeprefix("role.") for c in plan.changes
                                         if c.action in ("create", "replace", "delete")}
     out: dict = {}
+    roles_changed = [c.address.removeprefix("role.") for c in plan.changes
+                     if c.address.startswith("role.") and c.action in ("create", "delete")]
     for name, unit in unit_names(topology_of(loaded.deployment)).items():
         rec = state.units.get(unit)
         if name in restarted or rec is None or rec == fingerprint_of(units, unit):
+            continue
+        if name == "router" and roles_changed:  # (a role renamed is one removed and one added)
+            out[name] = Runs(restart="its unit names the role units it starts after (Requires=, After=), and this "
+                                     f"plan adds or removes roles ({', '.join(roles_changed)}); apply restarts it")
             continue
         out[name] = Runs(restart="its unit's definition (command line, environment, limits) differs from the one apply "
                                  "proved running, though the settings compared above do not: pdctl renders it "
@@ -1522,6 +1528,9 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
         return []
     with j.lock("down"):
         state = j.read()
+        # the host answers before anything is recorded: a down that could not reach it stopped nothing, and the audit
+        # log then holds no "down-failed" that status would report as a down that may have stopped part of it
+        manager.host.run(["true"], timeout=30)
         refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
         _journal_writable(j, state)  # (a journal it cannot write after the stops: "edited outside pdctl" units after)
         j.audit("down-started", serial=state.serial)

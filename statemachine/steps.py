@@ -1514,8 +1514,9 @@ class RouterExposed(Step):
             try:
                 _wait("router seeing its workers healthy again", self._bound(ctx), sees_them, poll=0.5,
                       step=self.name, checkpoint=ctx.checkpoint)
-                ctx.say(f"{unit} unchanged: it sees its restarted workers healthy again, not restarted",
-                        step=self.name, unit=unit)
+                workers = ("its restarted workers healthy again" if set(ctx.restart) - {"router"}
+                           else "its workers healthy")  # (a resumed first deployment restarted none)
+                ctx.say(f"{unit} unchanged: it sees {workers}, not restarted", step=self.name, unit=unit)
                 return
             except (StepTimeout, Unmendable):
                 pass  # restarted below, as any router that does not serve as proven

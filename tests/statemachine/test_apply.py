@@ -144,6 +144,19 @@ def _collapse(d: dict, port: int) -> dict:
     return c
 
 
+def test_a_plan_that_renames_roles_says_why_the_router_restarts(demo):
+    # (it said the router's unit "differs … after an upgrade, or a path it resolves changed": the cause was this plan's
+    # renamed roles, whose units the router's names)
+    demo.apply()
+    d = copy.deepcopy(demo.dict)
+    d["prefill"][0]["name"], d["decode"][0]["name"] = "p0", "d0"
+    r = demo.cli("plan", str(demo.write(d, "renamed.toml")))
+    assert r.returncode == 2, r.stderr
+    assert "after an upgrade" not in r.stdout, r.stdout
+    assert ("its unit names the role units it starts after (Requires=, After=), and this plan adds or removes roles "
+            "(prefill, decode, p0, d0)") in " ".join(r.stdout.split()), r.stdout
+
+
 def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     demo.apply()
     pids = demo.pids()

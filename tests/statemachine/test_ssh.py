@@ -327,6 +327,25 @@ def test_an_unreachable_host_stops_the_apply_before_anything_changes(sshd, make_
     assert Journal(demo.state, demo.name).read().target is None
 
 
+def test_a_down_that_cannot_reach_its_host_records_no_failed_down(sshd, make_demo):
+    # (status then said "the last pdctl down failed … cannot connect" of a deployment that down never touched,
+    # leaving the operator to wonder what it had stopped)
+    def unreachable(d):
+        d["hosts"]["local"] = {**sshd.host_spec(), "ssh_port": _closed_port()}
+
+    demo = make_demo(unreachable)
+    from pdctl.statemachine import service
+    from pdctl.statemachine.journal import Journal, JournalState
+    from pdctl.statemachine.topology import topology_of
+
+    journal = Journal(demo.state, demo.name)
+    journal.write(JournalState(name=demo.name, deployed=topology_of(demo.load().deployment)))
+    with pytest.raises(HostError, match="cannot connect"):
+        service.down(demo.load())
+    assert [a["event"] for a in journal.audit_records() if a["event"].startswith("down")] == []
+    assert journal.read().deployed is not None
+
+
 def test_bad_or_missing_key_files_name_the_field(sshd, tmp_path):
     spec = sshd.host_spec()
     pub = host_for(HostSpec(**{**spec, "ssh_identity": str(sshd.client_key) + ".pub"}), name="gpu")
