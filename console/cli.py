@@ -1148,6 +1148,7 @@ def main(argv: list[str] | None = None) -> None:
     except usage_kinds as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # that one has already printed the help
             e.show(file=sys.stderr)
+            _confirm_took_the_spec(args, e)
             _usage_error_as_json(args, e)
         rc = ExitCode.USAGE
     except abort_kinds:
@@ -1184,6 +1185,18 @@ def main(argv: list[str] | None = None) -> None:
         for s, handler in handlers.items():
             signal.signal(s, handler)
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
+
+
+def _confirm_took_the_spec(args: list[str], e: Exception) -> None:
+    """``apply --confirm-topology SPEC`` with the id left out: click takes the spec for the id and says "Missing
+    argument 'SPEC'", which points nowhere near the mistake; the hint says what was taken for what."""
+    if "SPEC" not in e.format_message() or "--confirm-topology" not in args:
+        return
+    i = args.index("--confirm-topology")
+    given = args[i + 1] if i + 1 < len(args) else ""
+    if given.endswith((".toml", ".json")) or os.path.isfile(given):
+        _err(f"  hint: --confirm-topology took {given!r} as its plan id; it takes the id `pdctl plan {given}` prints "
+             f"(16 hex digits): pdctl apply {given} --confirm-topology PLAN_ID")
 
 
 def _usage_error_as_json(args: list[str], e: Exception) -> None:

@@ -795,6 +795,16 @@ def apply(
     sink = sink or NullSink()
     j = loaded.journal
     ctx = None
+    if saved_plan is not None and saved_plan.to_topology.name != loaded.deployment.name:
+        # (before the lock: the renamed spec's state directory is another deployment's, which this creates nothing in)
+        raise StalePlanError(
+            f"the spec was edited since saved plan {saved_plan.plan_id} was made from it: its name "
+            f"{saved_plan.to_topology.name!r} → {loaded.deployment.name!r}, which is another deployment (its own "
+            "state directory, units and journal); nothing was changed",
+            plan_id=saved_plan.plan_id,
+            hint="make a new plan from the current spec with `pdctl plan SPEC -o FILE` and review it (to move a "
+                 "deployment to another name, `pdctl down` the old one first)",
+        )
     with j.lock("apply"):
         state = j.read()
         desired = topology_of(loaded.deployment)

@@ -795,6 +795,11 @@ def _empty_fields(data: Any) -> list[str]:
         section = data.get(table) if isinstance(data, dict) else None
         if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].strip():
             out.append(f"{table}.{key}: empty: leave the key out to leave it unset, or write a value")
+        elif (isinstance(section, dict) and isinstance(section.get(key), str)
+              and any(c < " " or c == "\x7f" for c in section[key].replace("\x00", ""))):
+            # (a model path "org/name\n" reached SGLang's loader as given: no name or path holds a line break)
+            out.append(f"{table}.{key}: {section[key]!r} holds a control character (a line break, a tab…), which no "
+                       "model name, path or file name here has: remove it")
     hosts = data.get("hosts") if isinstance(data, dict) else None
     for name, host in (hosts.items() if isinstance(hosts, dict) else ()):
         # (ssh_user = "" read as unset: pdctl logged in as this machine's user, in silence)

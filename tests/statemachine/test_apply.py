@@ -254,6 +254,20 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
         demo.spec.write_text(spec_before)
     assert r.returncode == 2 and "the spec was edited since saved plan" in r.stderr, r.stderr
     assert "model.context_length" in r.stderr and "topology" not in r.stderr.split("hint:")[0], r.stderr
+    # The spec renamed since: said as that edit (it read "changes a deployment other than the one recorded now … made at
+    # journal serial 45, now 0"), and the new name's state directory is not created
+    d = copy.deepcopy(demo.dict)
+    d["name"] = f"{demo.name}-renamed"
+    demo.write(d, demo.spec.name)
+    env = {k: v for k, v in os.environ.items() if k != "PDCTL_STATE_DIR"} | {"XDG_STATE_HOME": str(demo.tmp / "xdg")}
+    try:
+        r = subprocess.run([sys.executable, "-m", "pdctl", "apply", str(edited)], capture_output=True, text=True,
+                           timeout=120, env=env)
+    finally:
+        demo.spec.write_text(spec_before)
+    assert r.returncode == 2, r.stderr
+    assert f"its name {demo.name!r} → '{demo.name}-renamed', which is another deployment" in r.stderr, r.stderr
+    assert not (demo.tmp / "xdg" / "pdctl" / f"{demo.name}-renamed").exists()
     # A saved topology change edited to read as a mere restart: the confirmation it needs is not taken from the file
     # (a collapse of PD into one server applied with no --confirm-topology)
     collapse = demo.write(_collapse(demo.dict, demo.ports["router"]), "collapse.toml")

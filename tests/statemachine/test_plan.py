@@ -1526,3 +1526,12 @@ def test_a_saved_plan_given_to_validate_or_plan_is_named_for_what_it_is(tmp_path
         assert r.returncode == 1, r.stderr
         assert f"{out} is a plan saved by `pdctl plan -o`, not a spec" in r.stderr, r.stderr
         assert f"`pdctl apply {out}` applies it" in r.stderr and "TOML syntax error" not in r.stderr
+
+
+def test_apply_with_the_spec_taken_for_the_confirmation_id_says_so():
+    # (`apply --confirm-topology spec.toml`: "Missing argument 'SPEC'" alone, the spec read as the plan id)
+    r = _pdctl("apply", "--confirm-topology", str(SEED))
+    assert r.returncode == 64 and "Missing argument 'SPEC'" in r.stderr, r.stderr
+    assert f"hint: --confirm-topology took {str(SEED)!r} as its plan id" in r.stderr, r.stderr
+    r = _pdctl("apply", "--confirm-topology", "0123456789abcdef")  # (a real id, the spec left out: no such hint)
+    assert r.returncode == 64 and "took" not in r.stderr, r.stderr

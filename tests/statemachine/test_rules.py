@@ -1665,3 +1665,14 @@ def test_env_that_overrides_what_kernels_or_kv_transfer_set_is_found():
         "TRITON_CACHE_DIR is set by pdctl while [kernels] is enabled")
     del d["kv_transfer"]["ucx_net_devices"]  # (per role, with none deployment-wide: the role's own choice)
     assert ("warning", "decode[0].env.UCX_NET_DEVICES") not in {(f.level, f.field) for f in validate(parse_spec(d))}
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("model", "path"), "deepseek-ai/DeepSeek-V3.2\n"),
+    (("model", "served_name"), "dsv32\tprod"),
+    (("parsers", "chat_template"), "/etc/t.jinja\r"),
+])
+def test_a_name_or_path_with_a_control_character_is_refused(path, value):
+    # (model.path = "org/name\n" passed validate and reached SGLang's loader)
+    e = _refused(path, value)
+    assert f"{'.'.join(path)}: {value!r} holds a control character" in str(e.value), str(e.value)
