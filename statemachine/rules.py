@@ -14,6 +14,7 @@ groups inside the TP group" (``launch_server --help``), so a server uses ``tp`` 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import json
@@ -147,6 +148,39 @@ def _smg_record() -> dict:
 def _smg_flags() -> frozenset[str]:
     """The option strings ``smg launch`` accepts (``data/smg-1.13.0-flags.json``, recorded from smg's own parser)."""
     return frozenset(_smg_record()["flags"])
+
+
+def _smg_value_faults(args: list[str]) -> list[tuple[str, str]]:
+    """``(message, fix)`` for each value in *args* (``router.extra_args``) that smg's parser refuses: a word outside a
+    flag's choices, or not a whole number / number where the flag takes one (``data/smg-1.13.0-flags.json``'s
+    ``values``, recorded from smg's own argparse parser). smg exits 2 on them ("invalid choice", "invalid int value")
+    at router_exposed, after both servers' cold starts."""
+    values = _smg_record().get("values", {})
+    out = []
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name not in values:
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(args) and not (args[i + 1].startswith("--") or args[i + 1] == "-"):
+            value = args[i + 1]
+        else:
+            continue  # (no value: argparse says "expected one argument", as the stray-word check does not)
+        rule = values[name]
+        if "choices" in rule and value not in rule["choices"]:
+            near = difflib.get_close_matches(value, rule["choices"], n=1, cutoff=0.6)
+            out.append((f"{name} {value!r} is not one of smg {SMG_VERSION}'s choices "
+                        f"({', '.join(rule['choices'])})", f"write {name} {near[0] if near else rule['choices'][0]}"
+                        + ("" if near else " or another of those")))
+        elif rule.get("type") in ("int", "float"):
+            try:
+                int(value) if rule["type"] == "int" else float(value)
+            except ValueError:
+                want = "a whole number" if rule["type"] == "int" else "a number"
+                out.append((f"{name} {value!r} is not {want} (smg {SMG_VERSION} would exit 'invalid "
+                            f"{rule['type']} value' at router_exposed)", f"give {name} {want}"))
+    return out
 
 
 def _stray_words(args: list[str], without_value: frozenset[str]) -> list[str]:
@@ -753,6 +787,9 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             err("router.extra_args", f"{', '.join(map(repr, stray))}: no flag takes {'it' if len(stray) == 1 else 'them'} "
                 f"(smg {SMG_VERSION} would exit 'unrecognized arguments' at router_exposed)",
                 'give each value after its flag, e.g. ["--policy", "random"] (or set router.policy)')
+        if dep.router_impl == "smg":
+            for message, fix in _smg_value_faults(list(router.extra_args)):
+                err("router.extra_args", message, fix)
         for arg in router.extra_args:
             name = _flag_name(arg)
             if name in _PARSER_FLAGS:

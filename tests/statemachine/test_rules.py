@@ -1515,6 +1515,10 @@ def test_the_recorded_smg_flags_are_the_installed_smgs():
     assert recorded["smg"] == SMG_VERSION and recorded["flags"] == installed
     assert recorded["flags_without_value"] == sorted({s for a in p._actions for s in a.option_strings
                                                       if s.startswith("--") and a.nargs == 0})
+    values = {s: {**({"choices": list(a.choices)} if a.choices is not None else {}),
+                  **({"type": a.type.__name__} if a.type in (int, float) else {})}
+              for a in p._actions for s in a.option_strings if s.startswith("--") and a.nargs != 0}
+    assert recorded["values"] == {s: v for s, v in sorted(values.items()) if v}
 
 
 def test_sglang_0_5_6_needs_prefill_and_decode_in_one_layout():
@@ -1676,3 +1680,19 @@ def test_a_name_or_path_with_a_control_character_is_refused(path, value):
     # (model.path = "org/name\n" passed validate and reached SGLang's loader)
     e = _refused(path, value)
     assert f"{'.'.join(path)}: {value!r} holds a control character" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--log-level", "loud"], "--log-level 'loud' is not one of smg 1.13.0's choices (debug, info, warn, error)"),
+    (["--decode-policy=bucket"], "--decode-policy 'bucket' is not one of smg 1.13.0's choices"),
+    (["--max-concurrent-requests", "abc"], "--max-concurrent-requests 'abc' is not a whole number"),
+    (["--cache-threshold", "half"], "--cache-threshold 'half' is not a number"),
+])
+def test_a_router_flags_value_smg_would_refuse_is_a_finding(extra, said):
+    # (only the flag names were checked: smg exited 2, "invalid choice", at router_exposed after both cold starts)
+    d = seed_dict()
+    d["router"]["extra_args"] = extra
+    found = [f for f in _errors(d) if f.field == "router.extra_args"]
+    assert any(said in f.message for f in found), found
+    d["router"]["extra_args"] = ["--log-level", "debug", "--max-concurrent-requests", "-1", "--cache-threshold=0.5"]
+    assert not [f for f in _errors(d) if f.field == "router.extra_args"]
