@@ -159,7 +159,7 @@ def _smg_value_faults(args: list[str]) -> list[tuple[str, str]]:
     out = []
     for i, arg in enumerate(args):
         name, eq, inline = arg.partition("=")
-        if name not in values:
+        if name not in values or name in _PARSER_FLAGS or name in _OWNED_ROUTER_FLAGS:  # (those refused as such)
             continue
         if eq:
             value = inline
