@@ -7,8 +7,8 @@ values (``deployed`` is None when nothing is deployed) and returns a frozen :cla
   (``+`` create, ``~`` update, ``-/+`` replace, ``-`` delete) and every changed attribute;
 * a change **class** per difference — ``topology`` (the shape: PD ↔ single server, roles added or
   removed, GPU sets, TP/attention-DP/EP, NUMA nodes, hosts, the transfer backend, the router's
-  exposure, a server behind it bound more widely or moved onto its port), ``disruptive`` (restarts serving roles: parsers, chat template, model, ports, env,
-  flags) or ``in_place`` (restarts nothing);
+  exposure, a server behind it bound more widely or moved onto its port), ``disruptive`` (restarts serving
+  roles: parsers, chat template, model, ports, env, flags) or ``in_place`` (restarts nothing);
 * the roles each change restarts, topology changes said in words ("PD disaggregation → single
   server", "router exposure 127.0.0.1:30001 → 0.0.0.0:30001");
 * a **plan id**: a hash of both sides (canonical JSON) and of the journal's generation (how many applies changed
