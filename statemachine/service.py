@@ -289,7 +289,8 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
         finally:
             host.close()
     elif state.target is None and state.deployed is not None:
-        runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial, generation=state.generation))
+        runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial,
+                                                           generation=state.generation))
     return make_plan(base, desired, from_serial=state.serial, generation=state.generation, not_running=down, runs=runs)
 
 
@@ -815,7 +816,8 @@ def apply(
                          not_running=not_running(loaded, state, base, host=host),
                          runs=runs_now(loaded, state, host=host))
         if state.target is None and state.deployed is not None:  # (as `pdctl plan` lists them)
-            plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation, runs=rendered_otherwise(loaded, state, plan))
+            plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation,
+                             runs=rendered_otherwise(loaded, state, plan))
         if saved_plan is not None:
             if saved_plan.from_topology != base:
                 raise StalePlanError(
