@@ -1038,7 +1038,8 @@ def test_a_bind_address_the_host_lacks_is_refused_before_anything_stops(demo):
                                           r"prefill\[0\].http_host = 'gpu-typo.invalid' does not resolve on this "
                                           r"host[^;]*; router.prometheus_host = '192.0.2.1' cannot be bound on this "
                                           r"host \(") as e:
-        demo.apply(demo.write(d, "typo.toml"))
+        typo = demo.write(d, "typo.toml")  # (a server bound off loopback: an exposure change, confirmed)
+        demo.apply(typo, confirm=service.plan_spec(demo.load(typo)).plan_id)
     assert e.value.step == "prefill_up" and "ip addr" in e.value.hint
     assert demo.pids() == pids and demo.status()["healthy"]  # nothing stopped
     assert demo.load().journal.audit_records()[-1]["event"] == "apply-refused"
