@@ -1148,8 +1148,10 @@ def main(argv: list[str] | None = None) -> None:
     except usage_kinds as e:
         if type(e).__name__ != "NoArgsIsHelpError":  # that one has already printed the help
             e.show(file=sys.stderr)
-            _confirm_took_the_spec(args, e)
-            _usage_error_as_json(args, e)
+            took = _confirm_took_the_spec(args, e)
+            if took:
+                _err(f"  hint: {took}")
+            _usage_error_as_json(args, e, hint=took)
         rc = ExitCode.USAGE
     except abort_kinds:
         rc = ExitCode.INTERRUPTED
@@ -1187,19 +1189,25 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(rc if isinstance(rc, int) else ExitCode.OK)
 
 
-def _confirm_took_the_spec(args: list[str], e: Exception) -> None:
-    """``apply --confirm-topology SPEC`` with the id left out: click takes the spec for the id and says "Missing
-    argument 'SPEC'", which points nowhere near the mistake; the hint says what was taken for what."""
-    if "SPEC" not in e.format_message() or "--confirm-topology" not in args:
-        return
-    i = args.index("--confirm-topology")
-    given = args[i + 1] if i + 1 < len(args) else ""
-    if given.endswith((".toml", ".json")) or os.path.isfile(given):
-        _err(f"  hint: --confirm-topology took {given!r} as its plan id; it takes the id `pdctl plan {given}` prints "
-             f"(16 hex digits): pdctl apply {given} --confirm-topology PLAN_ID")
+def _confirm_took_the_spec(args: list[str], e: Exception) -> str | None:
+    """``apply --confirm-topology SPEC`` (or ``--confirm-topology=SPEC``) with the id left out: click takes the spec
+    for the id and says "Missing argument 'SPEC'", which points nowhere near the mistake. The hint that says what was
+    taken for what, or None."""
+    if "SPEC" not in e.format_message():
+        return None
+    given = None
+    for i, a in enumerate(args):
+        if a == "--confirm-topology" and i + 1 < len(args):
+            given = args[i + 1]
+        elif a.startswith("--confirm-topology="):
+            given = a.split("=", 1)[1]
+    if given is None or not (given.endswith((".toml", ".json")) or os.path.isfile(given)):
+        return None
+    return (f"--confirm-topology took {given!r} as its plan id; it takes the id that `pdctl plan SPEC` prints (16 hex "
+            f"digits): pdctl apply {given} --confirm-topology PLAN_ID")
 
 
-def _usage_error_as_json(args: list[str], e: Exception) -> None:
+def _usage_error_as_json(args: list[str], e: Exception, *, hint: str | None = None) -> None:
     """A usage error (an unknown option, a missing SPEC) of a command line that asks for ``--json``: stdout gets the
     ``{error, hint}`` object (``apply``: the ``apply_failed`` event that ends its stream, nothing started), so that a
     script reading stdout gets an answer, not nothing, beside click's usage text on stderr (exit 64 either way)."""
@@ -1209,8 +1217,8 @@ def _usage_error_as_json(args: list[str], e: Exception) -> None:
 
     command = next((a for a in args if not a.startswith("-")), None)
     known = command if command in _command_names() else None
-    err = PdctlError(f"usage: {e.format_message()}", hint=f"`pdctl {known or ''} -h`".replace("  ", " ") + " lists the "
-                     "options")
+    err = PdctlError(f"usage: {e.format_message()}", hint=hint or f"`pdctl {known or ''} -h`".replace("  ", " ")
+                     + " lists the options")
     if known == "apply":
         from pdctl.statemachine.events import Event
 

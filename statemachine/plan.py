@@ -7,7 +7,7 @@ values (``deployed`` is None when nothing is deployed) and returns a frozen :cla
   (``+`` create, ``~`` update, ``-/+`` replace, ``-`` delete) and every changed attribute;
 * a change **class** per difference — ``topology`` (the shape: PD ↔ single server, roles added or
   removed, GPU sets, TP/attention-DP/EP, NUMA nodes, hosts, the transfer backend, the router's
-  exposure, a server behind it bound more widely or moved onto its port), ``disruptive`` (restarts serving
+  exposure, a server behind it moved off loopback or onto its port), ``disruptive`` (restarts serving
   roles: parsers, chat template, model, ports, env, flags) or ``in_place`` (restarts nothing);
 * the roles each change restarts, topology changes said in words ("PD disaggregation → single
   server", "router exposure 127.0.0.1:30001 → 0.0.0.0:30001");
@@ -204,6 +204,8 @@ class Plan(_Frozen):
     plan_id: str
     deployment: str
     from_serial: int
+    generation: int = 0
+    """The journal's generation the plan was made at (:func:`plan_id_of`; 0 in plans saved before 2026-12-04)."""
     from_topology: Topology | None
     to_topology: Topology
     changes: tuple[ResourceChange, ...]
@@ -341,22 +343,20 @@ def _canonical_ip(host: Any) -> Any:
         return host
 
 
-def _reach(host: str) -> int:
-    # how widely a bind address is reachable: 0 loopback, 1 one address (or a host name), 2 every interface
-    if is_wildcard(host):
-        return 2
+def _loopback(host: str) -> bool:
     try:
-        return 0 if ipaddress.ip_address(host).is_loopback else 1
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return 0 if host.lower().rstrip(".") == "localhost" else 1
+        return host.lower().rstrip(".") == "localhost"
 
 
-def widens(before: str, after: str) -> bool:
-    """Whether moving a server's bind address from *before* to *after* lets more of the network reach it: loopback
-    → an address or every interface, one address → every interface. Behind a router such a server is reachable
-    around it (its engine's API, with no router policy in front): a change of the deployment's exposure, confirmed
-    like the router's. Narrowing is not (pdctl drives one host per deployment, whose peers dial loopback)."""
-    return _reach(after) > _reach(before)
+def exposes(before: str, after: str) -> bool:
+    """Whether moving a server's bind address from *before* to *after* opens it to a network it was not on: any
+    move to an address other than loopback (another address, a host name, whose address pdctl does not judge, or
+    every interface, IPv4 or IPv6). Behind a router such a server is reachable around it (its engine's API, with no
+    router policy in front): a change of the deployment's exposure, confirmed like the router's. A move to loopback
+    is not (pdctl drives one host per deployment, whose peers dial loopback)."""
+    return before != after and not _loopback(after)
 
 
 def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = False,
@@ -378,7 +378,7 @@ def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = F
     for a in _ROLE_TOPOLOGY_ATTRS:
         out += _diff(a, o[a], n[a], "topology")
     for a in _ROLE_DISRUPTIVE_ATTRS:
-        exposure = (entry_point and a in ("http_host", "port") or a == "http_host" and widens(o[a], n[a])
+        exposure = (entry_point and a in ("http_host", "port") or a == "http_host" and exposes(o[a], n[a])
                     or a == "port" and n[a] == router_port)
         out += _diff(a, o[a], n[a], "topology" if exposure else "disruptive")
     out += _diff("settings", o["settings"], n["settings"], "disruptive")
@@ -623,6 +623,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         plan_id=plan_id_of(deployed, desired, generation),
         deployment=desired.name,
         from_serial=from_serial,
+        generation=generation,
         from_topology=deployed,
         to_topology=desired,
         changes=tuple(changes),

@@ -827,6 +827,16 @@ def apply(
                     plan_id=saved_plan.plan_id,
                     hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
                 )
+            if saved_plan.generation != state.generation:
+                # (the same two topologies, yet applies changed what was deployed and back since: its id, which a
+                # confirmation names, is of that earlier generation; the file was not edited)
+                raise StalePlanError(
+                    f"saved plan {saved_plan.plan_id} was made before the deployment last changed (applies since "
+                    f"changed what is deployed and back; made at journal serial {saved_plan.from_serial}, now "
+                    f"{state.serial}); nothing was changed",
+                    plan_id=saved_plan.plan_id,
+                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
+                )
             if saved_plan.to_topology != desired:
                 # (what the spec now asks otherwise, by setting: "topology" read as a topology change for an edit of
                 # context_length)

@@ -765,21 +765,22 @@ def _range_parts(kind: str, value: Any, ctx: dict[str, Any]) -> tuple[str, Any, 
     return words, bound, "write a value in range"
 
 
-def _nul_fields(value: Any, loc: tuple[Any, ...] = ()) -> list[str]:
-    """The fields of *value* (parsed TOML) whose text, or a key of whose table, holds a NUL character."""
-    out: list[str] = []
+def _nul_fields(value: Any, loc: tuple[Any, ...] = ()) -> list[tuple[str, str, str]]:
+    """The fields of *value* (parsed TOML) whose text, or a key of whose table, holds a NUL character, as
+    ``(field, message, fix)``."""
+    out: list[tuple[str, str, str]] = []
     if isinstance(value, dict):
         for k, v in value.items():
             if isinstance(k, str) and "\x00" in k:
-                out.append(f"{_loc(loc)}: key {k!r} holds a NUL character (\\u0000), which no file name, argument "
-                           "or environment variable can carry: remove it")
+                out.append((_loc(loc), f"key {k!r} holds a NUL character (\\u0000), which no file name, argument or "
+                                       "environment variable can carry", "remove it"))
             out += _nul_fields(v, (*loc, k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
             out += _nul_fields(v, (*loc, i))
     elif isinstance(value, str) and "\x00" in value:
-        out.append(f"{_loc(loc)}: holds a NUL character (\\u0000), which no command-line argument, environment "
-                   "variable or unit file can carry: remove it")
+        out.append((_loc(loc), "holds a NUL character (\\u0000), which no command-line argument, environment "
+                               "variable or unit file can carry", "remove it"))
     return out
 
 
@@ -789,23 +790,26 @@ _NO_EMPTY = (("model", "served_name"), ("model", "path"), ("engine", "python"), 
              ("router", "executable"), ("parsers", "chat_template"))
 
 
-def _empty_fields(data: Any) -> list[str]:
+def _empty_fields(data: Any) -> list[tuple[str, str, str]]:
+    """The names and paths of :data:`_NO_EMPTY` (and hosts' ssh settings) that are empty or hold a control character,
+    as ``(field, message, fix)``."""
     out = []
+    unset = "leave the key out to leave it unset, or write a value"
     for table, key in _NO_EMPTY:
         section = data.get(table) if isinstance(data, dict) else None
         if isinstance(section, dict) and isinstance(section.get(key), str) and not section[key].strip():
-            out.append(f"{table}.{key}: empty: leave the key out to leave it unset, or write a value")
+            out.append((f"{table}.{key}", "empty", unset))
         elif (isinstance(section, dict) and isinstance(section.get(key), str)
               and any(c < " " or c == "\x7f" for c in section[key].replace("\x00", ""))):
             # (a model path "org/name\n" reached SGLang's loader as given: no name or path holds a line break)
-            out.append(f"{table}.{key}: {section[key]!r} holds a control character (a line break, a tab…), which no "
-                       "model name, path or file name here has: remove it")
+            out.append((f"{table}.{key}", f"{section[key]!r} holds a control character (a line break, a tab…), which "
+                                          "no model name, path or file name here has", "remove it"))
     hosts = data.get("hosts") if isinstance(data, dict) else None
     for name, host in (hosts.items() if isinstance(hosts, dict) else ()):
         # (ssh_user = "" read as unset: pdctl logged in as this machine's user, in silence)
         for key in ("ssh_user", "address", "ssh_identity", "ssh_known_hosts"):
             if isinstance(host, dict) and isinstance(host.get(key), str) and not host[key].strip():
-                out.append(f"hosts.{name}.{key}: empty: leave the key out to leave it unset, or write a value")
+                out.append((f"hosts.{name}.{key}", "empty", unset))
     return out
 
 
@@ -815,7 +819,8 @@ def parse_spec(data: dict[str, Any], *, path: str | None = None) -> Deployment:
     bad = _nul_fields(data) + _empty_fields(data)
     if bad:
         where = f"{path}: " if path else ""
-        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(bad), findings=bad, path=path)
+        raise SpecError(f"{where}invalid spec\n  " + "\n  ".join(f"{f}: {m}: {x}" for f, m, x in bad),
+                        findings=list(bad), path=path)
     try:
         return Deployment.model_validate(data)
     except ValidationError as exc:

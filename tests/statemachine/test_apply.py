@@ -167,6 +167,8 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     assert r.returncode == 2, r.stderr
     assert "PD disaggregation → single server" in r.stdout
     plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    early = demo.tmp / "collapse.plan"
+    assert demo.cli("plan", str(collapse), "-o", str(early)).returncode == 2
     assert demo.pids() == pids
     assert (sorted(os.listdir(demo.state / "supervisor")) if (demo.state / "supervisor").exists() else []) == units_before
     # Another plan's id: refused too.
@@ -201,6 +203,12 @@ def test_the_seeds_failure_replayed_collapse_refused_then_confirmed(demo):
     pd_pids = demo.pids()
     r = demo.cli("apply", str(collapse), "--confirm-topology", plan_id)
     assert r.returncode == 2 and "names another plan" in r.stderr, r.stderr
+    assert demo.pids() == pd_pids
+    # and the collapse saved with `plan -o` before it was first applied is stale, said as such (the same two
+    # topologies: it read "the file was edited after `pdctl plan -o`?" of a file nobody touched)
+    r = demo.cli("apply", str(early), "--confirm-topology", plan_id)
+    assert r.returncode == 2 and f"saved plan {plan_id} was made before the deployment last changed" in r.stderr, \
+        r.stderr
     assert demo.pids() == pd_pids
     # down with the collapsed spec leaves nothing running.
     service.down(demo.load(collapse))

@@ -1535,3 +1535,22 @@ def test_apply_with_the_spec_taken_for_the_confirmation_id_says_so():
     assert f"hint: --confirm-topology took {str(SEED)!r} as its plan id" in r.stderr, r.stderr
     r = _pdctl("apply", "--confirm-topology", "0123456789abcdef")  # (a real id, the spec left out: no such hint)
     assert r.returncode == 64 and "took" not in r.stderr, r.stderr
+    r = _pdctl("apply", "--json", f"--confirm-topology={SEED}")  # (the = form; --json's event carries the hint)
+    assert r.returncode == 64 and f"hint: --confirm-topology took {str(SEED)!r}" in r.stderr, r.stderr
+    event = json.loads(r.stdout.splitlines()[-1])
+    assert event["data"]["hint"].startswith(f"--confirm-topology took {str(SEED)!r} as its plan id"), event
+
+
+@pytest.mark.parametrize(("before", "after", "confirmed"), [
+    ("0.0.0.0", "::", True),  # (every IPv4 interface to every IPv6 one: networks it was not on)
+    ("gpu1", "192.0.2.2", True),  # (127.0.0.1 → a name, confirmed, then → an address: not a free second step)
+    ("10.0.0.5", "10.0.0.6", True),
+    ("::", "::1", False),
+    ("10.0.0.5", "localhost", False),
+])
+def test_any_move_of_a_server_behind_the_router_off_loopback_is_confirmed(before, after, confirmed):
+    seed = seed_dict()
+    seed["prefill"][0]["http_host"] = before
+    other = copy.deepcopy(seed)
+    other["prefill"][0]["http_host"] = after
+    assert make_plan(topo(seed), topo(other)).requires_confirmation is confirmed

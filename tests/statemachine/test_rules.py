@@ -352,10 +352,11 @@ def test_a_nul_character_in_any_text_of_the_spec_is_refused_naming_the_field():
     d["prefill"][0]["extra_args"] = ["--x", "\x00"]
     with pytest.raises(SpecError) as e:
         parse_spec(d)
-    lines = e.value.findings
-    assert sorted(x.split(":")[0] for x in lines) == ["engine.env", "engine.env.FOO", "model.served_name",
-                                                      "prefill[0].extra_args[1]"], lines
-    assert all("NUL character" in x and "remove it" in x for x in lines)
+    found = e.value.findings_json()
+    assert sorted(f["field"] for f in found) == ["engine.env", "engine.env.FOO", "model.served_name",
+                                                 "prefill[0].extra_args[1]"], found
+    assert all("NUL character" in f["message"] and f["fix"] == "remove it" for f in found), found
+    assert str(e.value).count("NUL character") == 4 and ": remove it" in str(e.value)
 
 
 def test_a_bare_router_executable_not_on_path_is_a_clear_error(monkeypatch):
@@ -1680,6 +1681,11 @@ def test_a_name_or_path_with_a_control_character_is_refused(path, value):
     # (model.path = "org/name\n" passed validate and reached SGLang's loader)
     e = _refused(path, value)
     assert f"{'.'.join(path)}: {value!r} holds a control character" in str(e.value), str(e.value)
+    [finding] = e.value.findings_json()
+    assert finding["field"] == ".".join(path) and finding["fix"] == "remove it", finding  # (fix was null)
+    e = _refused(("model", "path"), "")
+    assert e.value.findings_json() == [{"field": "model.path", "message": "empty",
+                                        "fix": "leave the key out to leave it unset, or write a value"}]
 
 
 @pytest.mark.parametrize(("extra", "said"), [
