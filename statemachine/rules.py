@@ -1151,6 +1151,17 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                         f"remove {flag}, or remove {' and '.join(set_)}",
                     )
                     continue
+                if dep.is_pd:
+                    # (the same §1.2: no text in, no text out; kv_link_verified proves the link with one paired
+                    # /generate request of text, and reads the text decode answers)
+                    err(
+                        f"{f}.extra_args",
+                        f"{said} starts the server without a tokenizer: it takes input_ids and answers output_ids "
+                        "only, while kv_link_verified proves the KV link with a paired /generate request of text "
+                        "and reads decode's text (kv_link_verified then fails, after both servers restarted)",
+                        f"remove {flag}",
+                    )
+                    continue
             if full in _OWNED_SERVER_FLAGS:
                 source = _OWNED_SERVER_FLAGS[full]
                 always = source.startswith("(")  # (a flag pdctl always passes: nothing of the spec sets it)

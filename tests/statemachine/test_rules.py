@@ -10,7 +10,7 @@ from pdctl.statemachine.errors import SpecError
 from pdctl.statemachine.rules import Inventory, check, validate
 from pdctl.statemachine.spec import load_spec, parse_spec
 
-from .specs import DEMO, SEED, dsv32_dict, seed_dict
+from .specs import DEMO, SEED, collapsed, dsv32_dict, seed_dict
 
 
 def _with(path: tuple, value) -> dict:  # noqa: ANN001
@@ -451,7 +451,12 @@ def test_skip_tokenizer_init_with_parsers_is_refused():
     d["parsers"] = {"chat_template": "/opt/t.jinja"}
     _one(d, "decode[0].extra_args", "--skip-tokenizer-init", "parsers.chat_template")
     d.pop("parsers")
-    assert not [f for f in _errors(d) if "skip-tokenizer-init" in f.message], _errors(d)
+    # without parsers, PD still needs text: kv_link_verified's paired /generate request and decode's answer
+    _one(d, "decode[0].extra_args", "--skip-tokenizer-init", "kv_link_verified", "remove --skip-tokenizer-init")
+    single = collapsed(seed_dict())
+    single.pop("parsers", None)
+    single["server"][0]["extra_args"] = ["--skip-tokenizer-init"]
+    assert not [f for f in _errors(single) if "skip-tokenizer-init" in f.message], _errors(single)
 
 
 def test_dp_size_in_extra_args_says_what_it_is():
