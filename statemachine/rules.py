@@ -357,12 +357,9 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
     known = facts.flags or frozenset()
     faults: list[tuple[str, str]] = []
     starved = False  # (the previous flag lacked its value: a '-…' word right after it was meant as that value)
-    i = 0
-    while i < len(args):
-        word = args[i]
-        i += 1
+    for word, name, full, arg, eq, values in _argv_items(args, facts):
         after_starved, starved = starved, False
-        if not _is_option(word, known):
+        if name is None:
             flag, space, value = word.strip().partition(" ")
             faults.append((f"{word!r}: no flag takes it (SGLang {v} would exit 'unrecognized arguments')",
                            # (one string "--flag value": the argv gets it as one word; each is its own list item)
@@ -370,13 +367,7 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
                            if space and flag.startswith("--") and _is_option(flag, known) else
                            'give each value after its flag, e.g. ["--max-running-requests", "64"]'))
             continue
-        name, eq, inline = word.partition("=")
-        arg = facts.argument(name)
         fewest, most = arg.takes if arg is not None else (0, None)
-        values = [inline] if eq else []
-        while not eq and i < len(args) and not _is_option(args[i], known) and (most is None or len(values) < most):
-            values.append(args[i])
-            i += 1
         if name == "-h":
             faults.append(("-h makes SGLang print its help and exit: the server would not start", "remove -h"))
             continue
@@ -387,7 +378,7 @@ def _launch_arg_faults(args: list[str], facts, skip: set[str]) -> list[tuple[str
                            f"option {name}", "write the flag in full (--…), or give a value that starts with '-' "
                            "joined to its flag: --flag=-value"))
             continue
-        if arg is None or name in skip:
+        if arg is None or name in skip or full in skip:
             continue
         if eq and most == 0:
             faults.append((f"{word!r}: {name} takes no value (SGLang {v} would exit 'ignored explicit argument')",
@@ -432,35 +423,47 @@ def _json_or_none(text: str) -> object:
         return None
 
 
-def _given(args: list[str], facts) -> dict[str, str | bool]:  # noqa: ANN001
-    """What *args* (a role's ``extra_args``) set, as SGLang's argparse reads them: ``{flag: value}`` keyed by the
-    argument's first option string (``--pipeline-parallel-size`` → ``--pp-size``; an unambiguous abbreviation as its
-    flag), the last occurrence winning as argparse's store does; True for a flag given without a value. *facts*
-    (:class:`~pdctl.statemachine.sglang_facts.SglangFacts` or None) says what each flag takes; a flag it does not
-    record takes the one word after it that is not an option."""
+def _argv_items(args: list[str], facts):  # noqa: ANN001, ANN202
+    """*args* (a server's ``extra_args``) as SGLang's argparse splits them: per word it reads as an option,
+    ``(word, name, full, arg, inline, values)``: *name* the option string as written (without ``=value``), *full* that
+    of the flag it names (an unambiguous ``--`` abbreviation resolved, as argparse does), *arg* its recorded argument
+    (:meth:`~pdctl.statemachine.sglang_facts.SglangFacts.argument`; None where *facts* is None or does not record it),
+    *inline* whether its value came joined by '=', *values* the words it takes (a flag not recorded: each up to the
+    next option); per word no flag takes, ``(word, None, None, None, False, [])``."""
     known = facts.flags if facts is not None and facts.flags is not None else frozenset()
-    out: dict[str, str | bool] = {}
     i = 0
     while i < len(args):
         word = args[i]
         i += 1
-        if not word.startswith("--") or not _is_option(word, known):
+        if not _is_option(word, known):
+            yield word, None, None, None, False, []
             continue
         name, eq, inline = word.partition("=")
-        if known and name not in known:
+        full = name
+        if known and name.startswith("--") and name not in known:
             prefix_of = [x for x in known if x.startswith(name)]
-            name = prefix_of[0] if len(prefix_of) == 1 else name
-        arg = facts.argument(name) if facts is not None else None
-        canon = arg.flags[0] if arg is not None else ("--pp-size" if name in _PIPELINE_FLAGS else name)
-        most = arg.takes[1] if arg is not None else 1
-        if eq:
-            out[canon] = inline
-            continue
-        values = []
-        while i < len(args) and not _is_option(args[i], known) and (most is None or len(values) < most):
+            full = prefix_of[0] if len(prefix_of) == 1 else name
+        arg = facts.argument(full) if facts is not None else None
+        most = arg.takes[1] if arg is not None else None
+        values = [inline] if eq else []
+        while not eq and i < len(args) and not _is_option(args[i], known) and (most is None or len(values) < most):
             values.append(args[i])
             i += 1
-        out[canon] = " ".join(values) if values else True
+        yield word, name, full, arg, bool(eq), values
+
+
+def _given(args: list[str], facts) -> dict[str, str | bool]:  # noqa: ANN001
+    """What *args* (a role's ``extra_args``) set, as SGLang's argparse reads them (:func:`_argv_items`): ``{flag:
+    value}`` keyed by the argument's first option string (``--pipeline-parallel-size`` → ``--pp-size``; an
+    unambiguous abbreviation as its flag), the last occurrence winning as argparse's store does; True for a flag given
+    without a value. *facts* (:class:`~pdctl.statemachine.sglang_facts.SglangFacts` or None) says what each flag
+    takes."""
+    out: dict[str, str | bool] = {}
+    for _word, name, full, arg, eq, values in _argv_items(args, facts):
+        if name is None or not name.startswith("--"):
+            continue
+        canon = arg.flags[0] if arg is not None else ("--pp-size" if full in _PIPELINE_FLAGS else full)
+        out[canon] = values[0] if eq else (" ".join(values) if values else True)
     return out
 
 
