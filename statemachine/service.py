@@ -7,6 +7,7 @@ The headless CLI and the Textual console are thin shells over them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import os
@@ -806,11 +807,15 @@ def apply(
             hint="make a new plan from the current spec with `pdctl plan SPEC -o FILE` and review it (to move a "
                  "deployment to another name, `pdctl down` the old one first)",
         )
-    with j.lock("apply"):
+    # (what this call opens it closes: an SSH connection and its thread per apply, and kept-alive connections to
+    # the router, which held it in smg's graceful shutdown when stopped, stayed open in the console until garbage
+    # collection)
+    with j.lock("apply"), contextlib.ExitStack() as opened:
         state = j.read()
         desired = topology_of(loaded.deployment)
         # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
-        host = deployment_host(loaded.deployment) if state.target is not None else None
+        host = opened.enter_context(contextlib.closing(deployment_host(loaded.deployment))) \
+            if state.target is not None else None
         base = plan_base(state, desired, running_units(loaded, state, host=host))
         plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation,
                          not_running=not_running(loaded, state, base, host=host),
@@ -905,7 +910,7 @@ def apply(
                 j.audit("apply-refused", plan_id=plan.plan_id, confirmation=confirm, reason=str(exc))
                 raise
             # Refuse a deployment spread over hosts, and prove the host answers, before anything changes.
-            host = host or deployment_host(loaded.deployment)
+            host = host or opened.enter_context(contextlib.closing(deployment_host(loaded.deployment)))
             _can_run_commands(loaded.deployment, host)
             here = machine_of(host)
             try:
@@ -916,6 +921,8 @@ def apply(
             # (what an unfinished apply left running as the spec asks is kept: the plan restarts none of it)
             restart = set(plan.restarts())
             ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
+            if client is None:
+                opened.callback(ctx.client.close)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
             own = own_units(state, desired)
@@ -1092,6 +1099,19 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
     role that is down; that is what it reports.
     """
+    host = deployment_host(loaded.deployment)
+    own_client = client is None
+    client = _client_for(host, client)
+    try:
+        return _status(loaded, host, client)
+    finally:
+        if own_client:
+            client.close()
+        host.close()
+
+
+def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
+    """:func:`status` with the host and HTTP client it opened."""
     import dataclasses
     import time as _time
 
@@ -1102,13 +1122,11 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     locked_by = _lock_holder(loaded)  # before the journal: an apply that ends meanwhile leaves a converged journal
     state = loaded.journal.read()
     topo = state.target or state.deployed or topology_of(loaded.deployment)
-    host = deployment_host(loaded.deployment)
     if state.machine:  # another machine's units would all read "inactive"
         refuse_another_machine(loaded, state, machine_of(host), "reading its status")
     # (a spec since edited to another service_manager: its units run under the recorded one)
     manager = launch.manager_for(as_recorded_manager(loaded.deployment, state), host, state_dir=str(loaded.journal.dir))
     names = unit_names(topo)
-    client = _client_for(host, client)
     now = _time.time()
     roles = []
     seen = [(r, manager.status(names[r.name]), probes.health(client, r.url, timeout=2.0)) for r in topo.roles]
@@ -1544,26 +1562,27 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
     j = loaded.journal
     # (a spec since edited to another service_manager: what runs was started under the recorded one, which stops it)
     dep = as_recorded_manager(loaded.deployment, j.read() if j.dir.exists() else None)
-    manager = launch.manager_for(dep, deployment_host(loaded.deployment), state_dir=str(j.dir))
-    if not j.dir.exists() and not _installed_units(loaded, j.read(), manager):
-        _refuse_if_held_elsewhere(loaded, j, manager.host, sink)  # nothing ever recorded here: create nothing (no lock, no audit)
-        return []
-    with j.lock("down"):
-        state = j.read()
-        # the host answers before anything is recorded: a down that could not reach it stopped nothing, and the audit
-        # log then holds no "down-failed" that status would report as a down that may have stopped part of it
-        manager.host.run(["true"], timeout=30)
-        refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
-        _journal_writable(j, state)  # (a journal it cannot write after the stops: "edited outside pdctl" units after)
-        j.audit("down-started", serial=state.serial)
-        try:
-            return _down_locked(loaded, j, state, sink, manager)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: what is stopped stays stopped; run down again
-            j.audit("down-interrupted")
-            raise
-        except Exception as exc:
-            j.audit("down-failed", error=str(exc))
-            raise
+    with contextlib.closing(deployment_host(loaded.deployment)) as host:  # (an SSH connection: closed after)
+        manager = launch.manager_for(dep, host, state_dir=str(j.dir))
+        if not j.dir.exists() and not _installed_units(loaded, j.read(), manager):
+            _refuse_if_held_elsewhere(loaded, j, manager.host, sink)  # nothing ever recorded here: create nothing (no lock, no audit)
+            return []
+        with j.lock("down"):
+            state = j.read()
+            # the host answers before anything is recorded: a down that could not reach it stopped nothing, and the audit
+            # log then holds no "down-failed" that status would report as a down that may have stopped part of it
+            manager.host.run(["true"], timeout=30)
+            refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
+            _journal_writable(j, state)  # (a journal it cannot write after the stops: "edited outside pdctl" units after)
+            j.audit("down-started", serial=state.serial)
+            try:
+                return _down_locked(loaded, j, state, sink, manager)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: what is stopped stays stopped; run down again
+                j.audit("down-interrupted")
+                raise
+            except Exception as exc:
+                j.audit("down-failed", error=str(exc))
+                raise
 
 
 def _journal_writable(j: Journal, state) -> None:  # noqa: ANN001

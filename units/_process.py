@@ -529,7 +529,16 @@ class ProcessSupervisor(ServiceManager):
         spec = self._spec(name)
         for r in spec.requires:
             self._start_service(r, seen)
-        if self._watchdog_pid(name) is not None:  # (its watchdog.pid damaged: still the one that runs, not a second)
+        wpid = self._watchdog_pid(name)
+        if wpid is not None and self._status_record(name).get("state") == "deactivating":
+            # Being stopped (a stop begun by a down or an apply since interrupted): systemd queues the start job
+            # behind the running stop job. Wait as that stop may (its TimeoutStopSec, then SIGKILL), then start.
+            t = spec.timeout_stop_s + 15
+            if not self._wait_gone(lambda: self._alive(wpid), t):
+                raise ServiceTimeout(f"{name} still stopping after {t:g} s (its watchdog PID {wpid}): not "
+                                     "started", unit=name)
+            wpid = None
+        if wpid is not None:  # (its watchdog.pid damaged: still the one that runs, not a second)
             return
         d = self._dir(name)
         self._write_status(name, "activating", "spawning", restarts=0)

@@ -2442,6 +2442,35 @@ def test_an_apply_after_an_interrupted_down_waits_for_the_router_still_stopping(
     assert st["healthy"] and st["router"]["main_pid"] != router_pid, st
 
 
+def _connections_to(ports: set[int]) -> list[tuple[int, int]]:
+    """This process's TCP connections (local port, remote port) to one of *ports* on loopback, from proc(5)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                local, remote, inode = int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16), cols[9]
+                if inode in mine and remote in ports and cols[3] != "0A":  # (0A: LISTEN)
+                    out.append((local, remote))
+    return out
+
+
+def test_apply_and_status_in_process_close_the_connections_they_opened(demo):
+    # (the console runs apply in-process: its HTTP client stayed open until garbage collection, its kept-alive
+    # connections holding a router being stopped in smg's graceful shutdown, and each SSH apply left a connection)
+    ports = set(demo.ports.values())
+    demo.apply()
+    assert _connections_to(ports) == []
+    assert demo.status()["healthy"]
+    assert _connections_to(ports) == []
+
+
 def test_a_router_executable_missing_on_the_host_is_refused_before_anything_changes(demo):
     # (validate and plan passed it; apply stopped the running router, then failed to exec the new one: the
     # deployment's exposed port went down)

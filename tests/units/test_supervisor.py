@@ -641,3 +641,20 @@ def test_a_status_a_full_disk_refused_is_written_at_a_later_poll(tmp_path, monke
     assert read() == "active" and wd.unwritten is None
     assert (tmp_path / "output.log").read_text().count("cannot write status.json") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["output.log", "status.json"]
+
+
+def test_a_start_while_the_role_is_still_stopping_starts_it_once_the_stop_ends_like_systemd(tmp_path, cleanup):
+    # (an apply right after an interrupted down started the router while its watchdog still waited for the old smg
+    # to exit: start saw a live watchdog, did nothing, and router_exposed waited out its start timeout for a router
+    # no one would start; systemd queues the start job behind the running stop job)
+    script = "trap 'sleep 2; exit 0' TERM; while :; do sleep 0.1; done"  # (2 s to exit on SIGTERM)
+    s = svc("slow", ("/bin/sh", "-c", script), timeout_stop_s=30)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    old = m.status(s.name).main_pid
+    os.kill(m._watchdog_pid(s.name), signal.SIGTERM)  # a stop begun, as by a down interrupted once it sent it
+    wait_for(lambda: m.status(s.name).state == "deactivating", what="deactivating")
+    m.start(s.name, wait=True, timeout=20)
+    st_ = m.status(s.name)
+    assert st_.state == "active" and st_.main_pid not in (None, old) and not pid_alive(old), st_
