@@ -283,6 +283,19 @@ class Context:
         return r.url
 
 
+def _process_stopped(ctx: Context, pid: int | None) -> bool:
+    """Whether process *pid* on the deployment's host is stopped by a signal (``kill -STOP``) or held by a tracer:
+    state ``T`` or ``t`` in its ``/proc/PID/stat`` (proc(5)). False where it cannot be read."""
+    if not pid:
+        return False
+    try:
+        stat = ctx.host.read_file(f"/proc/{pid}/stat")
+    except (OSError, HostError):
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return bool(fields) and fields[0] in (b"T", b"t")
+
+
 def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str,
           checkpoint: Callable[[], None] | None = None) -> T:
     """Call *fn* until it returns a value (not None) or *deadline_s* passes (StepTimeout); *checkpoint* before each
@@ -1500,20 +1513,30 @@ class RouterExposed(Step):
             class Unmendable(Exception):
                 pass
 
+            why: list[str] = []
+
             def sees_them() -> bool | None:
                 try:
                     self._check(ctx)
                     return True
                 except UnmendableFault as exc:
                     raise Unmendable from exc
-                except VerifyFailed:
-                    return None
-                except ProbeError:
+                except (VerifyFailed, ProbeError) as exc:
+                    why[:] = [str(exc)]
                     return None
 
             try:
-                _wait("router seeing its workers healthy again", self._bound(ctx), sees_them, poll=0.5,
-                      step=self.name, checkpoint=ctx.checkpoint)
+                if not sees_them():
+                    if _process_stopped(ctx, st.main_pid):  # (kill -STOP, a debugger: no health check brings it back)
+                        ctx.say(f"{unit} does not serve as proven and its main process (PID {st.main_pid}) is "
+                                "stopped (kill -STOP?): restarting it", step=self.name, unit=unit)
+                        raise Unmendable
+                    bound = self._bound(ctx)
+                    ctx.say(f"{unit} does not serve as proven ({why[0] if why else 'not ready'}): waiting up to "
+                            f"{bound:g} s for it to see its workers healthy before restarting it", step=self.name,
+                            unit=unit)
+                    _wait("router seeing its workers healthy again", bound, sees_them, poll=0.5,
+                          step=self.name, checkpoint=ctx.checkpoint)
                 workers = ("its restarted workers healthy again" if set(ctx.restart) - {"router"}
                            else "its workers healthy")  # (a resumed first deployment restarted none)
                 ctx.say(f"{unit} unchanged: it sees {workers}, not restarted", step=self.name, unit=unit)

@@ -2442,6 +2442,25 @@ def test_an_apply_after_an_interrupted_down_waits_for_the_router_still_stopping(
     assert st["healthy"] and st["router"]["main_pid"] != router_pid, st
 
 
+def test_a_router_whose_process_is_stopped_is_restarted_at_once_not_waited_for(demo):
+    # (helper-108: a router under kill -STOP, left so by a down interrupted before it stopped the router: apply said
+    # nothing for 126 s, waiting for the router to see its workers healthy, then restarted it)
+    demo.apply()
+    router_pid = demo.status()["router"]["main_pid"]
+    stop_process(router_pid)
+    sink = ListSink()
+    try:
+        demo.apply(sink=sink)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(router_pid, signal.SIGCONT)
+    said = [e.message for e in sink.events]
+    assert any(f"its main process (PID {router_pid}) is stopped" in m and "restarting it" in m for m in said), said
+    assert not any("waiting up to" in m for m in said), said
+    st = demo.status()
+    assert st["healthy"] and st["router"]["main_pid"] not in (None, router_pid), st
+
+
 def _connections_to(ports: set[int]) -> list[tuple[int, int]]:
     """This process's TCP connections (local port, remote port) to one of *ports* on loopback, from proc(5)."""
     mine = set()
