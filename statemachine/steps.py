@@ -46,7 +46,7 @@ from pdctl.statemachine.plan import (
 from pdctl.statemachine.sglang_facts import DEFAULT_SGLANG_VERSION, SglangFacts, facts_for
 from pdctl.statemachine.spec import Deployment
 from pdctl.statemachine.topology import RoleTopology, RouterTopology, Topology, numa_binding
-from pdctl.units import SUPERVISOR_LINE, SUPERVISOR_STOPPED, UnitSet, unsupervised_reason
+from pdctl.units import SUPERVISOR_LINE, SUPERVISOR_STOPPED, UnitSet, process_stopped, unsupervised_reason
 
 __all__ = ["Context", "Timeouts", "steps_for"]
 
@@ -281,19 +281,6 @@ class Context:
         r = self.topology.router
         assert r is not None
         return r.url
-
-
-def _process_stopped(ctx: Context, pid: int | None) -> bool:
-    """Whether process *pid* on the deployment's host is stopped by a signal (``kill -STOP``) or held by a tracer:
-    state ``T`` or ``t`` in its ``/proc/PID/stat`` (proc(5)). False where it cannot be read."""
-    if not pid:
-        return False
-    try:
-        stat = ctx.host.read_file(f"/proc/{pid}/stat")
-    except (OSError, HostError):
-        return False
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def _wait(what: str, deadline_s: float, fn: Callable[[], T | None], *, poll: float, step: str,
@@ -1527,12 +1514,12 @@ class RouterExposed(Step):
 
             try:
                 if not sees_them():
-                    if _process_stopped(ctx, st.main_pid):  # (kill -STOP, a debugger: no health check brings it back)
+                    if process_stopped(ctx.host, st.main_pid):  # (kill -STOP, a debugger: no health check brings it back)
                         ctx.say(f"{unit} does not serve as proven and its main process (PID {st.main_pid}) is "
                                 "stopped (kill -STOP?): restarting it", step=self.name, unit=unit)
                         raise Unmendable
                     bound = self._bound(ctx)
-                    ctx.say(f"{unit} does not serve as proven ({why[0] if why else 'not ready'}): waiting up to "
+                    ctx.say(f"{unit} does not serve as proven ({why[0]}): waiting up to "
                             f"{bound:g} s for it to see its workers healthy before restarting it", step=self.name,
                             unit=unit)
                     _wait("router seeing its workers healthy again", bound, sees_them, poll=0.5,

@@ -15,7 +15,14 @@ the concrete hosts).
 from ._argv import router_argv, router_env, server_argv, server_env
 from ._host import CommandResultLike, HostLike
 from ._manager import OTHER_DEPLOYMENT_HINT, ServiceManager
-from ._process import SUPERVISOR_LINE, UNIT_DIR_ENV, UNIT_ENV, ProcessSupervisor, parse_env_file
+from ._process import (
+    SUPERVISOR_LINE,
+    UNIT_DIR_ENV,
+    UNIT_ENV,
+    ProcessSupervisor,
+    parse_env_file,
+    process_stopped,
+)
 from ._process import _proc_starttime as proc_starttime
 from ._systemd import (
     MARKER,
@@ -88,6 +95,7 @@ __all__ = [
     "pairs",
     "proc_starttime",
     "parse_env_file",
+    "process_stopped",
     "parse_show",
     "render_env_file",
     "render_service",

@@ -141,6 +141,15 @@ def _proc_state(stat: bytes) -> str:
     return rest[:1].decode() if rest else "?"
 
 
+def process_stopped(host: HostLike, pid: int | None) -> bool:
+    """Whether process *pid* on *host* is stopped by a signal (``kill -STOP``) or held by a tracer: ``T``/``t`` in
+    its ``/proc/PID/stat`` (proc(5)). False where there is no *pid* or its file cannot be read."""
+    try:
+        return bool(pid) and _proc_state(host.read_file(f"/proc/{pid}/stat")) in ("T", "t")
+    except OSError:
+        return False
+
+
 def _proc_ppid(stat: bytes) -> int:
     fields = stat[stat.rfind(b")") + 2:].split()
     return int(fields[1]) if len(fields) > 1 else -1
@@ -353,11 +362,7 @@ class ProcessSupervisor(ServiceManager):
             return False
 
     def _stopped(self, pid: int | None) -> bool:
-        """Whether *pid* is stopped by a signal (``kill -STOP``) or held by a tracer: ``T``/``t`` in proc(5)."""
-        try:
-            return bool(pid) and _proc_state(self.host.read_file(f"/proc/{pid}/stat")) in ("T", "t")
-        except OSError:
-            return False
+        return process_stopped(self.host, pid)
 
     def _is_watchdog(self, pid: int | None, name: str) -> bool:
         if not self._alive(pid):
