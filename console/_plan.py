@@ -69,12 +69,18 @@ class PlanPanel(Widget):
     could not be asked); None when they were (the plan's ``ports_held`` then says what holds them)."""
     notes: reactive[tuple[str, ...]] = reactive((), layout=True)
     """``pdctl plan``'s notes beside the plan (``service.Unsettled.notes``), without the ``note:`` prefix."""
+    spec_changed: reactive[bool] = reactive(False, layout=True)
+    """The spec file changed on disk since it was last read: the plan shown may not be what applying it does."""
     last_failure: reactive[str | None] = reactive(None, layout=True)
     """Why the console's last apply failed or was refused, in full (its toast goes after 15 s, the header cuts
     it); shown above the plan until the next apply starts."""
 
     def render(self) -> Text:
         plan = render_plan(self.plan, error=self.error, ports_unchecked=self.ports_unchecked, notes=self.notes)
+        if self.spec_changed:
+            plan = Text.assemble(("The spec file changed on disk since this plan was made: r reloads it and plans "
+                                  "again (a applies the plan shown here, as it was read).", "bold yellow"), "\n\n",
+                                 plan)
         if not self.last_failure:
             return plan
         return Text.assemble((self.last_failure, "bold red"), "\n\n", plan)

@@ -21,6 +21,7 @@ engine re-checks the plan id it is given, so a plan that changed underneath is r
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -102,6 +103,15 @@ class _PostingSink:
         if self.cancel.is_set():
             raise ApplyCancelled("apply cancelled from the console")
 
+
+
+def _file_signature(path) -> tuple[int, int, int] | None:  # noqa: ANN001
+    """``(inode, size, mtime in ns)`` of *path* (None: unreadable or gone): what tells a rewritten spec file."""
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 class ConsoleApp(App[int]):
     """pdctl's console for one deployment spec."""
@@ -217,6 +227,8 @@ class ConsoleApp(App[int]):
     ) -> None:
         super().__init__()
         self.loaded = loaded
+        self._spec_read = _file_signature(loaded.path)
+        """The spec file as it was when last read (:func:`_file_signature`): the plan tab says when it changes."""
         self.readonly = readonly
         self.refresh_s = float(refresh_s or loaded.deployment.console.refresh_s or 1.0)
         self.state_dir = state_dir if state_dir is not None else loaded.journal.dir
@@ -398,7 +410,9 @@ class ConsoleApp(App[int]):
         loaded = self.loaded
         try:
             if reread:
+                seen = _file_signature(self.loaded.path)  # (before the read: a write during it reads as changed)
                 loaded = load(self.loaded.path, state_dir=self.state_dir, discover=True)
+                self._spec_read = seen
             recorded = loaded.journal.read()
             plan = plan_spec(loaded, recorded)
         except Exception as exc:  # noqa: BLE001 - a broken spec is shown, never fatal
@@ -607,6 +621,8 @@ class ConsoleApp(App[int]):
         if not self._panels_ready:
             return
         self.snapshot = snap
+        # (helper-109: the spec file rewritten meanwhile — a collapse, say — and the plan tab still said "No changes")
+        self._w(PlanPanel).spec_changed = _file_signature(self.loaded.path) != self._spec_read
         if steps:
             self._w(StepsPanel).steps = snap.steps
             self._refresh_proof(snap.steps)

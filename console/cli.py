@@ -32,8 +32,8 @@ EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
     "plan (apply); 3 a step failed, or apply refused before its first step (a port or GPU taken, or what the host "
     "lacks: bind address, engine.python, router executable, NUMA node, supervisor folder), or the host's connection "
-    "was lost; 4 deployment locked; 64 usage; 130 interrupted; 129 / 143 an apply, down, plan, status, chat or the "
-    "console stopped by SIGHUP / SIGTERM."
+    "was lost; 4 deployment locked; 64 usage; 130 interrupted; 129 / 143 an apply, down, plan, status, chat, logs or "
+    "the console stopped by SIGHUP / SIGTERM."
 )
 
 app = typer.Typer(
@@ -130,9 +130,19 @@ class _PipeSafe:
         return getattr(self._stream, name)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """*text* with its control characters but newline and tab written ``\\xNN``: what a message or a report quotes —
+    a spec's line, a process's command line, a role's log — must not retitle, recolour or clear the operator's
+    terminal."""
+    return _CONTROL.sub(lambda c: f"\\x{ord(c.group()):02x}", text)
+
+
 def _err(msg: str) -> None:
     try:
-        sys.stderr.write(msg.rstrip("\n") + "\n")
+        sys.stderr.write(_visible(msg.rstrip("\n")) + "\n")
     except OSError:  # stderr itself fails (a full disk): the exit code still says it
         pass
 
@@ -177,6 +187,10 @@ def plan(
     # (a string, not a Path: Path("") is ".", and `-o ''` was then reported as `-o .`, a folder)
     out: Annotated[Optional[str], typer.Option("-o", "--out", metavar="FILE",
                                                help="Save the plan to FILE (JSON); - prints it on stdout")] = None,
+    restart: Annotated[Optional[list[str]], typer.Option(
+        "--restart", metavar="ROLE", show_default=False,
+        help="Plan a restart of this role although nothing of it changed, as `pdctl apply --restart` would (a plan "
+             "saved with it restarts it when applied)")] = None,
 ) -> None:
     """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
@@ -186,11 +200,13 @@ def plan(
     (nvidia-smi), is a warning after the plan (`ports_held`, `gpus_held` in --json), which apply refuses (exit 3): it
     does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
     ending any command it had started here (nvidia-smi discovering GPUs)."""
-    with _interruptible("plan"):  # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
-        _plan(spec, state_dir, as_json, out)
+    # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
+    with _interruptible("plan"), contextlib.ExitStack() as opened:
+        _plan(spec, state_dir, as_json, out, tuple(dict.fromkeys(restart or ())), opened)
 
 
-def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) -> None:
+def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None, restart: tuple[str, ...] = (),
+          _opened: contextlib.ExitStack | None = None) -> None:
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.service import load, plan_spec, plan_unsettled
 
@@ -217,19 +233,26 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
                              hint="give -o/--out a file path in an existing folder: e.g. -o plan.json (or -o - for "
                                   "stdout)")
         loaded = load(spec, state_dir=state_dir, discover=True)
+        _refuse_unknown_restarts(loaded, list(restart))
         if out is not None and not discard:  # (refused before anything is written)
             _refuse_own_file(out, shown, spec, loaded.journal)
         _warnings(loaded)
         _unset_secrets_note(loaded.deployment)
         recorded = loaded.journal.read()
         pending = recorded.target
-        if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
-            from pdctl.statemachine.service import deployment_host, machine_of, refuse_another_machine
+        from pdctl.statemachine.service import deployment_host
 
-            refuse_another_machine(loaded, recorded, machine_of(deployment_host(loaded.deployment)), "applying")
+        # (one connection for every question the plan asks the host: it logged in three times over SSH)
+        host = deployment_host(loaded.deployment)
+        if _opened is not None:
+            _opened.enter_context(contextlib.closing(host))
+        if recorded.machine and (recorded.deployed or pending):  # apply would refuse: the host reaches another machine
+            from pdctl.statemachine.service import machine_of, refuse_another_machine
+
+            refuse_another_machine(loaded, recorded, machine_of(host), "applying")
         try:
-            p = plan_spec(loaded, recorded)  # (asks what runs while an earlier apply is unfinished)
-            why = plan_unsettled(loaded, recorded, p)
+            p = plan_spec(loaded, recorded, restart=restart, host=host)  # (asks what runs while an apply is unfinished)
+            why = plan_unsettled(loaded, recorded, p, host=host)
         except (PdctlError, UnitsError):
             # a host or service manager that cannot be asked is an error, not "all serve": exit 0 would tell a script
             # that gates apply on plan that nothing needs doing (HostError, ManagerUnavailable…)
@@ -240,7 +263,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         unsettled = why.text
         if unsettled:
             p = p.model_copy(update={"unsettled": unsettled})
-        p = p.model_copy(update=_host_warnings(loaded, recorded))
+        p = p.model_copy(update=_host_warnings(loaded, recorded, host))
         # (apply PLANFILE re-reads the spec it names: what --json prints is a plan file too, as -o - prints it)
         p = p.model_copy(update={"spec_path": str(spec.resolve()),
                                  "warnings": tuple(w.to_json() for w in loaded.warnings)})
@@ -257,7 +280,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         if as_json:
             sys.stdout.write(p.to_json() + "\n")
         else:
-            sys.stdout.write(render_text(p) + "\n")
+            sys.stdout.write(_visible(render_text(p)) + "\n")
         raise typer.Exit(ExitCode.CHANGES if p.has_changes or unsettled else ExitCode.OK)
     except (PdctlError, UnitsError, OSError) as exc:
         if as_json:  # scripts still get an object, as from status --json, whatever refused the plan
@@ -265,7 +288,7 @@ def _plan(spec: Path, state_dir: Path | None, as_json: bool, given: str | None) 
         raise
 
 
-def _host_warnings(loaded, recorded):  # noqa: ANN001, ANN202
+def _host_warnings(loaded, recorded, host=None):  # noqa: ANN001, ANN202
     """The plan's warnings as its fields (``ports_held``, ``gpus_held``, ``binds_unusable``): the ports and GPUs apply
     would refuse (used outside the deployment) and why it would refuse the bind addresses; none, with a note, when the
     host or its service manager cannot be asked (:func:`~pdctl.statemachine.service.plan_host_checks`, as the
@@ -273,7 +296,7 @@ def _host_warnings(loaded, recorded):  # noqa: ANN001, ANN202
     a script that applies on exit 2 stays safe."""
     from pdctl.statemachine.service import plan_host_checks
 
-    fields, why = plan_host_checks(loaded, recorded)
+    fields, why = plan_host_checks(loaded, recorded, host=host)
     if why:
         _err(f"note: {why}")
     return fields
@@ -311,9 +334,9 @@ class _Reporter:
         """The apply began (``apply_started``): a failure from then on may have changed the deployment."""
 
     def emit(self, event) -> None:  # noqa: ANN001
-        global _apply_finished
+        global _work_done
         # (from its apply_done on, an apply's work is journalled done: a Ctrl-C then must not turn it into 130)
-        _apply_finished = _apply_finished or event.kind == "apply_done"
+        _work_done = _work_done or event.kind == "apply_done"
         self.engine_spoke = True
         self.started = self.started or event.kind == "apply_started"
         self.ended = self.ended or event.kind in ("apply_done", "apply_failed", "apply_interrupted")
@@ -350,11 +373,17 @@ class _Reporter:
 _interrupted_step: str | None = None
 _apply_entered = False  # apply's body began: from there on it says itself how an interruption ended it
 _interrupted_hint: str | None = None  # a command's own words for an interruption (down's), instead of _INTERRUPTED
+_interrupted_apply: str | None = None  # _INTERRUPTED naming the apply's spec, once apply_cmd knows it
 """The step an apply was interrupted in (its ``apply_interrupted`` event), for main()'s last line."""
 
-_apply_finished = False
-"""The apply reached its end (``apply_done`` emitted): a signal from then on is ignored, so that a finished apply exits 0
-(a Ctrl-C just after it read 130, "interrupted", with nothing interrupted)."""
+_work_done = False
+"""The command's work is done and journalled (apply: ``apply_done`` emitted; down: the engine's down returned): a signal
+from then on is ignored, so that a finished apply or down exits 0 (a Ctrl-C just after it read 130, "interrupted", with
+nothing interrupted)."""
+
+_signalled = False
+"""Ctrl-C, SIGTERM or SIGHUP stopped the command (``_signals_as_interrupt``, however deeply nested): from then on they
+are ignored, so that a second one does not cut off the line that says where it stopped."""
 
 _terminated: int | None = None
 """The signal that stopped the command, SIGTERM or SIGHUP (``_signals_as_interrupt``): main() then exits 143 or 129,
@@ -383,9 +412,10 @@ def _signals_as_interrupt() -> Iterator[None]:
     stops = tuple(s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN)
 
     def on_signal(signum, frame) -> None:  # noqa: ANN001
-        global _terminated
-        if _apply_finished:
+        global _terminated, _signalled
+        if _work_done:
             return
+        _signalled = True
         if _terminated is None and signum != signal.SIGINT:
             _terminated = signum
         for s in stops:
@@ -396,8 +426,10 @@ def _signals_as_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
+        # finished, or interrupted: only its last line is left, which a second Ctrl-C must not cut off (main() puts
+        # an in-process caller's handlers back at its end)
         for s, handler in previous.items():
-            signal.signal(s, signal.SIG_IGN if _apply_finished else handler)  # (finished: only its last line is left)
+            signal.signal(s, signal.SIG_IGN if _work_done or _signalled else handler)
 
 
 @contextlib.contextmanager
@@ -438,12 +470,16 @@ def apply_cmd(
         Optional[str], typer.Option("--confirm-topology", metavar="PLAN_ID", help="Confirm a topology change: the exact plan id")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line on stdout")] = False,
+    restart: Annotated[Optional[list[str]], typer.Option(
+        "--restart", metavar="ROLE", show_default=False,
+        help="Restart this role (prefill, decode, router, as status names them) although nothing of it changed, and "
+             "prove it again (new weights at the same path, an engine upgraded in place); repeat for more")] = None,
 ) -> None:
     """Plan, then bring the deployment to parsers_configured, proving every step (also `pdctl --apply SPEC`).
 
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this exact plan. A saved plan applies only while the deployment still matches its "from" side.
 
-    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a check refused the apply before its first step (a port or GPU taken, or a bind address, engine.python, router executable, NUMA node or supervisor folder unusable on the host; named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
+    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a check refused the apply before its first step (a port or GPU taken, or a bind address, engine.python, router executable, NUMA node, service_user or supervisor folder unusable on the host; named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
     global _apply_entered
     _apply_entered = True
@@ -466,13 +502,21 @@ def apply_cmd(
                                  "makes the plan's topology)",
                                  hint=f"put the spec back at {spec}, or make the plan again where the spec is "
                                       "(`pdctl plan SPEC -o FILE`)")
+            if restart and plan_file is not None:
+                raise typer.BadParameter(f"{plan_file} is a saved plan, which applies what it holds: give the spec "
+                                         f"with --restart (`pdctl apply {shlex.quote(str(spec))} --restart ROLE`)",
+                                         param_hint="--restart")
+            global _interrupted_apply
+            _interrupted_apply = _interrupted_apply_words(spec, state_dir)
             loaded = load(spec, state_dir=state_dir, discover=True)
+            _refuse_unknown_restarts(loaded, restart)
         except (PdctlError, UnitsError, OSError) as e:  # refused before planning
             _json_refusal(rep, e)
             raise
         _warnings(loaded)
         try:
-            result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep)
+            result = apply(loaded, confirm=confirm_topology, saved_plan=saved, sink=rep,
+                           restart=tuple(dict.fromkeys(restart or ())))
         except (UnitsError, OSError) as e:
             _json_refusal(rep, e)
             raise
@@ -483,7 +527,7 @@ def apply_cmd(
             if isinstance(e, TopologyNotConfirmed) and not as_json:
                 from pdctl.statemachine.service import plan_spec
 
-                sys.stdout.write(render_text(saved or plan_spec(loaded)) + "\n")
+                sys.stdout.write(_visible(render_text(saved or plan_spec(loaded))) + "\n")
             if isinstance(e, StepError) and rep.failure_shown:
                 # said once, on the failed step's line; end with where it stopped instead of repeating it
                 if e.hint and not rep.hint_shown:
@@ -496,6 +540,20 @@ def apply_cmd(
             raise
     if not as_json:
         _err(f"deployment {loaded.deployment.name!r}: {result.state} (plan {result.plan.plan_id})")
+
+
+def _refuse_unknown_restarts(loaded, restart: "list[str] | None") -> None:  # noqa: ANN001
+    """A usage error (64) for a ``--restart`` name the spec's deployment lacks, naming the ones it has."""
+    if not restart:
+        return
+    from pdctl.statemachine.plan import not_restartable
+    from pdctl.statemachine.topology import topology_of
+
+    topo = topology_of(loaded.deployment)
+    if unknown := not_restartable(topo, restart or ()):
+        names = [r.name for r in topo.roles] + (["router"] if topo.router is not None else [])
+        raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: the spec ({loaded.path}) has no such role; its "
+                                 f"roles are {', '.join(names)}", param_hint="--restart")
 
 
 def _broken_rules_note(loaded, what: str) -> None:  # noqa: ANN001
@@ -553,8 +611,95 @@ def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(st, indent=1, default=str) + "\n")
     else:
-        sys.stdout.write(_status_text(st) + "\n")
+        sys.stdout.write(_visible(_status_text(st)) + "\n")
     raise typer.Exit(ExitCode.OK if st["healthy"] else ExitCode.ERROR)
+
+
+FOLLOW_POLL_S = 1.0
+"""How often ``pdctl logs --follow`` reads each log's end again, in seconds."""
+FOLLOW_WINDOW = 500
+"""Lines read from each log's end per ``--follow`` poll: more new lines than this between two polls are shown with a
+note that some were skipped."""
+
+
+@app.command("logs")
+def logs_cmd(
+    spec: SpecArg,
+    roles: Annotated[Optional[list[str]], typer.Argument(
+        metavar="ROLE", show_default=False,
+        help="The roles to show, by name (prefill, decode, router, as status names them); default: every role")] = None,
+    state_dir: StateDirOpt = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, max=100000, help="Lines from the end of each log")] = 50,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines as they come")] = False,
+) -> None:
+    """The last lines each role's server (and the router) wrote, stdout and stderr: under systemd from its journal,
+    under the process supervisor from its log file, on the deployment's host (over SSH for a remote one).
+
+    With several roles each line starts with its role's name. --follow prints new lines every second until Ctrl-C,
+    or until the deployment is taken down (exit 0). Exit 0: read; 1: none of the roles' units is installed here and
+    none left lines, or an error (a host that cannot be reached); 64: a role the deployment lacks; 130 / 143 / 129:
+    interrupted (Ctrl-C / SIGTERM / SIGHUP)."""
+    with _interruptible("logs"):
+        _logs(spec, list(dict.fromkeys(roles or [])), state_dir, lines, follow)
+
+
+def _logs(spec: Path, roles: list[str], state_dir: Path | None, n: int, follow: bool) -> None:
+    import time
+
+    from pdctl.statemachine.service import RoleLogs, load
+
+    loaded = load(spec, state_dir=state_dir, rules=False)
+    with RoleLogs(loaded) as logs:
+        unknown = [r for r in roles if r not in logs.units]
+        if unknown:
+            raise typer.BadParameter(
+                f"{', '.join(map(repr, unknown))}: deployment {loaded.deployment.name!r} has no such role; its roles "
+                f"are {', '.join(logs.units)}", param_hint="ROLE")
+        chosen = roles or list(logs.units)
+        if not logs.deployed:
+            _err(f"note: deployment {loaded.deployment.name!r} is not deployed (nothing recorded in "
+                 f"{loaded.journal.dir}): showing what its units logged, if anything")
+        width = max(map(len, chosen))
+
+        def show(role: str, got: "tuple[str, ...] | list[str]") -> None:
+            lead = f"{role:<{width}} | " if len(chosen) > 1 else ""
+            sys.stdout.write("".join(f"{lead}{_visible(line)}\n" for line in got))
+
+        window = max(n, FOLLOW_WINDOW)
+        seen, marks = {}, {}
+        for role in chosen:
+            if follow:  # (read by offset from here on: every line once, however alike)
+                got, marks[role], _ = logs.follow(role, None, window)
+            else:
+                got = logs.lines(role, n)
+            seen[role] = got[-n:]
+            show(role, seen[role])
+            installed = logs.installed(role)
+            if not seen[role]:
+                _err(f"{role}: no log lines ({logs.units[role]} "
+                     f"{'has written none' if installed else 'is not installed here'})")
+            elif not installed:  # (the process supervisor keeps a removed unit's log, as the journal does)
+                _err(f"{role}: {logs.units[role]} is not installed here: the lines above are its log as it was removed")
+        sys.stdout.flush()
+        if not any(seen.values()) and not any(logs.installed(r) for r in chosen):
+            raise typer.Exit(ExitCode.ERROR)  # (nothing of it here to show or to follow: said per role above)
+        if not follow:
+            return
+        gone = 0  # polls in a row that found none of the units installed: taken down
+        while not getattr(sys.stdout, "gone", False):  # (a reader that went away, `| head`: nothing to follow for)
+            installed = any(logs.installed(r) for r in chosen)
+            gone = 0 if installed else gone + 1
+            if gone >= 2:
+                _err(f"{', '.join(logs.units[r] for r in chosen)}: not installed here (any more): nothing to follow")
+                return
+            time.sleep(FOLLOW_POLL_S)
+            for role in chosen:
+                fresh, marks[role], missed = logs.follow(role, marks[role], window)
+                if missed:
+                    _err(f"{role}: more than {window} lines came in a second, or its log was emptied or rotated: "
+                         "lines may be missing before these")
+                show(role, fresh)
+            sys.stdout.flush()
 
 
 _DOWN_UNFINISHED = {"down-interrupted": "a `pdctl down` was interrupted",
@@ -592,9 +737,16 @@ def _state_word(unit: dict) -> str:
     return state_word(unit["state"], unit.get("sub_state"))
 
 
-_START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why (the "
-                "console's log panel, journalctl, or output.log in the state directory's supervisor folder); "
-                "`pdctl apply` starts it after the fix]")
+_START_LIMIT = ("  [failed again and again until its start limit stopped the restarts: its log says why "
+                "(`pdctl logs SPEC {name}`, or the console's log panel); `pdctl apply` starts it after the fix]")
+
+
+def _main_stopped(unit: dict) -> str:
+    """The note on a unit whose main process is stopped (``main_stopped``: kill -STOP, a debugger), or ``""``."""
+    if not unit.get("main_stopped"):
+        return ""
+    return (f"  [its main process is stopped (kill -STOP? a debugger?): it answers nothing and no supervisor restarts "
+            f"it; `kill -CONT {unit['main_pid']}` resumes it, or `pdctl apply` restarts it]")
 
 
 def _unsupervised(unit: dict) -> str:
@@ -605,8 +757,13 @@ def _unsupervised(unit: dict) -> str:
             "restarted; `pdctl apply` restarts it]")
 
 _WATCHDOG_GONE = ("  [its supervisor (pdctl's watchdog process) and its server are both gone, killed or crashed: nothing "
-                  "runs or restarts it; its output.log in the state directory's supervisor folder may say why; "
-                  "`pdctl apply` starts it again]")
+                  "runs or restarts it; its log may say why (`pdctl logs SPEC {name}`); `pdctl apply` starts it again]")
+
+
+def _log_tail_lines(unit: dict, nw: int) -> list[str]:
+    """The last lines of a failed or restarting unit's log (``log_tail``), under its line as ``systemctl status``
+    quotes them, each cut to 200 characters."""
+    return [f"  {'':<{nw}} │ {line[:200]}" + ("…" if len(line) > 200 else "") for line in unit.get("log_tail") or ()]
 
 
 def _router_workers_text(rt: dict, mode: str = "pd") -> str:
@@ -630,14 +787,15 @@ def _router_workers_text(rt: dict, mode: str = "pd") -> str:
 
 def _status_text(st: dict) -> str:
     nothing = not st.get("deployed", True) and not st.get("applying")
-    unrecorded = nothing and any(r["state"] != "inactive" for r in st["roles"])
+    unrecorded = nothing and (any(r["state"] != "inactive" for r in st["roles"]) or bool(st.get("leftover"))
+                              or (st.get("router") or {}).get("state", "inactive") != "inactive")
     # (an apply toward another mode, running or unfinished: the roles below are its; the recorded mode goes first, as
     # the plan of the recorded spec starts from it)
     was = st.get("recorded_mode")
     mode = f"{was} → {st['mode']}" if st.get("applying") and was and was != st["mode"] else st["mode"]
     lines = [f"deployment {st['deployment']} ({mode}): "
-             + ("not deployed, yet units of it run (no journal here records them: `pdctl apply` restarts them to "
-                "prove them)" if unrecorded else
+             + ("not deployed, yet units of it run (no journal here records them: applying takes them over, a "
+                "topology change to confirm that `pdctl plan` shows)" if unrecorded else
                 "not deployed (`pdctl plan` shows what apply would start)" if nothing
                 else "healthy" if st["healthy"] else "NOT healthy")
              + ("" if nothing or st.get("matches_spec", True) else " [differs from this spec: see `pdctl plan`]")
@@ -657,20 +815,22 @@ def _status_text(st: dict) -> str:
             health += f" (its port is held by {r['port_silent_holder']})"
         lines.append(
             f"  {r['name']:<{nw}} {_state_word(r):<{sw}} pid {r['main_pid'] or '-':<8} health {health} "
-            f"restarts {r['restarts']}  {r['url']}" + _unsupervised(r)
-            + _START_LIMIT * (r.get("sub_state") == "start-limit-hit")
-            + _WATCHDOG_GONE * (r.get("sub_state") == "watchdog-gone")
+            f"restarts {r['restarts']}  {r['url']}" + _unsupervised(r) + _main_stopped(r)
+            + _START_LIMIT.format(name=r["name"]) * (r.get("sub_state") == "start-limit-hit")
+            + _WATCHDOG_GONE.format(name=r["name"]) * (r.get("sub_state") == "watchdog-gone")
         )
+        lines += _log_tail_lines(r, nw)
     if rt:
         lines.append(
             f"  {'router':<{nw}} {_state_word(rt):<{sw}} pid {rt['main_pid'] or '-':<8} readiness {rt.get('readiness') or 'down'}"
             + (_from_another_process(rt, own) if rt.get("readiness") and not rt.get("port_owned", True) else "")
             + f"  restarts {rt.get('restarts', 0)}  "
             + (", ".join(rt["listening"]) if rt.get("exposure_differs") else rt["exposure"]) + f"  workers: {_router_workers_text(rt, st.get('mode', 'pd'))}"
-            + _unsupervised(rt)
-            + _START_LIMIT * (rt.get("sub_state") == "start-limit-hit")
-            + _WATCHDOG_GONE * (rt.get("sub_state") == "watchdog-gone")
+            + _unsupervised(rt) + _main_stopped(rt)
+            + _START_LIMIT.format(name="router") * (rt.get("sub_state") == "start-limit-hit")
+            + _WATCHDOG_GONE.format(name="router") * (rt.get("sub_state") == "watchdog-gone")
         )
+        lines += _log_tail_lines(rt, nw)
         if rt.get("exposure_differs"):  # (where it listens is what the network sees; the topology's is the intent)
             public = [a for a in rt["listening"] if a.startswith(("0.0.0.0:", "[::]:"))]
             lines.append(f"  {'':<{nw}} it listens on {', '.join(rt['listening'])}"
@@ -693,6 +853,11 @@ def _status_text(st: dict) -> str:
     confirm = st.get("recorded_requires_confirmation")
     back = f"applying {recorded_spec} is a topology change to confirm (`pdctl plan` shows its id)"
     for u in st.get("leftover") or ():
+        if u.get("unrecorded"):
+            lines.append(f"  {u['name']:<{nw}} {u['state']:<{sw}} pid {u['main_pid'] or '-':<8} [installed here, but "
+                         "neither the journal nor this spec names it (a journal lost?): `pdctl down` stops and removes "
+                         "it with the rest]")
+            continue
         kept = "keeps it" if u["state"] in ("active", "activating") else "starts it again"
         lines.append(f"  {u['name']:<{nw}} {u['state']:<{sw}} pid {u['main_pid'] or '-':<8} [of the recorded deployment, "
                      f"which the unfinished apply drops: {back if confirm else f'applying {recorded_spec} {kept}'}; "
@@ -778,10 +943,10 @@ def down_cmd(
         if answer.strip().lower() not in ("y", "yes"):
             _err("nothing stopped")
             raise typer.Exit(ExitCode.OK)
-    global _interrupted_hint
-    again = f"pdctl down {spec}" + (f" --state-dir {state_dir}" if state_dir else "") + " --yes"
-    _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `{again}` again to "
-                         f"finish (`pdctl status {spec}` shows what still runs)")
+    global _interrupted_hint, _work_done
+    named = shlex.quote(str(spec)) + (f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else "")
+    _interrupted_hint = (f"interrupted: what is already stopped stays stopped; run `pdctl down {named} --yes` again to "
+                         f"finish (`pdctl status {named}` shows what still runs)")
     reporter = _Reporter(False)
     touched: list[str] = []  # the units it began stopping (or found stopped), from its events
 
@@ -794,10 +959,11 @@ def down_cmd(
     with _signals_as_interrupt():
         try:
             names = down(loaded, sink=_Sink())
+            _work_done = True  # (stopped and journalled: a Ctrl-C from here on changes nothing)
         except PdctlError as exc:
             if touched:  # (it had begun stopping units: a lost connection, say, cut it short)
                 exc.hint = ((exc.hint + "; ") if exc.hint else "") + (
-                    f"the down did not finish: what it stopped stays stopped; `{again}` again finishes it")
+                    f"the down did not finish: what it stopped stays stopped; `pdctl down {named} --yes` again finishes it")
             raise
     if names:  # the lines above say which were running (stopped) and which were not
         _err(f"removed {len(names)} unit(s) of {loaded.deployment.name!r}")
@@ -1127,9 +1293,9 @@ def _click_kinds() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and maps errors to exit codes."""
-    global _interrupted_step, _interrupted_hint, _terminated, _apply_entered, _apply_finished
-    _interrupted_step = _interrupted_hint = _terminated = None
-    _apply_entered = _apply_finished = False
+    global _interrupted_step, _interrupted_hint, _interrupted_apply, _terminated, _apply_entered, _work_done, _signalled
+    _interrupted_step = _interrupted_hint = _interrupted_apply = _terminated = None
+    _apply_entered = _work_done = _signalled = False
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     if not isinstance(sys.stdout, _PipeSafe):
         sys.stdout, sys.stderr = _PipeSafe(sys.stdout, "<stdout>"), _PipeSafe(sys.stderr, "<stderr>")
@@ -1173,7 +1339,7 @@ def main(argv: list[str] | None = None) -> None:
         _interrupted_before_the_command(args)
     if rc == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into Exit(130), which outside standalone mode comes back as rc
         during = f" during {_interrupted_step}" if _interrupted_step else ""
-        said = _interrupted_hint or _INTERRUPTED.replace("interrupted:", f"interrupted{during}:", 1)
+        said = _interrupted_hint or (_interrupted_apply or _INTERRUPTED).replace("interrupted:", f"interrupted{during}:", 1)
         by = {signal.SIGTERM: ("terminated (SIGTERM); ", ExitCode.TERMINATED),
               signal.SIGHUP: ("hung up (SIGHUP); ", ExitCode.HANGUP)}.get(_terminated, ("", rc))  # type: ignore[arg-type]
         _err(by[0] + said)
@@ -1293,6 +1459,7 @@ _SAID_WHEN_INTERRUPTED = {
     "plan": "interrupted: a plan changes nothing; run it again",
     "status": "interrupted: status only reads, it changes nothing; run it again",
     "chat": "interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); run it again",
+    "logs": "interrupted: logs only reads, it changes nothing",
 }
 """The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
 also while its command line is still being parsed."""
@@ -1306,3 +1473,13 @@ stays as it is … converge"); once running, down says its own (what is stopped 
 _APPLY_NOT_STARTED = "interrupted before the apply started: nothing was changed; run the same command again"
 _INTERRUPTED = ("interrupted: what already runs stays as it is (`pdctl status SPEC` shows it); run the same command "
                 "again to converge, or `pdctl down SPEC --yes` to stop it")
+"""An apply's line when interrupted (its spec unknown yet: :func:`_interrupted_apply_words` names it once read)."""
+
+
+def _interrupted_apply_words(spec: Path, state_dir: Path | None) -> str:
+    """:data:`_INTERRUPTED` with the apply's own spec (and ``--state-dir``) in its status and down commands, shell-quoted,
+    so that they can be pasted as they are, as down's line does."""
+    extra = f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
+    named = shlex.quote(str(spec)) + extra
+    return (f"interrupted: what already runs stays as it is (`pdctl status {named}` shows it); run the same command "
+            f"again to converge, or `pdctl down {named} --yes` to stop it")

@@ -12,15 +12,16 @@ code  name            meaning
                       or a saved plan that no longer matches the deployment
 3     STEP_FAILED     ``apply``: a state-machine step failed (a lost connection to the host included), or a
                       check refused the apply before its first step: a port or GPU used outside the
-                      deployment, a bind address, ``engine.python``, the router executable, a NUMA node or CPUs or
-                      the process supervisor's folder unusable on the host (the step is named on stderr)
+                      deployment, a bind address, ``engine.python``, the router executable, a NUMA node or CPUs,
+                      ``service_user`` or the process supervisor's folder unusable on the host (the step is named
+                      on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
 64    USAGE           bad command line
-129   HANGUP          ``apply``, ``down``, ``plan``, ``status``, ``chat``, the console: SIGHUP (the terminal or SSH
-                      session went away), handled like Ctrl-C
+129   HANGUP          ``apply``, ``down``, ``plan``, ``status``, ``chat``, ``logs``, the console: SIGHUP (the
+                      terminal or SSH session went away), handled like Ctrl-C
 130   INTERRUPTED     Ctrl-C; the console: quit during an apply that then stopped where it was
-143   TERMINATED      ``apply``, ``down``, ``plan``, ``status``, ``chat``: SIGTERM (``timeout``, a CI runner, a process
-                      manager), handled like Ctrl-C
+143   TERMINATED      ``apply``, ``down``, ``plan``, ``status``, ``chat``, ``logs``: SIGTERM (``timeout``, a CI
+                      runner, a process manager), handled like Ctrl-C
 ====  ==============  ==========================================================================
 
 It lives beside the CLI, not in the engine: the engine raises typed errors and never exits.

@@ -13,8 +13,9 @@ from typing import Any
 from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, JournalState
 from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 from pdctl.statemachine.topology import Topology
+from pdctl.units._manager import new_lines  # (the console's log view; re-exported)
 
-__all__ = ["StepView", "expected_states", "fmt_duration", "state_word", "step_views", "unit_names"]
+__all__ = ["StepView", "expected_states", "fmt_duration", "new_lines", "state_word", "step_views", "unit_names"]
 
 
 @dataclass(frozen=True)
@@ -112,21 +113,3 @@ def unit_names(topo: Topology) -> dict[str, str]:
     from pdctl.statemachine.service import unit_names as _u
 
     return _u(topo)
-
-
-def new_lines(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
-    """``(lines to append, reset)`` to turn a view showing the tail *old* into the tail *new*.
-
-    Both are the last N lines of a growing log; *new* is *old* shifted by the lines written since.
-    Finds the shift where ``old[d:] == new[:len(old) - d]``; when none fits (rotated or
-    truncated log), ``reset`` is True and everything in *new* is to be shown afresh."""
-    if not old:
-        return new, False
-    if old == new:
-        return (), False
-    n = len(old)
-    for d in range(n):
-        k = n - d
-        if k <= len(new) and old[d] == new[0] and old[d:] == new[:k]:
-            return new[k:], False
-    return new, True

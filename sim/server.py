@@ -1442,7 +1442,12 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(1)
 
     threading.Thread(target=starter, daemon=True, name="launch").start()
-    done.wait()
+    # (in short waits: a signal the kernel hands to another thread — which one takes a SIGTERM pending while the
+    # process was stopped, once SIGCONT wakes them all, is up to the scheduler — runs its Python handler only when the
+    # main thread next runs bytecode; a wait with no timeout never did, and the server ignored the SIGTERM until the
+    # SIGKILL. SGLang's main thread runs uvicorn's event loop, which a signal wakes through its wakeup fd)
+    while not done.wait(0.2):
+        pass
     sim.gracefully_exit = True
     deadline = time.monotonic() + 0.6
     while sim.running and time.monotonic() < deadline:

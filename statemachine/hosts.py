@@ -17,6 +17,7 @@ callers can tell "absent" from "broken". Nothing here prints, prompts or exits.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdctl.statemachine.errors import CommandFailed, CommandTimeout, HostError
@@ -74,6 +75,18 @@ class Host(ABC):
     def read_file(self, path: str) -> bytes:
         """The bytes of *path*. ``FileNotFoundError`` when absent (also where a file stands in place of one of its
         folders); :class:`HostError` when it cannot be read."""
+
+    def read_tail(self, path: str, max_bytes: int) -> bytes:
+        """The last *max_bytes* bytes of *path* (all of it when shorter): a log's end without reading the gigabytes a
+        server writes in weeks. Errors as :meth:`read_file`. This default reads the whole file; hosts override it."""
+        return self.read_file(path)[-max_bytes:] if max_bytes > 0 else b""
+
+    def read_from(self, path: str, offset: int, max_bytes: int) -> tuple[bytes, int]:
+        """``(data, size)``: *path*'s bytes from *offset* to its end, only the last *max_bytes* of them where there
+        are more, and its size now (``size < offset``: it was truncated since; ``b""`` then): what a log written on
+        since *offset* gained. Errors as :meth:`read_file`. This default reads the whole file; hosts override it."""
+        data = self.read_file(path)
+        return (data[max(offset, len(data) - max_bytes):] if offset <= len(data) and max_bytes > 0 else b""), len(data)
 
     @abstractmethod
     def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
@@ -247,10 +260,11 @@ class LocalHost(Host):
             )
         return res
 
-    def read_file(self, path: str) -> bytes:
+    @contextlib.contextmanager
+    def _reading(self, path: str) -> Iterator[None]:
+        """The errors of a read of *path* as :meth:`Host.read_file` names them."""
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            yield
         except FileNotFoundError:
             raise
         except NotADirectoryError:  # (a file where a folder of the path should be: absent, as over SFTP, which
@@ -258,6 +272,28 @@ class LocalHost(Host):
             raise FileNotFoundError(errno.ENOENT, f"{path} on {self.name}", path) from None
         except OSError as exc:
             raise HostError(f"cannot read {path} on {self.name}: {exc.strerror or exc}", host=self.name) from None
+
+    def read_file(self, path: str) -> bytes:
+        with self._reading(path), open(path, "rb") as f:
+            return f.read()
+
+    def read_tail(self, path: str, max_bytes: int) -> bytes:
+        if max_bytes <= 0:
+            return b""
+        with self._reading(path), open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:  # (size 0: a /proc or sysfs file, read to its end)
+                f.seek(size - max_bytes)
+            return f.read(max_bytes) if size else f.read()[-max_bytes:]
+
+    def read_from(self, path: str, offset: int, max_bytes: int) -> tuple[bytes, int]:
+        with self._reading(path), open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = max(offset, size - max_bytes)
+            if offset > size or max_bytes <= 0 or start >= size:
+                return b"", size
+            f.seek(start)
+            return f.read(size - start), size  # (what is written meanwhile is the next read's)
 
     def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         directory = os.path.dirname(os.path.abspath(path))

@@ -141,6 +141,10 @@ class JournalState:
     """How many applies completed with a ``deployed`` topology other than the one before (0 in journals from before
     2026-12-04): part of the plan id, so that a ``--confirm-topology`` id confirmed once does not confirm the same
     change again after the deployment went elsewhere and back (a command line replayed from a shell's history)."""
+    taken_down: Topology | None = None
+    """What was deployed when a ``pdctl down`` last took it all down (None: never, or a journal from before
+    2026-12-04): the next plan of a first deployment names how its topology differs from it."""
+    taken_down_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -156,6 +160,8 @@ class JournalState:
             "machine": dict(self.machine) if self.machine else None,
             "updated_at": self.updated_at,
             "generation": self.generation,
+            "taken_down": self.taken_down.model_dump(mode="json") if self.taken_down else None,
+            "taken_down_at": self.taken_down_at,
         }
 
     @classmethod
@@ -182,6 +188,8 @@ class JournalState:
             machine=dict(data["machine"]) if isinstance(data.get("machine"), dict) else None,
             updated_at=data.get("updated_at"),
             generation=int(data.get("generation") or 0),
+            taken_down=Topology.model_validate(data["taken_down"]) if data.get("taken_down") else None,
+            taken_down_at=data.get("taken_down_at"),
         )
 
 
@@ -226,6 +234,7 @@ class Journal:
         if self.recorded_as is not None:
             state.deployed = self.recorded_as(state.deployed) if state.deployed is not None else None
             state.target = self.recorded_as(state.target) if state.target is not None else None
+            state.taken_down = self.recorded_as(state.taken_down) if state.taken_down is not None else None
         if state.name != self.name and not (state.deployed or state.target or state.units):
             state.name = self.name  # another deployment's, taken down: nothing of it runs, so this one may start here
         if state.name != self.name:
@@ -242,8 +251,9 @@ class Journal:
     def _unreadable(self, exc: Exception) -> PdctlError:
         return PdctlError(
             f"journal {self.path} is not a readable pdctl journal ({type(exc).__name__}: {exc}); nothing was changed",
-            hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed; "
-                 f"the audit log {self.audit_path} says what ran)",
+            hint=f"restore it from a backup, or move it aside to start over (pdctl then takes nothing as deployed, and "
+                 f"the next apply must confirm taking over the units still installed; the audit log {self.audit_path} "
+                 "says what ran)",
         )
 
     def write(self, state: JournalState) -> JournalState:
@@ -266,8 +276,13 @@ class Journal:
         except OSError:  # not there yet (a first apply creates it), or not a readable folder
             return
         held = sorted(e.name for e in entries if e.is_dir() and Path(e.path, "journal.json").is_file())
-        if held:
+        try:  # (or the base of those bases: --state-dir given what XDG_STATE_HOME names, which holds pdctl/<name>)
+            held += sorted(e.name for _, e in zip(range(self._BASE_SCAN), os.scandir(self.dir / "pdctl"))
+                           if e.is_dir() and Path(e.path, "journal.json").is_file())
+            mine = self.dir / "pdctl" / self.name
+        except OSError:
             mine = self.dir / self.name
+        if held:
             raise PdctlError(
                 f"state directory {self.dir} has no journal of its own but holds the state directories of "
                 f"{', '.join(map(repr, held[:5]))}{' …' if len(held) > 5 else ''}: it is their base, not the "

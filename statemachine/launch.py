@@ -370,6 +370,7 @@ def services_for(
             readiness_python=s.python,
             part_of=target,
             log_path=logp(name),
+            user=dep.service_user,
         ))
     r = router_launch(dep)
     if r is not None:
@@ -397,6 +398,7 @@ def services_for(
             requires=tuple(unit_name(dep, n) for n, _, _ in dep.roles()),
             part_of=target,
             log_path=logp(name),
+            user=dep.service_user,
         ))
     return out
 

@@ -153,6 +153,9 @@ def run_steps(ctx: Context, steps: list[Step], sink: EventSink) -> StateMachine:
                 kind = "step_verified"
                 msg = f"{step.name}: verified — {proof.summary}"
         except (PdctlError, UnitsError) as exc:
+            probe = getattr(ctx.host, "probe_connection", None)
+            if probe is not None:  # (an HTTP probe through an SSH forward fails as refused when the connection died)
+                probe()
             lost = getattr(ctx.host, "connection_error", None)
             if lost is not None:
                 # the host stopped answering: say so, whatever operation tripped over it

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -107,6 +107,10 @@ class ResourceChange(_Frozen):
     apply is unfinished: what runs is what that apply started for its own spec, or its unit file differs from the
     running process (that apply rewrote it and had not restarted it). :attr:`changes` then compare the spec with what
     runs. None: what runs is the from side's."""
+    asked: str | None = None
+    """Why apply restarts this role (or the router) where nothing of it changed: the operator asked for it
+    (``pdctl apply --restart NAME``: new weights at the same path, an engine upgraded in place, a leak). None: not
+    asked, or restarted by the change itself."""
 
     @property
     def symbol(self) -> str:
@@ -210,8 +214,16 @@ class Plan(_Frozen):
     to_topology: Topology
     changes: tuple[ResourceChange, ...]
     topology_changes: tuple[str, ...]
+    unrecorded: tuple[str, ...] = ()
+    """With nothing recorded as deployed: this deployment's units installed here all the same (its journal moved
+    aside, deleted or replaced), whose topology no journal records. Applying takes them over, a topology change to
+    confirm: it stops and removes those the spec lacks, and rewrites and restarts the others. Part of the id."""
     spec_path: str | None = None
     """The spec the plan was made from (``pdctl apply PLANFILE`` re-reads it); not part of the id."""
+    since_down: str | None = None
+    """A first deployment's: how its topology differs from what ``pdctl down`` last took down (when, and the
+    differences in words); None: no such record, or the same topology. Not part of the id: the down confirmed
+    stopping that deployment, and a first deployment needs no confirmation of its own."""
     unsettled: str | None = None
     """Why ``pdctl apply`` has work although the plan may have no changes: an apply that did not finish or is running,
     or a unit that does not serve as proven (``pdctl plan`` fills it from the journal and ``status``); not part of
@@ -231,6 +243,10 @@ class Plan(_Frozen):
     """Why apply would refuse the spec's bind addresses (or its engine Python, or a unit file that systemd could not
     read back under its state directory) on the host when ``pdctl plan`` looked, with the fix: apply's own words
     (exit 3, nothing changed), one refusal a line; not part of the id. None: it would not, or not looked."""
+    ports_ephemeral: str | None = None
+    """The spec's ports that lie in the host's ephemeral range (``net.ipv4.ip_local_port_range``) and are not
+    reserved (``ip_local_reserved_ports``), in words with the range: any outbound connection may take one, and the
+    role then cannot start there; not part of the id, never refused. None: none, or not looked at."""
     secrets_refused: str | None = None
     """Why apply would refuse the spec's ``[secrets]`` in the environment ``pdctl plan`` ran in (an ``env:`` variable
     unset, a value empty), with the fix: apply's own words (exit 1, nothing changed); not part of the id. None: it
@@ -266,9 +282,10 @@ class Plan(_Frozen):
     def requires_confirmation(self) -> bool:
         """A change to a deployed topology needs an explicit, typed confirmation of this plan's id.
 
-        A first deployment (nothing deployed) alters no existing topology and needs none.
+        A first deployment (nothing deployed) alters no existing topology and needs none, unless units of the
+        deployment that no journal records run in its place (:attr:`unrecorded`): what they serve is unknown.
         """
-        return self.cls == "topology" and self.from_topology is not None
+        return self.cls == "topology" and (self.from_topology is not None or bool(self.unrecorded))
 
     def counts(self) -> tuple[int, int, int]:
         """``(to add, to change, to destroy)``; a replacement counts as one add and one destroy; a delete of what is
@@ -298,15 +315,18 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def plan_id_of(deployed: Topology | None, desired: Topology, generation: int = 0) -> str:
-    """Hash of both sides (canonical JSON, key order irrelevant) and of the journal's *generation* (how many applies
-    changed what is deployed, :attr:`JournalState.generation`): 16 hex digits of SHA-256. The same change planned
-    again after the deployment went elsewhere and back gets another id."""
+def plan_id_of(deployed: Topology | None, desired: Topology, generation: int = 0,
+               unrecorded: Collection[str] = ()) -> str:
+    """Hash of both sides (canonical JSON, key order irrelevant), of the journal's *generation* (how many applies
+    changed what is deployed, :attr:`JournalState.generation`) and of the *unrecorded* units taken over
+    (:attr:`Plan.unrecorded`): 16 hex digits of SHA-256. The same change planned again after the deployment went
+    elsewhere and back gets another id."""
     body = _canon(
         {
             "from": deployed.model_dump(mode="json") if deployed else None,
             "to": desired.model_dump(mode="json"),
             **({"generation": generation} if generation else {}),
+            **({"unrecorded": sorted(unrecorded)} if unrecorded else {}),
         }
     )
     return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -326,12 +346,21 @@ def _diff(prefix: str, before: Any, after: Any, cls: ChangeClass) -> list[AttrCh
 
 def _reach_free(deployment: dict) -> dict:
     """*deployment* without how pdctl reaches each host (journals before 2026-11-30 recorded ssh_user and
-    ssh_port there): changing them restarts nothing."""
+    ssh_port there), and each host's address as the machine it names (:func:`_machine`): changing them restarts
+    nothing."""
     hosts = deployment.get("hosts")
     if not isinstance(hosts, dict):
         return deployment
-    return {**deployment, "hosts": {k: {a: v for a, v in h.items() if a not in ("ssh_user", "ssh_port")}
+    return {**deployment, "hosts": {k: {a: _machine(v) if a == "address" else v for a, v in h.items()
+                                        if a not in ("ssh_user", "ssh_port")}
                                     if isinstance(h, dict) else h for k, h in hosts.items()}}
+
+
+def _machine(address: Any) -> Any:
+    """A host's address as the machine it names: every loopback name or address (``localhost``, ``127.0.0.1``,
+    ``::1``) is this one, so writing one for another moves nothing (helper-109: it replaced prefill and decode, a
+    topology change to confirm, on the same machine)."""
+    return "localhost" if isinstance(address, str) and _loopback(address) else address
 
 
 def _canonical_ip(host: Any) -> Any:
@@ -366,6 +395,7 @@ def _role_changes(old: RoleTopology, new: RoleTopology, *, entry_point: bool = F
     # the deployed router is exposed on; a server moved onto it takes the clients' port (exposure too).
     o, n = old.model_dump(mode="json"), new.model_dump(mode="json")
     o["http_host"] = _canonical_ip(o["http_host"])
+    o["address"], n["address"] = _machine(o["address"]), _machine(n["address"])
     if "numa_binding" not in o["settings"]:  # journals before 2026-11-30 did not record it: nothing to compare
         n["settings"].pop("numa_binding", None)
     else:
@@ -409,12 +439,20 @@ def _router_changes(orr: RouterTopology, nr: RouterTopology) -> list[AttrChange]
 
 
 def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int = 0, generation: int = 0,
-              not_running: Mapping[str, str] | None = None, runs: Mapping[str, Runs] | None = None) -> Plan:
+              not_running: Mapping[str, str] | None = None, runs: Mapping[str, Runs] | None = None,
+              unrecorded: Collection[str] = (), restart: Collection[str] = ()) -> Plan:
     """Compare *deployed* (None: nothing deployed) with *desired*. Pure; contacts nothing. *generation*: the journal's
     (:func:`plan_id_of`). *not_running*: role names
     (and ``router``) of *deployed* that do not run now, each with why (:data:`NOT_INSTALLED`, or its unit's state);
     *runs*: role names (and ``router``) of *desired* that an unfinished apply left running otherwise than *deployed*
-    says, each a :class:`Runs`: see the module docstring."""
+    says, each a :class:`Runs`: see the module docstring. *unrecorded*: with *deployed* None, the deployment's unit
+    names installed all the same (:attr:`Plan.unrecorded`). *restart*: role names (and ``router``) of *desired* to
+    restart although nothing of them changed (:attr:`ResourceChange.asked`; not part of the id); ``ValueError`` for
+    a name *desired* lacks."""
+    if unknown := not_restartable(desired, restart):
+        raise ValueError(f"cannot restart {', '.join(map(repr, unknown))}: deployment {desired.name!r} has no such role")
+    if runs and restart:  # (a restart asked of what an unfinished apply left running as the spec asks: restarted)
+        runs = {n: how for n, how in runs.items() if not (n in restart and how.kept is not None)}
     changes: list[ResourceChange] = []
     words: list[str] = []
     old_roles = {r.name: r for r in (deployed.roles if deployed else ())}
@@ -432,10 +470,11 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     if deployed is not None:
         wide = _diff("deployment", _reach_free(deployed.deployment), _reach_free(desired.deployment), "disruptive")
     wide_restarts = tuple(sorted(set(old_roles) & set(new_roles)))
-    # the router's unit carries every plain secret and runs under engine.python too (its readiness gate; sglang-router's
-    # executable): such a change restarts it as well (statemachine/launch.py, services_for)
+    # the router's unit carries every plain secret, runs under engine.python too (its readiness gate; sglang-router's
+    # executable) and as service_user: such a change restarts it as well (statemachine/launch.py, services_for)
     if (deployed is not None and deployed.router is not None and desired.router is not None
-            and any(c.path.startswith(("deployment.secrets", "deployment.engine.python")) for c in wide)):
+            and any(c.path.startswith(("deployment.secrets", "deployment.engine.python", "deployment.service_user"))
+                    for c in wide)):
         wide_restarts = (*wide_restarts, "router")
 
     for name in ordered(old_roles.keys() - new_roles.keys()):
@@ -523,7 +562,7 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
         if diffs:
             if any(d.path == "backend" for d in diffs):
                 words.append(f"KV transfer backend {ok.backend} → {nk.backend}")
-            restart = any(d.path != "bootstrap" for d in diffs)
+            link_restarts = any(d.path != "bootstrap" for d in diffs)
             pd_roles = tuple(r.name for r in desired.roles if r.kind in ("prefill", "decode"))
             changes.append(
                 ResourceChange(
@@ -531,8 +570,8 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
                     action="update",
                     cls=_worst(diffs),
                     changes=tuple(diffs),
-                    restarts=pd_roles if restart else (),
-                    reason="prefill and decode restart to change the link" if restart
+                    restarts=pd_roles if link_restarts else (),
+                    reason="prefill and decode restart to change the link" if link_restarts
                     else "the link is proven again over the new prefill set; no server restarts for it",
                     summary=nk.backend,
                 )
@@ -599,6 +638,8 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
 
     if runs:
         changes = _restarted_as_it_runs(deployed, desired, changes, runs)
+    if restart:
+        changes = _asked_restarts(desired, changes, restart)
 
     # Under systemd the router's unit Requires= the servers: stopping one to restart it stops the router as well
     # (units/_systemd.py), so a change that restarts a server restarts the router too, and says so. The process
@@ -619,8 +660,13 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     if deployed is not None and not_running:
         changes = _not_running(deployed, desired, changes, dict(not_running))
 
+    unrecorded = tuple(sorted(unrecorded)) if deployed is None else ()
+    if unrecorded:
+        changes, words = _taken_over(desired, changes, words, unrecorded)
+
     return Plan(
-        plan_id=plan_id_of(deployed, desired, generation),
+        plan_id=plan_id_of(deployed, desired, generation, unrecorded),
+        unrecorded=unrecorded,
         deployment=desired.name,
         from_serial=from_serial,
         generation=generation,
@@ -632,6 +678,36 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
 
 
 _ORDER = {"kv_link": 1, "router": 2, "deployment": 3, "console": 4}  # role.* first, as make_plan lists them
+
+UNRECORDED = ("installed here, but no journal records it (the journal moved aside, deleted or replaced?): what it "
+              "serves is unknown")
+"""Why a unit of :attr:`Plan.unrecorded` is named in a plan."""
+
+
+def _taken_over(desired: Topology, changes: list[ResourceChange], words: list[str],
+                unrecorded: tuple[str, ...]) -> tuple[list[ResourceChange], list[str]]:
+    """A first deployment's *changes* and topology *words* where units of the deployment that no journal records are
+    installed (*unrecorded*): each the spec lacks is a delete of its own (apply stops and removes it), each the spec
+    has again is restarted with the spec's definition, and the takeover is a topology change to confirm."""
+    prefix = f"pdctl-{desired.name}-"
+    names = {n: n.removeprefix(prefix).removesuffix(".service") for n in unrecorded}
+    wanted = {f"{prefix}{r.name}.service" for r in desired.roles} | ({f"{prefix}router.service"} if desired.router
+                                                                       else set())
+    out = [c.model_copy(update={"runs": f"unit {unit} is installed, but no journal records what it runs: apply "
+                                        "rewrites and restarts it"})
+           if (unit := f"{prefix}{c.address.removeprefix('role.')}.service") in unrecorded and c.action == "create"
+           else c for c in changes]
+    for unit in unrecorded:
+        if unit not in wanted:
+            out.append(ResourceChange(address=f"role.{names[unit]}", action="delete", cls="topology",
+                                      reason=f"unit {unit} is {UNRECORDED}", summary=f"unit {unit}: {UNRECORDED}"))
+    dropped = [u for u in unrecorded if u not in wanted]
+    kept = [u for u in unrecorded if u in wanted]
+    doing = ([f"stopping and removing {', '.join(dropped)}"] if dropped else []) \
+        + ([f"rewriting and restarting {', '.join(kept)} with this spec"] if kept else [])
+    said = (f"units of {desired.name!r} that no journal records are installed here ({', '.join(unrecorded)}): "
+            f"applying takes them over, {' and '.join(doing)}")
+    return out, [*words, said]
 
 
 def _not_running(deployed: Topology, desired: Topology, changes: list[ResourceChange],
@@ -707,6 +783,35 @@ def _restarted_as_it_runs(deployed: Topology | None, desired: Topology, changes:
     return out
 
 
+def not_restartable(desired: Topology, names: Collection[str]) -> list[str]:
+    """The names in *names* that are neither a role of *desired* nor ``router`` where it has one."""
+    known = {r.name for r in desired.roles} | ({"router"} if desired.router is not None else set())
+    return [n for n in names if n not in known]
+
+
+def _asked_restarts(desired: Topology, changes: list[ResourceChange], restart: Collection[str]) -> list[ResourceChange]:
+    """*changes* with a restart of each role (or the router) named in *restart* that they do not start, restart,
+    replace or remove already: an update of its own (:attr:`ResourceChange.asked`), in the plan's order."""
+    new = {r.name: r for r in desired.roles} | ({"router": desired.router} if desired.router else {})
+    out = list(changes)
+    for name in dict.fromkeys(restart):
+        address = "router" if name == "router" else f"role.{name}"
+        own = next((c for c in out if c.address == address), None)
+        if own is not None and own.action != "update" or any(name in c.restarts for c in out):
+            continue  # (created, replaced or removed by the plan, or restarted by a change already)
+        why = f"asked on the command line (--restart {name})"
+        if own is not None:  # (an update that restarts nothing: console settings never are a role's)
+            out[out.index(own)] = own.model_copy(update={"restarts": (*own.restarts, name), "asked": why,
+                                                         "cls": "disruptive" if own.cls == "in_place" else own.cls})
+            continue
+        want = new[name]
+        summary = want.describe() if isinstance(want, RoleTopology) else f"{want.impl} on {want.exposure}"
+        where = next((i for i, x in enumerate(out) if _ORDER.get(x.address, 0) > _ORDER.get(address, 0)), len(out))
+        out.insert(where, ResourceChange(address=address, action="update", cls="disruptive", restarts=(name,),
+                                         reason=why, summary=summary, asked=why))
+    return out
+
+
 def _kept_as_it_runs(desired: Topology, changes: list[ResourceChange],
                      runs: Mapping[str, Runs]) -> list[ResourceChange]:
     """*changes* with what apply keeps as an unfinished apply left it (:attr:`Runs.kept`): the create, update or
@@ -758,6 +863,10 @@ def render_text(plan: Plan) -> str:
         text += (f"\n\nWarning: the GPUs could not be checked for processes outside the deployment: "
                  f"{plan.gpus_unchecked}; `pdctl apply` looks again before its first step, and goes ahead with a "
                  "warning if it cannot tell either")
+    if plan.ports_ephemeral:
+        text += (f"\n\nWarning: {plan.ports_ephemeral}: any outbound connection on the host may take one, and its "
+                 "role then cannot start or restart there; reserve them (`sysctl net.ipv4.ip_local_reserved_ports`) "
+                 "or give the roles ports outside that range")
     if plan.binds_unusable:
         text += ("\n\nWarning: `pdctl apply` stops before its first step (exit 3, once any confirmation it needs is "
                  f"given): {plan.binds_unusable}")
@@ -844,7 +953,7 @@ def _render_changes(plan: Plan) -> str:
             lines.append(f"  # {c.address} is gone already{extra}: nothing left to destroy")
         elif c.not_running is not None and c.action == "create":
             lines.append(f"  # {c.address} will be {'set up' if c.address == 'kv_link' else 'started'} again{extra}")
-        elif c.runs is not None and c.action in ("create", "update"):
+        elif (c.runs is not None or c.asked is not None) and c.action in ("create", "update"):
             lines.append(f"  # {c.address} will be restarted{extra}")
         else:
             lines.append(f"  # {c.address} will be {verb[c.action]}{extra}")
@@ -859,6 +968,8 @@ def _render_changes(plan: Plan) -> str:
             lines.append(f"      does not run now: {c.not_running}")
         if c.runs is not None:
             lines.append(f"      runs now: {c.runs}")
+        if c.asked is not None:
+            lines.append(f"      asked: {c.asked}")
         for a in c.changes:
             mark = "  # forces replacement" if c.action == "replace" and a.cls == "topology" else ""
             lines.append(f"      ~ {a.path}: {format_value(a.before)} → {format_value(a.after)}{mark}")
@@ -880,4 +991,6 @@ def _render_changes(plan: Plan) -> str:
     first = plan.cls == "topology" and not plan.requires_confirmation
     lines.append(f"plan id: {plan.plan_id}   class: {plan.cls}"
                  + ("   (a first deployment: nothing deployed to alter, no --confirm-topology needed)" if first else ""))
+    if plan.since_down:
+        lines.append(f"note: {plan.since_down}")
     return "\n".join(lines)

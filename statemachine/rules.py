@@ -1237,6 +1237,13 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                      "set the devices in one place: kv_transfer.ucx_net_devices for every role, or each role's "
                      "env.UCX_NET_DEVICES (e.g. the NICs of its NUMA node) and no kv_transfer.ucx_net_devices")
 
+    # --- the account the roles run as --------------------------------------------------------------------
+    if dep.service_user is not None and dep.service_manager == "systemd-user":
+        err("service_user", f"service_user = {dep.service_user!r} cannot apply under systemd-user: a user manager "
+            "runs every unit as its own user, who runs pdctl",
+            'set service_manager = "systemd-system" (or "process") and run pdctl as root, or leave service_user '
+            "unset and run pdctl as that account")
+
     # --- executables: the units' first argument is an absolute path ---------------------------------------
     if dep.engine.python is not None and not dep.engine.python.startswith("/"):
         err("engine.python", f"{dep.engine.python!r} is not an absolute path: the units start it as their first "

@@ -19,11 +19,11 @@ from typing import Any
 
 from pdctl.statemachine.errors import HostError, RunCancelled
 from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, Journal, default_state_dir
-from pdctl.statemachine.plan import Plan, make_plan
+from pdctl.statemachine.plan import Plan, make_plan, not_restartable
 from pdctl.statemachine.rules import Finding, check
 from pdctl.statemachine.spec import Deployment, load_spec
 from pdctl.statemachine.topology import Topology, topology_of, with_legacy_secrets_bridged
-from pdctl.units import unsupervised_reason
+from pdctl.units import process_stopped, unsupervised_reason
 
 __all__ = ["Loaded", "journal_for", "load", "plan_spec"]
 
@@ -271,10 +271,11 @@ def runs_now(loaded: Loaded, state, *, host=None) -> dict:  # noqa: ANN001
     return out
 
 
-def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
+def plan_spec(loaded: Loaded, state=None, *, restart: Collection[str] = (), host=None) -> Plan:  # noqa: ANN001
     """The plan from what the journal says is deployed (:func:`plan_base`) to what the spec asks, told against what
     runs while an apply is unfinished and none runs now (:func:`not_running`, :func:`runs_now`: they ask the service
-    manager, and raise what that raises); *state*: the journal's, when the caller has read it already."""
+    manager, and raise what that raises); *state*: the journal's, when the caller has read it already; *restart*: as
+    :func:`apply`'s; *host*: the deployment's, where the caller holds it open (else connected to here)."""
     state = loaded.journal.read() if state is None else state
     desired = topology_of(loaded.deployment)
     base = plan_base(state, desired)
@@ -282,17 +283,61 @@ def plan_spec(loaded: Loaded, state=None) -> Plan:  # noqa: ANN001
     down: dict = {}
     runs: dict = {}
     if state.target is not None and _lock_holder(loaded) is None:
-        host = deployment_host(loaded.deployment)  # (one connection for every question)
+        the_host = host or deployment_host(loaded.deployment)  # (one connection for every question)
         try:
-            base = plan_base(state, desired, running_units(loaded, state, host=host))
-            down = not_running(loaded, state, base, host=host)
-            runs = runs_now(loaded, state, host=host)
+            base = plan_base(state, desired, running_units(loaded, state, host=the_host))
+            down = not_running(loaded, state, base, host=the_host)
+            runs = runs_now(loaded, state, host=the_host)
         finally:
-            host.close()
+            if host is None:
+                the_host.close()
     elif state.target is None and state.deployed is not None:
         runs = rendered_otherwise(loaded, state, make_plan(base, desired, from_serial=state.serial,
-                                                           generation=state.generation))
-    return make_plan(base, desired, from_serial=state.serial, generation=state.generation, not_running=down, runs=runs)
+                                                           generation=state.generation, restart=restart))
+    unrecorded = unrecorded_units(loaded, state, host=host) if state.deployed is None and state.target is None else ()
+    plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation, not_running=down, runs=runs,
+                     unrecorded=unrecorded, restart=restart)
+    return plan.model_copy(update={"since_down": since_down(state, desired)}) if base is None else plan
+
+
+def since_down(state, desired: Topology) -> str | None:  # noqa: ANN001
+    """:attr:`~pdctl.statemachine.plan.Plan.since_down` for a first deployment of *desired*: the topology changes
+    from what ``pdctl down`` last took down (``state.taken_down``) in words, or None where there is no such record or
+    none differs. (helper-109: after `down --yes`, a PD deployment's name was applied as one server on every interface
+    with nothing said.)"""
+    if state.deployed is not None or state.target is not None or state.taken_down is None:
+        return None
+    words = make_plan(state.taken_down, desired).topology_changes
+    if not words:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.taken_down_at)) if state.taken_down_at else "?"
+    return (f"{desired.name!r} was deployed otherwise until `pdctl down` took it down at {when}; against that, this "
+            f"spec changes the topology: {'; '.join(words)}")
+
+
+def unrecorded_units(loaded: Loaded, state, *, host=None) -> tuple[str, ...]:  # noqa: ANN001
+    """With nothing recorded as deployed and no apply unfinished: the deployment's services installed all the same
+    under its service manager here (its state directory's supervisor, or systemd's unit folder), which no journal
+    records (:attr:`~pdctl.statemachine.plan.Plan.unrecorded`); ``()`` otherwise, or where the host or its manager
+    cannot be asked (apply then fails on that itself). Asks *host* (else the spec's: connects)."""
+    if state.deployed is not None or state.target is not None:
+        return ()
+    from pdctl.statemachine import launch
+    from pdctl.statemachine.errors import PdctlError
+
+    dep = loaded.deployment
+    try:
+        the_host = host or deployment_host(dep)
+    except OSError:
+        return ()
+    try:
+        manager = launch.manager_for(dep, the_host, state_dir=str(loaded.journal.dir))
+        return tuple(manager.installed_units_of(dep.name))
+    except (OSError, PdctlError):
+        return ()
+    finally:
+        if host is None:
+            the_host.close()
 
 
 def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN001
@@ -331,23 +376,26 @@ def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN0
     return out
 
 
-def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
+def runtime_drift(loaded: Loaded, recorded=None, *, host=None) -> tuple[list[str], list[str]]:  # noqa: ANN001
     """What of a deployed topology does not serve now (from :func:`status`), one phrase per role, as ``(lasting,
     answers)``: *lasting* a unit not running, unsupervised, or its port answered by another process (apply has work);
     *answers* only a failed ``/health`` or ``/readiness`` probe of a running unit, which a busy server can give for a
     while (SGLang's ``/health`` runs a one-token generation: ``shared/reference/sglang-pd.md``). Both empty when all
     serve or nothing is deployed. Raises what :func:`status` raises (a host or service manager that cannot be
     asked: HostError, ManagerUnavailable…), never "all serve" for it. *recorded*: the journal's state, when the caller
-    has read it already."""
+    has read it already; *host*: as :func:`status`'s."""
     if (loaded.journal.read() if recorded is None else recorded).deployed is None:
         return [], []
-    st = status(loaded)
+    st = status(loaded, host=host)
     lasting: list[str] = []
     answers: list[str] = []
     for r in st["roles"]:
         foreign = bool(r["health"]) and not r.get("port_owned", True)
         if not r.get("supervised", True):
             lasting.append(f"{r['name']} UNSUPERVISED (its supervisor is {unsupervised_reason(r.get('sub_state'))})")
+        elif r.get("main_stopped"):  # (no probe would answer while it is stopped, and apply restarts it)
+            lasting.append(f"{r['name']}'s main process (PID {r['main_pid']}) is stopped (kill -STOP?): apply restarts "
+                           "it")
         elif r["state"] != "active" or foreign:
             lasting.append(f"{r['name']} {r['state']}, health {r['health'] or 'down'}" + (
                 " (from its own process, whose supervisor's files are gone)" if foreign and r.get("port_orphaned")
@@ -371,6 +419,8 @@ def runtime_drift(loaded: Loaded, recorded=None) -> tuple[list[str], list[str]]:
     rt = st.get("router")
     if rt and not rt.get("supervised", True):
         lasting.append(f"router UNSUPERVISED (its supervisor is {unsupervised_reason(rt.get('sub_state'))})")
+    elif rt and rt.get("main_stopped"):
+        lasting.append(f"the router's main process (PID {rt['main_pid']}) is stopped (kill -STOP?): apply restarts it")
     elif rt and rt["state"] != "active":
         lasting.append(f"router {rt['state']}, readiness {rt.get('readiness') or 'down'}")
     elif rt and rt.get("mismatches_lasting"):
@@ -400,10 +450,10 @@ class Unsettled:
     kept: tuple[str, ...] = ()
 
 
-def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: ANN001
+def plan_unsettled(loaded: Loaded, recorded, plan: Plan, *, host=None) -> Unsettled:  # noqa: ANN001
     """What ``pdctl plan`` and the console say beside *plan* (made from *recorded*, the journal's state): see
     :class:`Unsettled`. Reads the lock, and for a settled journal what runs (:func:`runtime_drift`, whose errors it
-    raises)."""
+    raises, on *host* as :func:`status` does)."""
     holder = loaded.journal.held_by()
     if holder is not None:  # an apply or down runs now: its journal target is work in progress, not a failure
         what = f"`pdctl {holder.get('purpose') or 'apply'}`"
@@ -426,7 +476,7 @@ def plan_unsettled(loaded: Loaded, recorded, plan: Plan) -> Unsettled:  # noqa: 
                      if c.kept is not None and c.action in ("update", "replace"))
         return Unsettled("unfinished", "an earlier apply" + (" toward another spec" if other else "") + " did not "
                          "finish, so what runs may be partly what it was applying", tuple(notes), kept)
-    drift, answers = runtime_drift(loaded, recorded)
+    drift, answers = runtime_drift(loaded, recorded, host=host)
     notes = ()
     if drift or answers:
         notes = (f"the plan compares the spec with what was deployed, but what runs no longer serves as proven: "
@@ -453,8 +503,9 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
     (:func:`~pdctl.statemachine.steps.gpus_held_elsewhere`; None on a host without nvidia-smi); ``binds_unusable``,
     why apply would refuse the spec's bind addresses or engine Python (:func:`~pdctl.statemachine.steps.
     bind_addresses_unusable`'s refusal and hint, in words), a router executable that is not one there
-    (:func:`~pdctl.statemachine.steps.router_executable_unusable`) or a NUMA node the host lacks
-    (:func:`~pdctl.statemachine.steps.numa_nodes_missing`), one refusal a line; None: it would not. *recorded*: the
+    (:func:`~pdctl.statemachine.steps.router_executable_unusable`), a NUMA node the host lacks
+    (:func:`~pdctl.statemachine.steps.numa_nodes_missing`) or a ``service_user`` it cannot run the roles as
+    (:func:`~pdctl.statemachine.steps.service_user_unusable`), one refusal a line; None: it would not. *recorded*: the
     journal's state.
     Reads ``/proc``, runs nvidia-smi and one probe on the deployment's host (*host*, else the spec's: one connection
     for all) and asks its service manager; raises what they raise (HostError, ManagerUnavailable…). Changes
@@ -465,8 +516,11 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
         gpus_held_elsewhere,
         numa_nodes_missing,
         ports_held_elsewhere,
+        ports_in_ephemeral_range,
         router_executable_unusable,
+        running_from_another_state_dir,
         service_manager_changed,
+        service_user_unusable,
         unit_files_not_pdctls,
         units_of_another_deployment,
     )
@@ -488,7 +542,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
             except ApplyFailed as exc:
                 return {"ports_held": (), "gpus_held": None, "gpus_unchecked": "not checked: " + exc.message,
                         "binds_unusable": exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")}
-            own = own_units(recorded, desired)
+            own = own_units(recorded, desired) | set(unrecorded_units(loaded, recorded, host=the_host))
             held = tuple(ports_held_elsewhere(ctx, own))
             try:
                 gpus, gpus_unchecked = gpus_held_elsewhere(ctx, own), None
@@ -498,13 +552,15 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
             # (each a refusal of its own before apply's first step, exit 3; a NUMA node the host lacks was found
             # only by apply, after the operator had confirmed the plan)
             for refuse in (units_of_another_deployment, unit_files_not_pdctls, bind_addresses_unusable,
-                           router_executable_unusable, numa_nodes_missing):
+                           router_executable_unusable, numa_nodes_missing, service_user_unusable,
+                           running_from_another_state_dir):
                 try:
                     refuse(ctx)
                 except ApplyFailed as exc:
                     refusals.append(exc.message + (f"\n  hint: {exc.hint}" if exc.hint else ""))
             return {"ports_held": held, "gpus_held": None if gpus is None else tuple(gpus),
-                    "gpus_unchecked": gpus_unchecked, "binds_unusable": "\n".join(refusals) or None}
+                    "gpus_unchecked": gpus_unchecked, "binds_unusable": "\n".join(refusals) or None,
+                    "ports_ephemeral": ports_in_ephemeral_range(ctx)}
         finally:
             ctx.client.close()
     finally:
@@ -513,7 +569,7 @@ def host_warnings(loaded: Loaded, recorded, *, host=None) -> dict[str, Any]:  # 
 
 
 def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
-                     catch: tuple[type[Exception], ...] | None = None,
+                     catch: tuple[type[Exception], ...] | None = None, host=None,  # noqa: ANN001
                      ) -> tuple[dict[str, Any], str | None]:
     """:func:`host_warnings` for the warnings after a plan (``pdctl plan``, the console's plan tab), and
     ``secrets_refused`` (:func:`~pdctl.statemachine.launch.resolve_secrets`'s refusal, in words) where apply would
@@ -521,7 +577,7 @@ def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
     (:func:`_unit_files_refusal`): ``(fields, None)``, or (only those two fields, *why*) where the host or its
     service manager cannot be asked (*catch*: the errors that say so, by
     default PdctlError, UnitsError and OSError): a warning is not worth failing the plan over, and apply checks again
-    before its first step. *why* is a sentence for people."""
+    before its first step. *why* is a sentence for people. Asks *host* (else the spec's: connects)."""
     from pdctl.statemachine.errors import PdctlError
     from pdctl.units import UnitsError
 
@@ -535,7 +591,7 @@ def plan_host_checks(loaded: Loaded, recorded, *,  # noqa: ANN001
         refused = {"secrets_refused": exc.message + (f"\n  hint: {exc.hint}" if exc.hint else "")}
     unrenderable = _unit_files_refusal(loaded)  # (no host involved either: the state directory's path)
     try:
-        fields = host_warnings(loaded, recorded)
+        fields = host_warnings(loaded, recorded, host=host)
     except catch or expected as exc:
         said = getattr(exc, "message", None) or (str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}")
         return {**refused, **({"binds_unusable": unrenderable} if unrenderable else {})}, (
@@ -575,9 +631,23 @@ class ApplyResult:
     steps: dict[str, dict]
 
 
+def _stale(saved: Plan, why: str, *, hint: str = "make a new plan with `pdctl plan SPEC -o FILE` and review it"):  # noqa: ANN202
+    """Apply's refusal of the saved plan *saved*: ``saved plan <id> <why>; nothing was changed``."""
+    from pdctl.statemachine.errors import StalePlanError
+
+    return StalePlanError(f"saved plan {saved.plan_id} {why}; nothing was changed", plan_id=saved.plan_id, hint=hint)
+
+
 def _resolve_confirmation(plan: Plan, confirm: str | None) -> None:
     from pdctl.statemachine.errors import TopologyNotConfirmed
 
+    if confirm is not None and not confirm.strip():  # (`--confirm-topology ""`: an unset variable in a script)
+        raise TopologyNotConfirmed(
+            "--confirm-topology was given an empty plan id; nothing was changed",
+            plan_id=plan.plan_id,
+            hint=(f"give the id `pdctl plan` prints (this plan's: {plan.plan_id})" if plan.requires_confirmation
+                  else "drop --confirm-topology: this plan changes no topology"),
+        )
     if not plan.requires_confirmation:
         if confirm is not None and confirm != plan.plan_id and plan.has_changes:
             # the operator confirmed a topology change this spec no longer asks (or a typo): what they reviewed is
@@ -669,12 +739,63 @@ def unit_names(topo) -> dict[str, str]:  # noqa: ANN001
     return out
 
 
+class RoleLogs:
+    """The log lines of a deployment's roles and router, read through the service manager its units run under (the
+    journal's record, else the spec's), on its host, which stays open between reads (``pdctl logs --follow`` reads
+    again every second). ``units``: role name (``router`` for the router) → unit name, in the deployment's order, of
+    what the journal's target (an apply running or unfinished) or else its recorded deployment has, else of the spec;
+    ``deployed``: whether the journal records either. Raises as :func:`status` does for a journal written on another
+    machine (``PlanError``) and for a host that cannot be reached (``HostError``). Use as a context manager."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        from pdctl.statemachine import launch
+
+        self.host = deployment_host(loaded.deployment)
+        try:
+            _can_run_commands(loaded.deployment, self.host)  # (a nologin ssh_user: said once, by its field)
+            state = loaded.journal.read()
+            if state.machine:  # (another machine's units: nothing of them here, or some other deployment's)
+                refuse_another_machine(loaded, state, machine_of(self.host), "reading its logs")
+            self.deployed = state.target is not None or state.deployed is not None
+            self.units = unit_names(state.target or state.deployed or topology_of(loaded.deployment))
+            self.manager = launch.manager_for(as_recorded_manager(loaded.deployment, state), self.host,
+                                              state_dir=str(loaded.journal.dir))
+        except BaseException:
+            self.host.close()
+            raise
+
+    def lines(self, role: str, n: int) -> list[str]:
+        """The last *n* lines *role*'s unit wrote (stdout and stderr, under systemd its journal), oldest first; ``[]``
+        where it wrote none (not started, or under the process supervisor taken down: its folder is gone). Raises
+        ``KeyError`` for a role the deployment lacks and ``HostError`` where the host cannot be read."""
+        return self.manager.logs(self.units[role], lines=n)
+
+    def follow(self, role: str, mark: object, n: int) -> tuple[list[str], object, bool]:
+        """One read of *role*'s log being followed (:meth:`~pdctl.units.ServiceManager.follow_logs`): ``(lines,
+        mark, missed)``; *mark* None the first time, then the one the last read returned."""
+        return self.manager.follow_logs(self.units[role], mark, lines=n)
+
+    def installed(self, role: str) -> bool:
+        """Whether *role*'s unit is installed on the host now."""
+        return self.manager.installed_text(self.units[role]) is not None
+
+    def close(self) -> None:
+        self.host.close()
+
+    def __enter__(self) -> RoleLogs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     """The command that builds and verifies pdctl's kernels for *dep* on its GPU host, and the
     manifest it writes (``<SGLANG_CACHE_DIR>/pdctl-kernels-manifest.json``). Shapes follow the
     deployment: local MLA heads = 128 / the decode group's attention-TP size (TP / attention-DP: SGLang 0.5.23
     ``dsa_backend.py`` takes ``num_attention_heads // attn_tp_size``), the KV format from the kv-cache dtype, the max
-    context from the model's context length. Prefill runs SGLang's own kernels (the plugin routes decode only)."""
+    context from the model's context length. Prefill runs SGLang's own kernels (the plugin routes decode only).
+    With ``service_user`` it runs as that account (util-linux ``runuser -u``; pdctl runs as root then)."""
     from pdctl.statemachine import launch
 
     cache = launch._cache_dir(dep)
@@ -684,6 +805,8 @@ def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     cmd = [launch.python_for(dep), "-m", "pdctl.kernels", "build", "--cache-dir", cache, "--heads", *map(str, heads), "--kv-formats", fmt]
     if dep.model.context_length:
         cmd += ["--max-context", str(dep.model.context_length)]
+    if dep.service_user is not None:  # (as the servers that extend its Triton cache: their files, not root's)
+        cmd = ["runuser", "-u", dep.service_user, "--", *cmd]
     return cmd, os.path.join(cache, "pdctl-kernels-manifest.json")
 
 
@@ -722,7 +845,7 @@ def _client_for(host, client):  # noqa: ANN001, ANN202
 
 
 def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, restart: set[str] | None = None,  # noqa: ANN001, ANN201
-                  host=None):  # noqa: ANN001
+                  host=None, asked: Collection[str] = ()):  # noqa: ANN001
     """Everything the steps need for *loaded* on its host (this machine, or one reached over SSH)."""
     from pdctl.statemachine import launch
     from pdctl.statemachine.steps import Context, Timeouts
@@ -745,6 +868,7 @@ def build_context(loaded: Loaded, *, sink=None, timeouts=None, client=None, rest
         journal=loaded.journal,
         journal_state=loaded.journal.read(),
         restart=set(restart or ()),
+        asked=set(asked),
         timeouts=timeouts or Timeouts(),
         kernels_command=kcmd,
         kernels_manifest=kmanifest,
@@ -761,8 +885,13 @@ def apply(
     sink=None,  # noqa: ANN001
     timeouts=None,  # noqa: ANN001
     client=None,  # noqa: ANN001
+    restart: Collection[str] = (),
 ) -> ApplyResult:
     """Plan, check the confirmation, then drive the state machine to the last state.
+
+    *restart*: roles (and ``router``) to restart although nothing of them changed (``--restart``; ``ValueError`` for
+    a name the spec lacks, or with a *saved_plan*, which restarts those it was made with), each proven again as any
+    restarted role is.
 
     Holds the deployment's lock throughout (:class:`LockHeld` if taken). A topology change needs
     ``confirm == plan.plan_id`` (:class:`TopologyNotConfirmed` otherwise, before anything changes).
@@ -787,7 +916,9 @@ def apply(
         numa_nodes_missing,
         ports_taken_elsewhere,
         router_executable_unusable,
+        running_from_another_state_dir,
         service_manager_changed,
+        service_user_unusable,
         steps_for,
         unit_files_not_pdctls,
         unit_files_unrenderable,
@@ -797,6 +928,15 @@ def apply(
     sink = sink or NullSink()
     j = loaded.journal
     ctx = None
+    if restart and saved_plan is not None:
+        raise ValueError("a saved plan applies what it holds: --restart goes with a spec")
+    if saved_plan is not None:  # (the restarts it was made with, which the plan made again here must hold too)
+        restart = tuple("router" if c.address == "router" else c.address.removeprefix("role.")
+                        for c in saved_plan.changes if c.asked is not None)
+    if unknown := not_restartable(topology_of(loaded.deployment), restart):  # (before the lock: nothing created)
+        if saved_plan is not None:
+            raise _stale(saved_plan, f"restarts {', '.join(map(repr, unknown))}, which the spec no longer has")
+        raise ValueError(f"cannot restart {', '.join(map(repr, unknown))}: the spec has no such role")
     if saved_plan is not None and saved_plan.to_topology.name != loaded.deployment.name:
         # (before the lock: the renamed spec's state directory is another deployment's, which this creates nothing in)
         raise StalePlanError(
@@ -813,47 +953,50 @@ def apply(
     with j.lock("apply"), contextlib.ExitStack() as opened:
         state = j.read()
         desired = topology_of(loaded.deployment)
-        # (the host is needed this early only to see what an unfinished apply left running, as `pdctl plan` does)
+        # (the host is needed this early only to see what an unfinished apply left running, or with nothing recorded
+        # what units of the deployment are installed all the same, as `pdctl plan` does)
         host = opened.enter_context(contextlib.closing(deployment_host(loaded.deployment))) \
-            if state.target is not None else None
+            if state.target is not None or state.deployed is None else None
         base = plan_base(state, desired, running_units(loaded, state, host=host))
         plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation,
                          not_running=not_running(loaded, state, base, host=host),
-                         runs=runs_now(loaded, state, host=host))
+                         runs=runs_now(loaded, state, host=host),
+                         unrecorded=unrecorded_units(loaded, state, host=host) if host is not None else (),
+                         restart=restart)
         if state.target is None and state.deployed is not None:  # (as `pdctl plan` lists them)
             plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation,
-                             runs=rendered_otherwise(loaded, state, plan))
+                             runs=rendered_otherwise(loaded, state, plan), restart=restart)
         if saved_plan is not None:
             if saved_plan.from_topology != base:
-                raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} changes a deployment other than the one recorded now (what it "
-                    f"starts from is no longer what is deployed; made at journal serial {saved_plan.from_serial}, "
-                    f"now {state.serial}); nothing was changed",
-                    plan_id=saved_plan.plan_id,
-                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
-                )
+                raise _stale(saved_plan, "changes a deployment other than the one recorded now (what it starts from "
+                                         "is no longer what is deployed; made at journal serial "
+                                         f"{saved_plan.from_serial}, now {state.serial})")
             if saved_plan.generation != state.generation:
                 # (the same two topologies, yet applies changed what was deployed and back since: its id, which a
                 # confirmation names, is of that earlier generation; the file was not edited)
-                raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} was made before the deployment last changed (applies since "
-                    f"changed what is deployed and back; made at journal serial {saved_plan.from_serial}, now "
-                    f"{state.serial}); nothing was changed",
-                    plan_id=saved_plan.plan_id,
-                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
-                )
+                raise _stale(saved_plan, "was made before the deployment last changed (applies since changed what is "
+                                         f"deployed and back; made at journal serial {saved_plan.from_serial}, now "
+                                         f"{state.serial})")
             if saved_plan.to_topology != desired:
                 # (what the spec now asks otherwise, by setting: "topology" read as a topology change for an edit of
                 # context_length)
-                differ = make_plan(saved_plan.to_topology, desired).changes
-                edited = [f"{c.address}.{a.path}" for c in differ for a in c.changes] or [c.address for c in differ]
+                edit = make_plan(saved_plan.to_topology, desired)
+                edited = [f"{c.address}.{a.path}" for c in edit.changes for a in c.changes] \
+                    or [c.address for c in edit.changes]
                 shown = (", ".join(edited[:6]) + (", …" if len(edited) > 6 else "")) or "its settings"
+                # (a topology the edit changes first, in words: it said "router.prefill, router.decode … differ" of a
+                # PD spec swapped for a single server)
+                words = "; ".join(edit.topology_changes)
                 raise StalePlanError(
-                    f"the spec was edited since saved plan {saved_plan.plan_id} was made from it ({shown} differ); "
-                    "nothing was changed",
+                    f"the spec was edited since saved plan {saved_plan.plan_id} was made from it ("
+                    + (f"it changes the topology: {words}; " if words else "") + f"{shown} differ); nothing was changed",
                     plan_id=saved_plan.plan_id,
                     hint="make a new plan from the current spec with `pdctl plan SPEC -o FILE` and review it",
                 )
+            if saved_plan.unrecorded != plan.unrecorded:
+                raise _stale(saved_plan, "was made when other units of the deployment that no journal records were "
+                                         f"installed here ({', '.join(saved_plan.unrecorded) or 'none'}; now: "
+                                         f"{', '.join(plan.unrecorded) or 'none'})")
             # the changes its two topologies make, as `plan -o` wrote them: with what an unfinished apply left
             # running noted on them (kept, not running, runs otherwise) when it was made while one was, without when
             # not. A plan saved before an apply that was then interrupted is what was reviewed: the notes are added
@@ -867,23 +1010,15 @@ def apply(
             elif noted and _without_notes(saved_plan) == _without_notes(plan):
                 # made while an apply was unfinished, and what that one left running has changed since (another
                 # apply went further, a unit stopped): the changes are the same, their notes no longer hold
-                raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} was made while an apply was unfinished, and what runs has "
-                    f"changed since (made at journal serial {saved_plan.from_serial}, now {state.serial}); nothing "
-                    "was changed",
-                    plan_id=saved_plan.plan_id,
-                    hint="make a new plan with `pdctl plan SPEC -o FILE` and review it",
-                )
+                raise _stale(saved_plan, "was made while an apply was unfinished, and what runs has changed since "
+                                         f"(made at journal serial {saved_plan.from_serial}, now {state.serial})")
             else:
                 # the topologies are the recorded and the specified ones, yet the changes (their classes, and so
                 # whether a confirmation is needed) are not those the two make: the file was edited after `plan -o`
-                raise StalePlanError(
-                    f"saved plan {saved_plan.plan_id} does not hold the changes its two topologies make (the file "
-                    "was edited after `pdctl plan -o`?); nothing was changed",
-                    plan_id=saved_plan.plan_id,
-                    hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that file "
-                         "unedited",
-                )
+                raise _stale(saved_plan, "does not hold the changes its two topologies make (the file was edited "
+                                         "after `pdctl plan -o`?)",
+                             hint="make the plan again with `pdctl plan SPEC -o FILE`, review it, and apply that "
+                                  "file unedited")
             # what was reviewed, as computed here: whether it needs a confirmation is never read from the file
         if expect_plan is not None and expect_plan != plan.plan_id:
             reason = (f"the plan changed since it was shown: it was {expect_plan} and is now {plan.plan_id} (the "
@@ -903,7 +1038,10 @@ def apply(
             sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
                             data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts(),
                                   "warnings": [w.to_json() for w in loaded.warnings]}))
-            j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path))
+            j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path),
+                    **({"restart": list(restart)} if restart else {}))  # (asked for: the plan id does not say it)
+            if base is None and (said := since_down(state, desired)):
+                sink.emit(Event("info", f"note: {said}", data={"plan_id": plan.plan_id}))
             try:
                 _resolve_confirmation(plan, confirm)
             except Exception as exc:
@@ -920,12 +1058,14 @@ def apply(
                 raise
             # (what an unfinished apply left running as the spec asks is kept: the plan restarts none of it)
             restart = set(plan.restarts())
-            ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host)
+            ctx = build_context(loaded, sink=sink, timeouts=timeouts, client=client, restart=restart, host=host,
+                                asked={"router" if c.address == "router" else c.address.removeprefix("role.")
+                                       for c in plan.changes if c.asked is not None})
             if client is None:
                 opened.callback(ctx.client.close)
             unfinished = state.target  # an interrupted apply's target: its roles may run too
             # ...and refuse ports held outside this deployment (its current, target and interrupted roles' units).
-            own = own_units(state, desired)
+            own = own_units(state, desired) | set(plan.unrecorded)  # (their processes: stopped or restarted here)
             try:
                 service_manager_changed(ctx)
                 unit_files_unrenderable(ctx)
@@ -934,9 +1074,11 @@ def apply(
                 bind_addresses_unusable(ctx)
                 router_executable_unusable(ctx)
                 numa_nodes_missing(ctx)
+                service_user_unusable(ctx)
                 _stop_orphaned(ctx.manager, state, sink)  # (the plan restarts them: its unit files are written back)
                 ports_taken_elsewhere(ctx, own)
                 gpus_taken_elsewhere(ctx, own)
+                running_from_another_state_dir(ctx)  # (after the ports: a port it holds is named as such first)
             except StepError as exc:
                 j.audit("apply-refused", plan_id=plan.plan_id, reason=str(exc))
                 sink.emit(Event.apply_failed(exc, started=False))
@@ -950,7 +1092,8 @@ def apply(
             keep = set(unit_names(desired).values())
             state.removing = sorted({u for u in state.removing if u not in keep}
                                     | {u for t in (state.deployed, unfinished) if t is not None
-                                       for u in unit_names(t).values() if u not in keep})
+                                       for u in unit_names(t).values() if u not in keep}
+                                    | {u for u in plan.unrecorded if u not in keep})  # (confirmed: taken over)
             state.target = desired
             state.plan_id = plan.plan_id
             state.machine = here or state.machine
@@ -1000,13 +1143,24 @@ def _stopped_of(manager, units) -> list[str]:  # noqa: ANN001
     which then runs on, and ``apply_interrupted`` said it "was stopped for the restart"."""
     out = []
     for unit in sorted(units):
-        try:
-            runs = manager.status(unit).state in ("active", "activating", "reloading")
-        except Exception:  # noqa: BLE001  (a host that cannot be asked now: said as possibly stopped)
-            runs = False
+        # (the stop may have begun: a supervisor that got its SIGTERM says so within its poll, systemd at once; a
+        # moment is waited for that, bounded, before calling the unit still running)
+        deadline = time.monotonic() + STOP_SETTLE_S
+        while True:
+            try:
+                runs = manager.status(unit).state in ("active", "activating", "reloading")
+            except Exception:  # noqa: BLE001  (a host that cannot be asked now: said as possibly stopped)
+                runs = False
+            if not runs or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
         if not runs:
             out.append(unit)
     return out
+
+
+STOP_SETTLE_S = 2.0
+"""How long an interrupted apply waits for a unit it had begun restarting to show its stop (:func:`_stopped_of`)."""
 
 
 def _enable_and_start_target(ctx, sink) -> None:  # noqa: ANN001
@@ -1063,7 +1217,7 @@ _LIFECYCLE = ("apply-started", "apply-done", "apply-failed", "apply-interrupted"
               "down-started", "down-done", "down-failed", "down-interrupted")
 
 
-def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
+def status(loaded: Loaded, *, client=None, host=None) -> dict:  # noqa: ANN001
     """Each role's unit state, health and last proof (with its age), and the router's view, of what the journal's
     target (an apply running or unfinished) or else its recorded deployment has: ``mode`` is that one's,
     ``recorded_mode`` the recorded deployment's (None: none); ``leftover``: the recorded deployment's units that an
@@ -1094,20 +1248,22 @@ def status(loaded: Loaded, *, client=None) -> dict:  # noqa: ANN001
     this state directory's process supervisor whose unit's files are gone (``port_held_for`` /
     ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way); each role's
     ``port_silent_holder``: where its port answers no HTTP yet a process outside its unit listens there, that process
-    (``PID 123 (command)``), else None.
+    (``PID 123 (command)``), else None; each role's and the router's ``log_tail``: where its unit failed or waits to
+    restart after a crash, the last lines of its log (:data:`FAILURE_LOG_LINES`), else ``[]``.
 
-    Reads only: the journal, the service manager and the HTTP endpoints. Never raises for a
-    role that is down; that is what it reports.
+    Reads only: the journal, the service manager and the HTTP endpoints, on *host* where the caller holds the
+    deployment's open (else connected to here). Never raises for a role that is down; that is what it reports.
     """
-    host = deployment_host(loaded.deployment)
+    the_host = host or deployment_host(loaded.deployment)
     own_client = client is None
-    client = _client_for(host, client)
+    client = _client_for(the_host, client)
     try:
-        return _status(loaded, host, client)
+        return _status(loaded, the_host, client)
     finally:
         if own_client:
             client.close()
-        host.close()
+        if host is None:
+            the_host.close()
 
 
 def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
@@ -1170,6 +1326,8 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
         # runs is the recorded deployment's, bound where that one said (e.g. every interface while the target says
         # loopback), and status says so rather than the target's address
         router["listening"], router["exposure_differs"] = _router_listening(host, topo.router, router["main_pid"], found)
+        router["main_stopped"] = bool(router["main_pid"]) and process_stopped(host, router["main_pid"])
+        router["log_tail"] = _failure_log(manager, names["router"], router["state"], router["sub_state"])
     for r, st, code in seen:
         # a 200 counts only from the unit's own process tree (after a failed apply the port may be another's); an
         # activating unit's server answering is its own too (it was shown as "from another process")
@@ -1208,7 +1366,10 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
                 "port_orphaned": orphaned,
                 "port_silent_holder": _holder_words(silent[0]) if silent else None,
                 "supervised": st.supervised,
+                # (kill -STOP, a debugger: it answers nothing and no supervisor restarts it; status said only "down")
+                "main_stopped": bool(st.main_pid) and process_stopped(host, st.main_pid),
                 "healthy": code == 200 and st.is_active and owned and st.supervised,
+                "log_tail": _failure_log(manager, names[r.name], st.state, st.sub_state),
             }
         )
     # An apply that did not finish toward another topology (PD collapsed to one server, or back) leaves the recorded
@@ -1220,12 +1381,20 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
     recorded = unit_names(state.deployed) if state.target is not None and state.deployed is not None else {}
     dropped = dict(recorded)
     dropped |= {u.removeprefix(f"pdctl-{topo.name}-").removesuffix(".service"): u for u in state.removing}
+    # (and any other service of the deployment installed here that neither the journal nor the spec names: one whose
+    # journal was lost, after an apply of another spec of the name; status said "healthy" with it running beside)
+    known = {*unit_names(topo).values(), *recorded.values(), *state.removing,
+             *(unit_names(state.target).values() if state.target is not None else ())}
+    unrecorded = {u.removeprefix(f"pdctl-{topo.name}-").removesuffix(".service"): u
+                  for u in manager.installed_units_of(topo.name) if u not in known}
+    dropped |= unrecorded
     for name, unit in dropped.items():
         if unit in names.values() or any(u["unit"] == unit for u in leftover):
             continue
         st = manager.status(unit)
         if st.state != "inactive" or manager.installed_text(unit) is not None:
-            leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid})
+            leftover.append({"name": name, "unit": unit, "state": st.state, "main_pid": st.main_pid,
+                             "unrecorded": unrecorded.get(name) == unit})
         elif recorded.get(name) == unit:
             removed.append({"name": name, "unit": unit})
     # going back to the recorded spec: planned from what plan_base says (the interrupted target, once that apply began
@@ -1277,6 +1446,7 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
                                 and not router["mismatches"] and not router["exposure_differs"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
         and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
+        and not leftover  # (units of it running outside what the journal records)
     )
     spec_topo = topology_of(loaded.deployment)
     unfinished_down = None
@@ -1347,6 +1517,23 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
+
+
+FAILURE_LOG_LINES = 5
+"""Log lines :func:`status` quotes of a unit that failed or waits to restart after a crash (``systemctl status``
+quotes ten of every unit)."""
+
+
+def _failure_log(manager, unit: str, state: str, sub_state: str | None) -> list[str]:  # noqa: ANN001
+    """The last :data:`FAILURE_LOG_LINES` lines of *unit*'s log where its state is ``failed`` or a crash's
+    ``activating (auto-restart)``, else ``[]``: what says why, without a second command. A log that cannot be read
+    gives one line that says so."""
+    if not (state == "failed" or state == "activating" and sub_state == "auto-restart"):
+        return []
+    try:
+        return manager.logs(unit, lines=FAILURE_LOG_LINES)
+    except Exception as exc:  # noqa: BLE001 - the status is still worth showing
+        return [f"(its log cannot be read: {exc})"]
 
 
 def _without_notes(plan: Plan) -> tuple:
@@ -1478,7 +1665,7 @@ def _can_run_commands(dep: Deployment, host) -> None:  # noqa: ANN001
         said = (exc.stderr or "").strip().splitlines()
         raise HostError(
             f"host {key!r} logs in but cannot run commands (`true` exited {exc.returncode}: "
-            f"{' / '.join(said[-2:]) or 'no output'}); nothing was changed",
+            f"{' / '.join(said[-2:]) or 'no output'}); nothing was changed or read",
             host=key,
             hint=f"hosts.{key}.ssh_user must be an account with a login shell (nologin and false refuse every "
                  "command) that may run the engine and the service manager",
@@ -1571,7 +1758,7 @@ def down(loaded: Loaded, *, sink=None) -> list[str]:  # noqa: ANN001
             state = j.read()
             # the host answers before anything is recorded: a down that could not reach it stopped nothing, and the audit
             # log then holds no "down-failed" that status would report as a down that may have stopped part of it
-            manager.host.run(["true"], timeout=30)
+            _can_run_commands(loaded.deployment, manager.host)  # (a nologin ssh_user: named by its field, as apply does)
             refuse_another_machine(loaded, state, machine_of(manager.host), "stopping it")
             _journal_writable(j, state)  # (a journal it cannot write after the stops: "edited outside pdctl" units after)
             j.audit("down-started", serial=state.serial)
@@ -1653,8 +1840,8 @@ def _refuse_if_held_elsewhere(loaded: Loaded, j: Journal, host, sink) -> None:  
 
 
 def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN001
-    """The deployment's units (of what the journal records and what the spec asks) that *manager* has installed,
-    in stopping order: router, decode, the rest."""
+    """The deployment's units (of what the journal records, what the spec asks, and any other it installed under
+    *manager*) that *manager* has installed, in stopping order: router, decode, the rest."""
     names: list[str] = list(dict.fromkeys(state.removing))  # an interrupted apply's dropped roles not yet removed
     for topo in (state.target, state.deployed, topology_of(loaded.deployment)):
         if topo is None:
@@ -1662,6 +1849,9 @@ def _installed_units(loaded: Loaded, state, manager) -> list[str]:  # noqa: ANN0
         for n in unit_names(topo).values():
             if n not in names:
                 names.append(n)
+    # ...and every other service of the deployment installed here, which no journal records (one moved aside, or an
+    # apply of another spec of the name that the journal lost): down left them running, out of every later view
+    names += [n for n in manager.installed_units_of(loaded.deployment.name) if n not in names]
     names.sort(key=_stop_order)
     return [n for n in names if manager.installed_text(n) is not None]
 
@@ -1723,6 +1913,8 @@ def _down_locked(loaded: Loaded, j: Journal, state, sink, manager) -> list[str]:
     if not names and orphans:
         _refuse_if_held_elsewhere(loaded, j, manager.host, sink)
     manager.remove(names + [f"pdctl-{loaded.deployment.name}.target"], deployment=loaded.deployment.name)
+    if state.deployed is not None:  # (what the next first deployment's plan compares itself with)
+        state.taken_down, state.taken_down_at = state.deployed, time.time()
     state.deployed = None
     state.target = None
     state.steps = {}

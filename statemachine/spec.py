@@ -210,6 +210,9 @@ Address = Annotated[str, AfterValidator(_address)]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ROLE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9\-]{0,31}$")
+_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")
+"""An account name for ``User=`` and ``runuser -u``: systemd's strict "valid user name" (no dots, no numeric UID,
+which ``runuser`` does not take)."""
 
 
 class _Model(BaseModel):
@@ -323,7 +326,7 @@ class ServerRole(_Model):
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str | None) -> str | None:
-        if v is not None and not _ROLE_NAME_RE.match(v):
+        if v is not None and not _ROLE_NAME_RE.fullmatch(v):
             raise FieldError("", f"role name {v!r} cannot be part of a unit name",
                              "use lower-case letters, digits and '-', at most 32")
         return v
@@ -427,6 +430,12 @@ class Deployment(_Model):
     sglang_version: str = DEFAULT_SGLANG_VERSION
     router_impl: Literal["smg", "sglang-router"] = "smg"
     service_manager: Literal["systemd-system", "systemd-user", "process"] = "process"
+    service_user: str | None = None
+    """The account every role and the router run as (the units' ``User=``: its UID, groups and ``HOME``; the process
+    supervisor switches to it the same way), with pdctl run as root; None: the manager's own account (root for
+    ``systemd-system``). Not with ``systemd-user``. The kernels' build runs as it too (``runuser -u``), so that the
+    cache the servers extend is theirs. Apply checks that it exists on the host and can bind the spec's ports; it must
+    also be able to read the model and write ``engine.cache_dir`` and its ``HOME`` (the Hugging Face cache)."""
     hosts: dict[str, Host] = Field(default_factory=lambda: {"local": Host()})
     engine: Engine = Field(default_factory=Engine)
     model: Model
@@ -464,10 +473,19 @@ class Deployment(_Model):
                 out[k] = v.value
         return out
 
+    @field_validator("service_user")
+    @classmethod
+    def _user_name(cls, v: str | None) -> str | None:
+        if v is not None and not _USER_RE.fullmatch(v):
+            raise FieldError("", f"{v!r} is not an account name for the units' User= (a login name, not a UID)",
+                             "write the account's name as `id -un` prints it on the host (letters, digits, '_', "
+                             "'-', starting with a letter or '_', at most 32), or leave service_user unset for root")
+        return v
+
     @field_validator("name")
     @classmethod
     def _name_is_unit_safe(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):
             raise FieldError(
                 "", f"{v!r} cannot become a systemd unit name (pdctl-{v}-prefill.service)",
                 "use letters, digits, '_', '.' and '-', starting with a letter or digit, at most 64 characters",
@@ -924,6 +942,8 @@ def _toml_error_words(said: str, text: str) -> tuple[str, str]:
 
     m = re.search(r"\(at line (\d+), column \d+\)", said)
     line = text.splitlines()[int(m.group(1)) - 1].strip() if m and 0 < int(m.group(1)) <= len(text.splitlines()) else ""
+    # (quoted as the terminal should show it: an escape sequence in the file retitled or recoloured it)
+    line = re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda c: f"\\x{ord(c.group()):02x}", line)
     message = f"{said}: {line}" if line else said
     if "overwrite" in said or "twice" in said:
         key = re.match(r"\s*\[*\s*([^=\]]+?)\s*[=\]]", line) if line else None

@@ -229,6 +229,17 @@ class SshHost(Host):
         status = res.exit_status if res.exit_status is not None else 255
         return status, res.stdout or b"", (res.stderr or b"").decode("utf-8", "replace")
 
+    def probe_connection(self) -> None:
+        """After a failure that may be the connection's own (an HTTP request through a forward refused, which no SSH
+        call saw): one short command on it, which records a lost connection as :attr:`connection_error`, as any
+        other call would. Raises nothing."""
+        if self.connection_error is not None or self._loop is None:
+            return
+        try:
+            self.run(["true"], timeout=min(10.0, self.connect_timeout + 5), check=False)
+        except Exception:  # noqa: BLE001 - what failed is recorded, or it was not the connection
+            pass
+
     def _lost(self, why: str) -> HostError:
         """The connection is gone (or its session was): forgotten, so that the next call reconnects, and recorded as
         :attr:`connection_error`, which the steps report as a lost connection whatever operation tripped on it."""
@@ -352,13 +363,63 @@ class SshHost(Host):
                         return b"".join(chunks)
                     chunks.append(chunk)
 
-        done, data = self._sftp_call("read", path, _read)
+        return self._read(path, _read, f"cat -- {shlex.quote(path)}")
+
+    def _read(self, path: str, over_sftp, command: str) -> bytes:  # noqa: ANN001
+        """*path*'s bytes as ``over_sftp(sftp)`` reads them, else (no SFTP session) as the shell *command* prints
+        them; errors as :meth:`read_file`'s."""
+        done, data = self._sftp_call("read", path, over_sftp)
         if done:
             return data
-        status, out, err = self._sh(f"cat -- {shlex.quote(path)}")
+        status, out, err = self._sh(command)
         if status != 0:
             raise self._file_error("read", path, status, err)
         return out
+
+    def read_tail(self, path: str, max_bytes: int) -> bytes:
+        if max_bytes <= 0:
+            return b""
+
+        async def _read(sftp):  # noqa: ANN001, ANN202
+            async with sftp.open(path, "rb") as f:
+                size = (await f.stat()).size or 0
+                if size > max_bytes:
+                    await f.seek(size - max_bytes)
+                chunks, got = [], 0
+                while got < max_bytes or not size:  # (size 0: a /proc or sysfs file, read to its end)
+                    chunk = await f.read(min(65536, max_bytes - got) if size else 65536)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+                return b"".join(chunks)[-max_bytes:]
+
+        return self._read(path, _read, f"tail -c {int(max_bytes)} -- {shlex.quote(path)}")
+
+    def read_from(self, path: str, offset: int, max_bytes: int) -> tuple[bytes, int]:
+        # Both ways answer the same bytes: the size on a line of its own, then the bytes from where the rule starts.
+        async def _read(sftp):  # noqa: ANN001, ANN202
+            async with sftp.open(path, "rb") as f:
+                size = (await f.stat()).size or 0
+                start = max(offset, size - max_bytes)
+                chunks = [f"{size}\n".encode()]
+                if offset <= size and max_bytes > 0 and start < size:
+                    await f.seek(start)
+                    got = 0
+                    while got < size - start:  # (what is written meanwhile is the next read's)
+                        chunk = await f.read(min(65536, size - start - got))
+                        if not chunk:
+                            break
+                        chunks.append(chunk)
+                        got += len(chunk)
+                return b"".join(chunks)
+
+        script = ('size=$(stat -c %s -- "$1") || exit 1; echo "$size"; start=$(( $2 > size - $3 ? $2 : size - $3 )); '
+                  '[ "$2" -le "$size" ] && [ "$3" -gt 0 ] && [ "$start" -lt "$size" ] && '
+                  'tail -c +$((start + 1)) -- "$1" | head -c $((size - start)); exit 0')
+        out = self._read(path, _read, f"sh -c {shlex.quote(script)} sh {shlex.quote(path)} {int(offset)} {int(max_bytes)}")
+        size, _, rest = out.partition(b"\n")
+        return rest, int(size)
 
     def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         script = ('set -e; d=$(dirname -- "$1"); mkdir -p -- "$d"; t=$(mktemp "$d/.pdctl.XXXXXX"); '

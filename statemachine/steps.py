@@ -168,6 +168,9 @@ class Context:
     journal_state: JournalState
     restart: set[str] = field(default_factory=set)
     """Roles the plan restarts (settings changed); their observe never skips."""
+    asked: set[str] = field(default_factory=set)
+    """Of :attr:`restart`, those the operator asked to restart (``--restart``): a process an interrupted apply had
+    marked for its restart and that still runs is restarted, never taken for one that apply started."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     kernels_command: list[str] | None = None
     kernels_manifest: str | None = None
@@ -397,6 +400,51 @@ def _preflight_ports(ctx: Context, name: str, wanted: dict[int, str | None], mai
             step=step,
             hint=_ports_hint(foreign, "stop that process (another deployment?) or give this role other ports in the "
                                       "spec"),
+        )
+
+
+def ports_in_ephemeral_range(ctx: Context) -> str | None:
+    """The ports the deployment listens on that lie in the host's ephemeral range, ``net.ipv4.ip_local_port_range``,
+    and are not in ``net.ipv4.ip_local_reserved_ports`` (Linux ip-sysctl.rst), in words with the range: the kernel
+    gives any outbound connection a local port from that range, and one that takes a role's port keeps the role from
+    starting there (a restart too). None where none is, or the host does not say (a kernel without those files)."""
+    try:
+        low, high = map(int, ctx.host.read_file("/proc/sys/net/ipv4/ip_local_port_range").split())
+    except (OSError, ValueError):
+        return None
+    try:
+        reserved = ctx.host.read_file("/proc/sys/net/ipv4/ip_local_reserved_ports").decode().strip()
+        kept = {p for part in reserved.split(",") if part.strip()
+                for p in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+    except (OSError, ValueError):
+        kept = set()
+    inside = sorted((port, name) for port, (name, _bind) in deployment_binds(ctx.topology).items()
+                    if low <= port <= high and port not in kept)
+    if not inside:
+        return None
+    return (f"port(s) {', '.join(f'{port} ({name})' for port, name in inside)} lie in the host's ephemeral range "
+            f"{low}–{high} (net.ipv4.ip_local_port_range) and are not reserved")
+
+
+_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
+
+
+def _port_taken_while_starting(ctx: Context, role: RoleTopology, unit: str, step: str) -> None:
+    """*role*'s server, just crashed while starting and about to be restarted, said a port was in use (uvicorn's
+    ``[Errno 98] … address already in use``, the bootstrap server's or torch's ``Address already in use``): a
+    process that took one of its ports after the checks before the start. Each restart would fail the same until its
+    start limit (three starts, 38 s, then "start limit hit"): raises :class:`ApplyFailed` at once, naming the holder
+    where one is found; returns where none is (the restart may find the port free)."""
+    if not any(_IN_USE.search(ln) for ln in ctx.manager.logs(unit, lines=15)):
+        return
+    foreign = ports.foreign_listeners(ctx.host, _role_ports(role), None)
+    if foreign:
+        raise ApplyFailed(
+            f"{role.name}: its server could not bind its port while starting (address already in use), taken "
+            f"meanwhile: {_describe(foreign)}; its unit restarts until its start limit",
+            step=step,
+            hint=_ports_hint(foreign, "stop that process (another deployment?) or give this role other ports in the "
+                                      "spec, then apply again"),
         )
 
 
@@ -679,6 +727,136 @@ except Exception as e:  # noqa: BLE001
     sys.stderr.write(type(e).__name__ + ": " + str(e))
     sys.exit(97)
 """ + folder
+
+
+def running_from_another_state_dir(ctx: Context) -> None:
+    """Before anything starts or stops: no unit of this deployment may run from another state directory on the host
+    (applied with another ``--state-dir``, ``PDCTL_STATE_DIR`` or ``XDG_STATE_HOME``): this apply would start a second
+    copy of the deployment beside it, on the same GPUs, which no journal relates to the first. Under the process
+    supervisor, whose units live in the state directory (systemd's share one folder: units installed there are
+    this deployment's, :func:`~pdctl.statemachine.service.unrecorded_units`). Raises :class:`ApplyFailed` naming each
+    unit, its watchdog's PID and that state directory."""
+    found = ctx.manager.running_elsewhere(ctx.dep.name)
+    if not found:
+        return
+    suffix = "/supervisor/services/"
+    dirs = sorted({f.rstrip("/").rsplit("/", 1)[0].removesuffix(suffix.rstrip("/")) for _u, f, _p in found})
+    said = ", ".join(f"{u} (watchdog PID {p})" for u, _f, p in sorted(found))
+    step = next(iter(role_steps(ctx.topology).values()), "router_exposed")
+    raise ApplyFailed(
+        f"deployment {ctx.dep.name!r} already runs from another state directory ({', '.join(dirs)}): {said}; this "
+        "apply would start a second copy beside it, nothing was started or changed",
+        step=step,
+        hint=f"manage it from there (--state-dir {dirs[0]}, or the PDCTL_STATE_DIR / XDG_STATE_HOME it was applied "
+             f"with), or `pdctl down SPEC --state-dir {dirs[0]} --yes` first",
+    )
+
+
+def service_user_unusable(ctx: Context) -> None:
+    """Before anything starts or stops, with ``service_user`` set: it must be an account on the host (``id -u
+    NAME``), pdctl must run as root there (only root starts a process as another account: setuid(2)), and the account,
+    unless root, must be allowed to bind every port the roles and the router listen on: only root may bind one below
+    ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered; Linux ip-sysctl.rst). Otherwise each unit would fail
+    at its start (systemd: exit 217, USER; the server's bind: EACCES) after its predecessor was stopped. Raises
+    :class:`ApplyFailed` naming ``service_user`` (and each port's field) at the first step that would fail. A host
+    where ``id`` cannot run is left to the steps."""
+    user = ctx.dep.service_user
+    if user is None:
+        return
+    step_of = role_steps(ctx.topology)
+    first = next(iter(step_of.values()), "router_exposed")
+    try:
+        account = ctx.host.run(["id", "-u", user], timeout=30, check=False)
+        me = ctx.host.run(["id", "-u"], timeout=30, check=False)
+    except (OSError, TimeoutError):
+        return
+    said = ", nothing was started or changed"
+    if account.returncode != 0 or not account.stdout.strip().isdigit():
+        raise ApplyFailed(
+            f"service_user = {user!r} is not an account on host {ctx.host.name} (`id -u {user}`: "
+            f"{(account.stderr or account.stdout).strip() or f'exit {account.returncode}'}){said}",
+            step=first,
+            hint=f"create it there (e.g. `useradd --system --create-home {user}`), write an account the host has, or "
+                 "leave service_user unset to run the roles as the service manager's own user",
+        )
+    if me.stdout.strip() != "0":
+        raise ApplyFailed(
+            f"service_user = {user!r}: pdctl runs as UID {me.stdout.strip() or '?'} on host {ctx.host.name}, and only "
+            f"root can start the roles as another account{said}",
+            step=first,
+            hint='run pdctl as root there (sudo, or hosts.<name>.ssh_user = "root"), or leave service_user unset and '
+                 "run pdctl as that account",
+        )
+    if account.stdout.strip() == "0":
+        return
+    _not_executable_by(ctx, user, first)
+    try:
+        floor = int(ctx.host.read_file("/proc/sys/net/ipv4/ip_unprivileged_port_start").decode().strip())
+    except (OSError, ValueError):
+        floor = 1024  # (the kernel's default; a kernel before 4.11 has no such setting and uses it)
+    low = sorted((port, name) for port, (name, _bind) in deployment_binds(ctx.topology).items() if port < floor)
+    if low:
+        ports_said = ", ".join(f"{port} ({name})" for port, name in low)
+        raise ApplyFailed(
+            f"service_user = {user!r} (UID {account.stdout.strip()}) cannot bind port(s) {ports_said} on host "
+            f"{ctx.host.name}: below net.ipv4.ip_unprivileged_port_start = {floor} only root may{said}",
+            step=step_of.get(low[0][1], "router_exposed"),
+            hint=f"give those roles ports from {floor} up, lower net.ipv4.ip_unprivileged_port_start on the host "
+                 "(sysctl), or leave service_user unset",
+        )
+
+
+def _not_executable_by(ctx: Context, user: str, step: str) -> None:
+    """Each program the units start (their first argument, and the readiness gate's Python) must be one *user* can
+    execute: a venv whose interpreter links into root's home (``/root`` is 0700) is not, and every unit would fail to
+    exec. Asked as that account (``runuser -u USER -- test -x PATH``, which follows links and needs search permission
+    on every folder on the way), and for a script (``#!``: smg's entry point) of its interpreter too. Raises :class:`ApplyFailed` naming each program and the spec field it comes from; a
+    host without ``runuser`` is not checked."""
+    from pdctl.statemachine.launch import python_for
+
+    python = python_for(ctx.dep)
+    programs: dict[str, str] = {}
+    for svc in ctx.units.services:
+        field = "router.executable" if svc.role == "router" and svc.argv[0] != python else "engine.python"
+        programs.setdefault(svc.argv[0], field)
+        if svc.readiness_python:
+            programs.setdefault(svc.readiness_python, "engine.python")
+    refused = []
+    as_user = ["runuser", "-u", user, "--"]
+
+    def named(path: str) -> str:  # (a venv's python links to the interpreter it was made from: /root/.pyenv/…)
+        try:
+            real = ctx.host.run(["readlink", "-f", path], timeout=30, check=False).stdout.strip()
+        except (OSError, TimeoutError):
+            real = ""
+        return f"{path} (→ {real})" if real and real != path else path
+
+    for path, field in programs.items():
+        try:
+            res = ctx.host.run([*as_user, "test", "-x", path], timeout=30, check=False)
+            if res.returncode == 0:  # a script (smg's entry point is one): its interpreter must be executable too
+                line = ctx.host.run([*as_user, "sed", "-n", "1{/^#!/p;q}", path], timeout=30, check=False)
+                interpreter = line.stdout[2:].split()[:1] if line.returncode == 0 else []
+                if interpreter and interpreter[0].startswith("/"):
+                    res = ctx.host.run([*as_user, "test", "-x", interpreter[0]], timeout=30, check=False)
+                    if res.returncode == 1:
+                        refused.append(f"{path} ({field}: its interpreter {named(interpreter[0])})")
+                        continue
+        except (OSError, TimeoutError):
+            return
+        if res.returncode == 1:
+            refused.append(f"{named(path)} ({field})")
+        elif res.returncode != 0:  # (no runuser there: 127; the check is a courtesy, the units' start says it too)
+            return
+    if refused:
+        raise ApplyFailed(
+            f"service_user = {user!r} cannot execute {', '.join(refused)} on host {ctx.host.name} (a folder on the way "
+            f"it may not enter, such as root's home, or no execute bit for it), nothing was started or changed",
+            step=step,
+            hint=f"install the engine's Python and smg where {user} can run them — a venv made from an interpreter "
+                 "outside /root (e.g. /usr/bin/python3 -m venv /opt/sglang) — and write those paths in engine.python "
+                 "/ router.executable, or leave service_user unset",
+        )
 
 
 def numa_nodes_missing(ctx: Context) -> None:
@@ -1072,6 +1250,26 @@ def server_info_mismatches(info: dict[str, Any], exp: dict[str, Any]) -> list[st
     return out
 
 
+def runs_as_service_user(ctx: Context, what: str, pid: int | None, step: str) -> list[str]:
+    """With ``service_user`` set: the check line that *what*'s main process *pid* runs as that account (its effective
+    UID, proc(5) ``/proc/PID/status`` ``Uid:``, against ``id -u`` on the host), else ``[]``. Raises
+    :class:`VerifyFailed` when it runs as another (a unit file edited by hand, a manager that ignored ``User=``) or
+    cannot be read."""
+    user = ctx.dep.service_user
+    if user is None or pid is None:
+        return []
+    try:
+        uid = ctx.host.run(["id", "-u", user], timeout=30, check=False).stdout.strip()
+        status = ctx.host.read_file(f"/proc/{pid}/status").decode(errors="replace")
+    except OSError as exc:
+        raise VerifyFailed(f"{what}: cannot tell which account main PID {pid} runs as: {exc}", step=step) from None
+    runs = next((line.split()[2] for line in status.splitlines() if line.startswith("Uid:")), "?")
+    if runs != uid:
+        raise VerifyFailed(f"{what}: main PID {pid} runs as UID {runs}, not as service_user = {user!r} "
+                           f"(UID {uid or '?'})", step=step)
+    return [f"main PID {pid} runs as {user} (UID {uid})"]
+
+
 class ServersUp(Step):
     """``prefill_up`` / ``decode_up`` / ``server_up``: the role's units run and serve as specified."""
 
@@ -1079,10 +1277,9 @@ class ServersUp(Step):
         self.kind = kind
         self.name = name
         self.hint = (
-            f"read the {kind} log (the error quotes its last lines; all of it: the console's logs panel, "
-            "`journalctl [--user] -u UNIT` under systemd, or supervisor/services/UNIT/output.log in the state "
-            "directory under the process supervisor); check the GPUs are free, the model path exists and the ports "
-            "are not taken"
+            f"read the {kind} log (the error quotes its last lines; more of them: `pdctl logs SPEC ROLE -n 500`, "
+            "the console's logs panel, or under systemd `journalctl [--user] -u UNIT`); check the GPUs are free, the "
+            "model path exists and the ports are not taken"
         )
 
     def _roles(self, ctx: Context) -> list[RoleTopology]:
@@ -1096,6 +1293,9 @@ class ServersUp(Step):
         if not st.supervised:  # serving, but a crash would not be restarted: apply restarts it under supervision
             raise VerifyFailed(f"{role.name}: unit {unit} runs unsupervised (its supervisor is "
                                f"{unsupervised_reason(st.sub_state)})", step=self.name)
+        if process_stopped(ctx.host, st.main_pid):  # (its probes would each wait out their timeout for nothing)
+            raise VerifyFailed(f"{role.name}: the main process of {unit} (PID {st.main_pid}) is stopped (kill -STOP?)",
+                               step=self.name)
         code = probes.health(ctx.client, role.url)
         if code != 200:
             raise VerifyFailed(f"{role.name}: GET {role.url}/health answered {code or 'nothing'}", step=self.name)
@@ -1107,6 +1307,7 @@ class ServersUp(Step):
             raise VerifyFailed(f"{role.name}: /server_info differs from the spec: " + "; ".join(bad), step=self.name)
         checks = [
             f"{unit} active (main PID {st.main_pid})",
+            *runs_as_service_user(ctx, role.name, st.main_pid, self.name),
             f"port {role.port} is held by {unit}'s own process tree",
             f"GET {role.url}/health → 200",
             f"GET {role.url}/server_info matches {len(exp)} expected fields ({', '.join(sorted(exp))})",
@@ -1161,7 +1362,8 @@ class ServersUp(Step):
                 ctx.say(f"{unit}'s unit file differs from what pdctl writes (edited outside pdctl?): writing it back"
                         + ("" if serves else " and restarting it: it does not serve as specified"),
                         step=self.name, unit=unit)
-            if (recorded or "").startswith(RESTARTING) and running_definition(recorded, st.main_pid) == fp:
+            if (recorded or "").startswith(RESTARTING) and running_definition(recorded, st.main_pid) == fp \
+                    and r.name not in ctx.asked:  # (asked: the very process to restart, which the interruption spared)
                 recorded = STARTED + fp  # (file rewritten for another spec, the process runs this one: install_units)
             ours = recorded == STARTED + fp and st.supervised
             stale = not serves or (
@@ -1224,6 +1426,8 @@ class ServersUp(Step):
             if st.state == "failed":
                 msg = startup_failure(f"{role.name}: unit {unit}", ctx.manager.logs(unit, lines=15))
                 raise ApplyFailed(msg, step=self.name, hint=startup_hint(msg))
+            if st.sub_state == "auto-restart":  # (crashed while starting: restarted after RestartSec)
+                _port_taken_while_starting(ctx, role, unit, self.name)
             if not st.supervised:  # its supervisor died or stopped: the unit would read "activating" until the bound
                 stopped = st.sub_state == SUPERVISOR_STOPPED
                 raise ApplyFailed(
@@ -1549,8 +1753,9 @@ class RouterExposed(Step):
         r0 = ctx.topology.router
         assert r0 is not None
         unit = ctx.unit_of["router"]
-        _check_owner(ctx, "router", unit, r0.port, ctx.manager.status(unit).main_pid, self.name,
-                     ports.bind_address(r0.host))
+        main_pid = ctx.manager.status(unit).main_pid
+        _check_owner(ctx, "router", unit, r0.port, main_pid, self.name, ports.bind_address(r0.host))
+        account = runs_as_service_user(ctx, "router", main_pid, self.name)
         status, body = probes.router_readiness(ctx.client, url)
         if status != 200:
             raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)
@@ -1570,6 +1775,7 @@ class RouterExposed(Step):
         return Proof(
             f"router on {r.exposure}: ready, {seen} healthy",
             (
+                *account,
                 f"GET {url}/readiness → 200 {body}",
                 f"GET {url}/workers: {stats}",
                 # (smg reports a worker's disaggregation_mode in its metadata only where it read it: said where it did)

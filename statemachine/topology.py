@@ -329,6 +329,8 @@ def topology_of(dep: Deployment) -> Topology:
     deployment = {
         "sglang_version": dep.sglang_version,
         "service_manager": dep.service_manager,
+        # (only where set: a deployment recorded before the field plans no change)
+        **({"service_user": dep.service_user} if dep.service_user is not None else {}),
         "engine": dep.engine.model_dump(),
         "kernels": dep.kernels.model_dump(),
         # the value the units get: a rotated secret restarts the roles

@@ -26,7 +26,8 @@ class HostLike(Protocol):
     ``run`` with ``check=False`` returns the result whatever the exit status; it raises only when
     the command cannot run or times out (a ``TimeoutError`` subclass). ``write_file`` is atomic
     (temp file + rename) and creates parent directories. ``read_file`` raises
-    ``FileNotFoundError`` for a missing file. ``spawn_detached`` starts a process in a new session
+    ``FileNotFoundError`` for a missing file; ``read_tail`` reads only a file's last bytes (a log's end), ``read_from`` what it gained since an
+    offset, with its size. ``spawn_detached`` starts a process in a new session
     that outlives the caller and returns its PID. ``signal`` returns False when no such process
     (or group) exists. ``proc_files`` reads one ``/proc/<pid>/`` file of every process (or of the PIDs given) at
     once, ``{pid: bytes}``, leaving out those gone or unreadable.
@@ -38,6 +39,10 @@ class HostLike(Protocol):
             check: bool = True, input: str | None = None) -> CommandResultLike: ...
 
     def read_file(self, path: str) -> bytes: ...
+
+    def read_tail(self, path: str, max_bytes: int) -> bytes: ...
+
+    def read_from(self, path: str, offset: int, max_bytes: int) -> tuple[bytes, int]: ...
 
     def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None: ...
 

@@ -22,7 +22,7 @@ from ._systemd import render_env_file
 from ._types import ServiceSpec, ServiceStatus, UnitSet
 from .errors import ServiceFailed, ServiceTimeout
 
-__all__ = ["ServiceManager", "clean_log_lines", "probe_writable"]
+__all__ = ["LOG_LINE_BYTES", "ServiceManager", "clean_log_lines", "log_lines_of", "log_tail", "new_lines", "probe_writable"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -31,6 +31,63 @@ def clean_log_lines(text: str, lines: int) -> list[str]:
     """The last *lines* lines of *text*, terminal colour codes removed (smg colours its log
     even when it is not a terminal)."""
     return [_ANSI.sub("", line) for line in text.splitlines()[-lines:]] if lines > 0 else []
+
+
+LOG_LINE_BYTES = 4096
+"""The most bytes read from a log's end per line asked for (SGLang's longest lines, its ``server_args`` dump, run to a
+few KB; most are near 150 bytes)."""
+
+
+def new_lines(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """``(lines to append, reset)`` to turn a view showing the tail *old* into the tail *new*.
+
+    Both are the last N lines of a growing log; *new* is *old* shifted by the lines written since.
+    Finds the shift where ``old[d:] == new[:len(old) - d]``; when none fits (rotated or
+    truncated log), ``reset`` is True and everything in *new* is to be shown afresh. Lines alone cannot tell a line
+    written again from one shown already (a log of one repeated line reads unchanged): right for a view of the tail,
+    which looks the same either way; a follow that prints each line once reads by offset
+    (:meth:`ServiceManager.follow_logs`)."""
+    if not old:
+        return new, False
+    if old == new:
+        return (), False
+    n = len(old)
+    for d in range(n):
+        k = n - d
+        if k <= len(new) and old[d] == new[0] and old[d:] == new[:k]:
+            return new[k:], False
+    return new, True
+
+
+def log_lines_of(data: bytes, *, cut: bool) -> tuple[list[str], int]:
+    """The whole lines of log bytes *data* (:func:`clean_log_lines`), and how many bytes they take: a last line
+    still being written (no newline yet) is left for the next read. *cut*: *data* starts inside the file, so its
+    first line may be a part of one, left out (its bytes counted)."""
+    end = data.rfind(b"\n") + 1  # (0: no line complete yet)
+    start = data.find(b"\n") + 1 if cut else 0
+    if start >= end:  # (none, or only the cut line's end)
+        return [], end
+    text = data[start:end].decode("utf-8", "replace")
+    return clean_log_lines(text, text.count("\n")), end
+
+
+def log_tail(host: HostLike, path: str, lines: int) -> list[str]:
+    """The last *lines* lines of the log file *path* on *host* (:func:`clean_log_lines`), reading only its end: 64 KiB
+    or 256 bytes a line, doubled while that holds fewer lines, up to ``lines × LOG_LINE_BYTES``. A role's log grows
+    for as long as it serves (hundreds of MB a day for a busy SGLang server's request lines), and the console asks
+    for its end every second. A line cut by where the read starts is left out. ``FileNotFoundError`` for a missing
+    file."""
+    if lines <= 0:
+        return []
+    want, most = max(65536, lines * 256), max(65536, lines * LOG_LINE_BYTES)
+    while True:
+        data = host.read_tail(path, want)
+        cut = len(data) >= want  # (the read began inside the file: its first line may be a part of one)
+        if cut:
+            data = data[data.find(b"\n") + 1:]
+        if not cut or want >= most or data.count(b"\n") >= lines:
+            return clean_log_lines(data.decode("utf-8", "replace"), lines)
+        want = min(most, want * 2)
 
 
 OTHER_DEPLOYMENT_HINT = ("rename this deployment (its name) or the role, so that its unit names (pdctl-NAME-ROLE) "
@@ -104,6 +161,18 @@ class ServiceManager(ABC):
         ``a-prefill``, ``hX-a`` with ``prefill``): one must never take over or remove the other's."""
         return None
 
+    def installed_units_of(self, deployment: str) -> list[str]:
+        """The services (``pdctl-<deployment>-*.service``, not its target) that *deployment* installed under this
+        manager, whatever a journal records: a lost journal must not hide them. Sorted; ``[]`` where the manager's
+        folder is absent or unreadable."""
+        return []
+
+    def running_elsewhere(self, deployment: str) -> list[tuple[str, str, int]]:
+        """``(unit, folder, watchdog PID)`` of each service of *deployment* that runs from another folder than this
+        manager's (the same deployment applied with another state directory: a second copy beside it). ``[]`` for a
+        manager whose units have one place on the host (systemd's)."""
+        return []
+
     def unit_file_not_pdctls(self, name: str) -> str | None:
         """The path of *name*'s unit file where one is there that pdctl did not write as it stands (damaged: not the
         JSON it writes, or written by hand), which :meth:`install` refuses to overwrite; None where there is none or
@@ -146,6 +215,18 @@ class ServiceManager(ABC):
     @abstractmethod
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
         """The last *lines* lines the service wrote (stdout and stderr), oldest first."""
+
+    def follow_logs(self, name: str, mark: object = None, *, lines: int = 500) -> tuple[list[str], object, bool]:
+        """One read of a log being followed, ``(lines, mark, missed)``: with *mark* None the last *lines* lines and a
+        mark at the log's end; else the lines written since *mark* was made, at most *lines* of them, and *missed*
+        True where more were written or the log was emptied or rotated so that some are lost. This default compares
+        the last *lines* lines with the previous read's (:func:`new_lines`), which cannot tell a line written again
+        from one shown already; managers whose logs are files read by offset instead."""
+        got = tuple(self.logs(name, lines=lines))
+        if mark is None:
+            return list(got), got, False
+        fresh, reset = new_lines(mark, got)  # type: ignore[arg-type]
+        return list(fresh), got, reset and bool(got)
 
     def members(self, name: str) -> list[str]:
         """The services a target groups (``[]`` for a service)."""

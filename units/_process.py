@@ -29,8 +29,9 @@ started (its start time, ``/proc/PID/stat`` field 22, is recorded in ``main.star
 whose environment carries ``PDCTL_UNIT=<unit name>`` (set for every role; a process that rewrites its
 title, as smg does, may leave its environ unreadable) — never a group whose id was reused. State lives in
 ``STATE_DIR/services/<unit name>/``: ``unit.json`` (marked ``"managed_by": "pdctl"``), ``status.json``
-(written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log``,
-``supervise.log``. A damaged or missing ``watchdog.pid`` / ``main.pid`` of a unit ``status.json`` calls running
+(written atomically by the watchdog), ``watchdog.pid``, ``main.pid``, ``main.start``, ``output.log`` (past
+``supervise.LOG_MAX_BYTES`` copied to ``output.log.1`` and emptied; :meth:`remove` keeps both as
+``STATE_DIR/removed/<unit name>.log[.1]``), ``supervise.log``. A damaged or missing ``watchdog.pid`` / ``main.pid`` of a unit ``status.json`` calls running
 hides nothing, nor does a ``main.pid`` naming some other process (its start time is not ``main.start``'s): the
 watchdog is found by its command line, the main process as its child carrying ``PDCTL_UNIT``, or, with the watchdog
 gone too, as the process-group leader whose environment carries ``PDCTL_UNIT`` and ``PDCTL_UNIT_DIR`` (the unit's
@@ -60,10 +61,12 @@ from collections.abc import Iterator, Sequence
 
 from ._host import HostLike
 from ._manager import (
+    LOG_LINE_BYTES,
     OTHER_DEPLOYMENT_HINT,
     ServiceManager,
-    clean_log_lines,
     current_text,
+    log_lines_of,
+    log_tail,
     probe_writable,
     secrets_pending,
 )
@@ -132,6 +135,8 @@ def parse_env_file(text: str) -> dict[str, str]:
 
 
 _PID_FILES = ("watchdog.pid", "main.pid", "main.start")
+_REMOVED = "removed"
+"""The follow mark of a unit's log read to its end after the unit was removed (:meth:`ProcessSupervisor.follow_logs`)."""
 """The files a watchdog's start writes and :meth:`ProcessSupervisor.stop` removes: one left means never stopped."""
 
 
@@ -186,6 +191,7 @@ class ProcessSupervisor(ServiceManager):
         self.state_dir = state_dir
         self.python = python or sys.executable
         self.poll_s = poll_s
+        self._canonical: dict[str, str] = {}
 
     # -- files -------------------------------------------------------------------------------
 
@@ -233,9 +239,49 @@ class ProcessSupervisor(ServiceManager):
     def _watchdogs_of(self, name: str) -> list[int]:
         """The live processes whose command line is ``python -m pdctl.units.supervise <name's folder>`` (one scan of
         ``/proc``), whatever the folder holds."""
-        want = (WATCHDOG_MODULE.encode(), self._dir(name).encode())
         return [e for e, cmd in self.host.proc_files("cmdline").items()
-                if all(w in cmd.split(b"\0") for w in want) and self._alive(e)]
+                if self._watches(cmd.split(b"\0"), name) and self._alive(e)]
+
+    def _watches(self, args: list[bytes], name: str) -> bool:
+        """Whether the command line *args* (split at NULs) is ``python -m pdctl.units.supervise <name's folder>``: the
+        folder as this manager names it, or by another path to the same folder (a state directory reached through a
+        link, ``/var/lib/pdctl`` → ``/data/pdctl``), which the host's ``readlink -f`` tells."""
+        if WATCHDOG_MODULE.encode() not in args:
+            return False
+        if self._dir(name).encode() in args:
+            return True
+        folder = posixpath.normpath((args[-1] or args[-2]).decode(errors="replace")) if len(args) > 1 else ""
+        return posixpath.basename(folder) == name and \
+            self._real(posixpath.dirname(folder)) == self._real(posixpath.join(self.state_dir, "services"))
+
+    def _real(self, path: str) -> str:
+        """*path* with every link resolved on the host (``readlink -f``; remembered), or as given where that fails."""
+        path = posixpath.normpath(path)
+        if path not in self._canonical:
+            try:
+                res = self.host.run(["readlink", "-f", path], timeout=10, check=False)
+            except OSError:
+                return path
+            if res.returncode != 0 or not res.stdout.strip():
+                return path
+            self._canonical[path] = res.stdout.strip()
+        return self._canonical[path]
+
+    def running_elsewhere(self, deployment: str) -> list[tuple[str, str, int]]:
+        prefix = f"pdctl-{deployment}-".encode()
+        here = posixpath.normpath(posixpath.join(self.state_dir, "services"))
+        found = []
+        for e, cmd in self.host.proc_files("cmdline").items():
+            args = cmd.split(b"\0")
+            if WATCHDOG_MODULE.encode() not in args or not self._alive(e):
+                continue
+            folder = args[-1].decode(errors="replace") if args[-1] else args[-2].decode(errors="replace")
+            unit = posixpath.basename(posixpath.normpath(folder))
+            if unit.encode().startswith(prefix) and unit.endswith(".service") \
+                    and posixpath.dirname(posixpath.normpath(folder)) != here:
+                found.append((unit, folder, e))
+        # (the same folder by another path, a link: not elsewhere)
+        return [(u, f, e) for u, f, e in found if self._real(posixpath.dirname(posixpath.normpath(f))) != self._real(here)]
 
     def _group_leaders(self) -> Iterator[tuple[int, bytes, bytes]]:
         """``(pid, stat, environ)`` of each live process-group leader whose ``/proc`` files this user can read: where a
@@ -371,7 +417,7 @@ class ProcessSupervisor(ServiceManager):
             cmd = self.host.read_file(f"/proc/{pid}/cmdline").split(b"\0")
         except OSError:
             return False
-        return WATCHDOG_MODULE.encode() in cmd and self._dir(name).encode() in cmd
+        return self._watches(cmd, name)
 
     def _group_members(self, pgid: int, name: str) -> list[int]:
         """Live members of process group *pgid*, the role's: all of them while the group's leader is the
@@ -490,9 +536,42 @@ class ProcessSupervisor(ServiceManager):
             sf = data.get("service", {}).get("secrets_file")
             if sf and self.host.exists(sf):
                 self.host.remove_file(sf)
+            if data.get("kind") == "service":
+                self._keep_log(n)
             for e in self.host.list_dir(d) if self.host.exists(d) else []:
                 self.host.remove_file(posixpath.join(d, e))
             self.host.run(["rmdir", d], timeout=10, check=False)
+
+    def _kept_log(self, name: str, generation: str = "") -> str:
+        """Where :meth:`remove` keeps *name*'s ``output.log`` (*generation* ``".1"``: its ``output.log.1``):
+        ``STATE_DIR/removed/<unit>.log``, outside every unit's folder, replaced by the next removal."""
+        self._dir(name)  # (the name's check)
+        return posixpath.join(self.state_dir, "removed", f"{name}.log{generation}")
+
+    def _keep_log(self, name: str) -> None:
+        """Move the unit's logs aside before its folder goes: under systemd the journal keeps a removed unit's lines,
+        and the log of a role that failed is what says why, after ``pdctl down`` too. Best effort."""
+        d = self._dir(name)
+        for generation in ("", ".1"):
+            src, dst = posixpath.join(d, "output.log" + generation), self._kept_log(name, generation)
+            try:
+                if self.host.exists(src):
+                    self.host.make_dirs(posixpath.dirname(dst))
+                    self.host.run(["mv", "-f", "--", src, dst], timeout=30, check=False)
+                elif self.host.exists(dst):  # (no such generation now: an older one would read as this run's)
+                    self.host.remove_file(dst)
+            except OSError:
+                pass
+
+    def installed_units_of(self, deployment: str) -> list[str]:
+        root = posixpath.join(self.state_dir, "services")
+        try:
+            names = self.host.list_dir(root) if self.host.exists(root) else []
+        except OSError:
+            return []
+        prefix = f"pdctl-{deployment}-"
+        return sorted(n for n in names if n.startswith(prefix) and n.endswith(".service")
+                      and self.installed_deployment(n) == deployment)
 
     def installed_deployment(self, name: str) -> str | None:
         data = self._read_json(posixpath.join(self._dir(name), "unit.json"))  # (None when absent)
@@ -537,11 +616,10 @@ class ProcessSupervisor(ServiceManager):
         wpid = self._watchdog_pid(name)
         if wpid is not None and self._status_record(name).get("state") == "deactivating":
             # Being stopped (a stop begun by a down or an apply since interrupted): systemd queues the start job
-            # behind the running stop job. Wait as that stop may (its TimeoutStopSec, then SIGKILL), then start.
-            t = spec.timeout_stop_s + 15
-            if not self._wait_gone(lambda: self._alive(wpid), t):
-                raise ServiceTimeout(f"{name} still stopping after {t:g} s (its watchdog PID {wpid}): not "
-                                     "started", unit=name)
+            # behind the running stop job, which its manager carries to the end (TimeoutStopSec, then SIGKILL). The
+            # watchdog is this unit's manager: the stop is finished as stop() would (SIGCONT too: a watchdog frozen
+            # by kill -STOP mid-stop acts on it; SIGKILL after the timeout), then the unit starts anew.
+            self._stop_service(name, None)
             wpid = None
         if wpid is not None:  # (its watchdog.pid damaged: still the one that runs, not a second)
             return
@@ -674,11 +752,65 @@ class ProcessSupervisor(ServiceManager):
         return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
                              supervised=sub not in ("unsupervised", SUPERVISOR_STOPPED))
 
+    def follow_logs(self, name: str, mark: object = None, *, lines: int = 500) -> tuple[list[str], object, bool]:
+        """As :meth:`ServiceManager.follow_logs`, by offset in ``output.log`` (the mark is its byte count read so
+        far): every line is read once, however alike. Emptied past its limit (its size below the mark), the rest of
+        the old lines are read from ``output.log.1`` (the copy), then the new file from its start."""
+        if mark == _REMOVED:
+            return [], mark, False
+        d = self._dir(name)
+        path, kept = posixpath.join(d, "output.log"), posixpath.join(d, "output.log.1")
+        most = max(65536, lines * LOG_LINE_BYTES)
+        try:
+            if mark is None and not self.host.exists(path) and self.host.exists(self._kept_log(name)):
+                return self.logs(name, lines=lines), _REMOVED, False  # (removed: its kept log, to its end)
+            if mark is None:
+                data, size = self.host.read_from(path, 0, most)
+                got, _ = log_lines_of(data, cut=len(data) < size)
+                end = size - len(data) + data.rfind(b"\n") + 1  # (a line still being written: the next read's)
+                return got[-lines:], end, False
+            offset = int(mark)  # type: ignore[call-overload]
+            data, size = self.host.read_from(path, offset, most)
+            if size >= offset:
+                got, used = log_lines_of(data, cut=len(data) < size - offset)
+                return got[-lines:], size - len(data) + used if data else offset, \
+                    len(data) < size - offset or len(got) > lines
+            # emptied since (copied to output.log.1 first): the old file's rest, then the new one's start
+            old, old_size = self.host.read_from(kept, offset, most) if self.host.exists(kept) else (b"", 0)
+            before, _ = log_lines_of(old if old.endswith(b"\n") or not old else old + b"\n",
+                                     cut=len(old) < old_size - offset)
+            data, size = self.host.read_from(path, 0, most)
+            got, used = log_lines_of(data, cut=len(data) < size)
+            missed = old_size < offset or len(old) < old_size - offset or len(data) < size \
+                or len(before) + len(got) > lines
+            return (before + got)[-lines:], size - len(data) + used, missed
+        except FileNotFoundError:  # (removed: taken down; its last lines from the log remove() kept, then no more)
+            if mark is None:
+                return [], 0, False
+            try:
+                data, size = self.host.read_from(self._kept_log(name), int(mark), most)  # type: ignore[call-overload]
+            except FileNotFoundError:
+                return [], mark, False
+            got, _ = log_lines_of(data if data.endswith(b"\n") or not data else data + b"\n",
+                                  cut=len(data) < size - int(mark))  # type: ignore[call-overload]
+            return got[-lines:], _REMOVED, False  # (read to its end: nothing more comes)
+
     def logs(self, name: str, *, lines: int = 50) -> list[str]:
-        path = posixpath.join(self._dir(name), "output.log")
-        if not self.host.exists(path):
-            return []
-        return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
+        """The last *lines* lines of ``output.log``, led by the end of ``output.log.1`` (its lines before the
+        watchdog last emptied it) where it holds fewer; of a unit removed, those :meth:`remove` kept."""
+        d = self._dir(name)
+        path, kept = posixpath.join(d, "output.log"), posixpath.join(d, "output.log.1")
+        if not self.host.exists(path):  # (removed: the log :meth:`remove` kept, if any)
+            path, kept = self._kept_log(name), self._kept_log(name, ".1")
+            if not self.host.exists(path):
+                return []
+        got = log_tail(self.host, path, lines)
+        if len(got) < lines and self.host.exists(kept):
+            try:
+                got = log_tail(self.host, kept, lines - len(got)) + got
+            except FileNotFoundError:  # (replaced meanwhile by the next copy)
+                pass
+        return got
 
 
 def _owner(data: dict) -> str | None:

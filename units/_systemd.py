@@ -196,6 +196,11 @@ def render_service(spec: ServiceSpec, *, scope: str = "system") -> str:
     if spec.log_path:
         s.append(f"StandardOutput=append:{_path(spec.log_path, 'StandardOutput')}")
     s.append(f"SyslogIdentifier={spec.name.removesuffix('.service')}")
+    if spec.user is not None:
+        if scope != "system":
+            raise ValueError(f"{spec.name}: User={spec.user} needs the system manager (a user manager runs every unit "
+                             "as its own user)")
+        s.append(f"User={_plain(spec.user, 'User')}")
     if spec.numa_node is not None:
         s += ["NUMAPolicy=bind", f"NUMAMask={int(spec.numa_node)}"]
     if spec.cpu_affinity:

@@ -21,6 +21,7 @@ from ._manager import (
     ServiceManager,
     clean_log_lines,
     current_text,
+    log_tail,
     probe_writable,
     secrets_pending,
 )
@@ -165,6 +166,15 @@ class SystemdManager(ServiceManager):
             raise ForeignUnit(
                 f"{path} belongs to pdctl deployment {owner!r}, not {deployment!r}: refusing to overwrite or remove "
                 "it", unit=name, hint=OTHER_DEPLOYMENT_HINT)
+
+    def installed_units_of(self, deployment: str) -> list[str]:
+        try:
+            names = self.host.list_dir(self.unit_dir) if self.host.exists(self.unit_dir) else []
+        except (OSError, ManagerUnavailable):
+            return []
+        prefix = f"pdctl-{deployment}-"
+        return sorted(n for n in names if n.startswith(prefix) and n.endswith(".service")
+                      and self.installed_deployment(n) == deployment)
 
     def installed_deployment(self, name: str) -> str | None:
         text = self.installed_text(name)
@@ -363,7 +373,7 @@ class SystemdManager(ServiceManager):
                 path = line.split(":", 1)[1]
                 if not self.host.exists(path):
                     return []
-                return clean_log_lines(self.host.read_file(path).decode("utf-8", "replace"), lines)
+                return log_tail(self.host, path, lines)
         flag = "--user-unit" if self.scope == "user" else "--unit"
         argv = [*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]
         res = self.host.run(self._with_env(argv), timeout=self.command_timeout, check=False)

@@ -239,6 +239,14 @@ class ServiceSpec:
     """The target that groups the deployment's units (``PartOf=``)."""
     log_path: str | None = None
     """Append stdout+stderr to this file (systemd: ``StandardOutput=append:``); None: the journal."""
+    log_max_bytes: int | None = None
+    """The process supervisor's ``output.log``: past this size its lines are copied to ``output.log.1`` and it is
+    emptied (``supervise.LOG_MAX_BYTES`` when None). systemd's journal rotates its own."""
+    user: str | None = None
+    """The account the role runs as (systemd ``User=``: its UID, primary group and supplementary groups, and
+    ``HOME``/``USER``/``LOGNAME``/``SHELL`` from its passwd entry), switched to after the CPU, NUMA and memlock settings
+    are applied, as systemd does; None: the manager's own (root under a system manager). Needs a manager running as
+    root; a user manager refuses it."""
 
     def __post_init__(self) -> None:
         _freeze(self)
@@ -255,6 +263,8 @@ class ServiceSpec:
             v = getattr(self, f.name)
             if f.name == "secrets":
                 out[f.name] = [[k, val if reveal_secrets else "***"] for k, val in v]
+            elif f.name in ("user", "log_max_bytes") and v is None:
+                continue  # (left out unset: a definition written before the field reads the same)
             else:
                 out[f.name] = [list(x) for x in v] if f.name == "env" else v
         return out

@@ -14,6 +14,7 @@ import ctypes
 import errno
 import json
 import os
+import pwd
 import resource
 import signal
 import subprocess
@@ -35,8 +36,27 @@ EXIT_NUMA_POLICY = 242
 """systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")."""
 EXIT_CPUAFFINITY = 214
 """systemd's exit status for a CPU affinity it could not set (systemd.exec(5), "Process exit codes")."""
+EXIT_USER = 217
+"""systemd's exit status for a ``User=`` it could not switch to (systemd.exec(5), "Process exit codes")."""
+LOG_MAX_BYTES = 256 * 2**20
+"""A role's ``output.log`` past this size (256 MiB, ~2 million lines of SGLang's request log) is copied to
+``output.log.1`` and emptied, as logrotate's ``copytruncate`` does: the role keeps its descriptor, which appends
+(``O_APPEND``), so it writes on at the start of the emptied file. Lines written while the copy runs are lost. A
+role's logs take at most twice this on disk; systemd's journal rotates its own."""
+LOG_CHECK_S = 5.0
+"""How often the watchdog looks at ``output.log``'s size, in seconds."""
 SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 """``set_mempolicy(2)`` syscall numbers: what ``NUMAPolicy=bind`` + ``NUMAMask=`` do under systemd."""
+
+
+def _account(user: str) -> tuple[pwd.struct_passwd, list[int]] | None:
+    """*user*'s passwd entry and its groups (``getgrouplist(3)``, its primary group included); None: no such
+    account. Read in the watchdog, before the fork: the child only switches."""
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    return pw, os.getgrouplist(pw.pw_name, pw.pw_gid)
 
 
 def _online_cpus() -> set[int]:
@@ -52,12 +72,14 @@ class Watchdog:
         unit = json.loads((d / "unit.json").read_text())
         self.spec = ServiceSpec.from_json({**unit["service"], "secrets": []})
         self.affinity: set[int] = set()  # (the CPUs spawn() pins the role to; empty: left as inherited)
+        self.account: tuple[pwd.struct_passwd, list[int]] | None = None  # (spec.user's, read by spawn())
         self.secrets_file = unit["service"].get("secrets_file")
         self.stopping = False
         self.restarts = 0
         self.unwritten: tuple[str, str] | None = None
         self.proc: subprocess.Popen | None = None
         self.log = open(d / "output.log", "ab", buffering=0)  # noqa: SIM115 - lives as long as the watchdog
+        self.log_checked = 0.0  # (time.monotonic() of the last look at output.log's size)
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.libc = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
 
@@ -90,6 +112,38 @@ class Watchdog:
         if self.unwritten is not None:
             self.status(*self.unwritten)
 
+    def rotate_log(self) -> None:
+        """Past ``log_max_bytes`` (:data:`LOG_MAX_BYTES`), copy ``output.log`` to ``output.log.1`` (replacing it)
+        and empty it; at most every :data:`LOG_CHECK_S` seconds. A copy that fails (a full disk) still empties it:
+        the disk matters more than the old lines, and the line that says so is the new file's first."""
+        now = time.monotonic()
+        if now - self.log_checked < LOG_CHECK_S:
+            return
+        self.log_checked = now
+        limit = self.spec.log_max_bytes or LOG_MAX_BYTES
+        try:
+            size = os.fstat(self.log.fileno()).st_size
+        except OSError:
+            return
+        if size <= limit:
+            return
+        tmp, kept = self.dir / ".output.log.1.tmp", self.dir / "output.log.1"
+        try:
+            with open(self.dir / "output.log", "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            os.replace(tmp, kept)
+            why = f"its lines before this one are in {kept.name}"
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            why = f"its lines before this one could not be kept ({exc.strerror or exc})"
+        try:
+            os.ftruncate(self.log.fileno(), 0)
+        except OSError as exc:
+            self.say(f"cannot empty output.log past {limit} bytes: {exc.strerror or exc}")
+            return
+        self.say(f"output.log passed {limit} bytes ({size}): emptied; {why}")
+
     def on_term(self, *_: object) -> None:
         self.stopping = True
 
@@ -105,6 +159,9 @@ class Watchdog:
         env.update(dict(self.spec.env))
         if self.secrets_file and os.path.exists(self.secrets_file):
             env.update(parse_env_file(Path(self.secrets_file).read_text()))
+        if self.account is not None:  # as systemd sets them for User= (systemd.exec(5), "Environment variables")
+            pw = self.account[0]
+            env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name, SHELL=pw.pw_shell or "/bin/sh")
         # last: how status and down find this role's process, whatever the spec's tables say
         env[UNIT_ENV] = self.spec.name
         env[UNIT_DIR_ENV] = os.path.normpath(self.dir)
@@ -136,6 +193,24 @@ class Watchdog:
                     resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
                 except (OSError, ValueError):
                     pass
+        if self.spec.user is not None:  # last, as systemd does: the limits above were raised with the manager's rights
+            self.switch_user(self.spec.user)
+
+    def switch_user(self, user: str) -> None:
+        """In the child: become *user* (supplementary groups, primary group, UID), or end with exit status 217, as
+        systemd's ``User=`` does (EXIT_USER), saying why in the role's log."""
+        if self.account is None:
+            os.write(2, f"pdctl supervise: User={user}: no such account on this host\n".encode())
+            os._exit(EXIT_USER)
+        pw, groups = self.account
+        try:
+            os.setgroups(groups)
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+        except OSError as e:  # (EPERM: the watchdog does not run as root)
+            os.write(2, f"pdctl supervise: User={user}: cannot switch to UID {pw.pw_uid}: "
+                        f"{os.strerror(e.errno or 0)}\n".encode())
+            os._exit(EXIT_USER)
 
     def bind_memory(self, node: int) -> None:
         """``set_mempolicy(MPOL_BIND, {node})``, inherited across exec. A node the kernel refuses (EINVAL: no such
@@ -162,6 +237,7 @@ class Watchdog:
         cwd = self.spec.working_dir or str(self.dir)
         # (read before the fork: preexec only sets it)
         self.affinity = cpu_set(self.spec.cpu_affinity) if self.spec.cpu_affinity else _online_cpus()
+        self.account = _account(self.spec.user) if self.spec.user is not None else None
         self.proc = subprocess.Popen(
             list(self.spec.argv), env=self.env(), cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=self.preexec, close_fds=True,
@@ -328,6 +404,7 @@ class Watchdog:
             ready, t0, rc, why = False, time.monotonic(), None, ""
             while not self.stopping:
                 self.retry_status()
+                self.rotate_log()
                 rc = self.proc.poll()
                 if rc is not None:
                     why = f"exited, code={rc}" if rc >= 0 else f"killed, signal={-rc}"

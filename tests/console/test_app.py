@@ -642,11 +642,16 @@ async def test_reloading_an_edited_spec_shows_its_plan(console_demo):
         edited = dict(console_demo.dict)
         edited["parsers"] = {"reasoning_parser": "deepseek-r1", "tool_call_parser": "deepseekv3"}
         console_demo.spec.write_text(dump_toml(edited))
+        # (helper-109: until reloaded, the plan tab said "No changes" of a spec file rewritten meanwhile)
+        panel = app.query_one("PlanPanel")
+        await wait_for(pilot, lambda: panel.spec_changed)
+        assert "The spec file changed on disk since this plan was made: r reloads it" in str(panel.render())
         await pilot.press("r")
         await wait_for(pilot, lambda: app.plan is not None and app.plan.has_changes)
         assert app.plan.cls == "disruptive" and app.plan.restarts() == ["prefill", "decode"]
         assert app.query_one("#tabs").active == "plan"
-        assert "reasoning_parser" in str(app.query_one("PlanPanel").render())
+        await wait_for(pilot, lambda: not panel.spec_changed)
+        assert "reasoning_parser" in str(panel.render()) and "changed on disk" not in str(panel.render())
 
 
 class GrowingLogs(FakeManager):

@@ -222,6 +222,28 @@ def test_signal_clean_exit_within_a_second(sig):
         p.stop()
 
 
+def test_a_sigterm_taken_by_another_thread_than_the_main_one_still_ends_the_server():
+    # (a SIGTERM sent while the server was stopped, kill -STOP, then SIGCONT: whichever of its threads woke first took
+    # it, and its handler never ran while the main thread slept in a wait with no timeout: the server served on until
+    # its supervisor's SIGKILL, 120 s later. SGLang's main thread runs uvicorn's loop, which the signal wakes.)
+    # Sent here straight to a thread that is not the main one (tgkill(2)), so that the case is not left to chance
+    import ctypes
+
+    nr = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+    if nr is None:
+        pytest.skip("tgkill(2)'s number is known for x86_64 and aarch64 only")
+    p = start_sim([])
+    try:
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{p.pid}/task") if int(t) != p.pid)
+        assert threads, "the stand-in runs its server in threads besides the main one"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(nr, p.pid, threads[0], signal.SIGTERM) == 0, ctypes.get_errno()
+        assert p.popen.wait(5) == 0
+        assert "SIGTERM received" in p.log_text()
+    finally:
+        p.stop()
+
+
 def test_sigterm_during_load_exits_0():
     p = start_sim([], {"PDCTL_SIM_LOAD_SECONDS": "30"}, wait=False)
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import socket as _socket
 import json
 import os
@@ -144,6 +145,99 @@ def _collapse(d: dict, port: int) -> dict:
     return c
 
 
+def _single_beside(demo) -> dict:  # noqa: ANN001
+    """The demo's name as one TP8 server behind a router on every interface, on ports of its own (helper-109's G3)."""
+    from harness.sim import free_ports
+
+    server, router, prom = free_ports(3)
+    c = copy.deepcopy(demo.dict)
+    c.pop("prefill"), c.pop("decode"), c.pop("kv_transfer")
+    c["server"] = [{"gpus": list(range(8)), "tp": 8, "http_host": "127.0.0.1", "port": server}]
+    c["router"].update(host="0.0.0.0", port=router, prometheus_port=prom)
+    demo.ports.update(server=server, router2=router, prom2=prom)
+    return c
+
+
+def test_a_lost_journal_does_not_lift_the_topology_gate(demo):
+    # (helper-109: with the journal moved aside, which a damaged journal's own hint advises, a single-server spec of
+    # the same name applied with no confirmation: the PD router was rewritten onto 0.0.0.0 in front of the new server,
+    # prefill and decode ran on unseen, status said healthy and `down` of that spec left them running)
+    demo.apply()
+    pids = demo.pids()
+    (demo.state / "journal.json").rename(demo.tmp / "journal.moved")
+    spec = demo.write(_single_beside(demo), "single.toml")
+    r = demo.cli("plan", str(spec))
+    assert r.returncode == 2, r.stderr
+    assert "no --confirm-topology needed" not in r.stdout and "no journal records" in r.stdout, r.stdout
+    units = [f"pdctl-{demo.name}-{n}.service" for n in ("decode", "prefill", "router")]
+    assert f"units of {demo.name!r} that no journal records are installed here ({', '.join(units)})" in r.stdout
+    plan_id = next(line.split()[2] for line in r.stdout.splitlines() if line.startswith("plan id:"))
+    r = demo.cli("apply", str(spec))
+    assert r.returncode == 2 and f"--confirm-topology {plan_id}" in r.stderr, r.stderr
+    assert demo.pids() == pids  # refused: nothing changed
+    r = demo.cli("status", str(spec))
+    assert "not deployed, yet units of it run" in r.stdout, r.stdout
+    assert r.stdout.count("neither the journal nor this spec names it") == 2, r.stdout  # prefill and decode
+    r = demo.cli("apply", str(spec), "--confirm-topology", plan_id)
+    assert r.returncode == 0, r.stderr
+    for role in ("prefill", "decode"):
+        assert f"stopped and removed pdctl-{demo.name}-{role}.service" in r.stderr, r.stderr
+    from harness.deploy import listening_pids
+
+    assert listening_pids([demo.ports[k] for k in ("prefill", "bootstrap", "decode", "router", "prom")]) == []
+    assert service.status(demo.load(spec))["healthy"]
+    assert demo.cli("down", str(spec), "--yes").returncode == 0
+    assert demo.pids() == []
+
+
+def test_down_of_any_spec_of_the_name_stops_every_unit_of_it_installed_here(demo):
+    # (helper-109: with the journal lost, `down` of another spec of the name stopped only that spec's units, and the
+    # others ran on out of every later view)
+    demo.apply()
+    (demo.state / "journal.json").rename(demo.tmp / "journal.moved")
+    spec = demo.write(_single_beside(demo), "single.toml")
+    r = demo.cli("down", str(spec), "--yes")
+    assert r.returncode == 0, r.stderr
+    assert f"removed 3 unit(s) of {demo.name!r}" in r.stderr, r.stderr
+    assert demo.pids() == []
+    assert not [n for n in os.listdir(demo.state / "supervisor" / "services") if n.endswith(".service")]
+
+
+def test_the_same_deployment_from_another_state_directory_is_refused_not_run_twice(demo):
+    # (helper-109: the same name applied with another PDCTL_STATE_DIR started a second copy beside the first, on the
+    # same GPUs, exit 0; only ports shared by both were noticed)
+    demo.apply()
+    pids = demo.pids()
+    other = demo.tmp / "other-state"
+    spec = demo.write(_single_beside(demo), "single.toml")  # (ports of its own: the port check cannot catch it)
+    env = {**os.environ, "PDCTL_STATE_DIR": str(other)}
+    run = [sys.executable, "-m", "pdctl"]
+    r = subprocess.run([*run, "apply", str(spec)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == ExitCode.STEP_FAILED, r.stderr
+    said = " ".join(r.stderr.split())
+    assert f"deployment {demo.name!r} already runs from another state directory ({demo.state}):" in said, said
+    assert f"pdctl-{demo.name}-prefill.service (watchdog PID" in said and "nothing was started or changed" in said
+    assert f"--state-dir {demo.state}" in said
+    assert demo.pids() == pids
+    r = subprocess.run([*run, "plan", str(spec)], capture_output=True, text=True, timeout=120, env=env)
+    assert "already runs from another state directory" in r.stdout, r.stdout  # (plan warns as apply refuses)
+
+
+def test_a_first_deployment_after_a_down_says_how_it_differs_from_what_was_taken_down(demo):
+    # (helper-109: `down --yes` then apply of a single server on every interface under the PD deployment's name read
+    # "a first deployment … no --confirm-topology needed" with no word of the PD deployment just taken down)
+    demo.apply()
+    assert demo.cli("down", str(demo.spec), "--yes").returncode == 0
+    spec = demo.write(_single_beside(demo), "single.toml")
+    r = demo.cli("plan", str(spec), "--json")
+    said = json.loads(r.stdout)["since_down"]
+    assert said.startswith(f"{demo.name!r} was deployed otherwise until `pdctl down` took it down at "), said
+    assert "PD disaggregation → single server" in said and "0.0.0.0" in said, said
+    r = demo.cli("plan", str(spec))
+    assert "\nnote: " + said in r.stdout, r.stdout
+    assert "since_down" not in demo.cli("plan", str(demo.spec), "--json").stdout.replace('"since_down": null', "")
+
+
 def test_a_plan_that_renames_roles_says_why_the_router_restarts(demo):
     # (it said the router's unit "differs … after an upgrade, or a path it resolves changed": the cause was this plan's
     # renamed roles, whose units the router's names)
@@ -262,6 +356,16 @@ def test_a_saved_plan_applies_only_while_the_deployment_matches_it(demo):
         demo.spec.write_text(spec_before)
     assert r.returncode == 2 and "the spec was edited since saved plan" in r.stderr, r.stderr
     assert "model.context_length" in r.stderr and "topology" not in r.stderr.split("hint:")[0], r.stderr
+    # ...and a spec swapped for a collapse leads with that, in words (helper-109: it named router.prefill,
+    # router.decode, router.regular)
+    demo.write(_collapse(demo.dict, demo.ports["router"]), demo.spec.name)
+    try:
+        r = demo.cli("apply", str(edited))
+    finally:
+        demo.spec.write_text(spec_before)
+    assert r.returncode == 2, r.stderr
+    assert f"the spec was edited since saved plan" in r.stderr and "(it changes the topology: PD disaggregation → " \
+        "single server" in r.stderr, r.stderr
     # The spec renamed since: said as that edit (it read "changes a deployment other than the one recorded now … made at
     # journal serial 45, now 0"), and the new name's state directory is not created
     d = copy.deepcopy(demo.dict)
@@ -756,8 +860,16 @@ def test_decode_killed_while_up_status_shows_it_and_recovers(demo):
             os.kill(rt["main_pid"], signal.SIGKILL)
         time.sleep(0.1)
     assert (rt["state"], rt["sub_state"]) == ("failed", "start-limit-hit"), rt
-    line = demo.cli("status", str(demo.spec)).stdout.split("router", 1)[1].splitlines()[0]
+    after = demo.cli("status", str(demo.spec)).stdout.split("router", 1)[1].splitlines()
+    line = after[0]
     assert line.split()[0] == "failed" and "(start-limit-hit)" in line and "its log says why" in line, line
+    # ...and quotes the end of its log, as `systemctl status` does: here the supervisor's own last words
+    from pdctl.units._manager import clean_log_lines  # (smg colours its log)
+
+    log = clean_log_lines((demo.state / "supervisor" / "services" / rt["unit"] / "output.log").read_text(), 5)
+    assert rt["log_tail"] == log and "start limit hit" in " ".join(rt["log_tail"]), rt["log_tail"]
+    assert [x.split("│ ", 1)[1].removesuffix("…") for x in after[1:6]] == [x[:200] for x in log], after
+    assert all(r["log_tail"] == [] for r in demo.status()["roles"])  # (serving: nothing quoted)
 
 
 # --- kill -9 at five points, then re-run ---------------------------------------------------------
@@ -1082,7 +1194,7 @@ def test_plan_warns_of_a_bind_address_apply_would_refuse(demo):
     got = json.loads(demo.cli("plan", str(spec), "--json").stdout)["binds_unusable"]
     assert got.startswith("bind addresses unusable") and "gpu-typo.invalid" in got, got
     assert json.loads(demo.cli("plan", str(demo.spec), "--json").stdout)["binds_unusable"] is None
-    assert "Warning" not in demo.cli("plan", str(demo.spec)).stdout
+    assert "stops before its first step" not in demo.cli("plan", str(demo.spec)).stdout
 
 
 def test_down_with_nothing_installed_notes_ports_held_by_processes_it_cannot_see(demo, monkeypatch):
@@ -1244,7 +1356,8 @@ def test_plan_warns_of_a_port_held_outside_the_deployment_as_apply_refuses_it(ma
     # its own running roles hold every port now: no warning
     r = demo.cli("plan", str(demo.spec))
     rj = demo.cli("plan", str(demo.spec), "--json")
-    assert r.returncode == ExitCode.OK and "Warning" not in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == ExitCode.OK and "held outside it" not in r.stdout, (r.stdout, r.stderr)
+    assert "stops before its first step" not in r.stdout, r.stdout
     assert rj.returncode == ExitCode.OK and json.loads(rj.stdout)["ports_held"] == [], rj.stdout
     # a stranger on the router's port over IPv6 (the router listens on 127.0.0.1): on [::1] it takes nothing from the
     # router (Linux lets both listen), so no warning; on [::] it may take every address (whether it is IPv6-only does
@@ -1790,8 +1903,9 @@ def test_an_apply_stopped_after_its_plan_before_it_started_says_truly_what_runs(
     if as_json:
         assert events[1]["message"] == ("interrupted: what already runs stays as it is; apply again to converge, or "
                                         "`pdctl down` to stop it"), events
-    assert last == ("terminated (SIGTERM); interrupted: what already runs stays as it is (`pdctl status SPEC` shows "
-                    "it); run the same command again to converge, or `pdctl down SPEC --yes` to stop it"), last
+    named = f"{demo.spec} --state-dir {demo.state}"  # (its own spec and state directory, PDCTL_STATE_DIR's: to paste)
+    assert last == (f"terminated (SIGTERM); interrupted: what already runs stays as it is (`pdctl status {named}` "
+                    f"shows it); run the same command again to converge, or `pdctl down {named} --yes` to stop it"), last
     assert demo.pids() == before and demo.status()["healthy"]
 
 
@@ -2067,18 +2181,28 @@ def test_an_apply_whose_role_loses_its_supervisor_while_starting_fails_at_once(m
     demo.cli("down", str(demo.spec), "--yes")
 
 
-def test_plan_notes_a_running_server_failing_its_probe_without_calling_it_changes(demo):
+def test_plan_notes_a_running_server_failing_its_probe_without_calling_it_changes(demo, monkeypatch):
     # A busy SGLang server can fail /health (a one-token generation) for a while: plan says so on stderr, but its exit
     # (what a script gates apply on) stays 0, or apply would restart a busy, healthy server
+    # (its probe made to fail as a busy server's does, its process running; a process stopped with kill -STOP, which
+    # this test used to stand for "busy", is apply's to restart and plan's exit 2 since status tells it apart)
+    from pdctl.console import cli
+    from pdctl.statemachine import probes
+
     demo.apply()
-    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
-    os.kill(dec["main_pid"], signal.SIGSTOP)  # answers nothing, its unit still active
-    try:
-        plan = demo.cli("plan", str(demo.spec))
-    finally:
-        os.kill(dec["main_pid"], signal.SIGCONT)
-    assert plan.returncode == 0 and "matches the spec" in plan.stdout, (plan.stdout, plan.stderr)
-    assert "decode active, health down" in plan.stderr and "may only be busy" in plan.stderr, plan.stderr
+    decode_url = f"http://127.0.0.1:{demo.ports['decode']}"
+    health = probes.health
+
+    def busy(client, url, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        return 0 if url == decode_url else health(client, url, *a, **k)
+
+    monkeypatch.setattr(probes, "health", busy)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(demo.spec), "--state-dir", str(demo.state)])
+    monkeypatch.undo()
+    assert e.value.code == 0 and "matches the spec" in out.getvalue(), (out.getvalue(), err.getvalue())
+    assert "decode active, health down" in err.getvalue() and "may only be busy" in err.getvalue(), err.getvalue()
 
 
 def test_a_role_whose_supervisor_was_killed_is_reported_and_taken_back_by_apply(demo):
@@ -2461,6 +2585,85 @@ def test_a_router_whose_process_is_stopped_is_restarted_at_once_not_waited_for(d
     assert st["healthy"] and st["router"]["main_pid"] not in (None, router_pid), st
 
 
+def test_a_server_whose_process_is_stopped_is_named_by_status_and_restarted_without_probing_it(demo, monkeypatch):
+    # (helper-109: status said only "health down" of a decode under kill -STOP; apply restarted it after its health
+    # probes each waited out their timeout against the frozen server, 10 s, and the stand-in then ignored the SIGTERM
+    # it took on another thread until the SIGKILL 120 s later)
+    demo.apply()
+    dec = next(r for r in demo.status()["roles"] if r["name"] == "decode")
+    stop_process(dec["main_pid"])
+    try:
+        st = demo.status()
+        d = next(r for r in st["roles"] if r["name"] == "decode")
+        assert d["main_stopped"] and not st["healthy"], d
+        r = demo.cli("status", str(demo.spec))
+        assert f"its main process is stopped (kill -STOP? a debugger?)" in r.stdout, r.stdout
+        assert f"`kill -CONT {dec['main_pid']}` resumes it, or `pdctl apply` restarts it" in r.stdout, r.stdout
+        # (helper-110: plan said "No changes", exit 0, and apply then restarted it)
+        r = demo.cli("plan", str(demo.spec))
+        assert r.returncode == ExitCode.CHANGES, (r.stdout, r.stderr)
+        assert f"decode's main process (PID {dec['main_pid']}) is stopped (kill -STOP?): apply restarts it" in r.stdout
+        from pdctl.statemachine import probes
+
+        health = probes.health
+
+        def not_the_frozen_one(client, url, *a, **k):  # noqa: ANN001, ANN002, ANN003
+            assert url != f"http://127.0.0.1:{demo.ports['decode']}" or not process_stopped_now(dec["main_pid"]), \
+                "probed a server whose process is stopped"
+            return health(client, url, *a, **k)
+
+        monkeypatch.setattr(probes, "health", not_the_frozen_one)
+        demo.apply()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(dec["main_pid"], signal.SIGCONT)
+    monkeypatch.undo()
+    st = demo.status()
+    assert st["healthy"] and next(r for r in st["roles"] if r["name"] == "decode")["main_pid"] != dec["main_pid"], st
+    assert process_gone(dec["main_pid"])  # (its SIGTERM ended it: no SIGKILL after the stop timeout was needed)
+
+
+def test_a_port_taken_while_a_role_starts_fails_the_step_at_once_naming_the_holder(demo):
+    # (helper-109: a process bound decode's new port just after apply checked it: decode_up failed only after 38 s,
+    # three starts and "start limit hit", with a generic hint)
+    from harness.sim import free_ports
+
+    demo.apply()
+    port = free_ports(1)[0]
+    d = copy.deepcopy(demo.dict)
+    d["decode"][0]["port"] = port
+    moved = demo.write(d, "moved.toml")
+    squatter = _socket.socket()
+    squatter.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+
+    class TakeThePort(ListSink):
+        def emit(self, event) -> None:  # noqa: ANN001
+            super().emit(event)
+            if event.message.startswith(("restarting", "starting")) and "-decode." in event.message \
+                    and squatter.getsockname()[1] == 0:  # (after the checks, before its server binds)
+                squatter.bind(("127.0.0.1", port))
+                squatter.listen()
+
+    try:
+        with pytest.raises(ApplyFailed) as e:
+            demo.apply(moved, sink=TakeThePort())
+    finally:
+        squatter.close()
+    assert e.value.step == "decode_up", e.value
+    assert e.value.message.startswith("decode: its server could not bind its port while starting (address already in "
+                                      f"use), taken meanwhile: port {port}"), e.value.message
+    assert f"PID {os.getpid()}" in e.value.message, e.value.message
+    demo.apply(moved)  # the port free again: it applies
+    assert service.status(demo.load(moved))["healthy"]
+
+
+def process_stopped_now(pid: int) -> bool:
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.units import process_stopped
+
+    return process_stopped(LocalHost(), pid)
+
+
 def _connections_to(ports: set[int]) -> list[tuple[int, int]]:
     """This process's TCP connections (local port, remote port) to one of *ports* on loopback, from proc(5)."""
     mine = set()
@@ -2728,8 +2931,7 @@ def test_a_role_left_spawning_without_a_supervisor_is_started_by_the_next_apply(
     for pid in (watchdog, dec["main_pid"]):  # (both started by this test's apply)
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"
-              for p in (watchdog, dec["main_pid"])) and time.monotonic() < deadline:
+    while any(not process_gone(p) for p in (watchdog, dec["main_pid"])) and time.monotonic() < deadline:
         time.sleep(0.1)
     (d / "status.json").write_text(json.dumps({"state": "activating", "sub": "spawning", "updated": time.time()}))
     events = []

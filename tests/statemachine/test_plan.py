@@ -1120,7 +1120,7 @@ def test_a_new_served_name_restarts_the_router_in_front_of_a_single_server_too(m
     assert sorted(make_plan(topo(d), topo(env_only)).restarts()) == expected
 
 
-@pytest.mark.parametrize("change", ["secret", "python"])
+@pytest.mark.parametrize("change", ["secret", "python", "service_user"])
 def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_restarts(change, monkeypatch):
     # (a [secrets] value or engine.python changed the router's unit too, and apply restarted it, which the plan
     # and the console's y/N did not say)
@@ -1134,8 +1134,11 @@ def test_a_change_to_what_the_routers_unit_carries_lists_the_router_among_the_re
         before = topo(d)
         monkeypatch.setenv("PDCTL_T_TOKEN", "two")
         after = topo(other)
-    else:
+    elif change == "python":
         other["engine"]["python"] = "/opt/other/bin/python3"
+        before, after = topo(d), topo(other)
+    else:  # (every unit runs as that account: User=)
+        other["service_user"] = "sglang"
         before, after = topo(d), topo(other)
     assert sorted(make_plan(before, after).restarts()) == ["decode", "prefill", "router"]
     env_only = copy.deepcopy(d)
@@ -1296,6 +1299,12 @@ def _runs_fixture(tmp_path, monkeypatch, states: dict[str, str]):  # noqa: ANN20
         def unit_file_not_pdctls(self, unit: str) -> str | None:
             return None
 
+        def installed_units_of(self, deployment: str) -> list[str]:
+            return []
+
+        def running_elsewhere(self, deployment: str) -> list[tuple[str, str, int]]:
+            return []
+
     monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
     return loaded, loaded.journal.read(), recorded
 
@@ -1358,7 +1367,7 @@ def test_an_empty_list_is_shown_as_one_in_the_plan():
 
 @pytest.mark.parametrize("argv", [["apply", "s.toml", "--json"], ["--apply", "s.toml"], ["plan", "s.toml"],
                                   ["status", "s.toml"], ["chat", "s.toml"], ["down", "s.toml"], ["validate", "s.toml"],
-                                  ["units", "s.toml", "-o", "u"]])
+                                  ["units", "s.toml", "-o", "u"], ["logs", "s.toml", "-f"]])
 def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_would(argv, monkeypatch, capsys):
     # Ctrl-C after pdctl's modules loaded but before the command's own code ran (typer building and parsing the
     # command line, a fraction of a second): plan printed apply's "what already runs stays as it is … converge", and
@@ -1387,6 +1396,8 @@ def test_an_interrupt_while_the_command_line_is_parsed_says_what_the_command_wou
         assert err.strip() == "interrupted before down started: nothing was stopped; run it again"
     elif command == "validate":
         assert err.strip() == "interrupted: validate only reads the spec, it changes nothing; run it again"
+    elif command == "logs":
+        assert err.strip() == "interrupted: logs only reads, it changes nothing"
     else:
         assert err.strip() == "interrupted before the unit files were written: nothing was written; run it again"
     if "--json" in argv:
@@ -1554,3 +1565,94 @@ def test_any_move_of_a_server_behind_the_router_off_loopback_is_confirmed(before
     other = copy.deepcopy(seed)
     other["prefill"][0]["http_host"] = after
     assert make_plan(topo(seed), topo(other)).requires_confirmation is confirmed
+
+
+def test_a_deployment_recorded_before_service_user_existed_plans_no_change_without_it():
+    # (a journal's topology has no service_user key: one left unset must not read as a change, which would restart
+    # every role of a deployment after an upgrade of pdctl)
+    from .specs import demo_dict
+
+    before = topo(demo_dict())
+    recorded = before.model_copy(update={"deployment": {k: v for k, v in before.deployment.items()
+                                                        if k != "service_user"}})
+    assert "service_user" not in before.deployment
+    assert make_plan(recorded, topo(demo_dict())).changes == ()
+
+
+def test_units_no_journal_records_make_a_first_deployment_a_topology_change_to_confirm():
+    from .specs import demo_dict
+
+    desired = topo(demo_dict())
+    first = make_plan(None, desired)
+    assert not first.requires_confirmation and first.unrecorded == ()
+    units = (f"pdctl-{desired.name}-old.service", f"pdctl-{desired.name}-router.service")
+    taken = make_plan(None, desired, unrecorded=units)
+    assert taken.requires_confirmation and taken.plan_id != first.plan_id  # (the id binds what it takes over)
+    assert make_plan(None, desired, unrecorded=units[:1]).plan_id != taken.plan_id
+    deleted = [c for c in taken.changes if c.action == "delete"]
+    assert [(c.address, c.cls) for c in deleted] == [("role.old", "topology")], taken.changes
+    router = next(c for c in taken.changes if c.address == "router")
+    assert router.runs and "apply rewrites and restarts it" in router.runs
+    assert taken.counts() == (first.counts()[0], 0, 1)
+    # (with a deployment recorded, what the journal says stands: no takeover)
+    assert make_plan(desired, desired, unrecorded=units).unrecorded == ()
+
+
+@pytest.mark.parametrize("given", ["", "  "])
+def test_an_empty_confirmation_is_named_as_empty_not_as_another_plan(given):
+    # (helper-109: `--confirm-topology ''` said "--confirm-topology  names another plan", double space and all)
+    from pdctl.statemachine.errors import TopologyNotConfirmed
+    from pdctl.statemachine.service import _resolve_confirmation
+
+    from .specs import collapsed, seed_dict
+
+    plan = make_plan(topo(seed_dict()), topo(collapsed(seed_dict())))
+    assert plan.requires_confirmation
+    with pytest.raises(TopologyNotConfirmed) as e:
+        _resolve_confirmation(plan, given)
+    assert e.value.message == "--confirm-topology was given an empty plan id; nothing was changed"
+    assert plan.plan_id in e.value.hint
+    _resolve_confirmation(plan, plan.plan_id)  # (its own id: confirmed)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "LOCALHOST", "127.0.0.2"])
+def test_another_name_for_this_machine_moves_no_role(address):
+    # (helper-109: address = "localhost" written as "127.0.0.1" replaced prefill and decode, a topology change to
+    # confirm, for the same machine; a deployment-wide change restarted every role besides)
+    from .specs import demo_dict
+
+    d = demo_dict()
+    other = copy.deepcopy(d)
+    other["hosts"]["local"]["address"] = address
+    assert make_plan(topo(d), topo(other)).changes == ()
+    away = copy.deepcopy(d)
+    away["hosts"]["local"]["address"] = "10.0.0.5"  # (another machine: its roles are replaced, confirmed)
+    assert make_plan(topo(d), topo(away)).requires_confirmation
+
+
+def test_a_restart_asked_for_restarts_that_role_alone_and_keeps_the_plan_id():
+    # (new weights at the same path, an engine upgraded in place: nothing of the spec changed, so no plan restarted it;
+    # under the process supervisor only kill -9 of its main process did)
+    demo = copy.deepcopy(seed_dict())
+    demo["service_manager"] = "process"
+    t = topo(demo)
+    p = make_plan(t, t, restart=["decode"])
+    assert [(c.address, c.action, c.cls, c.restarts) for c in p.changes] == [
+        ("role.decode", "update", "disruptive", ("decode",))]
+    assert p.changes[0].asked == "asked on the command line (--restart decode)" and p.changes[0].changes == ()
+    assert p.restarts() == ["decode"] and not p.requires_confirmation and p.has_changes
+    assert p.plan_id == make_plan(t, t).plan_id  # (what is deployed and what is asked are the same two topologies)
+    text = render_text(p)
+    assert "# role.decode will be restarted (disruptive)" in text and "asked: asked on the command line" in text, text
+    both = make_plan(t, t, restart=["router", "prefill", "router"])
+    assert [c.address for c in both.changes] == ["role.prefill", "router"] and both.restarts() == ["prefill", "router"]
+    # under systemd the router's unit Requires= the servers: a restarted server restarts it, and the plan says so
+    systemd = topo(seed_dict())
+    assert make_plan(systemd, systemd, restart=["decode"]).restarts() == ["decode", "router"]
+    # a role the change restarts anyway gets no second entry; one the spec lacks is refused
+    wider = copy.deepcopy(demo)
+    wider["decode"][0]["env"] = {"SGLANG_X": "1"}
+    changed = make_plan(t, topo(wider), restart=["decode"])
+    assert changed.changes == make_plan(t, topo(wider)).changes
+    with pytest.raises(ValueError, match="cannot restart 'decoder'"):
+        make_plan(t, t, restart=["decoder"])

@@ -693,13 +693,32 @@ def test_kernels_enabled_with_none_named_is_refused():
     _one(d, "kernels.which", "none is named", "set kernels.enabled = false")
 
 
-@pytest.mark.parametrize("name", ["bad name", "-lead", "a/b", "x" * 70, "ünï"])
+@pytest.mark.parametrize("name", ["bad name", "-lead", "a/b", "x" * 70, "ünï", "seed\n"])
 def test_a_name_that_cannot_become_a_systemd_unit_name(name):
+    # ("seed\n", a TOML escape, passed: the pattern's $ matches before a final newline, and every unit name broke)
     d = seed_dict()
     d["name"] = name
     with pytest.raises(SpecError) as e:
         parse_spec(d)
     assert "name:" in str(e.value) and "systemd unit name" in str(e.value)
+
+
+@pytest.mark.parametrize("user", ["1000", "svc.user", "bad name", "", "x" * 33, "root\n"])
+def test_a_service_user_that_is_not_an_account_name_is_refused_by_name(user):
+    d = seed_dict()
+    d["service_user"] = user
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert "service_user:" in str(e.value) and "account name" in str(e.value), str(e.value)
+
+
+def test_a_service_user_is_refused_under_a_user_manager_and_taken_by_the_others():
+    d = seed_dict()
+    d.update(service_user="sglang", service_manager="systemd-user")
+    _one(d, "service_user", "systemd-user", "runs every unit as its own user", 'service_manager = "systemd-system"')
+    for manager in ("systemd-system", "process"):
+        d["service_manager"] = manager
+        assert not [f for f in _errors(d) if f.field == "service_user"], manager
 
 
 def test_unknown_keys_are_refused_with_the_field_named():
@@ -904,6 +923,22 @@ def test_a_toml_syntax_error_reports_the_line(tmp_path):
         load_spec(p)
     assert "TOML syntax error" in str(e.value) and "line 4" in str(e.value)
     assert e.value.message.endswith(": [[prefill]") and "fix that line" in e.value.hint, e.value  # (the line quoted)
+
+
+def test_control_characters_of_a_quoted_line_reach_no_terminal(tmp_path):
+    # (helper-109: a spec line with an OSC title sequence and a colour was echoed raw by the TOML error, and retitled
+    # and recoloured the operator's terminal; the CLI writes no control character of any message either)
+    import subprocess
+    import sys
+
+    p = tmp_path / "bad.toml"
+    p.write_bytes(b'name = "x"\nfoo = \x1b]0;PWNED\x07\x1b[31m\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    assert e.value.message.endswith(r": foo = \x1b]0;PWNED\x07\x1b[31m"), e.value.message
+    r = subprocess.run([sys.executable, "-m", "pdctl", "validate", str(p)], capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"\x1b" not in r.stderr and b"\x07" not in r.stderr, r.stderr
+    assert rb"\x1b]0;PWNED\x07" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("toml, line, hint", [
@@ -1436,7 +1471,7 @@ def test_role_names_that_collide_are_refused_naming_both_fields(index, name, fie
     parse_spec(d)
 
 
-@pytest.mark.parametrize("name", ["", "a b", "PREFILL"])
+@pytest.mark.parametrize("name", ["", "a b", "PREFILL", "p\n"])
 def test_a_role_name_that_cannot_be_a_unit_name_is_a_finding_with_its_fix_apart(name):
     d = seed_dict()
     d["prefill"][0]["name"] = name

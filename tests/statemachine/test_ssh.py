@@ -120,6 +120,25 @@ def test_files_are_written_atomically_with_their_mode(host, tmp_path):
     assert host.which("sh") and host.which("pdctl-no-such-tool") is None
 
 
+@pytest.mark.parametrize("sftp", [True, False], ids=["sftp", "shell"])
+def test_read_tail_and_read_from_read_as_the_local_host_does(host, tmp_path, monkeypatch, sftp):
+    from pdctl.statemachine.hosts import LocalHost
+
+    if not sftp:  # (a server without the SFTP subsystem: `tail -c` through a shell)
+        monkeypatch.setattr(SshHost, "_sftp_call", lambda self, op, path, fn: (False, None))
+    f = tmp_path / "output.log"
+    f.write_bytes(bytes(range(256)) * 1024)  # 256 KiB, every byte value
+    for n in (1, 1000, 65536, 300000):
+        assert host.read_tail(str(f), n) == LocalHost().read_tail(str(f), n) == f.read_bytes()[-n:], n
+    assert host.read_tail("/proc/self/status", 100000).startswith(b"Name:")  # (size 0 in stat(2))
+    with pytest.raises(FileNotFoundError):
+        host.read_tail(str(tmp_path / "nope"), 10)
+    for offset, most in ((0, 10**6), (1000, 10**6), (1000, 70000), (262143, 5), (262144, 5), (300000, 5), (7, 0)):
+        assert host.read_from(str(f), offset, most) == LocalHost().read_from(str(f), offset, most), (offset, most)
+    with pytest.raises(FileNotFoundError):
+        host.read_from(str(tmp_path / "nope"), 0, 10)
+
+
 def test_spawned_processes_outlive_the_command_and_can_be_signalled(host, tmp_path):
     log = tmp_path / "spawn.log"
     t0 = time.monotonic()
@@ -306,6 +325,10 @@ def test_the_demo_deploys_checks_and_stops_over_ssh(sshd, make_demo):
     assert "tool_calls" in r.stdout
     r = demo.cli("status", str(demo.spec), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["healthy"], r.stdout + r.stderr
+    r = demo.cli("logs", str(demo.spec), "decode", "-n", "2")  # (the supervisor's log file, read over SFTP)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stdout + r.stderr
+    log = (demo.state / "supervisor" / "services" / f"pdctl-{demo.name}-decode.service" / "output.log").read_text()
+    assert r.stdout in log, (r.stdout, log[-500:])  # (its end when read: health checks write on)
     stopped = service.down(demo.load())
     assert len(stopped) == 3
     deadline = time.monotonic() + 20
@@ -401,32 +424,55 @@ def test_how_pdctl_reaches_a_host_changes_nothing_that_runs(sshd):
     assert make_plan(before, topology_of(parse_spec(d))).has_changes
 
 
-def test_a_connection_lost_mid_apply_is_reported_as_such(sshd, make_demo, monkeypatch):
+def _lost_at(step: str, monkeypatch, **also):  # noqa: ANN001, ANN003, ANN202
+    """A sink that, once *step* starts, makes every command on the SSH connection fail as lost (and patches *also*'s
+    ``SshHost`` methods too): the connection dies under that step."""
     import asyncssh
 
-    from pdctl.statemachine.events import Event
+    class LostAt:
+        def emit(self, event) -> None:  # noqa: ANN001
+            if event.kind == "step_started" and event.step == step:
+                async def lost(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+                    raise asyncssh.ConnectionLost("Connection lost")
+
+                monkeypatch.setattr(SshHost, "_exec", lost)
+                for name, fn in also.items():
+                    monkeypatch.setattr(SshHost, name, fn)
+
+    return LostAt()
+
+
+def test_a_connection_lost_mid_apply_is_reported_as_such(sshd, make_demo, monkeypatch):
     from pdctl.statemachine.errors import StepError
 
     demo = make_demo(lambda d: d["hosts"].__setitem__("local", sshd.host_spec()))
 
-    class CutAtPrefill:
-        def emit(self, event: Event) -> None:
-            if event.kind == "step_started" and event.step == "prefill_up":
-                async def lost(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
-                    raise asyncssh.ConnectionLost("Connection lost")
-
-                async def refused(self):  # noqa: ANN001
-                    raise HostError(f"ssh {self.address}:{self.port}: cannot connect: [Errno 111] Connection refused",
-                                    host=self.name, hint="is sshd running there?")
-
-                monkeypatch.setattr(SshHost, "_exec", lost)
-                monkeypatch.setattr(SshHost, "_connect", refused)
+    async def refused(self):  # noqa: ANN001
+        raise HostError(f"ssh {self.address}:{self.port}: cannot connect: [Errno 111] Connection refused",
+                        host=self.name, hint="is sshd running there?")
 
     with pytest.raises(StepError) as e:
-        demo.apply(sink=CutAtPrefill())
+        demo.apply(sink=_lost_at("prefill_up", monkeypatch, _connect=refused))
     assert e.value.step == "prefill_up"
     assert "lost the connection to host local" in e.value.message
     assert e.value.message.count("hint") == 0 and "writable state directory" not in (e.value.hint or "")
+
+
+def test_a_connection_lost_under_the_kv_links_http_probes_is_reported_as_such(sshd, make_demo, monkeypatch):
+    # (the KV link's proof speaks HTTP through SSH forwards only: a connection that died failed it as the link's
+    # "Connection refused", with the link's hint about bootstrap ports and UCX devices; helper-112)
+    from pdctl.statemachine.errors import StepError
+
+    demo = make_demo(lambda d: d["hosts"].__setitem__("local", sshd.host_spec()))
+
+    def refused(self, host, port):  # noqa: ANN001
+        raise HostError(f"ssh {self.name}: cannot open a forward to {host}:{port}", host=self.name)
+
+    with pytest.raises(StepError) as e:
+        demo.apply(sink=_lost_at("kv_link_verified", monkeypatch, forward=refused))
+    assert e.value.step == "kv_link_verified"
+    assert "lost the connection to host local" in e.value.message, e.value.message
+    assert "UCX" not in (e.value.hint or ""), e.value.hint
 
 
 def test_a_port_that_accepts_but_never_speaks_ssh_is_named_as_such(tmp_path):
@@ -472,7 +518,7 @@ def test_a_file_the_ssh_user_may_not_read_names_ssh_user_as_the_fix():
     assert h._file_error("read", "/x", 1, "cat: /x: Is a directory").hint is None
 
 
-def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field(tmp_path):
+def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field(tmp_path, monkeypatch):
     # (apply said "true on gpu1 exited 1: Could not chdir to home directory /nonexistent", naming no field; a locked
     # account such as nobody cannot be logged into here, so the host's answer is the one OpenSSH gives a nologin shell)
     from pdctl.statemachine.errors import CommandFailed
@@ -507,6 +553,16 @@ def test_an_ssh_account_that_cannot_run_commands_is_named_by_its_field(tmp_path)
     loaded = service.load(spec, state_dir=tmp_path / "state")
     with pytest.raises(HostError, match="logs in but cannot run commands"):
         service.host_warnings(loaded, loaded.journal.read(), host=NoLogin())
+    # ...and down and logs, which said only "true on gpu1 exited 1: Could not chdir…" and "cannot read …/unit.json:
+    # Permission denied" after one role's lines (helper-112)
+    NoLogin.close = lambda self: None
+    monkeypatch.setattr(service, "deployment_host", lambda dep: NoLogin())
+    with pytest.raises(HostError, match="logs in but cannot run commands"):
+        service.RoleLogs(loaded)
+    loaded.journal.dir.mkdir(parents=True)  # (something recorded here: down asks the host)
+    with pytest.raises(HostError, match="logs in but cannot run commands") as e:
+        service.down(loaded)
+    assert "hosts.gpu1.ssh_user" in e.value.hint
 
 
 def _children(pid: int) -> list[int]:
@@ -551,3 +607,24 @@ def test_a_session_cut_under_a_command_is_a_lost_connection_not_an_exit_status(s
         assert h.run(["echo", "back"]).stdout == "back\n" and h.connection_error is None
     finally:
         h.close()
+
+
+def test_plan_asks_the_host_through_one_connection(sshd, make_demo, monkeypatch, capsys):
+    # (plan logged in three times: its machine check, its plan of what runs, and its host checks each connected anew;
+    # the machine check's connection was never closed; helper-112)
+    from pdctl.console import cli
+
+    demo = make_demo(lambda d: d["hosts"].__setitem__("local", sshd.host_spec()))
+    demo.apply()
+    connects = []
+    real = SshHost._connect
+
+    async def counted(self):  # noqa: ANN001, ANN202
+        connects.append(self.name)
+        return await real(self)
+
+    monkeypatch.setattr(SshHost, "_connect", counted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(demo.spec), "--state-dir", str(demo.state)])
+    assert e.value.code == 0, capsys.readouterr()
+    assert connects == ["local"], connects

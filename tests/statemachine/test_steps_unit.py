@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -417,6 +418,74 @@ def test_an_interrupted_down_says_to_run_down_again_not_apply(tmp_path, monkeypa
     assert err.startswith(f"interrupted: what is already stopped stays stopped; run `pdctl down {DEMO} --state-dir "
                           f"{tmp_path} --yes` again"), err
     assert "run the same command" not in err
+    assert err.endswith(f"(`pdctl status {DEMO} --state-dir {tmp_path}` shows what still runs)"), err
+
+
+@pytest.mark.parametrize("interrupted", [True, False], ids=["interrupted", "finished"])
+def test_a_ctrl_c_while_down_says_its_last_line_is_ignored(tmp_path, monkeypatch, capsys, interrupted):
+    # (helper-108: a second Ctrl-C ~20 ms after the first killed down by the signal as it said where it stopped; one
+    # just after down had finished made it exit 130, "interrupted", with everything stopped)
+    import signal
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+
+    from .specs import DEMO
+
+    def down(*a, **k):  # noqa: ANN002, ANN003
+        if interrupted:  # the first Ctrl-C, while down works
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            raise AssertionError("the Ctrl-C did not stop down")
+        return []
+
+    said = cli._err
+
+    def ctrl_c_then_say(text: str) -> None:  # the Ctrl-C comes as the command writes its last words
+        os.kill(os.getpid(), signal.SIGINT)
+        said(text)
+
+    monkeypatch.setattr(service, "down", down)
+    monkeypatch.setattr(cli, "_err", ctrl_c_then_say)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["down", str(DEMO), "--yes", "--state-dir", str(tmp_path)])
+    assert e.value.code == (ExitCode.INTERRUPTED if interrupted else ExitCode.OK)
+    err = capsys.readouterr().err
+    assert ("interrupted: what is already stopped stays stopped" in err) == interrupted, err
+    assert signal.getsignal(signal.SIGINT) is before  # (in-process: the caller's handler is back)
+
+
+def test_an_interrupted_apply_names_its_own_spec_and_state_dir_quoted(tmp_path, monkeypatch, capsys):
+    # (helper-108: it said `pdctl status SPEC` literally, where an interrupted down names its spec; a path with a
+    # space is quoted so that the line can be pasted)
+    import shutil
+
+    from pdctl.console import cli
+    from pdctl.console.exit_codes import ExitCode
+    from pdctl.statemachine import service
+    from pdctl.statemachine.events import Event
+
+    from .specs import DEMO
+
+    spec = tmp_path / "my specs" / "demo.toml"
+    spec.parent.mkdir()
+    shutil.copy(DEMO, spec)
+    state = tmp_path / "state"
+
+    def interrupted(loaded, *, sink, **k):  # noqa: ANN001, ANN003
+        sink.emit(Event("apply_started", "applying plan 0", data={"plan_id": "0"}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "apply", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["apply", str(spec), "--state-dir", str(state)])
+    assert e.value.code == ExitCode.INTERRUPTED
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    named = f"'{spec}' --state-dir {state}"
+    assert err == (f"interrupted: what already runs stays as it is (`pdctl status {named}` shows it); run the same "
+                   f"command again to converge, or `pdctl down {named} --yes` to stop it"), err
 
 
 def test_a_saved_plan_without_its_spec_is_an_error_not_a_usage_mistake(tmp_path, capsys):
@@ -509,6 +578,19 @@ def test_the_kernels_are_built_for_the_decode_ranks_local_heads():
     assert cmd[cmd.index("--heads") + 1:cmd.index("--kv-formats")] == ["64"]
 
 
+def test_the_kernels_are_built_as_the_service_user_whose_servers_extend_their_cache():
+    from pdctl.statemachine.service import kernels_build_command
+    from pdctl.statemachine.spec import parse_spec
+
+    from .specs import dsv32_dict
+
+    d = dsv32_dict()
+    plain, manifest = kernels_build_command(parse_spec(d))
+    d.update(service_manager="systemd-system", service_user="sglang")
+    cmd, same = kernels_build_command(parse_spec(d))
+    assert cmd == ["runuser", "-u", "sglang", "--", *plain] and same == manifest
+
+
 def test_a_worker_registered_under_another_model_name_is_a_router_mismatch():
     data = json.loads(json.dumps(WORKERS))
     assert router_mismatches(*probes.parse_workers(data), SEED_TOPO) == []  # no model_id reported: not judged
@@ -562,6 +644,9 @@ def test_status_marks_a_proof_that_a_later_apply_took_again_stale_too(tmp_path, 
 
             def unit_file_not_pdctls(self, unit: str) -> str | None:
                 return None
+
+            def installed_units_of(self, deployment: str) -> list[str]:
+                return []
 
         monkeypatch.setattr(launch, "manager_for", lambda *a, **k: Manager())
         steps = service.status(loaded)["steps"]
@@ -737,7 +822,7 @@ def test_runtime_drift_counts_a_router_started_for_other_workers_as_lasting_and_
     role = {"name": "prefill", "state": "active", "health": 200, "healthy": True, "supervised": True, "port_owned": True}
     router = {"state": "active", "readiness": 200, "supervised": True, "mismatches": [], "mismatches_lasting": []}
     seen = {"roles": [role], "router": router, "target": None}
-    monkeypatch.setattr(service, "status", lambda loaded: seen)
+    monkeypatch.setattr(service, "status", lambda loaded, host=None: seen)
     recorded = SimpleNamespace(deployed=object())
     assert service.runtime_drift(None, recorded) == ([], [])
     router["mismatches"] = ["http://127.0.0.1:30020 is not healthy"]
@@ -786,3 +871,217 @@ def test_cpus_a_role_is_pinned_to_that_the_host_lacks_are_refused_before_anythin
         'hosts.local.numa_cpus.0 = "0-31,64-95" (lacks 64-95); hosts.local.numa_cpus.1 = "32-63,96-127" (lacks 96-127)')
     assert e.value.step == "prefill_up" and "/sys/devices/system/node/node<N>/cpulist" in e.value.hint
     numa_nodes_missing(SimpleNamespace(dep=dep, host=_SysfsHost("0-127\n")))  # every CPU there: nothing to say
+
+
+@pytest.fixture
+def programs_dir():
+    """A folder every account may enter, with ``open/`` (scripts anyone may run) and ``closed/`` (0700: root's only,
+    as /root is), removed afterwards. Under /tmp, not pytest's tmp_path, whose folders are 0700."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    top = Path(tempfile.mkdtemp(prefix="pdctl-user-", dir="/tmp"))
+    top.chmod(0o755)
+    for sub, mode in (("open", 0o755), ("closed", 0o700)):
+        (top / sub).mkdir(mode=mode)
+        (top / sub).chmod(mode)
+        for name, text in (("python", "#!/bin/sh\nexit 0\n"), ("smg", "#!/bin/sh\nexit 0\n"),
+                           ("smg-via-closed", f"#!{top}/closed/python\n")):
+            (top / sub / name).write_text(text)
+            (top / sub / name).chmod(0o755)
+    yield top
+    shutil.rmtree(top)
+
+
+def _user_ctx(tmp_path, host=None, **top):  # noqa: ANN001, ANN003
+    from types import SimpleNamespace
+
+    from harness.deploy import demo_dict
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.launch import unit_set_for
+
+    d = demo_dict()
+    router = top.pop("router", {})
+    d["router"].update(router)
+    d["engine"].update(top.pop("engine", {}))
+    d.update(top)
+    dep = parse_spec(d)
+    return SimpleNamespace(dep=dep, topology=topology_of(dep), host=host or LocalHost(),
+                           units=unit_set_for(dep, state_dir=str(tmp_path)))
+
+
+def test_a_service_user_the_host_lacks_or_cannot_run_as_is_refused_before_anything(tmp_path, programs_dir):
+    # (each unit would fail at its start, systemd's exit 217, after its predecessor was stopped; the engine's Python
+    # linked into root's home made the process supervisor's exec fail, and the router's smg script likewise)
+    import os
+
+    from harness import skip_or_fail
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.steps import service_user_unusable
+
+    if os.geteuid() != 0:
+        skip_or_fail("running as another account needs root (CI runs as root)")
+    ok = {"engine": {"python": f"{programs_dir}/open/python"}, "router": {"executable": f"{programs_dir}/open/smg"}}
+    service_user_unusable(_user_ctx(tmp_path, service_user="nobody", **ok))  # all of it runnable: nothing to say
+    service_user_unusable(_user_ctx(tmp_path, service_user="root"))  # (root: no check of programs or ports)
+
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, service_user="pdctl-no-such-account", **ok))
+    name = LocalHost().name
+    assert e.value.message.startswith(f"service_user = 'pdctl-no-such-account' is not an account on host {name}"), e.value
+    assert e.value.step == "prefill_up" and "useradd --system --create-home pdctl-no-such-account" in e.value.hint
+
+    closed = {"engine": {"python": f"{programs_dir}/closed/python"}, "router": ok["router"]}
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, service_user="nobody", **closed))
+    assert f"cannot execute {programs_dir}/closed/python (engine.python) on host {name}" in e.value.message, e.value
+    assert "nothing was started or changed" in e.value.message and "engine.python" in e.value.hint
+
+    # (a venv's python links to the interpreter it was made from: the message names where the link leads)
+    (programs_dir / "open" / "venv-python").symlink_to(programs_dir / "closed" / "python")
+    linked = {"engine": {"python": f"{programs_dir}/open/venv-python"}, "router": ok["router"]}
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, service_user="nobody", **linked))
+    assert f"{programs_dir}/open/venv-python (→ {programs_dir}/closed/python) (engine.python)" in e.value.message
+
+    via = {"engine": ok["engine"], "router": {"executable": f"{programs_dir}/open/smg-via-closed"}}
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, service_user="nobody", **via))
+    assert (f"{programs_dir}/open/smg-via-closed (router.executable: its interpreter {programs_dir}/closed/python)"
+            in e.value.message), e.value
+
+
+def test_a_service_user_that_may_not_bind_a_port_below_the_hosts_floor_is_refused(tmp_path, programs_dir):
+    import os
+    import pwd
+    from pathlib import Path
+
+    from harness import skip_or_fail
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.hosts import LocalHost
+    from pdctl.statemachine.steps import service_user_unusable
+
+    if os.geteuid() != 0:
+        skip_or_fail("running as another account needs root (CI runs as root)")
+    floor = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    if floor <= 80:
+        skip_or_fail(f"this host lets every account bind from port {floor}: nothing to refuse")
+    ok = {"engine": {"python": f"{programs_dir}/open/python"}}
+    low = {"router": {"executable": f"{programs_dir}/open/smg", "port": 80}}
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, service_user="nobody", **ok, **low))
+    uid = pwd.getpwnam("nobody").pw_uid
+    assert e.value.message.startswith(f"service_user = 'nobody' (UID {uid}) cannot bind port(s) 80 (router) on host "
+                                      f"{LocalHost().name}: below net.ipv4.ip_unprivileged_port_start = {floor} only root may"), e.value
+    assert e.value.step == "router_exposed"
+    service_user_unusable(_user_ctx(tmp_path, service_user="root", **ok, **low))  # root may
+
+
+def test_a_service_user_needs_pdctl_to_run_as_root_on_the_host(tmp_path):
+    from pdctl.statemachine.errors import ApplyFailed
+    from pdctl.statemachine.hosts import CommandResult, LocalHost
+    from pdctl.statemachine.steps import service_user_unusable
+
+    class NotRoot(LocalHost):  # (pdctl logged in as an ordinary account: `id -u` answers its UID)
+        def run(self, argv, **kw):  # noqa: ANN001, ANN003
+            if list(argv) == ["id", "-u"]:
+                return CommandResult(argv=("id", "-u"), returncode=0, stdout="1000\n")
+            return super().run(argv, **kw)
+
+    with pytest.raises(ApplyFailed) as e:
+        service_user_unusable(_user_ctx(tmp_path, host=NotRoot(), service_user="root"))
+    assert e.value.message == (f"service_user = 'root': pdctl runs as UID 1000 on host {LocalHost().name}, and only "
+                               "root can start the roles as another account, nothing was started or changed"), e.value
+    assert "leave service_user unset" in e.value.hint
+
+
+def test_a_role_proven_up_must_run_as_the_service_user(tmp_path):
+    # (the proof of prefill_up / decode_up / router_exposed says which account the main process runs as, and fails
+    # when another: a unit file edited by hand, a manager that ignored User=)
+    import os
+    import pwd
+    import subprocess
+
+    from harness import skip_or_fail
+    from pdctl.statemachine.errors import VerifyFailed
+    from pdctl.statemachine.steps import runs_as_service_user
+
+    if os.geteuid() != 0:
+        skip_or_fail("running as another account needs root (CI runs as root)")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    as_nobody = subprocess.Popen(["sleep", "60"], user="nobody")
+    as_root = subprocess.Popen(["sleep", "60"])
+    try:
+        ctx = _user_ctx(tmp_path, service_user="nobody")
+        assert runs_as_service_user(ctx, "decode", as_nobody.pid, "decode_up") == [
+            f"main PID {as_nobody.pid} runs as nobody (UID {nobody})"]
+        with pytest.raises(VerifyFailed) as e:
+            runs_as_service_user(ctx, "decode", as_root.pid, "decode_up")
+        assert e.value.message == (f"decode: main PID {as_root.pid} runs as UID 0, not as service_user = 'nobody' "
+                                   f"(UID {nobody})") and e.value.step == "decode_up"
+        assert runs_as_service_user(_user_ctx(tmp_path), "decode", as_root.pid, "decode_up") == []  # (unset)
+    finally:
+        for p in (as_nobody, as_root):
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize("how", ["--state-dir", "PDCTL_STATE_DIR"])
+def test_the_base_of_the_state_directories_given_as_the_state_directory_is_refused(tmp_path, monkeypatch, how):
+    # (helper-109: `--state-dir /tmp/h109state`, which XDG_STATE_HOME had named, planned a first deployment and a
+    # refused apply left its lock and audit log there)
+    from pdctl.statemachine import service
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.journal import Journal, JournalState
+    from pdctl.statemachine.spec import load_spec
+
+    from .specs import DEMO
+
+    name = load_spec(DEMO).name
+    Journal(tmp_path / "pdctl" / name, name).write(JournalState(name=name))
+    if how == "PDCTL_STATE_DIR":
+        monkeypatch.setenv("PDCTL_STATE_DIR", str(tmp_path))
+    loaded = service.load(DEMO, state_dir=tmp_path if how == "--state-dir" else None)
+    for attempt in (loaded.journal.read, lambda: service.apply(loaded), lambda: service.down(loaded)):
+        with pytest.raises(PdctlError) as e:
+            attempt()
+        assert e.value.message.startswith(f"state directory {tmp_path} has no journal of its own but holds the state "
+                                          f"directories of {name!r}: it is their base"), e.value.message
+        assert f"--state-dir {tmp_path / 'pdctl' / name} (it is there)" in e.value.hint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pdctl"]  # nothing created beside it
+    monkeypatch.delenv("PDCTL_STATE_DIR", raising=False)
+    assert service.load(DEMO, state_dir=tmp_path / "pdctl" / name).journal.read().name == name  # (its own: read)
+
+
+def test_ports_in_the_hosts_ephemeral_range_are_named_unless_reserved():
+    # (helper-109: the README says an outbound connection can take such a port, and nothing said the spec's were)
+    from types import SimpleNamespace
+
+    from pdctl.statemachine.plan import make_plan, render_text
+    from pdctl.statemachine.steps import ports_in_ephemeral_range
+
+    from .specs import demo_dict
+
+    class Sysctl:
+        def __init__(self, low_high: str, reserved: str | None) -> None:
+            self.files = {"/proc/sys/net/ipv4/ip_local_port_range": low_high.encode(),
+                          "/proc/sys/net/ipv4/ip_local_reserved_ports": (reserved or "").encode()}
+            if reserved is None:
+                del self.files["/proc/sys/net/ipv4/ip_local_reserved_ports"]
+
+        def read_file(self, path: str) -> bytes:
+            if path not in self.files:
+                raise FileNotFoundError(path)
+            return self.files[path]
+
+    topology = topology_of(parse_spec(demo_dict()))  # ports 8998, 29000, 30001, 30010, 30020, 30110, 30120
+    said = ports_in_ephemeral_range(SimpleNamespace(topology=topology, host=Sysctl("30000\t60999\n", "30010-30020,8998")))
+    assert said == ("port(s) 30001 (router), 30110 (prefill), 30120 (decode) lie in the host's ephemeral range "
+                    "30000–60999 (net.ipv4.ip_local_port_range) and are not reserved"), said  # (29000: below it)
+    assert ports_in_ephemeral_range(SimpleNamespace(topology=topology, host=Sysctl("32768 60999", ""))) is None
+    assert ports_in_ephemeral_range(SimpleNamespace(topology=topology, host=Sysctl("garbage", None))) is None
+    shown = render_text(make_plan(None, topology).model_copy(update={"ports_ephemeral": said}))
+    assert f"Warning: {said}: any outbound connection on the host may take one" in shown
+    assert "`sysctl net.ipv4.ip_local_reserved_ports`" in shown

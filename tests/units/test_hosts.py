@@ -116,3 +116,29 @@ def test_signal_reports_a_missing_process_and_refuses_pid_1(host):
     assert host.signal(p.pid, 0) is False
     with pytest.raises(ValueError):
         host.signal(1, signal.SIGTERM)
+
+
+def test_read_tail_reads_a_files_last_bytes(host, tmp_path):
+    f = tmp_path / "output.log"
+    f.write_bytes(b"0123456789" * 10)
+    assert host.read_tail(str(f), 15) == b"567890123456789"
+    assert host.read_tail(str(f), 1000) == f.read_bytes()
+    assert host.read_tail(str(f), 0) == b""
+    stat_ = host.read_tail("/proc/self/stat", 4096)  # (size 0 in stat(2): read to its end)
+    assert stat_.split(b" ", 1)[0].isdigit() and stat_.endswith(b"\n")
+    with pytest.raises(FileNotFoundError):
+        host.read_tail(str(tmp_path / "nope"), 10)
+    with pytest.raises(FileNotFoundError):  # a file where a folder should be: absent, as read_file says
+        host.read_tail(str(f / "x"), 10)
+
+
+def test_read_from_reads_what_a_file_gained_since_an_offset(host, tmp_path):
+    f = tmp_path / "output.log"
+    f.write_bytes(b"0123456789")
+    assert host.read_from(str(f), 4, 100) == (b"456789", 10)
+    assert host.read_from(str(f), 4, 3) == (b"789", 10)  # (only the last max_bytes)
+    assert host.read_from(str(f), 10, 100) == (b"", 10)
+    assert host.read_from(str(f), 12, 100) == (b"", 10)  # (truncated since: the size says so)
+    assert host.read_from(str(f), 0, 0) == (b"", 10)
+    with pytest.raises(FileNotFoundError):
+        host.read_from(str(tmp_path / "nope"), 0, 10)

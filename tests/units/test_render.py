@@ -436,3 +436,26 @@ def test_pdctl_units_interrupted_while_writing_says_so(tmp_path, monkeypatch, ca
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip() == (f"interrupted while the unit files were written: some may be in "
                                                f"{tmp_path / 'u'}, none is installed; run it again")
+
+
+@needs_analyze
+def test_service_user_becomes_each_units_user_and_verifies_clean(seed, tmp_path):
+    dep = seed.model_copy(update={"service_user": "sglang"})
+    files = unit_files(unit_set_for(dep), scope="system")
+    services = [n for n in files if n.endswith(".service")]
+    assert services and all("\nUser=sglang\n" in files[n] for n in services), files
+    assert "User=" not in files[next(n for n in files if n.endswith(".target"))]
+    assert all("User=" not in text for text in unit_files(unit_set_for(seed), scope="system").values())  # unset
+    root = _fake_root(tmp_path / "root", files)
+    for name in services:
+        r = _verify(root, name)
+        assert (r.returncode, r.stdout.strip(), r.stderr.strip()) == (0, "", ""), name
+
+
+def test_a_user_manager_refuses_a_units_user():
+    # (a user manager runs every unit as its own user; User= there would fail each start: the rules refuse
+    # service_user with systemd-user, and the renderer too)
+    dep = load_spec(EXAMPLES / "demo.toml").model_copy(update={"service_user": "sglang"})
+    svc = services_for(dep, scope="user")[0]
+    with pytest.raises(ValueError, match="User=sglang needs the system manager"):
+        render_service(svc, scope="user")

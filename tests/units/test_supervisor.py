@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.deploy import stop_process
+from harness.hosts import CountingHost
 from harness.sim import free_port
 from harness.systemd import pid_alive
 from pdctl.statemachine.hosts import LocalHost
@@ -142,6 +143,25 @@ def _running_sleep(tmp_path: Path, cleanup, role: str, *, bare: bool = False,  #
     cleanup(m)
     m.start(s.name, wait=True, timeout=20)
     return m, s, Path(m.state_dir) / "services" / s.name, m.main_pid(s.name)
+
+
+def test_a_state_directory_reached_through_a_link_is_the_same_one(tmp_path, cleanup):
+    # (applied with --state-dir /var/lib/pdctl, a link to /data/pdctl, and looked at by the real path: the watchdog's
+    # command line names the link, so status called every role UNSUPERVISED and apply restarted them all)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    m, s, _, main = _running_sleep(tmp_path / "link", cleanup, "linked")
+    wd = int((tmp_path / "real" / "state" / "services" / s.name / "watchdog.pid").read_text())
+    real = ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "real" / "state"), poll_s=0.05)
+    st_ = real.status(s.name)
+    assert (st_.state, st_.supervised, st_.main_pid) == ("active", True, main), st_
+    assert real.running_elsewhere("sv") == []
+    (tmp_path / "real" / "state" / "services" / s.name / "watchdog.pid").unlink()  # (found by its command line)
+    assert real.status(s.name).supervised, real.status(s.name)
+    other = ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "other" / "state"))
+    assert [(u, e) for u, _, e in other.running_elsewhere("sv")] == [(s.name, wd)]
+    real.stop(s.name)
+    wait_for(lambda: not pid_alive(main) and not pid_alive(wd), 10, "role and watchdog to die")
 
 
 @pytest.mark.parametrize("damaged", [("main.pid",), ("main.pid", "watchdog.pid"), ("status.json",),
@@ -417,6 +437,61 @@ def test_cpu_affinity_numa_binding_and_memlock_are_applied(tmp_path, cleanup):
         assert "bind:0" in Path(f"/proc/{pid}/numa_maps").read_text()
 
 
+def _as_root() -> None:
+    from harness import skip_or_fail
+
+    if os.geteuid() != 0:
+        skip_or_fail("starting a role as another account needs root (CI runs as root)")
+
+
+def test_a_role_with_a_user_runs_as_that_account_with_its_groups_home_and_the_limits_set_before(tmp_path, cleanup):
+    # (service_user: systemd's User=; the process supervisor switches the same way, after the CPU, NUMA and memlock
+    # settings that need the manager's rights)
+    import pwd
+
+    _as_root()
+    nobody = pwd.getpwnam("nobody")
+    s = svc("as-nobody", ("/bin/sleep", "300"), user="nobody", memlock_infinity=True)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    pid = m.main_pid(s.name)
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    assert status["Uid"].split() == [str(nobody.pw_uid)] * 4, status["Uid"]
+    assert status["Gid"].split() == [str(nobody.pw_gid)] * 4, status["Gid"]
+    assert set(map(int, status["Groups"].split())) == set(os.getgrouplist("nobody", nobody.pw_gid)), status["Groups"]
+    env = dict(x.split("=", 1) for x in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in x)
+    assert (env["HOME"], env["USER"], env["LOGNAME"]) == (nobody.pw_dir, "nobody", "nobody"), env
+    memlock = next(line.split()[3:5] for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                   if line.startswith("Max locked memory"))
+    # raised with root's rights before the switch (CAP_SYS_RESOURCE, which nobody lacks); where root has it not
+    # either (a container's bounding set), the soft limit at the hard one, as systemd's LimitMEMLOCK= leaves it there
+    import resource
+    import subprocess
+
+    raise_it = "import resource as r; r.setrlimit(r.RLIMIT_MEMLOCK, (r.RLIM_INFINITY, r.RLIM_INFINITY))"
+    can_raise = subprocess.run([sys.executable, "-c", raise_it], capture_output=True).returncode == 0
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    expected = "unlimited" if can_raise or hard == resource.RLIM_INFINITY else str(hard)
+    assert memlock == [expected, expected], (memlock, can_raise)
+    m.stop(s.name)
+    assert not pid_alive(pid)
+
+
+def test_a_role_whose_user_does_not_exist_fails_with_systemds_exit_status_and_says_why(tmp_path, cleanup):
+    _as_root()
+    s = svc("no-account", ("/bin/sleep", "300"), user="pdctl-no-such-account", start_limit_burst=1,
+            start_limit_interval_s=60)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name)
+    st_ = wait_for(lambda: (x := m.status(s.name)).state == "failed" and x, what="failed")
+    log = m.logs(s.name, lines=20)
+    assert any("User=pdctl-no-such-account: no such account on this host" in line for line in log), log
+    assert any("exited, code=217" in line for line in log), log  # systemd's EXIT_USER
+    assert st_.main_pid is None
+
+
 _NO_SET_MEMPOLICY = (os.uname().machine not in ("x86_64", "aarch64")  # (syscall numbers known for these only)
                      or not Path("/sys/devices/system/node").exists())  # (a kernel without NUMA)
 
@@ -497,6 +572,117 @@ def test_log_lines_lose_terminal_colours():
     text = "a\n\x1b[2m2026-11-29\x1b[0m \x1b[32m INFO\x1b[0m ready\nlast"
     assert clean_log_lines(text, 2) == ["2026-11-29  INFO ready", "last"]
     assert clean_log_lines(text, 0) == []
+
+
+def test_a_long_log_is_read_from_its_end_only(tmp_path):
+    # (the whole output.log was read and split for the last 50 lines: a busy server's log of weeks is gigabytes, and
+    # the console's log panel asks for its end every second)
+    host = CountingHost()
+    m = ProcessSupervisor(host, state_dir=str(tmp_path / "state"))
+    s = svc("chatty", ("/bin/true",))
+    m.install(UnitSet(target=TargetSpec(name="pdctl-sv.target", description="sv", deployment="sv", wants=(s.name,)),
+                      services=(s,)))
+    log = tmp_path / "state" / "services" / s.name / "output.log"
+    line = "[2026-12-04 10:00:00] Decode batch. #running-req: 64, #token: 91234, gen throughput (token/s): 3000.00\n"
+    with open(log, "w") as f:
+        for _ in range(200):  # 20 MB
+            f.write(line * 1000)
+        f.write("\x1b[32mlast\x1b[0m line, no newline")
+    got = m.logs(s.name, lines=50)
+    assert got == [line.rstrip("\n")] * 49 + ["last line, no newline"]
+    assert m.logs(s.name, lines=3) == [line.rstrip("\n")] * 2 + ["last line, no newline"]
+    assert host.read <= 2 * 65536, host.read  # (of 20 MB: 64 KiB for each call, lines of ~100 bytes)
+    long_line = "server_args=ServerArgs(" + "x" * 3000 + ")"  # (SGLang's longest lines: a few KB)
+    with open(log, "a") as f:
+        f.write("\n" + "\n".join(f"{i} {long_line}" for i in range(60)) + "\n")
+    assert m.logs(s.name, lines=50) == [f"{i} {long_line}" for i in range(10, 60)]
+    log.write_text("short\nlog\n")  # (shorter than the bytes asked for: read whole, its first line kept)
+    assert m.logs(s.name, lines=50) == ["short", "log"]
+
+
+def test_following_a_log_reads_every_line_once_however_alike(tmp_path):
+    # (follow compared the last 500 lines with the previous read's: a log of one repeated line, an idle server's
+    # health checks, read unchanged, and the new lines were never printed; helper-111)
+    m = ProcessSupervisor(LocalHost(), state_dir=str(tmp_path / "state"))
+    s = svc("alike", ("/bin/true",))
+    m.install(UnitSet(target=TargetSpec(name="pdctl-sv.target", description="sv", deployment="sv", wants=(s.name,)),
+                      services=(s,)))
+    folder = tmp_path / "state" / "services" / s.name
+    log = folder / "output.log"
+    health = 'INFO:     127.0.0.1:48978 - "GET /health HTTP/1.1" 200 OK'
+
+    def write(text: str) -> None:
+        with open(log, "a") as f:
+            f.write(text)
+
+    write(f"{health}\n" * 600)
+    got, mark, missed = m.follow_logs(s.name, None, lines=500)
+    assert (got, missed) == ([health] * 500, False)
+    assert m.follow_logs(s.name, mark, lines=500) == ([], mark, False)
+    write(f"{health}\n" * 5)
+    got, mark, missed = m.follow_logs(s.name, mark, lines=500)
+    assert (got, missed) == ([health] * 5, False)
+    write("half a li")  # (a line still being written: shown once whole)
+    assert m.follow_logs(s.name, mark, lines=500)[0] == []
+    write("ne\n\x1b[32mgreen\x1b[0m\n")
+    got, mark, missed = m.follow_logs(s.name, mark, lines=500)
+    assert (got, missed) == (["half a line", "green"], False)
+    write(f"{health}\n" * 700)  # (more than a read holds: said)
+    got, mark, missed = m.follow_logs(s.name, mark, lines=500)
+    assert (got, missed) == ([health] * 500, True)
+    # emptied past its limit, as the watchdog does: the copy's rest, then the new file's start
+    write("written before the copy\n")
+    (folder / "output.log.1").write_bytes(log.read_bytes())
+    log.write_bytes(b"")
+    write("pdctl-supervise[1]: output.log passed 20000 bytes\nafter\n")
+    got, mark, missed = m.follow_logs(s.name, mark, lines=500)
+    assert (got, missed) == (["written before the copy", "pdctl-supervise[1]: output.log passed 20000 bytes", "after"],
+                             False)
+    write("next\n")
+    got, mark, _ = m.follow_logs(s.name, mark, lines=500)
+    assert got == ["next"]
+    write("last words\n")
+    m.remove([s.name])  # (taken down: its last lines from the log kept aside, then nothing more)
+    got, mark, missed = m.follow_logs(s.name, mark, lines=500)
+    assert (got, missed) == (["last words"], False)
+    assert m.follow_logs(s.name, mark, lines=500)[:1] == ([],)
+    assert not folder.exists() and m.logs(s.name, lines=2) == ["next", "last words"]  # (what pdctl logs shows)
+    got, mark, _ = m.follow_logs(s.name, None, lines=2)  # (a follow begun after the removal: the same, then no more)
+    assert got == ["next", "last words"] and m.follow_logs(s.name, mark, lines=2)[0] == []
+    assert (tmp_path / "state" / "removed" / f"{s.name}.log.1").exists()
+
+
+_WRITER = """
+import os, sys, time
+for i in range(3000):
+    print(f"line {i}")
+sys.stdout.flush()
+kept = os.path.join(os.environ["PDCTL_UNIT_DIR"], "output.log.1")
+deadline = time.monotonic() + 30
+while not os.path.exists(kept) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("after the", "copy", flush=True)  # (the words apart: the watchdog's line quotes this command)
+time.sleep(300)
+"""
+
+
+def test_a_log_past_its_limit_is_copied_aside_and_emptied_while_the_role_writes_on(tmp_path, cleanup):
+    # (output.log grew for as long as the role ran: a busy server's request lines fill the disk in weeks)
+    from pdctl.units.supervise import LOG_CHECK_S
+
+    s = svc("writer", (sys.executable, "-c", _WRITER), log_max_bytes=20000)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    folder = Path(m.state_dir) / "services" / s.name
+    wait_for(lambda: b"after the copy" in (folder / "output.log").read_bytes(), 2 * LOG_CHECK_S + 20, "the copy")
+    kept = (folder / "output.log.1").read_text().splitlines()
+    assert [x for x in kept if x.startswith("line ")] == [f"line {i}" for i in range(3000)]
+    now = (folder / "output.log").read_bytes()
+    assert b"\0" not in now and len(now) < 1000, now  # (written on at its start, not past a hole of 20 KB)
+    assert b"output.log passed 20000 bytes" in now and b"its lines before this one are in output.log.1" in now, now
+    got = m.logs(s.name, lines=len(now.splitlines()) + 2)  # (the end of the copy leads what the log holds now)
+    assert got == ["line 2998", "line 2999", *now.decode().splitlines()], got
 
 
 def test_a_stopped_role_gets_sigcont_after_sigterm_and_exits_on_its_own_like_under_systemd(tmp_path, cleanup):
@@ -658,3 +844,25 @@ def test_a_start_while_the_role_is_still_stopping_starts_it_once_the_stop_ends_l
     m.start(s.name, wait=True, timeout=20)
     st_ = m.status(s.name)
     assert st_.state == "active" and st_.main_pid not in (None, old) and not pid_alive(old), st_
+
+
+def test_a_start_while_a_frozen_watchdog_is_stopping_its_role_finishes_that_stop_then_starts(tmp_path, cleanup):
+    # (a down interrupted after it sent SIGTERM, the watchdog then kill -STOPped: start waited its whole stop timeout
+    # for a watchdog that could not act, then failed; systemd's manager, which no kill -STOP reaches, would carry the
+    # stop job on. start finishes it as stop() does: SIGCONT, and SIGKILL only after the stop timeout)
+    script = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"
+    s = svc("frozen", ("/bin/sh", "-c", script), timeout_stop_s=60)
+    m = install(tmp_path, s)
+    cleanup(m)
+    m.start(s.name, wait=True, timeout=20)
+    old, wd = m.status(s.name).main_pid, m._watchdog_pid(s.name)
+    os.kill(wd, signal.SIGTERM)
+    wait_for(lambda: m.status(s.name).state == "deactivating", what="deactivating")
+    os.kill(wd, signal.SIGSTOP)
+    t0 = time.monotonic()
+    m.start(s.name, wait=True, timeout=20)
+    took = time.monotonic() - t0
+    st_ = m.status(s.name)
+    assert st_.state == "active" and st_.main_pid not in (None, old), st_
+    assert not pid_alive(wd) and not pid_alive(old), (wd, old)
+    assert took < 40, took  # (the old wait alone was the stop timeout + 15 s, 75 s, and then no start)
