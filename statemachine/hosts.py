@@ -216,6 +216,22 @@ def _end_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
             _reap_in_background(proc)
 
 
+def _end_unreturned(proc: subprocess.Popen) -> None:
+    """SIGKILL the group of a child whose ``Popen`` was interrupted after the fork (``proc.pid`` set, nothing
+    returned), and reap it within 5 s."""
+    pid = getattr(proc, "pid", None)
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, _signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _reap_in_background(proc)
+
+
 def _reap_in_background(proc: subprocess.Popen) -> None:
     threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
 
@@ -231,8 +247,11 @@ class LocalHost(Host):
         if not argv:
             raise HostError("empty command", host=self.name)
         t0 = time.monotonic()
+        # (made before it starts the child: an interrupt that lands while Popen waits for the child's exec, after
+        # the fork, leaves Popen unreturned but proc.pid set, and the child, in its own session, must still be ended)
+        proc = subprocess.Popen.__new__(subprocess.Popen)
         try:
-            proc = subprocess.Popen(
+            proc.__init__(
                 argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env) if env is not None else None,
                 cwd=cwd, text=True, start_new_session=True,
@@ -240,6 +259,9 @@ class LocalHost(Host):
         except OSError as exc:
             raise HostError(f"cannot run {argv[0]} on {self.name}: {exc.strerror or exc}", host=self.name,
                             hint=f"is {argv[0]} installed?") from None
+        except BaseException:
+            _end_unreturned(proc)
+            raise
         try:
             out, err = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -232,10 +232,36 @@ class Demo:
         env = {**os.environ, "PDCTL_STATE_DIR": str(self.state)}
         return subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
+    def kill_routers(self) -> None:
+        """SIGKILL each router this demo's process supervisor runs, and its watchdog first (so that it does not
+        start it again): smg drains for 5 s on SIGTERM (its ``drain_settle_secs``, which its launcher does not
+        expose), which a teardown need not wait for. Only a watchdog whose command line names the router's folder,
+        and a router whose parent it is, are signalled."""
+        for folder in (self.state / "supervisor" / "services").glob("*-router.service"):
+            try:
+                wpid = int((folder / "watchdog.pid").read_text())
+                mpid = int((folder / "main.pid").read_text())
+                cmdline = Path(f"/proc/{wpid}/cmdline").read_bytes().split(b"\0")
+                ppid = int(Path(f"/proc/{mpid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if str(folder).encode() not in cmdline or ppid != wpid:
+                continue
+            os.kill(wpid, signal.SIGKILL)
+            try:
+                os.killpg(mpid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while not (process_gone(wpid) and process_gone(mpid)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
     def down(self) -> None:
+        """Take the demo down with ``service.down`` once its routers are killed (:meth:`kill_routers`)."""
         from pdctl.statemachine import service
         from pdctl.statemachine.errors import PdctlError
 
+        self.kill_routers()
         try:
             service.down(self.load())
         except PdctlError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -41,24 +42,65 @@ FAST_ENV = {"PDCTL_SIM_LOAD_SECONDS": "0.2", "PDCTL_SIM_WARMUP_SECONDS": "0.1"}
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that no other test can be handed: :func:`free_ports`."""
     return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """*n* distinct TCP ports on 127.0.0.1 that were free a moment ago.
+_PORT_SPAN = 1000
+_next_port: list[int] = []
 
-    Every socket stays bound until all *n* are chosen: separate ``free_port()`` calls may get the
-    same ephemeral port back once the first socket is closed (seen in CI: a router's HTTP and
-    Prometheus ports came out equal)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+
+def _port_block() -> range:
+    """This test process's own block of ports, below the kernel's ephemeral range so that no outbound connection
+    (a router's or an engine's) is ever given one: block *k* for pytest-xdist worker ``gwk`` (0 without xdist),
+    from 10000 up (under the demo's fixed ports, 29000 and above; 8998 lies below)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    k = int(worker[2:]) if worker[2:].isdigit() else 0
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    start = 10000 + k * _PORT_SPAN
+    if start + _PORT_SPAN > min(low, 29000):
+        raise RuntimeError(f"no port block for xdist worker {worker}: ports 10000-{min(low, 29000)} hold "
+                           f"{(min(low, 29000) - 10000) // _PORT_SPAN} workers' blocks; run fewer workers (-n)")
+    return range(start, start + _PORT_SPAN)
+
+
+def _bindable(port: int) -> bool:
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((addr, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno == errno.EAFNOSUPPORT:
+                continue
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """*n* distinct TCP ports, free on every address, that no other test process is handed.
+
+    Each test process (each pytest-xdist worker) takes ports in turn from a block of its own that lies below the
+    kernel's ephemeral range (:func:`_port_block`): no connection's local port and no other worker can take one
+    between this call and the server's bind, which a port from ``bind(("", 0))`` released before the server binds
+    it could not promise. A port still bound (a server of an earlier test still exiting, a TIME_WAIT) is skipped; a
+    port comes round again only after the block's 1000 ports."""
+    block = _port_block()
+    if not _next_port:
+        _next_port.append(block.start)
+    out: list[int] = []
+    for _ in range(len(block)):
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < block.stop else block.start
+        if _bindable(port):
+            out.append(port)
+            if len(out) == n:
+                return out
+    raise RuntimeError(f"fewer than {n} free ports in {block.start}-{block.stop - 1}")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -196,13 +238,16 @@ def wait_http(url: str, *, status: int = 200, timeout: float = 20.0, proc: Proc 
 
 
 def start_sim(args: list[str], env: dict[str, str] | None = None, *, wait: bool = True,
-              timeout: float = 20.0) -> SimProcess:
+              timeout: float = 20.0, nccl_port: bool = True) -> SimProcess:
     """Start ``python -m pdctl.sim ARGS`` and (by default) wait until ``/health`` is 200.
 
     ``--model-path`` defaults to ``deepseek-ai/DeepSeek-V3.2``, ``--host`` to 127.0.0.1, ``--port`` to a
-    free port; a prefill server without ``--disaggregation-bootstrap-port`` gets a free one.  ``env``
-    is added to the inherited environment on top of ``FAST_ENV``."""
+    free port; a prefill server without ``--disaggregation-bootstrap-port`` gets a free one, and so does
+    ``--nccl-port`` unless *nccl_port* is false (the engine then draws one at random, as SGLang does, which may
+    be a port handed to another test).  ``env`` is added to the inherited environment on top of ``FAST_ENV``."""
     args = list(args)
+    if nccl_port and _flag_value(args, "--nccl-port") is None and _flag_value(args, "--dist-init-addr") is None:
+        args += ["--nccl-port", str(free_port())]
     if _flag_value(args, "--model-path") is None and _flag_value(args, "--model") is None:
         args = ["--model-path", "deepseek-ai/DeepSeek-V3.2"] + args
     if _flag_value(args, "--host") is None:

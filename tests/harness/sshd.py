@@ -24,9 +24,9 @@ SSHD = "/usr/sbin/sshd"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from harness.sim import free_port
+
+    return free_port()
 
 
 @dataclass

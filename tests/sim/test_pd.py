@@ -36,6 +36,21 @@ def counter(url: str, name: str) -> float:
     raise AssertionError(f"{name} missing")
 
 
+def gauge(url: str, name: str) -> float:
+    code, body = http_get(url + "/metrics")
+    assert code == 200
+    fam = next((f for f in text_string_to_metric_families(body.decode()) if f.name == name), None)
+    assert fam is not None, f"{name} missing"
+    return sum(s.value for s in fam.samples)
+
+
+def wait_until(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not seen in {timeout} s: {what}"
+        time.sleep(0.05)
+
+
 def paired(p, d, body: dict, path: str = "/generate") -> tuple[tuple, tuple]:
     """Send the same body to prefill and decode concurrently, as the router does."""
     out: dict[str, tuple] = {}
@@ -251,7 +266,8 @@ def test_prefill_death_fails_in_flight_transfer_via_heartbeat():
         t = threading.Thread(target=lambda: out.update(r=http_post(d.url + "/generate", body, timeout=30)))
         t0 = time.monotonic()
         t.start()
-        time.sleep(0.5)
+        wait_until(lambda: gauge(d.url, "sglang:num_decode_transfer_queue_reqs") == 1, 10,
+                   "decode waiting for the room's KV (its transfer queue)")
         p.popen.kill()
         t.join(30)
         code, res = out["r"]
@@ -275,14 +291,11 @@ def test_prefill_drops_a_held_request_when_the_client_goes_away():
         s = _socket.create_connection(("127.0.0.1", p.port))
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(0.5)
+        wait_until(lambda: gauge(p.url, "sglang:num_prefill_bootstrap_queue_reqs") == 1, 10,
+                   "prefill holding the request for its decode (bootstrap queue)")
         s.close()
-        deadline = time.monotonic() + 5
-        while "the client went away" not in p.log_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: "the client went away" in p.log_text(), 10, "prefill noticing the client left")
         assert "Abort request" in p.log_text()
-        code, m = http_get(p.url + "/metrics")
-        fams = {f.name: f for f in text_string_to_metric_families(m.decode())}
-        assert fams["sglang:num_prefill_bootstrap_queue_reqs"].samples[0].value == 0
+        wait_until(lambda: gauge(p.url, "sglang:num_prefill_bootstrap_queue_reqs") == 0, 5, "the request dropped")
     finally:
         p.stop()

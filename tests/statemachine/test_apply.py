@@ -795,7 +795,22 @@ def test_router_with_swapped_roles_fails_router_exposed(demo):
     units = UnitSet(target=ctx.units.target, services=tuple(bad if s.name == svc.name else s for s in ctx.units.services))
     ctx.manager.install(units)
     ctx.manager.restart(svc.name)
-    ctx.timeouts = ctx.timeouts.__class__(router=20)
+    # (verify waits out its bound for a router that may still mend: once this router lists both workers, swapped,
+    # a short bound tells the same)
+    from pdctl.statemachine import probes
+
+    def swapped_listed() -> bool:
+        try:
+            workers, _ = probes.router_workers(ctx.client, f"http://127.0.0.1:{r.port}")
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+        return {(w.url, w.worker_type) for w in workers} == {(r.decode[0], "prefill"), (r.prefill[0][0], "decode")}
+
+    deadline = time.monotonic() + 60
+    while not swapped_listed():
+        assert time.monotonic() < deadline, "the restarted router never listed its swapped workers"
+        time.sleep(0.1)
+    ctx.timeouts = ctx.timeouts.__class__(router=2)
     with pytest.raises(VerifyFailed) as e:
         RouterExposed().verify(ctx)
     assert e.value.step == "router_exposed"

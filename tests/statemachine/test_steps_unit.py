@@ -16,6 +16,8 @@ from pdctl.statemachine.spec import parse_spec
 from pdctl.statemachine.steps import check_chat_response, expected_server_info, router_mismatches, server_info_mismatches
 from pdctl.statemachine.topology import topology_of
 
+from harness.sim import free_ports
+
 from .specs import seed_dict
 
 SEED_TOPO = topology_of(parse_spec(seed_dict()))
@@ -713,6 +715,11 @@ def test_down_and_status_work_with_a_spec_that_breaks_a_rule(tmp_path, capsys):
 
     d = demo_dict()
     d["decode"][0]["gpus"] = [0, 5, 6, 7]
+    # (off the demo's fixed ports: down with nothing installed looks at what holds them, e.g. the README's demo)
+    ports = free_ports(7)
+    d["prefill"][0].update(port=ports[0], bootstrap_port=ports[1], nccl_port=ports[2])
+    d["decode"][0].update(port=ports[3], nccl_port=ports[4])
+    d["router"].update(port=ports[5], prometheus_port=ports[6])
     spec = tmp_path / "broken.toml"
     spec.write_text(dump_toml(d))
     with pytest.raises(SystemExit) as e:

@@ -60,6 +60,26 @@ def test_run_timeout_kills_the_whole_group(host, tmp_path):
     assert not pid_alive(child)
 
 
+def test_run_interrupted_before_popen_returns_still_ends_the_child(host, tmp_path, monkeypatch):
+    # (an interrupt that lands after the fork, while Popen waits for the exec, left the child running in its own
+    # session: seen as a `true` stand-in outliving the apply that a SIGTERM stopped)
+    pidfile = tmp_path / "child"
+    execute = subprocess.Popen._execute_child
+
+    def interrupted_after_the_fork(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        execute(self, *a, **k)
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:  # (the child runs its command)
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", interrupted_after_the_fork)
+    with pytest.raises(KeyboardInterrupt):
+        host.run(["sh", "-c", f"echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; exec sleep 30"])
+    child = int(pidfile.read_text())
+    assert not pid_alive(child)  # (ended and reaped before run raised)
+
+
 def test_run_missing_executable_is_a_host_error(host):
     with pytest.raises(HostError, match="cannot run"):
         host.run(["/nonexistent/pdctl-nothing"])
