@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device-machine call for pdctl.kernels (issue 6): GPU tests, the kernels_built step, then the benchmark.
+# One device-machine call for pdctl.kernels (issue 6; DeepSeek-V4: issue 43): GPU tests, the kernels_built step, then
+# the benchmark.
 # Usage (device tool, repo root, .whl carried): bash benchmarks/kernels_device_run.sh [tests|build|bench ...] -- [bench args]
+# DeepSeek-V4 stages: v4tests (tests/kernels/test_gpu_v4.py, FlashMLA required), v4build (kernels_built with
+# --model deepseek-v4 at the seed's shapes), v4bench (benchmarks/bench_kernels_v4.py; its args after --).
 # (stage py: the args after -- are a python command line, e.g. benchmarks/decode_pdl.py --cases ...)
 # Logs and results go to $OUT. Each stage is bounded by `timeout` so one hang cannot eat the whole call.
 set -u
@@ -46,6 +49,17 @@ print('   indexer', m['indexer']['config'], round(m['indexer']['us_B64_L8K'], 2)
            "$OUT/ncu.txt" | head -80 ;;
     stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;
     py) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${PY_TIMEOUT:-400} python3 "$@" 2>&1 | tee -a "$OUT/py.log" | tail -80 ;;
+    v4tests) PDCTL_KERNELS_FLASHMLA=1 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gpu_v4.py -m gpu -q \
+           -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/v4tests.log" | tail -25 ;;
+    v4build) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BUILD_TIMEOUT:-240} env -C /tmp python3 -m pdctl.kernels build \
+           --cache-dir /tmp/kc4 --model deepseek-v4 ${V4_BUILD_ARGS:---heads 16 --max-context 1048576} > "$OUT/v4build.log" 2>&1
+       echo "v4 build rc $?"; tail -3 "$OUT/v4build.log"; cp /tmp/kc4/pdctl-kernels-manifest.json "$OUT/manifest_v4.json" 2>/dev/null
+       python3 -c "
+import json; m = json.load(open('/tmp/kc4/pdctl-kernels-manifest.json'))
+print('ok', m['ok'], 'model', m.get('model'), 'elapsed_s', m['elapsed_s'], m.get('compile'))
+for e in m['decode']: print('  ', e['heads'], e['kv'], e['rows'], e.get('config'), round(e.get('us', 0), 2), e['ok'])
+print('   indexer', {k: v for k, v in m['indexer'].items() if k != 'topk'})" 2>&1 | tee "$OUT/v4build.txt" ;;
+    v4bench) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_kernels_v4.py "$@" 2>&1 | tail -45 ;;
     bench) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_kernels.py "$@" 2>&1 | tail -60 ;;
   esac
 done

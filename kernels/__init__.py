@@ -8,6 +8,14 @@ Two ops (spec: ``shared/reference/kernels.md``; conventions in ``_reference.py``
   block_table int32 [B,W], seq_lens int32 [B], topk=2048) -> int32 [B,topk]`` — O(Σ L_b) logits on a fixed
   persistent grid, exact top-k over L_b entries, physical slots out.
 
+DeepSeek-V4 (SGLang's ``dsv4`` backend; same family, same build and plugin):
+
+* :func:`sparse_decode_v4` ``(q [T,h,512], cache [pages,page,1,584], indices int32 [T,K1], sm_scale, topk_length=None,
+  attn_sink=None, extra_cache=None, extra_indices=None, extra_topk_length=None) -> (o [T,h,512], lse [T,h])`` — the
+  584-byte V4 cache, a second KV source (sliding window + compressed rows), per-head attention sink;
+* the V4 indexer is :func:`lightning_indexer` over compressed rows (c4 index-K pages of 64 rows x 132 B, the
+  page table of 256-token pages, ``compressed_seq_lens``), ``topk`` 512 (Flash) or 1024 (Pro).
+
 Build step (``kernels_built``)::
 
     build_and_verify(cache_dir, *, heads=(16,), batch_sizes=(1, 8, 64), kv_formats=("fp8", "bf16"),
@@ -16,6 +24,7 @@ Build step (``kernels_built``)::
 
     python -m pdctl.kernels build --cache-dir DIR [--heads 16 32] [--batch-sizes 1 8 64]
                                   [--kv-formats fp8 bf16] [--max-context 163840] [--no-tune]
+    python -m pdctl.kernels build --cache-dir DIR --model deepseek-v4 --heads 16 [--topk 512] [--max-context 1048576]
     # prints the manifest path; exit 0 verified, 2 cannot build here (no CUDA GPU), 1 verification failed
 
 The manifest (``DIR/pdctl-kernels-manifest.json``) records GPU name/arch/SM count, torch/triton versions, the
@@ -34,15 +43,20 @@ from typing import Any
 __all__ = [
     "KernelsBuildError",
     "build_and_verify",
+    "dequantize_kv584",
     "dequantize_kv656",
     "lightning_indexer",
     "load_manifest",
     "pack_index_k_cache",
+    "quantize_kv584",
     "quantize_kv656",
     "reference_indexer_logits",
     "reference_lightning_indexer",
+    "reference_sparse_decode_v4",
     "reference_sparse_mla_decode",
+    "sparse_decode_v4",
     "sparse_mla_decode",
+    "v4_cache_view",
 ]
 
 _WHERE = {
@@ -50,6 +64,11 @@ _WHERE = {
     "build_and_verify": "_build",
     "load_manifest": "_build",
     "sparse_mla_decode": "_sparse_mla",
+    "sparse_decode_v4": "_sparse_mla",
+    "dequantize_kv584": "_reference",
+    "quantize_kv584": "_reference",
+    "reference_sparse_decode_v4": "_reference",
+    "v4_cache_view": "_reference",
     "lightning_indexer": "_indexer",
     "dequantize_kv656": "_reference",
     "quantize_kv656": "_reference",

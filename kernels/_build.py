@@ -279,6 +279,8 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
     """
     from pdctl.kernels._sparse_mla import DecodeConfig, default_decode_config
 
+    if kv_format == "v4":
+        return _decode_candidates_v4(heads, rows, num_sms)
     cands = {default_decode_config(heads, rows, kv_format, num_sms)}
     for bh in (16, 32, 64):
         if bh > max(16, heads) or (bh == 64 and heads < 64):
@@ -321,6 +323,117 @@ def _decode_candidates(heads: int, rows: int, num_sms: int, kv_format: str = "bf
                                                gluon=gl_variant))
     return sorted(cands, key=lambda c: (c.gluon, c.block_h, c.block_n, c.num_warps, c.prefetch, c.fold, c.qk_chains,
                                        c.splits))
+
+
+def _decode_candidates_v4(heads: int, rows: int, num_sms: int, topk: int = 512 + 128):
+    """DeepSeek-V4 decode configs worth timing: head block x (rows per step, warps) x split counts bracketing the
+    smallest power of two that gives every SM a program (the V4 kernel has no prefetch, fold or Gluon variants)."""
+    from pdctl.kernels._sparse_mla import DecodeConfig, default_decode_config
+
+    cands = {default_decode_config(heads, rows, "v4", num_sms, topk)}
+    for bh in (16, 32, 64):
+        if bh > max(16, heads) or (bh == 64 and heads < 64):
+            continue
+        progs = rows * -(-heads // bh)
+        s0 = 1
+        while s0 * progs < num_sms and s0 < 32:
+            s0 *= 2
+        for bn, warps in ((32, 4), (32, 8), (16, 4), (64, 8)):
+            for splits in sorted({max(1, s0 // 2), s0, min(64, s0 * 2, max(1, topk // bn))}):
+                cands.add(DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=2, splits=splits))
+    return sorted(cands, key=lambda c: (c.block_h, c.block_n, c.num_warps, c.splits))
+
+
+V4_SM_SCALE = 512 ** -0.5
+"""DeepSeek-V4's softmax scale, head_dim^-0.5 (sglang 0.5.23 ``DeepseekV4AttnBackend.__init__``)."""
+V4_SWA = 128
+"""V4's sliding window (``window_size``, sglang 0.5.23 ``configs/deepseek_v4.py``): the main KV source of a decode row."""
+V4_SWA_PAGE = 256
+"""Tokens per page of SGLang's V4 SWA cache (0.5.23 asserts page_size == 256); c4 pages hold 256 / 4 = 64 rows."""
+
+
+def make_v4_decode_case(heads: int, rows: int, *, topk: int = 512, swa: int = V4_SWA, device: str = "cuda",
+                        dtype=None, seed: int | None = None, ragged: bool = True, slots: int | None = None,
+                        extra_page: int = 64, sink: bool = True) -> dict[str, Any]:
+    """Random DeepSeek-V4 decode inputs shaped as sglang 0.5.23 hands them to FlashMLA for a c4 layer: the keyword
+    arguments of ``sparse_decode_v4`` (and of the reference). Main source: a window of ``swa`` distinct slots per row
+    in a cache of 256-token pages (``topk_length`` = swa); extra source: ``topk`` distinct compressed slots per row in
+    a cache of ``extra_page``-row pages (``extra_topk_length`` = topk). With ``ragged``, about one row in eight gets
+    shorter lists (−1 tails), and with ≥ 4 rows the last row is empty in both sources. Latent rows N(0, 1), queries
+    N(0, 0.25) in ``dtype`` (bf16 default), sinks N(0, 1) with one −inf and one +inf head (FlashMLA's tests do so)."""
+    import torch
+
+    from pdctl.kernels._reference import quantize_kv584, v4_cache_view
+
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    dtype = dtype or torch.bfloat16
+    n_main = slots or max(4 * swa * rows, 4 * V4_SWA_PAGE)
+    n_main = -(-n_main // V4_SWA_PAGE) * V4_SWA_PAGE
+    n_extra = slots or max(4 * topk, rows * 256)
+    n_extra = -(-n_extra // extra_page) * extra_page
+    main = v4_cache_view(quantize_kv584(torch.randn(n_main, 512, generator=g, device=device), V4_SWA_PAGE),
+                         V4_SWA_PAGE)
+    extra = v4_cache_view(quantize_kv584(torch.randn(n_extra, 512, generator=g, device=device), extra_page),
+                          extra_page)
+    q = (torch.randn(rows, heads, 512, generator=g, device=device) * 0.5).to(dtype)
+    idx = torch.empty(rows, swa, dtype=torch.int32, device=device)
+    eidx = torch.empty(rows, topk, dtype=torch.int32, device=device)
+    for r in range(rows):
+        idx[r] = torch.randperm(n_main, generator=g, device=device)[:swa].to(torch.int32)
+        eidx[r] = torch.randperm(n_extra, generator=g, device=device)[:topk].to(torch.int32)
+    length = torch.full((rows,), swa, dtype=torch.int32, device=device)
+    elength = torch.full((rows,), topk, dtype=torch.int32, device=device)
+    if ragged:
+        for r in range(3, rows, 8):
+            n = int(torch.randint(1, swa, (1,), generator=g, device=device))
+            m = int(torch.randint(0, topk, (1,), generator=g, device=device))
+            length[r], elength[r] = n, m
+            idx[r, n:] = -1
+            eidx[r, m:] = -1
+        if rows >= 4:
+            idx[rows - 1] = -1
+            eidx[rows - 1] = -1
+            length[rows - 1] = 0
+            elength[rows - 1] = 0
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(heads, generator=g, device=device)
+        if heads >= 4:
+            attn_sink[1] = float("-inf")
+            attn_sink[2] = float("inf")
+    return {"q": q, "cache": main, "indices": idx, "topk_length": length, "attn_sink": attn_sink,
+            "extra_cache": extra, "extra_indices": eidx, "extra_topk_length": elength}
+
+
+def _make_case(h: int, rows: int, fmt: str, topk: int, **kw: Any) -> Any:
+    """One decode shape's inputs: :func:`make_decode_case`'s tuple, or for ``"v4"`` :func:`make_v4_decode_case`'s
+    keyword arguments."""
+    if fmt == "v4":
+        return make_v4_decode_case(h, rows, topk=topk, device="cuda", **kw)
+    return make_decode_case(h, rows, fmt, topk=topk, device="cuda", **kw)
+
+
+def _run_decode(fmt: str, case: Any, sm_scale: float, cfg: Any, **out: Any) -> Any:
+    """Run the decode kernel of ``fmt`` on a :func:`_make_case` case (``out``/``lse`` passed through)."""
+    from pdctl.kernels._sparse_mla import sparse_decode_v4, sparse_mla_decode
+
+    if fmt == "v4":
+        return sparse_decode_v4(sm_scale=sm_scale, config=cfg, **case, **out)
+    q, kv, idx, tl_ = case
+    return sparse_mla_decode(q, kv, idx, sm_scale, tl_, config=cfg, **out)
+
+
+def _reference_decode(fmt: str, case: Any, sm_scale: float) -> Any:
+    """The fp32 reference of a :func:`_make_case` case."""
+    import torch
+
+    from pdctl.kernels._reference import reference_sparse_decode_v4, reference_sparse_mla_decode
+
+    if fmt == "v4":
+        return reference_sparse_decode_v4(sm_scale=sm_scale, compute_dtype=torch.float32, **case)
+    q, kv, idx, tl_ = case
+    return reference_sparse_mla_decode(q, kv, idx, sm_scale, tl_, compute_dtype=torch.float32)
 
 
 LAUNCH_SETTINGS_NEAR = 1.05
@@ -437,7 +550,7 @@ def _precompile_group(jobs: list[tuple]) -> int:
     import torch
 
     from pdctl.kernels._indexer import IndexerConfig, lightning_indexer
-    from pdctl.kernels._sparse_mla import DecodeConfig, sparse_mla_decode
+    from pdctl.kernels._sparse_mla import DecodeConfig
 
     ran = 0
     cases: dict[tuple, tuple] = {}
@@ -448,9 +561,8 @@ def _precompile_group(jobs: list[tuple]) -> int:
                 key = (h, rows, fmt, topk, case_kw)
                 if (case := cases.get(key)) is None:
                     cases.clear()  # one shape's inputs at a time
-                    case = cases[key] = make_decode_case(h, rows, fmt, topk=topk, device="cuda", **dict(case_kw))
-                q, kv, idx, tl_ = case
-                sparse_mla_decode(q, kv, idx, sm_scale, tl_, config=DecodeConfig(**cfg))
+                    case = cases[key] = _make_case(h, rows, fmt, topk, **dict(case_kw))
+                _run_decode(fmt, case, sm_scale, DecodeConfig(**cfg))
             else:
                 _, seq_lens, max_context, topk, cfg = job
                 q8, w, cache, bt, sl = make_indexer_case(list(seq_lens), max_context=max_context, device="cuda")
@@ -571,17 +683,21 @@ def _same_build_before(path: Path, manifest: dict[str, Any]) -> str | None:
     return f"a passing build with the same kernels, versions, GPU and shapes, {old.get('elapsed_s', '?')} s"
 
 
+MODELS = ("deepseek-v3.2", "deepseek-v4")
+
+
 def build_and_verify(
     cache_dir: str | os.PathLike[str],
     *,
     heads: tuple[int, ...] = (16,),
     batch_sizes: tuple[int, ...] = (1, 8, 64),
-    kv_formats: tuple[str, ...] = ("fp8", "bf16"),
-    topk: int = 2048,
-    max_context: int = 163840,
-    indexer_seq_lens: tuple[int, ...] = (1, 2048, 2049, 8191, 40000),
+    kv_formats: tuple[str, ...] | None = None,
+    topk: int | None = None,
+    max_context: int | None = None,
+    indexer_seq_lens: tuple[int, ...] | None = None,
     tune: bool = True,
-    sm_scale: float = V32_SM_SCALE,
+    sm_scale: float | None = None,
+    model: str = "deepseek-v3.2",
 ) -> dict[str, Any]:
     """Compile, tune and verify both kernels on this host's first CUDA GPU; write ``<cache_dir>/<MANIFEST_NAME>``.
 
@@ -595,6 +711,12 @@ def build_and_verify(
         indexer_seq_lens: request lengths for the indexer check (one batch).
         tune: time candidate launch configs per shape (CUDA-graph replay) and keep the fastest verified one.
         sm_scale: softmax scale used in the decode checks.
+        model: ``"deepseek-v3.2"`` (the defaults above: fp8 + bf16 caches, top-2048, 163840 context, 0.135234) or
+            ``"deepseek-v4"`` (defaults: the 584-byte ``"v4"`` cache, a 128-token window beside top-512 compressed
+            rows, 1048576 context, 512^-0.5): for V4 the decode shapes are those of a c4 layer
+            (:func:`make_v4_decode_case`), and the indexer is checked and tuned over compressed rows
+            (``max_context / 4`` wide, ``indexer_seq_lens`` counted in compressed rows). The manifest records it as
+            ``model``; the SGLang plugin hooks that model's backend.
 
     Returns:
         The manifest dict (also written as JSON). ``manifest["ok"]`` is True.
@@ -603,6 +725,20 @@ def build_and_verify(
         KernelsBuildError: "cannot build here: no CUDA GPU …" on a host without a usable CUDA GPU (or without
             torch/triton), or when any verification fails (the manifest is still written, with ``ok: false``).
     """
+    if model not in MODELS:
+        raise KernelsBuildError(f"cannot build here: unknown model {model!r} ({', '.join(MODELS)})")
+    v4 = model == "deepseek-v4"
+    kv_formats = kv_formats or (("v4",) if v4 else ("fp8", "bf16"))
+    if v4 != (set(kv_formats) == {"v4"}):
+        raise KernelsBuildError(f"cannot build here: {model} takes the kv formats {'v4' if v4 else 'fp8, bf16'}, "
+                                f"got {kv_formats}")
+    topk = topk or (512 if v4 else 2048)
+    max_context = max_context or (1048576 if v4 else 163840)
+    sm_scale = sm_scale or (V4_SM_SCALE if v4 else V32_SM_SCALE)
+    index_context = max_context // 4 if v4 else max_context  # V4's indexer scores compressed rows (ratio 4)
+    if indexer_seq_lens is None:
+        indexer_seq_lens = ((1, topk, topk + 1, 2047, min(10000, index_context)) if v4
+                            else (1, 2048, 2049, 8191, 40000))
     cache = Path(cache_dir)
     try:
         import torch
@@ -626,8 +762,8 @@ def build_and_verify(
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
 
     from pdctl.kernels._indexer import IndexerConfig, indexer_logits, lightning_indexer, set_indexer_config
-    from pdctl.kernels._reference import reference_indexer_logits, reference_sparse_mla_decode
-    from pdctl.kernels._sparse_mla import _pdl_supported, set_decode_configs, sparse_mla_decode
+    from pdctl.kernels._reference import reference_indexer_logits
+    from pdctl.kernels._sparse_mla import _pdl_supported, set_decode_configs
 
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
@@ -641,8 +777,10 @@ def build_and_verify(
                      "python": platform.python_version()},
         "triton_cache_dir": os.environ["TRITON_CACHE_DIR"],
         "kernels_source": _kernels_source_digest(),
+        "model": model,
         "shapes": {"heads": list(heads), "batch_sizes": list(batch_sizes), "kv_formats": list(kv_formats),
-                   "topk": topk, "max_context": max_context, "sm_scale": sm_scale},
+                   "topk": topk, "max_context": max_context, "sm_scale": sm_scale,
+                   **({"swa": V4_SWA, "swa_page": V4_SWA_PAGE, "index_context": index_context} if v4 else {})},
         "decode": [],
         "indexer": {},
         "ok": False,
@@ -665,7 +803,7 @@ def build_and_verify(
                                   + [IndexerConfig(pdl=0)] if tune else [])
     if tune:  # the logits' keys by per-thread copies instead of bulk tensor copies (where those exist)
         icands += [IndexerConfig(logits_tma=0)]
-    itune_lens = (8192,) * 64
+    itune_lens = (min(8192, index_context),) * 64
 
     def decode_jobs(cands: dict) -> list[tuple]:  # (inputs made as Shape makes them)
         return [decode_job(h, rows, fmt, topk, sm_scale, cfg)
@@ -673,7 +811,7 @@ def build_and_verify(
 
     if workers > 1:  # every plain decode candidate and every indexer candidate, compiled side by side
         manifest["compile"].append(_precompile(
-            decode_jobs(plain) + [("indexer", itune_lens, max_context, topk, c.as_dict()) for c in icands],
+            decode_jobs(plain) + [("indexer", itune_lens, index_context, topk, c.as_dict()) for c in icands],
             workers, dev.index))
 
     class Shape:
@@ -681,9 +819,8 @@ def build_and_verify(
 
         def __init__(self, h: int, fmt: str, rows: int) -> None:
             self.h, self.fmt, self.rows = h, fmt, rows
-            self.q, self.kv, self.idx, self.tl = make_decode_case(h, rows, fmt, topk=topk, device="cuda")
-            self.ro, self.rlse = reference_sparse_mla_decode(self.q, self.kv, self.idx, sm_scale, self.tl,
-                                                             compute_dtype=torch.float32)
+            self.case = _make_case(h, rows, fmt, topk)
+            self.ro, self.rlse = _reference_decode(fmt, self.case, sm_scale)
             self.timed: dict[Any, tuple[float, dict]] = {}
             """Verified configs → (µs, errors); timing one again replaces its figure."""
             self.failing: list[dict] = []
@@ -693,11 +830,12 @@ def build_and_verify(
             return [(us, cfg, err) for cfg, (us, err) in self.timed.items()]
 
         def attempt(self, cfg: Any) -> None:
-            h, rows, q, kv, idx, tl_ = self.h, self.rows, self.q, self.kv, self.idx, self.tl
-            o = torch.full((rows, h, 512), float("nan"), dtype=q.dtype, device=dev)
+            h, rows, fmt, case = self.h, self.rows, self.fmt, self.case
+            qdt = case["q"].dtype if fmt == "v4" else case[0].dtype
+            o = torch.full((rows, h, 512), float("nan"), dtype=qdt, device=dev)
             lse = torch.full((rows, h), float("nan"), dtype=torch.float32, device=dev)
             try:
-                sparse_mla_decode(q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)
+                _run_decode(fmt, case, sm_scale, cfg, out=o, lse=lse)
                 torch.cuda.synchronize()
             except Exception as e:  # a config that does not compile here (e.g. shared memory) is skipped
                 manifest.setdefault("skipped_configs", []).append(
@@ -707,8 +845,7 @@ def build_and_verify(
             if not err["ok"]:
                 self.failing.append({"config": cfg and cfg.as_dict(), "errors": err})
                 return
-            us = _bench_us(lambda: sparse_mla_decode(
-                q, kv, idx, sm_scale, tl_, out=o, lse=lse, config=cfg)) if tune else float("nan")
+            us = _bench_us(lambda: _run_decode(fmt, case, sm_scale, cfg, out=o, lse=lse)) if tune else float("nan")
             self.timed[cfg] = (us, err)
 
     cases = {}
@@ -749,7 +886,7 @@ def build_and_verify(
     # Indexer: tune the logits launch on a decode-sized batch (64 requests of 8K tokens at the deployment's
     # block-table width), keeping only configs whose top-k is a valid top-k of the reference logits; then verify
     # the chosen config against the reference on one batch mixing short (<= topk) and long rows.
-    tq8, tw, tcache, tbt, tsl = make_indexer_case(list(itune_lens), max_context=max_context, device="cuda")
+    tq8, tw, tcache, tbt, tsl = make_indexer_case(list(itune_lens), max_context=index_context, device="cuda")
     tref = reference_indexer_logits(tq8, tw, tcache, tbt, tsl, compute_dtype=torch.float32)
     itimes = []
     for icfg in icands:
@@ -767,7 +904,7 @@ def build_and_verify(
     del tq8, tw, tcache, tbt, tsl, tref
     ius, icfg = min(itimes, key=lambda x: x[0]) if itimes else (float("nan"), IndexerConfig())
     set_indexer_config(icfg)
-    q8, w, cache_k, bt, sl = make_indexer_case(list(indexer_seq_lens), max_context=max_context, device="cuda")
+    q8, w, cache_k, bt, sl = make_indexer_case(list(indexer_seq_lens), max_context=index_context, device="cuda")
     lg = torch.full((len(indexer_seq_lens), bt.shape[1] * 64), float("nan"), device=dev)
     indexer_logits(q8, w, cache_k, bt, sl, logits=lg)
     ref = reference_indexer_logits(q8, w, cache_k, bt, sl, compute_dtype=torch.float32)
@@ -775,7 +912,8 @@ def build_and_verify(
     out = torch.full((len(indexer_seq_lens), topk), -7, dtype=torch.int32, device=dev)
     lightning_indexer(q8, w, cache_k, bt, sl, topk, out=out)
     tk = check_topk(out, ref, bt, sl, topk)
-    manifest["indexer"] = {"config": icfg.as_dict(), "us_B64_L8K": ius, "logits_max_rel_err": lerr, "topk": tk,
+    manifest["indexer"] = {"config": icfg.as_dict(), f"us_B64_L{itune_lens[0] // 1024}K": ius,
+                           "logits_max_rel_err": lerr, "topk": tk,
                            "ok": bool(lerr <= 1e-3 and tk["ok"] and not (out == -7).any())}
     ok &= manifest["indexer"]["ok"]
     manifest["ok"] = bool(ok)
@@ -806,12 +944,13 @@ def _manifest_model(decode_cls: type, indexer_cls: type) -> type:
         return pydantic.create_model(f"{cls.__name__}InManifest", __config__=strict, **fields)
 
     decode_cfg, indexer_cfg = launch_model(decode_cls), launch_model(indexer_cls)
-    entry = pydantic.create_model("DecodeEntry", heads=(int, ...), kv=(Literal["fp8", "bf16"], ...), rows=(int, ...),
+    entry = pydantic.create_model("DecodeEntry", heads=(int, ...), kv=(Literal["fp8", "bf16", "v4"], ...), rows=(int, ...),
                                   config=(decode_cfg | None, None))
     indexer = pydantic.create_model("IndexerEntry", config=(indexer_cfg | None, None))
     gpu = pydantic.create_model("GpuEntry", name=(str, ...), sm_count=(int | None, None))
     return pydantic.create_model("KernelsManifest", ok=(bool, ...), gpu=(gpu, ...), decode=(list[entry], []),
-                                 indexer=(indexer, indexer()))
+                                 indexer=(indexer, indexer()),
+                                 model=(Literal["deepseek-v3.2", "deepseek-v4"], "deepseek-v3.2"))
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -31,6 +31,13 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily at
     import torch
 
 __all__ = [
+    "V4_BYTES_PER_TOKEN",
+    "dequantize_kv584",
+    "gather_kv584_rows",
+    "quantize_kv584",
+    "reference_sparse_decode_v4",
+    "v4_cache_view",
+    "v4_page_bytes",
     "INDEX_PAGE_BYTES",
     "INDEX_PAGE_TOKENS",
     "KV656_BYTES",
@@ -226,3 +233,183 @@ def reference_lightning_indexer(
         pos = torch.arange(n, device=q8.device) if lg.numel() <= topk else lg.topk(n, sorted=False).indices
         out[b, :n] = logical_to_physical(pos, block_table[b])
     return out
+
+
+# --- DeepSeek-V4 ------------------------------------------------------------------------------------------------
+#
+# The V4 latent cache ("MODEL1" in FlashMLA, ``KVLayout.V4`` in SGLang) [FlashMLA @9241ae3 ``tests/quant.py``
+# ``FP8KVCacheLayout.MODEL1_FP8Sparse``, whose layout sglang 0.5.23 ``kernels/ops/attention/dsv4/kv_layout.py``
+# mirrors: ``data_bytes`` 576, ``scale_bytes`` 8, ``page_align`` 576, ``row_addressing``]. A token's latent row is
+# 512 values: 448 "nope" lanes quantised to e4m3 in 7 tiles of 64, each tile with one ue8m0 (power-of-two, stored as
+# float8_e8m0fnu) scale, then 64 RoPE lanes kept in bf16. A page of ``page_size`` tokens is stored block-split:
+# ``page_size`` data rows of 576 B (448 e4m3 | 128 B bf16 rope), then ``page_size`` scale rows of 8 B (7 scales +
+# 1 pad byte), the page padded to a multiple of 576 B. Slot s lives in page s // page_size, row s % page_size.
+# Kernels see the cache as the view ``[pages, page_size, 1, 584]`` whose page stride is the padded page size
+# (sglang 0.5.23 ``layers/attention/deepseek_v4_backend.py`` ``_forward_attention``; FlashMLA reads the format
+# from the last dimension, 584). SGLang's V4 pools use pages of 256 tokens for the SWA cache and 256 / ratio
+# compressed rows for the c4 (64) and c128 (2) caches (``mem_cache/deepseek_v4_memory_pool.py``).
+
+V4_BYTES_PER_TOKEN = 584
+"""448 e4m3 + 64 bf16 rope (128 B) + 7 ue8m0 scales + 1 pad byte."""
+_V4_DATA = 576
+_V4_SCALES = 8
+
+
+def v4_page_bytes(page_size: int) -> int:
+    """Bytes of one V4 page: ``page_size · 584`` rounded up to a multiple of 576 (sglang 0.5.23
+    ``KVLayout.page_bytes``; FlashMLA ``tests/quant.py`` ``size_per_block_padded``)."""
+    return -(-page_size * V4_BYTES_PER_TOKEN // 576) * 576
+
+
+def v4_cache_view(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The ``[pages, page_size, 1, 584]`` uint8 view of a V4 cache buffer ``uint8 [pages, v4_page_bytes(page_size)]``
+    that FlashMLA and ``sparse_decode_v4`` take (what sglang 0.5.23 passes: ``buf[:, :page_size*584].view(...)``)."""
+    if buf.dim() != 2 or buf.shape[1] < page_size * V4_BYTES_PER_TOKEN:
+        raise ValueError(f"expected a V4 cache [pages, >= {page_size * V4_BYTES_PER_TOKEN}], got {tuple(buf.shape)}")
+    return buf[:, : page_size * V4_BYTES_PER_TOKEN].view(buf.shape[0], page_size, 1, V4_BYTES_PER_TOKEN)
+
+
+def _e8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    # FlashMLA tests/quant.py ``_cast_scale_inv_to_ue8m0``: 2^ceil(log2(max(amax / 448, 1e-4))).
+    return torch.pow(2, torch.clamp_min(amax / 448.0, 1e-4).log2().ceil())
+
+
+def quantize_kv584(kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Quantise latent rows ``kv [pages·page_size, 512]`` (or ``[pages, page_size, 512]``) into V4 pages,
+    ``uint8 [pages, v4_page_bytes(page_size)]`` (pad bytes zero). Written from FlashMLA @9241ae3
+    ``tests/quant.py`` ``quantize_k_cache`` (``MODEL1_FP8Sparse``): per 64-lane tile of the 448 nope lanes the
+    scale is ``2^ceil(log2(max(amax/448, 1e-4)))``, stored as float8_e8m0fnu, and the lanes ``(x / scale)`` cast to
+    e4m3; the 64 rope lanes are stored as bf16."""
+    import torch
+
+    if kv.shape[-1] != 512:
+        raise ValueError(f"kv must have 512 lanes, got {tuple(kv.shape)}")
+    rows = kv.reshape(-1, 512)
+    if rows.shape[0] % page_size:
+        raise ValueError(f"{rows.shape[0]} rows are not whole pages of {page_size}")
+    pages = rows.shape[0] // page_size
+    x = rows.float().view(pages, page_size, 512)
+    nope = x[..., :448].reshape(pages, page_size, 7, 64)
+    scale = _e8m0_scale(nope.abs().amax(-1))  # [pages, ps, 7]
+    q8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(pages, page_size, 448)
+    out = torch.zeros(pages, v4_page_bytes(page_size), dtype=torch.uint8, device=kv.device)
+    data = out[:, : page_size * _V4_DATA].view(pages, page_size, _V4_DATA)
+    data[..., :448] = q8
+    data[..., 448:] = rows.view(pages, page_size, 512)[..., 448:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    sc = out[:, page_size * _V4_DATA: page_size * V4_BYTES_PER_TOKEN].view(pages, page_size, _V4_SCALES)
+    sc[..., :7] = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    return out
+
+
+def _v4_geometry(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(flat uint8 storage from the view's first byte, page_size, page stride in bytes) of a
+    ``[pages, page_size, 1, 584]`` view (or a 2-D ``[pages, page_bytes]`` buffer is refused: pass the view)."""
+    import torch
+
+    if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != V4_BYTES_PER_TOKEN or cache.element_size() != 1:
+        raise ValueError(f"a V4 cache must be a [pages, page_size, 1, 584] byte view, got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    if cache.stride(3) != 1 or cache.stride(1) != V4_BYTES_PER_TOKEN:
+        raise ValueError(f"a V4 cache view must have rows 584 B apart, got strides {cache.stride()}")
+    pages, ps = cache.shape[0], cache.shape[1]
+    stride = cache.stride(0)
+    if stride < ps * V4_BYTES_PER_TOKEN:
+        raise ValueError(f"page stride {stride} is smaller than a page ({ps} x 584)")
+    flat = torch.as_strided(cache.view(torch.uint8), ((pages - 1) * stride + ps * V4_BYTES_PER_TOKEN,), (1,))
+    return flat, ps, stride
+
+
+def gather_kv584_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The 584 bytes of each slot (``int [N]``, all ≥ 0) of a V4 cache view, as ``uint8 [N, 584]`` laid out as one
+    token: 576 data bytes, then its 8 scale bytes."""
+    import torch
+
+    flat, ps, stride = _v4_geometry(cache)
+    s = slots.long()
+    page, row = s // ps, s % ps
+    data = page * stride + row * _V4_DATA
+    sc = page * stride + ps * _V4_DATA + row * _V4_SCALES
+    lanes = torch.arange(_V4_DATA, device=s.device)
+    lanes_s = torch.arange(_V4_SCALES, device=s.device)
+    return torch.cat([flat[data[:, None] + lanes], flat[sc[:, None] + lanes_s]], -1)
+
+
+def dequantize_kv584(rows: torch.Tensor) -> torch.Tensor:
+    """``uint8 [N, 584]`` token rows (:func:`gather_kv584_rows`) → ``float32 [N, 512]``: e4m3 · ue8m0 scale per 64
+    lanes for the 448 nope lanes, the bf16 rope lanes as they are (FlashMLA ``tests/quant.py`` ``dequantize_k_cache``;
+    with power-of-two scales its bf16 product is exact, so float32 gives the same values)."""
+    import torch
+
+    if rows.dim() != 2 or rows.shape[1] != V4_BYTES_PER_TOKEN or rows.dtype != torch.uint8:
+        raise ValueError(f"expected uint8 [N, 584], got {rows.dtype} {tuple(rows.shape)}")
+    n = rows.shape[0]
+    nope = rows[:, :448].contiguous().view(torch.float8_e4m3fn).float().view(n, 7, 64)
+    scale = rows[:, _V4_DATA: _V4_DATA + 7].contiguous().view(torch.float8_e8m0fnu).float()  # [N, 7]
+    rope = rows[:, 448:_V4_DATA].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(nope * scale[:, :, None]).view(n, 448), rope], -1)
+
+
+def reference_sparse_decode_v4(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 sparse decode in high precision (float64 by default), FlashMLA's semantics
+    [FlashMLA @9241ae3 ``tests/ref.py`` ``ref_sparse_attn_decode``; sgl-flash-mla 1.0.0
+    ``flash_mla/flash_mla_interface.py`` ``flash_mla_with_kvcache`` docstring].
+
+    Each query row attends to the union of two KV sources: the main cache (SGLang: the sliding window) at
+    ``indices [T, K1]`` and, when given, the extra cache (the compressed rows the indexer selected, or all c128
+    rows) at ``extra_indices [T, K2]``. Entries equal to −1, or at positions ≥ ``topk_length[t]`` /
+    ``extra_topk_length[t]`` of their own list, are ignored. K = V = the whole 512-lane dequantised row.
+    ``s = q·Kᵀ·sm_scale``; ``lse = logsumexp(s)`` (natural log) over both sources; ``o = softmax(s)·V``. With
+    ``attn_sink [h]`` (fp32) the output is scaled by ``1 / (1 + exp(sink[h] − lse))`` (lse itself unchanged;
+    sink −inf: no effect, +inf: o = 0). A row with nothing to attend gives o = 0, lse = +inf.
+
+    Args:
+        q: ``[T, h, 512]``.
+        cache, extra_cache: V4 cache views ``[pages, page_size, 1, 584]`` (:func:`v4_cache_view`).
+        indices, extra_indices: ``int32 [T, K]`` physical slots (page · page_size + row), −1 invalid.
+
+    Returns:
+        ``(o [T, h, 512], lse [T, h])`` in ``compute_dtype``.
+    """
+    import torch
+
+    cdt = compute_dtype or torch.float64
+    t = q.shape[0]
+
+    def source(c, idx, length):
+        k = idx.shape[1]
+        valid = idx >= 0
+        if length is not None:
+            valid &= torch.arange(k, device=idx.device)[None, :] < length.to(idx.device)[:, None]
+        rows = dequantize_kv584(gather_kv584_rows(c, idx.clamp_min(0).reshape(-1)))
+        return rows.view(t, k, 512).to(cdt), valid
+
+    g, valid = source(cache, indices, topk_length)
+    if extra_cache is not None:
+        if extra_indices is None:
+            raise ValueError("extra_cache needs extra_indices")
+        g2, v2 = source(extra_cache, extra_indices, extra_topk_length)
+        g, valid = torch.cat([g, g2], 1), torch.cat([valid, v2], 1)
+    s = torch.einsum("thd,tkd->thk", q.to(cdt), g) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("thk,tkd->thd", p, g)
+    if attn_sink is not None:
+        o = o * (1.0 / (1.0 + torch.exp(attn_sink.to(cdt)[None, : q.shape[1]] - lse)))[..., None]
+    dead = torch.isneginf(lse)
+    o = torch.where(dead[..., None], torch.zeros_like(o), o)
+    lse = lse.masked_fill(dead, float("inf"))
+    return o, lse

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["WS_HEAD_BLOCKS", "DecodeConfig", "check_decode_config", "default_decode_config", "set_decode_configs",
-           "sparse_mla_decode"]
+           "sparse_decode_v4", "sparse_mla_decode"]
 
 D_QK = 576
 D_V = 512
@@ -120,7 +120,7 @@ def default_decode_config(heads: int, rows: int, kv_format: str, num_sms: int = 
     if tuned is not None:
         return tuned
     block_h = 16 if heads <= 32 else 32
-    block_n = 64
+    block_n = 32 if kv_format == "v4" else 64  # V4: a [rows, 512] bf16 tile per step (+ 64 rope lanes)
     programs = rows * -(-heads // block_h)
     splits = _next_pow2(-(-num_sms // max(programs, 1)))
     splits = max(1, min(splits, _MAX_SPLITS, max(1, topk // block_n)))
@@ -132,6 +132,13 @@ def _kernels() -> tuple[Any, Any]:
     from pdctl.kernels import _sparse_mla_kernels as k
 
     return k._sparse_mla_decode_kernel, k._combine_kernel
+
+
+@functools.cache
+def _v4_kernel() -> Any:
+    from pdctl.kernels import _sparse_mla_kernels as k
+
+    return k._sparse_decode_v4_kernel
 
 
 @functools.cache
@@ -267,6 +274,17 @@ def check_decode_config(cfg: DecodeConfig, heads: int, rows: int, kv_format: str
     """
     if not 1 <= cfg.splits <= _MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {_MAX_SPLITS}], got {cfg.splits}")
+    if kv_format == "v4":
+        # DeepSeek-V4's kernel (_sparse_decode_v4_kernel) has the launch settings of the V3.2 tl.dot kernel's plain
+        # loop only: block sizes, warps, stages, splits, PDL and bf16 partials.
+        extra = {k: getattr(cfg, k) for k in ("prefetch", "fold", "mma_f16", "qk_chains", "gluon", "merge")
+                 if getattr(cfg, k)}
+        if extra or cfg.block_h not in (16, 32, 64) or cfg.block_n not in (16, 32, 64):
+            raise ValueError(f"the V4 decode kernel takes block_h 16, 32 or 64, block_n 16, 32 or 64 and none of "
+                             f"{sorted(extra) or 'prefetch/fold/mma_f16/qk_chains/gluon/merge'}, got {cfg}")
+        if cfg.bf16_partials not in (0, 1) or (cfg.bf16_partials and cfg.splits < 2):
+            raise ValueError(f"bf16_partials must be 0 or 1, and 1 only with splits > 1, got {cfg}")
+        return
     if cfg.fold not in (0, 1) or (cfg.fold and (kv_format != "fp8" or cfg.gluon or cfg.prefetch not in (0, 1)
                                                  or cfg.mma_f16)):
         raise ValueError(f"fold=1 is a setting of the tl.dot kernel (gluon 0) on the FP8 cache with prefetch 0 or 1 "
@@ -449,11 +467,144 @@ def sparse_mla_decode(
         )
     LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
     if cfg.splits > 1 and not cfg.merge:
-        block_d = _combine_block_d(t_rows * heads, _num_sms(q.device))
-        block_s = max(2, _next_pow2(cfg.splits))
-        comb_k[(t_rows, heads, D_V // block_d)](
-            mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_combine_warps(block_s, block_d, bool(cfg.bf16_partials)),
-            **merge_launch,
-        )
+        _launch_combine(comb_k, mid_o, mid_l, out, lse, t_rows, heads, cfg, None, merge_launch)
+    return out, lse
+
+
+def _launch_combine(comb_k, mid_o, mid_l, out, lse, t_rows: int, heads: int, cfg: DecodeConfig, sink, launch) -> None:
+    """Merge ``cfg.splits`` partials into ``out`` / ``lse`` (``_combine_kernel``), scaling by the attention ``sink``
+    (fp32 [≥ heads]) where given (V4)."""
+    block_d = _combine_block_d(t_rows * heads, _num_sms(out.device))
+    block_s = max(2, _next_pow2(cfg.splits))
+    comb_k[(t_rows, heads, D_V // block_d)](
+        mid_o, mid_l, out, out.stride(0), out.stride(1), lse, lse.stride(0), heads, cfg.splits,
+        sink if sink is not None else mid_l,
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_combine_warps(block_s, block_d, bool(cfg.bf16_partials)),
+        HAS_SINK=sink is not None, **launch,
+    )
+
+
+def _v4_source(cache: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(e4m3 view, uint8 view, bf16 view, page_size, page stride in bytes) of a V4 cache view
+    ``[pages, page_size, 1, 584]`` (``_reference.v4_cache_view``); refuses any other layout."""
+    import torch
+
+    if (cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != 584 or cache.element_size() != 1
+            or cache.stride(3) != 1 or cache.stride(1) != 584):
+        raise ValueError(f"{name} must be a V4 cache view [pages, page_size, 1, 584] of bytes with rows 584 B apart, "
+                         f"got {cache.dtype} {tuple(cache.shape)} strides {cache.stride()}")
+    stride = cache.stride(0)
+    if stride % 64 or stride < cache.shape[1] * 584 or cache.data_ptr() % 16:
+        raise ValueError(f"{name}: the page stride ({stride} B) must be a multiple of 64 B holding a whole page "
+                         f"({cache.shape[1]} x 584 B; SGLang pads pages to 576 B) and the base 16-byte aligned")
+    u8 = cache.view(torch.uint8)
+    return u8.view(torch.float8_e4m3fn), u8, u8.view(torch.bfloat16), cache.shape[1], stride
+
+
+def sparse_decode_v4(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 sparse decode (FlashMLA ``flash_mla_with_kvcache`` on the 584-byte "V4"/MODEL1 cache, sgl-flash-mla
+    1.0.0, as sglang 0.5.23's dsv4 backend calls it for decode): tensor-core split-K flash-decoding over two KV
+    sources, the ``_sparse_mla_decode_kernel`` family's structure (grid (rows, head blocks, splits), online softmax in
+    base 2 from a −1e30 sentinel, normalised partials merged by ``_combine_kernel``). Semantics: ``_reference``
+    :func:`reference_sparse_decode_v4`.
+
+    Args:
+        q: ``[T, h, 512]`` (a strided view such as SGLang's ``q[:, 0, :h]`` is fine; unit stride on the last dim),
+            bf16 on a GPU (fp16/fp32 too: the CPU interpreter tests use fp32). Any h ≥ 1 (8–128 deployed).
+        cache: main KV source, a V4 cache view ``[pages, page_size, 1, 584]`` (SGLang: the SWA cache, 256-token
+            pages); ``indices`` ``int32 [T, K1]`` its physical slots, −1 invalid; ``topk_length`` optional
+            ``int32 [T]``: only the first topk_length[t] entries of row t count.
+        sm_scale: softmax scale (V4: head_dim^-0.5 = 512^-0.5, sglang 0.5.23 ``DeepseekV4AttnBackend.softmax_scale``).
+        attn_sink: optional fp32 ``[≥ h]``: o[t, h] ·= 1 / (1 + exp(sink[h] − lse[t, h])).
+        extra_cache, extra_indices, extra_topk_length: optional second source, the same way (SGLang: the c4 cache
+            with the indexer's top-512/1024, or the c128 cache with every compressed row).
+        out, lse: optional outputs ``[T, h, 512]`` (q.dtype) and ``float32 [T, h]`` (strided views allowed).
+        config: launch configuration (block_h, block_n, num_warps, num_stages, splits, pdl, bf16_partials); default
+            :func:`default_decode_config` for ``"v4"``.
+
+    Returns:
+        ``(o [T, h, 512], lse [T, h] float32)``; rows with nothing to attend give o = 0, lse = +inf.
+
+    Raises:
+        ValueError: shapes, dtypes or layouts it does not take (the message names them).
+    """
+    import torch
+
+    if q.dim() != 3 or q.shape[-1] != 512 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, h, 512] with unit last stride, got {tuple(q.shape)} {q.stride()}")
+    t_rows, heads, _ = q.shape
+    c8, cu8, cbf, ps, pstride = _v4_source(cache, "cache")
+
+    def index_rows(idx, length, what):
+        if idx.dim() != 2 or idx.shape[0] != t_rows or idx.dtype != torch.int32 or idx.stride(-1) != 1:
+            raise ValueError(f"{what} must be int32 [T={t_rows}, K] with unit last stride, got {idx.dtype} "
+                             f"{tuple(idx.shape)}")
+        if length is not None and (length.shape != (t_rows,) or length.dtype != torch.int32):
+            raise ValueError(f"the lengths of {what} must be int32 [{t_rows}], got {length.dtype} {tuple(length.shape)}")
+
+    index_rows(indices, topk_length, "indices")
+    has_extra = extra_cache is not None
+    if has_extra:
+        if extra_indices is None:
+            raise ValueError("extra_cache needs extra_indices")
+        e8, eu8, ebf, eps, estride = _v4_source(extra_cache, "extra_cache")
+        index_rows(extra_indices, extra_topk_length, "extra_indices")
+        k2 = extra_indices.shape[1]
+    else:
+        e8, eu8, ebf, eps, estride, k2 = c8, cu8, cbf, ps, pstride, 0
+        extra_indices = indices
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or attn_sink.dim() != 1
+                                  or attn_sink.shape[0] < heads or attn_sink.stride(0) != 1):
+        raise ValueError(f"attn_sink must be contiguous float32 [>= {heads}], got {attn_sink.dtype} "
+                         f"{tuple(attn_sink.shape)}")
+    k1 = indices.shape[1]
+    cfg = config or default_decode_config(heads, t_rows, "v4", _num_sms(q.device), k1 + k2)
+    check_decode_config(cfg, heads, t_rows, "v4", _num_sms(q.device))
+    if out is None:
+        out = torch.empty(t_rows, heads, D_V, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(t_rows, heads, dtype=torch.float32, device=q.device)
+    if out.shape != (t_rows, heads, D_V) or out.stride(-1) != 1 or lse.shape != (t_rows, heads):
+        raise ValueError(f"out must be [{t_rows}, {heads}, 512] (unit last stride) and lse [{t_rows}, {heads}], got "
+                         f"{tuple(out.shape)} and {tuple(lse.shape)}")
+    if t_rows == 0:
+        return out, lse
+    if cfg.splits > 1:
+        mid_o = torch.empty(t_rows, heads, cfg.splits, D_V,
+                            dtype=torch.bfloat16 if cfg.bf16_partials else torch.float32, device=q.device)
+        mid_l = torch.empty(t_rows, heads, cfg.splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_l = lse  # unused
+    grid = (t_rows, -(-heads // cfg.block_h), cfg.splits)
+    compiled = _v4_kernel()[grid](
+        q, q.stride(0), q.stride(1),
+        c8, cu8, cbf, ps, pstride, indices, indices.stride(0), topk_length if topk_length is not None else indices, k1,
+        e8, eu8, ebf, eps, estride, extra_indices, extra_indices.stride(0),
+        extra_topk_length if extra_topk_length is not None else extra_indices, k2,
+        attn_sink if attn_sink is not None else lse,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), mid_o, mid_l,
+        heads, float(sm_scale) * 1.4426950408889634, cfg.splits,
+        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_ELEN=has_extra and extra_topk_length is not None,
+        HAS_SINK=attn_sink is not None and cfg.splits == 1, SPLIT_OUT=cfg.splits > 1,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_pdl_launch(q, cfg.pdl),
+    )
+    LAST_LAUNCH.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
+    if cfg.splits > 1:
+        _launch_combine(_kernels()[1], mid_o, mid_l, out, lse, t_rows, heads, cfg, attn_sink,
+                        _pdl_launch(q, min(cfg.pdl, 1)))
     return out, lse

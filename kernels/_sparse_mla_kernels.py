@@ -1,4 +1,6 @@
-"""Triton kernels of the sparse-MLA decode (imported lazily by ``_sparse_mla``; see its docstring for the design).
+"""Triton kernels of the sparse-MLA decode (imported lazily by ``_sparse_mla``; see its docstring for the design):
+DeepSeek-V3.2's (``_sparse_mla_decode_kernel``) and DeepSeek-V4's (``_sparse_decode_v4_kernel``), which share the
+split-K partial layout, the online-softmax conventions and the merge, ``_combine_kernel``.
 
 Module-level so that the ``@triton.jit`` helper ``_load_tile`` resolves from the kernels' globals.
 """
@@ -256,10 +258,11 @@ def _sparse_mla_decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS,
+    mo_ptr, ml_ptr, o_ptr, stride_ot, stride_oh, lse_ptr, stride_lt, H, SPLITS, sink_ptr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GDC: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     # Flash-decoding merge: M = max lse_j, w_j = exp(lse_j − M), o = Σ w_j o_j / Σ w_j, lse = M + ln Σ w_j.
     # Grid (T, H, 512 / BLOCK_D): with few rows (B = 1: T·H = 16 programs, each reading SPLITS × 2 KB) a
@@ -285,7 +288,144 @@ def _combine_kernel(
                     other=0.0).to(tl.float32)
     o = tl.sum(parts * w[:, None], 0) / tl.where(live, wsum, 1.0)
     o = tl.where(live, o, 0.0)
+    if HAS_SINK:
+        # DeepSeek-V4's per-head attention sink (sparse_decode_v4): o · 1 / (1 + exp(sink[h] − lse)), lse unchanged.
+        lse_h = msafe + tl.log(tl.where(live, wsum, 1.0))
+        o = o / (1.0 + tl.exp(tl.load(sink_ptr + h) - lse_h))
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
     if dblk == 0:
         tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h,
                  tl.where(live, msafe + tl.log(tl.where(live, wsum, 1.0)), float("inf")))
+
+
+@triton.jit
+def _v4_attend(
+    q_n, q_r, m_i, l_i, acc_n, acc_r, irow, lo, hi, c8_ptr, cu8_ptr, cbf_ptr, page_size, page_stride, qk_scale_log2,
+    BLOCK_N: tl.constexpr,
+):
+    # Online softmax over positions [lo, hi) of one KV source's index row (irow), BLOCK_N gathered rows at a time, on
+    # top of the running state (m_i, l_i, acc_n, acc_r). A V4 row (``_reference`` describes the layout) lives in page
+    # slot // page_size at row slot % page_size: 576 data bytes at page·page_stride + row·576 (448 e4m3, then 64 bf16
+    # rope lanes), its 7 ue8m0 scales at page·page_stride + page_size·576 + row·8. The 448 nope lanes are dequantised
+    # into a [BLOCK_N, 512] tile, lanes 448–511 zero, as bf16(x · 2^e) (exact: e4m3 times a power of two), so that
+    # QKᵀ is one 512-deep dot against q (whose rope lanes meet those zeros) plus one 64-deep dot of the rope lanes,
+    # and PV is the same two tiles; V = the whole 512-lane row (FlashMLA MODEL1: d_v = 512).
+    cdt = q_n.dtype
+    t8 = tl.arange(0, 8)
+    d64 = tl.arange(0, 64)
+    tile_ok = (t8 < 7)[None, :]
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(irow + offs, mask=offs < hi, other=-1)
+        valid = idx >= 0
+        slot = tl.where(valid, idx, 0).to(tl.int64)
+        page = slot // page_size
+        row = slot - page * page_size
+        base = tl.multiple_of(page * page_stride + row * 576, 64)
+        sbase = tl.multiple_of(page * page_stride + page_size * 576 + row * 8, 8)
+        e = tl.load(cu8_ptr + sbase[:, None] + t8[None, :], mask=valid[:, None] & tile_ok, other=0)
+        sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 byte e -> 2^(e - 127) (e = 0 reads as 0)
+        k8 = tl.load(c8_ptr + base[:, None, None] + t8[None, :, None] * 64 + d64[None, None, :],
+                     mask=(valid[:, None] & tile_ok)[:, :, None], other=0.0)
+        kn = tl.reshape((k8.to(tl.float32) * sc[:, :, None]).to(cdt), (BLOCK_N, 512))
+        kr = tl.load(cbf_ptr + (base // 2 + 224)[:, None] + d64[None, :], mask=valid[:, None], other=0.0).to(cdt)
+        s = tl.dot(q_n, tl.trans(kn))
+        s = tl.dot(q_r, tl.trans(kr), s)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pc = p.to(cdt)
+        acc_n = tl.dot(pc, kn, acc_n * alpha[:, None])
+        acc_r = tl.dot(pc, kr, acc_r * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc_n, acc_r
+
+
+@triton.jit
+def _sparse_decode_v4_kernel(
+    q_ptr, stride_qt, stride_qh,
+    c8_ptr, cu8_ptr, cbf_ptr, page_size, page_stride, idx_ptr, stride_it, len_ptr, K1,  # main source (SWA)
+    e8_ptr, eu8_ptr, ebf_ptr, e_page_size, e_page_stride, eidx_ptr, stride_eit, elen_ptr, K2,  # extra source
+    sink_ptr,
+    o_ptr, stride_ot, stride_oh,
+    lse_ptr, stride_lt,
+    mo_ptr, ml_ptr,  # split partials: [T, H, SPLITS, 512] and [T, H, SPLITS], as the V3.2 kernel's
+    H, qk_scale_log2, SPLITS,
+    HAS_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_ELEN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    # DeepSeek-V4 sparse decode, program (query row t, head block hb, split sp). The row's valid entries are the
+    # first n1 of its main index row followed by the first n2 of its extra index row (n = min(topk_length, K), or K);
+    # split sp takes an equal, BLOCK_N-aligned share of that concatenation, walking the part in each source with
+    # ``_v4_attend`` on one softmax state. Then, as the V3.2 kernel: a normalised output and natural-log LSE per
+    # split (merged by ``_combine_kernel``), or, unsplit, the final o and lse; the attention sink scales o.
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    _gdc_enter(GDC)
+    cdt = q_ptr.dtype.element_ty
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d512 = tl.arange(0, 512)
+    d64 = tl.arange(0, 64)
+    qrow = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_n = tl.load(qrow + d512[None, :], mask=hmask[:, None], other=0.0)
+    q_r = tl.load(qrow + 448 + d64[None, :], mask=hmask[:, None], other=0.0)
+
+    n1 = K1
+    if HAS_LEN:
+        n1 = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K1)
+    n2 = 0
+    if HAS_EXTRA:
+        n2 = K2
+        if HAS_ELEN:
+            n2 = tl.minimum(tl.maximum(tl.load(elen_ptr + t), 0), K2)
+    chunk = tl.cdiv(tl.cdiv(n1 + n2, SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n1 + n2)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    m_i, l_i, acc_n, acc_r = _v4_attend(
+        q_n, q_r, m_i, l_i, acc_n, acc_r, idx_ptr + t.to(tl.int64) * stride_it, start, tl.minimum(end, n1),
+        c8_ptr, cu8_ptr, cbf_ptr, page_size, page_stride, qk_scale_log2, BLOCK_N)
+    if HAS_EXTRA:
+        m_i, l_i, acc_n, acc_r = _v4_attend(
+            q_n, q_r, m_i, l_i, acc_n, acc_r, eidx_ptr + t.to(tl.int64) * stride_eit, tl.maximum(start, n1) - n1,
+            end - n1, e8_ptr, eu8_ptr, ebf_ptr, e_page_size, e_page_stride, qk_scale_log2, BLOCK_N)
+
+    _gdc_trigger(GDC)
+    live = l_i > 0.0
+    inv = tl.where(live, 1.0 / tl.where(live, l_i, 1.0), 0.0)
+    LN2: tl.constexpr = 0.6931471805599453
+    lse_n = (m_i + tl.log2(tl.where(live, l_i, 1.0))) * LN2
+    nope = (d512 < 448)[None, :]
+    if not SPLIT_OUT:
+        lse = tl.where(live, lse_n, float("inf"))
+        f = inv
+        if HAS_SINK:
+            # (lse_n, finite where live: a sink of +inf gives 0 there, and dead rows keep o = 0)
+            f = inv / (1.0 + tl.exp(tl.load(sink_ptr + heads, mask=hmask, other=0.0) - tl.where(live, lse_n, 0.0)))
+        ob = o_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        odt = o_ptr.dtype.element_ty
+        tl.store(ob + d512[None, :], (acc_n * f[:, None]).to(odt), mask=hmask[:, None] & nope)
+        tl.store(ob + 448 + d64[None, :], (acc_r * f[:, None]).to(odt), mask=hmask[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
+    else:
+        lse = tl.where(live, lse_n, float("-inf"))
+        base = (t.to(tl.int64) * H + heads) * SPLITS + sp
+        mb = mo_ptr + base[:, None] * 512
+        mdt = mo_ptr.dtype.element_ty
+        tl.store(mb + d512[None, :], (acc_n * inv[:, None]).to(mdt), mask=hmask[:, None] & nope)
+        tl.store(mb + 448 + d64[None, :], (acc_r * inv[:, None]).to(mdt), mask=hmask[:, None])
+        tl.store(ml_ptr + base, lse, mask=hmask)

@@ -1,4 +1,5 @@
-"""SGLang plugin: route DSA decode attention and the paged lightning indexer to ``pdctl.kernels``.
+"""SGLang plugin: route DSA decode attention and the paged lightning indexer to ``pdctl.kernels`` (DeepSeek-V3.2's
+``dsa`` backend, or DeepSeek-V4's ``dsv4`` backend: the manifest's ``model`` chooses).
 
 Registered as entry point ``pdctl_kernels = "pdctl.kernels.sglang_plugin:register"`` in the group
 ``sglang.srt.plugins`` (SGLang's plugin framework, ``sglang/srt/plugins/__init__.py``, PR #21388: every process
@@ -59,9 +60,42 @@ call inside a capture is refused with a ``RuntimeError``.
 Seeing it work: SGLang loads plugins before it configures logging, so the plugin says what it does at WARNING (the
 level Python's last-resort handler prints to stderr, i.e. the unit's journal): once when it registers (routes, PID,
 SGLang version, GPU), once per hooked function at its first routed call, and once per function and reason when a
-decode call goes to SGLang's own kernel (a shape or layout it does not take). It does nothing for DeepSeek-V4:
-SGLang serves V4 with its own ``dsv4`` attention backend (``arg_groups/model_overrides/deepseek_v4.py``), which
-calls none of the functions above, and pdctl's rules refuse ``kernels.enabled`` for a V4 checkpoint.
+decode call goes to SGLang's own kernel (a shape or layout it does not take).
+
+DeepSeek-V4 (``--attention-backend dsv4``): a manifest built with ``--model deepseek-v4`` selects these hooks
+instead (the manifest's ``model`` picks the set; both sets are checked against the same SGLang version):
+
+==========================================================================================  ======================
+target (sglang 0.5.23)                                                                      routed to
+==========================================================================================  ======================
+``sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend._forward_attention``  marks "in decode" and
+                                                                                            the layer's real heads
+``sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache`` (decode only)     :func:`sparse_decode_v4`
+``sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer``        :func:`lightning_indexer`
+``sglang.srt.layers.attention.dsv4.indexer.C4Indexer.compute_q``                             hands q8 and weights over
+==========================================================================================  ======================
+
+V4 decode: ``DeepseekV4AttnBackend.__init__`` binds ``functools.partial(flash_mla_interface.flash_mla_with_kvcache,
+use_legacy=...)`` after plugins are loaded, so the partial holds the hooked function; ``_forward_attention`` calls it
+for decode (and for extend chunks that do not take the sparse-prefill path, and MTP verify, which are left to
+FlashMLA). A routed call takes FlashMLA's arguments as they are: q ``[T, 1, h_pad, 512]`` (h padded to 64 with
+garbage rows, ``deepseek_v4.py`` ``_kernel_num_heads`` / ``q_padded``), the SWA cache ``[pages, 256, 1, 584]``
+with ``indices`` and ``topk_length``, the c4 or c128 cache as ``extra_k_cache`` with ``extra_indices_in_kvcache``
+and ``extra_topk_length``, ``attn_sink [h_pad]`` and ``softmax_scale``; we compute only the layer's
+``tp_q_head_num`` real heads and return FlashMLA's ``(out [T, 1, h_pad, 512], lse [T, h_pad, 1])`` (the padded heads'
+rows are left unwritten: the model slices them off, ``o[:, tp_slice, :]``). Calls it does not take (another cache
+format such as V4.1's 528/288 bytes, s_q > 1, descales, non-bf16 q) go to FlashMLA, logged once per reason.
+
+V4 indexer: ``forward_c4_indexer`` (decode batches only; FP8 index keys: sglang 0.5.23 on SM90 runs the FP8 C4
+indexer, its FP4 one needs SM100/SM120/gfx95, ``arg_groups/serving_hook.py``) runs SGLang's own preparation — the
+index query and weights (``C4Indexer.compute_q``, whose result the compute_q hook hands over) and the compressor,
+which writes this step's compressed index key — with the backend's ``debug_use_external_c4_sparse_indices`` set, so
+that it returns before DeepGEMM's ``fp8_paged_mqa_logits`` and the top-k transform; then
+:func:`lightning_indexer` scores exactly each request's ``compressed_seq_lens[b]`` rows of the c4 index-K cache
+(``[pages, 64·132]``, the same 64-row page as V3.2's) through ``indexer_metadata.page_table`` and writes the exact
+top-``index_topk`` (512 Flash, 1024 Pro) physical c4 slots into ``core_metadata.c4_sparse_page_indices``, which the
+attention reads as its extra indices. Falls back (logged) with the FP4 indexer, HiSparse, the indexer-top-k
+capturer, raw indices wanted (prefill), a compressed page other than 64 rows, or a flag someone else set.
 
 Any other SGLang version (``importlib.metadata.version("sglang")``) is refused: the hooked functions' names
 and argument lists change between releases (``nsa_*`` → ``dsa_*`` rename in 0.5.15–0.5.20, see
@@ -84,8 +118,22 @@ logger = logging.getLogger(__name__)
 _BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 _INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
 
+_V4_BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
+_FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"
+_V4_INDEXER = "sglang.srt.layers.attention.dsv4.indexer"
+
 KNOWN_VERSIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "0.5.23": {
+        f"{_V4_BACKEND}._forward_attention": ("self", "q", "k", "v", "layer", "forward_batch", "compress_ratio",
+                                              "save_kv_cache", "attn_sink", "cos_sin_cache", "_"),
+        _FLASH_MLA: ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
+                     "num_splits", "softmax_scale", "causal", "descale_q", "descale_k", "is_fp8_kvcache", "indices",
+                     "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length",
+                     "kv_format", "use_legacy"),
+        f"{_V4_INDEXER}.C4IndexerBackendMixin.forward_c4_indexer": (
+            "self", "x", "q_lora", "c4_indexer", "forward_batch", "alt_streams", "enable_multi_stream",
+            "q_lora_ready", "skip_compressor", "q_lora_quant"),
+        f"{_V4_INDEXER}.C4Indexer.compute_q": ("self", "q_lora", "positions", "weight", "q_lora_quant"),
         f"{_BACKEND}.forward_decode": ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope",
                                        "k_rope", "topk_indices", "cos_sin_cache", "is_neox", "llama_4_scaling",
                                        "attn_sink"),
@@ -268,22 +316,169 @@ def _get_topk_paged_hook(original, *args, **kwargs):
     return out
 
 
+# --- DeepSeek-V4 hooks (dsv4 backend) ----------------------------------------------------------------------
+
+_V4_DECODE: contextvars.ContextVar[int] = contextvars.ContextVar("pdctl_kernels_v4_decode_heads", default=0)
+"""Inside ``DeepseekV4AttnBackend._forward_attention`` of a decode batch: the layer's real (unpadded) head count."""
+_V4_CAPTURE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdctl_kernels_v4_capture", default=None)
+"""Inside a routed ``forward_c4_indexer``: where ``C4Indexer.compute_q``'s result is handed over."""
+
+
+def _v4_forward_attention_hook(original, *args, **kwargs):
+    a = _bind(original, args, kwargs)
+    fb, layer = a["forward_batch"], a["layer"]
+    heads = getattr(layer, "tp_q_head_num", 0) if fb.forward_mode.is_decode() else 0
+    token = _V4_DECODE.set(int(heads or 0))
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _V4_DECODE.reset(token)
+
+
+def _v4_cache(cache) -> bool:
+    return cache is not None and cache.dim() == 4 and cache.shape[-1] == 584 and cache.element_size() == 1
+
+
+def _v4_flash_mla_hook(original, *args, **kwargs):
+    heads = _V4_DECODE.get()
+    if not heads:
+        return original(*args, **kwargs)
+    import torch
+
+    a = _bind(original, args, kwargs)
+    q, extra = a["q"], a["extra_k_cache"]
+    why = None
+    if a["indices"] is None or not _v4_cache(a["k_cache"]) or (extra is not None and not _v4_cache(extra)):
+        why = (f"KV cache {tuple(getattr(a['k_cache'], 'shape', ()))} / extra "
+               f"{tuple(getattr(extra, 'shape', ())) if extra is not None else None} (not the 584-byte V4 format)")
+    elif q.dim() != 4 or q.shape[1] != 1 or q.shape[-1] != 512 or q.dtype != torch.bfloat16 or q.shape[2] < heads:
+        why = f"q {q.dtype} {tuple(q.shape[1:])} (need bf16 [T, 1, h >= {heads}, 512])"
+    elif a["head_dim_v"] != 512 or a["descale_q"] is not None or a["kv_format"] not in (None, "V4") or a["causal"]:
+        why = f"head_dim_v {a['head_dim_v']}, kv_format {a['kv_format']}, descales or causal"
+    if why is not None:
+        _fell_back("flash_mla_with_kvcache", why)
+        return original(*args, **kwargs)
+    from pdctl.kernels._sparse_mla import sparse_decode_v4
+
+    t, _, h_pad, _ = q.shape
+    _routed("flash_mla_with_kvcache", f"{t} rows, {heads} heads (of {h_pad}), "
+            f"{'SWA + extra' if extra is not None else 'SWA only'} V4 cache")
+    out = torch.empty(t, 1, h_pad, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h_pad, 1, dtype=torch.float32, device=q.device)
+    sink = a["attn_sink"]
+    ei = a["extra_indices_in_kvcache"]
+    sparse_decode_v4(
+        q[:, 0, :heads], a["k_cache"], a["indices"].reshape(t, -1), a["softmax_scale"] or 512 ** -0.5,
+        a["topk_length"], sink.float().contiguous() if sink is not None else None,
+        extra, ei.reshape(t, -1) if ei is not None else None, a["extra_topk_length"] if extra is not None else None,
+        out=out[:, 0, :heads], lse=lse[:, :heads, 0],
+    )
+    return out, lse
+
+
+def _v4_compute_q_hook(original, *args, **kwargs):
+    result = original(*args, **kwargs)
+    holder = _V4_CAPTURE.get()
+    if holder is not None:
+        holder["q"], holder["weights"] = result
+    return result
+
+
+def _v4_c4_indexer_hook(original, *args, **kwargs):
+    a = _bind(original, args, kwargs)
+    self, fb, c4 = a["self"], a["forward_batch"], a["c4_indexer"]
+    if not fb.forward_mode.is_decode():
+        return original(*args, **kwargs)
+    mod = inspect.getmodule(original)
+    metadata = self.forward_metadata
+    im = getattr(metadata, "indexer_metadata", None)
+    core = getattr(metadata, "core_metadata", None)
+    why = None
+    if getattr(c4, "use_fp4_indexer", False):
+        why = "the FP4 indexer"
+    elif getattr(self, "hisparse_coordinator", None) is not None:
+        why = "HiSparse"
+    elif mod.get_global_indexer_capturer() is not None:
+        why = "the indexer top-k capturer"
+    elif im is None or core is None or getattr(im, "compressed_page_size", None) != 64:
+        why = f"compressed page size {getattr(im, 'compressed_page_size', None)}"
+    elif getattr(core, "c4_sparse_raw_indices", None) is not None:
+        why = "raw top-k indices wanted"
+    elif getattr(self, "debug_use_external_c4_sparse_indices", False):
+        why = "external c4 sparse indices (debug_use_external_c4_sparse_indices)"
+    if why is not None:
+        _fell_back("forward_c4_indexer", why)
+        return original(*args, **kwargs)
+    import torch
+
+    holder: dict = {}
+    token = _V4_CAPTURE.set(holder)
+    self.debug_use_external_c4_sparse_indices = True  # SGLang's own seam: return after the preparation
+    try:
+        original(*args, **kwargs)
+    finally:
+        self.debug_use_external_c4_sparse_indices = False
+        _V4_CAPTURE.reset(token)
+    if "q" not in holder:
+        raise RuntimeError("pdctl_kernels: forward_c4_indexer did not compute the index query (C4Indexer.compute_q "
+                           "was not reached); the sglang 0.5.23 code path changed")
+    q8 = holder["q"]
+    weights = holder["weights"]
+    rows = q8.shape[0]
+    if weights.dim() == 3:
+        weights = weights.squeeze(2)
+
+    def match(x, value):  # as forward_c4_indexer's match_num_queries
+        if x.shape[0] >= rows:
+            return x[:rows]
+        return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), value)])
+
+    seq = match(im.compressed_seq_lens.reshape(-1), 1).to(torch.int32)
+    table = match(im.page_table, 0).to(torch.int32)
+    out = core.c4_sparse_page_indices
+    topk = int(c4.index_topk)
+    cache = self.token_to_kv_pool.get_index_k_with_scale_buffer(layer_id=c4.layer_id)
+    from pdctl.kernels._indexer import lightning_indexer
+
+    _routed("forward_c4_indexer", f"{rows} rows, top-{topk}")
+    lightning_indexer(q8.reshape(rows, 64, 128).contiguous(), weights.reshape(rows, 64).float().contiguous(),
+                      cache.reshape(-1, 8448).view(torch.uint8), table.contiguous(), seq.contiguous(), topk,
+                      physical=True, out=out[:rows, :topk])
+    if out.shape[1] > topk:
+        out[:rows, topk:].fill_(-1)
+    return None
+
+
 _ROUTES = {
-    "decode": {"forward_decode": _forward_decode_hook, "_forward_flashmla_sparse": _flashmla_sparse_hook,
-               "_forward_flashmla_kv": _flashmla_kv_hook},
-    "indexer": {"_get_topk_paged": _get_topk_paged_hook},
+    "deepseek-v3.2": {
+        "decode": {f"{_BACKEND}.forward_decode": _forward_decode_hook,
+                   f"{_BACKEND}._forward_flashmla_sparse": _flashmla_sparse_hook,
+                   f"{_BACKEND}._forward_flashmla_kv": _flashmla_kv_hook},
+        "indexer": {f"{_INDEXER}._get_topk_paged": _get_topk_paged_hook},
+    },
+    "deepseek-v4": {
+        "decode": {f"{_V4_BACKEND}._forward_attention": _v4_forward_attention_hook,
+                   _FLASH_MLA: _v4_flash_mla_hook},
+        "indexer": {f"{_V4_INDEXER}.C4IndexerBackendMixin.forward_c4_indexer": _v4_c4_indexer_hook,
+                    f"{_V4_INDEXER}.C4Indexer.compute_q": _v4_compute_q_hook},
+    },
 }
+"""Model (a manifest's ``model``) -> route -> hooked target -> hook."""
 
 
-def planned_hooks(version: str, routes: tuple[str, ...] = ("decode", "indexer")) -> dict[str, Any]:
-    """Target -> hook function for a known SGLang version (pure; raises PluginRefusedError for unknown ones)."""
+def planned_hooks(version: str, routes: tuple[str, ...] = ("decode", "indexer"),
+                  model: str = "deepseek-v3.2") -> dict[str, Any]:
+    """Target -> hook function for a known SGLang version and model (pure; raises PluginRefusedError for unknown
+    versions or models)."""
     targets = KNOWN_VERSIONS.get(version)
     if targets is None:
         raise PluginRefusedError(f"sglang {version} is not a version this plugin knows ({sorted(KNOWN_VERSIONS)})")
+    if model not in _ROUTES:
+        raise PluginRefusedError(f"no hooks for model {model!r} ({sorted(_ROUTES)})")
     plan = {}
     for route in routes:
-        for leaf, fn in _ROUTES[route].items():
-            target = next(t for t in targets if t.endswith("." + leaf))
+        for target, fn in _ROUTES[model][route].items():
+            assert target in targets, target
             plan[target] = fn
     return plan
 
@@ -300,16 +495,8 @@ def register() -> None:
     if version not in KNOWN_VERSIONS:
         _refuse(f"sglang {version or '(not installed)'} is not a version this plugin knows ({sorted(KNOWN_VERSIONS)})")
     routes = tuple(r.strip() for r in os.environ.get("PDCTL_KERNELS_ROUTE", "decode,indexer").split(",") if r.strip())
-    if any(r not in _ROUTES for r in routes):
-        _refuse(f"PDCTL_KERNELS_ROUTE={os.environ.get('PDCTL_KERNELS_ROUTE')!r}: routes are {sorted(_ROUTES)}")
-    plan = planned_hooks(version, routes)
-    for target in plan:
-        try:
-            params = tuple(inspect.signature(_resolve(target)).parameters)
-        except Exception as e:  # noqa: BLE001 - any failure to resolve is a refusal
-            _refuse(f"cannot resolve {target}: {e}")
-        if params != KNOWN_VERSIONS[version][target]:
-            _refuse(f"{target} takes {params}, expected {KNOWN_VERSIONS[version][target]}")
+    if any(r not in ("decode", "indexer") for r in routes):
+        _refuse(f"PDCTL_KERNELS_ROUTE={os.environ.get('PDCTL_KERNELS_ROUTE')!r}: routes are ['decode', 'indexer']")
     cache_dir = os.environ.get("PDCTL_KERNELS_DIR")
     if not cache_dir:
         _refuse("PDCTL_KERNELS_DIR is not set (run `python -m pdctl.kernels build --cache-dir DIR` on this host)")
@@ -323,9 +510,19 @@ def register() -> None:
         manifest = load_manifest(cache_dir)
     except KernelsBuildError as e:
         _refuse(str(e))
+    model = manifest.get("model", "deepseek-v3.2")
+    plan = planned_hooks(version, routes, model)
+    for target in plan:
+        try:
+            params = tuple(inspect.signature(_resolve(target)).parameters)
+        except Exception as e:  # noqa: BLE001 - any failure to resolve is a refusal
+            _refuse(f"cannot resolve {target}: {e}")
+        if params != KNOWN_VERSIONS[version][target]:
+            _refuse(f"{target} takes {params}, expected {KNOWN_VERSIONS[version][target]}")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for target, fn in plan.items():
         HookRegistry.register(target, fn, HookType.AROUND)
-    _say_once(("register", ""), "pdctl_kernels: routing %s to pdctl.kernels in PID %d (sglang %s, manifest built %s s "
-              "on %s)", ",".join(routes), os.getpid(), version, manifest.get("elapsed_s"), manifest["gpu"]["name"])
+    _say_once(("register", ""), "pdctl_kernels: routing %s of %s to pdctl.kernels in PID %d (sglang %s, manifest "
+              "built %s s on %s)", ",".join(routes), model, os.getpid(), version, manifest.get("elapsed_s"),
+              manifest["gpu"]["name"])
