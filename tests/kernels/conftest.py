@@ -4,6 +4,11 @@
 ``PDCTL_KERNELS_GPU=1`` asks for compiled kernels (the device machine runs ``-m gpu`` that way). The
 interpreter computes bf16 ``tl.dot`` wrongly (shared/reference/dependencies.md §9), so CPU tests feed
 fp16/fp32/fp8 data; bf16 is covered by the GPU tests.
+
+Without torch (or Triton, or numpy for Triton's interpreter) the modules that need them skip themselves at
+collection (``pytest.importorskip``), so the directory collects cleanly on a machine without the kernels' extras.
+With ``PDCTL_KERNELS_GPU=1`` a missing torch, Triton or CUDA GPU is a failure instead: the run stops with an error
+naming what is missing (``pytest_configure`` below), rather than passing on skips.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 if os.environ.get("PDCTL_KERNELS_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -39,3 +46,23 @@ def _bootstrap() -> None:
 
 
 _bootstrap()
+
+
+def _gpu_missing() -> str | None:
+    """What a GPU run (``PDCTL_KERNELS_GPU=1``) lacks: torch, Triton or a CUDA GPU; None when all are there."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch is not importable ({e})"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PDCTL_KERNELS_GPU") == "1" and (missing := _gpu_missing()):
+        raise pytest.UsageError(f"PDCTL_KERNELS_GPU=1 but {missing}: the kernel tests cannot run here")

@@ -8,8 +8,9 @@ Lengths straddle page and top-k boundaries (0, 1, 63, 64, 65, k, k + 1, several 
 from __future__ import annotations
 
 import pytest
-import torch
 
+torch = pytest.importorskip("torch", reason="the kernel tests need torch (pdctl[kernels])")
+pytest.importorskip("triton", reason="the kernel tests need Triton (pdctl[kernels])")
 # Triton's interpreter imports numpy; scripts/setup does not install it yet (asked for in issue 6's report).
 pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy (add it to scripts/setup's kernels line)")
 

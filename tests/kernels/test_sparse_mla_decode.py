@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
+torch = pytest.importorskip("torch", reason="the kernel tests need torch (pdctl[kernels])")
+pytest.importorskip("triton", reason="the kernel tests need Triton (pdctl[kernels])")
 # Triton's interpreter imports numpy; scripts/setup does not install it yet (asked for in issue 6's report).
 pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy (add it to scripts/setup's kernels line)")
 
