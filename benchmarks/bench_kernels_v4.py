@@ -193,7 +193,8 @@ def bench_decode(heads, batches, topks, sections, log) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             log(f"flash_mla not importable: {e!r}")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(h, b, k) for k in topks for h in heads for b in batches]
+    shapes = [(h, b, k) for k in topks for h in (heads if k == 512 else [h for h in heads if 16 <= h <= 32])
+              for b in batches]  # top-1024 is V4-Pro's: 16 and 32 local heads at TP8 / TP4
     cands = {s: _decode_candidates_v4(s[0], s[1], num_sms, 128 + s[2]) for s in shapes}
     workers = _compile_workers()
     t0 = time.time()

@@ -49,6 +49,20 @@ print('   indexer', m['indexer']['config'], round(m['indexer']['us_B64_L8K'], 2)
            "$OUT/ncu.txt" | head -80 ;;
     stages) timeout 200 python3 benchmarks/indexer_stages.py 2>&1 | tee "$OUT/stages.log" | tail -30 ;;
     py) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${PY_TIMEOUT:-400} python3 "$@" 2>&1 | tee -a "$OUT/py.log" | tail -80 ;;
+    v4smoke)  # one V4 decode and one top-512 indexer call against the references; the call stops here if they fail
+       timeout 180 python3 -c "
+import sys; sys.path.insert(0, 'tests/kernels'); import conftest, torch
+from pdctl.kernels._build import make_v4_decode_case, _decode_tolerance_check, V4_SM_SCALE, make_indexer_case, check_topk
+from pdctl.kernels._reference import reference_sparse_decode_v4, reference_indexer_logits
+from pdctl.kernels._sparse_mla import sparse_decode_v4, LAST_LAUNCH
+from pdctl.kernels._indexer import lightning_indexer
+c = make_v4_decode_case(16, 8, topk=512, slots=1 << 15)
+o, l = sparse_decode_v4(sm_scale=V4_SM_SCALE, **c); ro, rl = reference_sparse_decode_v4(sm_scale=V4_SM_SCALE, compute_dtype=torch.float32, **c)
+e = _decode_tolerance_check(o, l, ro, rl); print('v4 decode', e, LAST_LAUNCH)
+q8, w, cache, bt, sl = make_indexer_case([100, 600, 5000], max_context=262144)
+out = lightning_indexer(q8, w, cache, bt, sl, 512); t = check_topk(out, reference_indexer_logits(q8, w, cache, bt, sl, compute_dtype=torch.float32), bt, sl, 512)
+print('v4 indexer', t); sys.exit(0 if e['ok'] and t['ok'] else 1)" 2>&1 | tee "$OUT/v4smoke.log" | tail -8
+       [ "${PIPESTATUS[0]}" = 0 ] || { echo "v4smoke failed: stopping"; exit 3; } ;;
     v4tests) PDCTL_KERNELS_FLASHMLA=1 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gpu_v4.py -m gpu -q \
            -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/v4tests.log" | tail -25 ;;
     v4build) PYTHONPATH=/tmp/tree:${PYTHONPATH:-} timeout ${BUILD_TIMEOUT:-240} env -C /tmp python3 -m pdctl.kernels build \
