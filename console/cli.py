@@ -18,6 +18,7 @@ import signal
 import stat
 import sys
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -191,6 +192,17 @@ def plan(
         "--restart", metavar="ROLE", show_default=False,
         help="Plan a restart of this role although nothing of it changed, as `pdctl apply --restart` would (a plan "
              "saved with it restarts it when applied)")] = None,
+    target: Annotated[_Target, typer.Option("--target", help="k8s: plan from the Kubernetes export in --from DIR to "
+                                                             "this spec's export")] = None,  # type: ignore[assignment]
+    from_dir: Annotated[Optional[Path], typer.Option("--from", metavar="DIR",
+                                                     help="--target k8s: the folder of the earlier export")] = None,
+    fmt: Annotated[Optional[_Format], typer.Option("--format", help="--target k8s: the new export's format "
+                                                                    "(default: the earlier one's)")] = None,
+    image: Annotated[Optional[str], typer.Option("--image", metavar="IMAGE",
+                                                 help="--target k8s: the new export's image (default: the earlier "
+                                                      "one's)")] = None,
+    router_image: Annotated[Optional[str], typer.Option("--router-image", metavar="IMAGE",
+                                                        help="--target k8s: the router's image")] = None,
 ) -> None:
     """Show what applying SPEC would change. Exit 0: nothing to do (what was deployed matches SPEC and runs); 2:
     changes, or none to the recorded deployment while an earlier apply did not finish or a unit of it is not running,
@@ -199,7 +211,12 @@ def plan(
     will listen on that a process outside it holds, or a GPU a role will run on that a compute process outside it uses
     (nvidia-smi), is a warning after the plan (`ports_held`, `gpus_held` in --json), which apply refuses (exit 3): it
     does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
-    ending any command it had started here (nvidia-smi discovering GPUs)."""
+    ending any command it had started here (nvidia-smi discovering GPUs). With --target k8s --from DIR: the change
+    from the export in DIR to this spec's, in the same classes and words (exit 0: none, 2: changes)."""
+    if target == _Target.k8s or from_dir is not None:
+        _plan_k8s(spec, from_dir, fmt, image, router_image, as_json,
+                  hosts_only=[o for o, v in (("-o", out), ("--restart", restart), ("--state-dir", state_dir)) if v])
+        return
     # (SIGTERM would end pdctl at once, leaving the commands it runs in their sessions)
     with _interruptible("plan"), contextlib.ExitStack() as opened:
         _plan(spec, state_dir, as_json, out, tuple(dict.fromkeys(restart or ())), opened)
@@ -1017,6 +1034,134 @@ def units_cmd(
                               "backslashes: a user-scope spec's secrets are kept under it") from None
     for p in written:
         sys.stdout.write(f"{p}\n")
+
+
+class _Target(str, Enum):
+    hosts = "hosts"
+    k8s = "k8s"
+
+
+class _Format(str, Enum):
+    rbg = "rbg"
+    lws = "lws"
+
+
+class _Exported(str, Enum):
+    k8s = "k8s"
+
+
+def _plan_k8s(spec: Path, from_dir: Path | None, fmt, image, router_image, as_json: bool,  # noqa: ANN001
+              hosts_only: list[str]) -> None:
+    """``pdctl plan SPEC --target k8s --from DIR``: :func:`pdctl.statemachine.k8s.plan_spec`, rendered."""
+    from pdctl.statemachine.k8s import plan_spec
+    from pdctl.statemachine.plan import render_text
+
+    if from_dir is None:
+        raise typer.BadParameter("give the folder of the earlier export: --from DIR", param_hint="--target k8s")
+    if hosts_only:
+        raise typer.BadParameter(f"{', '.join(hosts_only)}: for a plan on hosts, not with --target k8s",
+                                 param_hint="--target k8s")
+    p, notes, warnings = plan_spec(spec, from_dir, fmt=fmt.value if fmt else None, image=image,
+                                   router_image=router_image)
+    for w in warnings:
+        _err(f"warning: {w.field}: {w.message}\n  fix: {w.fix}")
+    for n in notes:
+        _err(f"note: {n}")
+    sys.stdout.write((p.to_json() if as_json else _visible(render_text(p))) + "\n")
+    if p.has_changes and not as_json:
+        k8s = p.to_topology.deployment.get("kubernetes") or {}
+        _err(f"note: `pdctl export k8s {shlex.quote(str(spec))} --format {k8s.get('format')} --image "
+             f"{shlex.quote(str(k8s.get('image')))} -o {shlex.quote(str(from_dir))}` writes it"
+             + (f" with --confirm-topology {p.plan_id}" if p.requires_confirmation else "")
+             + f"; `kubectl apply -f {shlex.quote(str(from_dir))}` makes it")
+    raise typer.Exit(ExitCode.CHANGES if p.has_changes else ExitCode.OK)
+
+
+@app.command("export")
+def export_cmd(
+    target: Annotated[_Exported, typer.Argument(help="k8s: Kubernetes manifests")],
+    spec: SpecArg,
+    fmt: Annotated[_Format, typer.Option("--format", help="rbg: one RoleBasedGroup (sgl-project/rbg v0.7.0); lws: a "
+                                                          "LeaderWorkerSet per server group and a Deployment for the "
+                                                          "router (kubernetes-sigs/lws v0.10.0)")],
+    given: Annotated[str, typer.Option("-o", "--out", metavar="DIR", help="Folder to write the manifests into "
+                                                                          "(created if missing)")],
+    image: Annotated[str, typer.Option("--image", metavar="IMAGE",
+                                       help="The servers' container image: engine.python with SGLang in it")],
+    router_image: Annotated[Optional[str], typer.Option("--router-image", metavar="IMAGE",
+                                                        help="The router's image (default: --image)")] = None,
+    confirm_topology: Annotated[Optional[str], typer.Option(
+        "--confirm-topology", metavar="PLAN_ID",
+        help="Confirm a topology change to the export already in DIR: the exact plan id")] = None,
+) -> None:
+    """Write SPEC as Kubernetes manifests into DIR (the same argv the units run; see the README's Kubernetes part):
+    validated against the pinned CRD schemas and Kubernetes' own where the k8s extra is installed, not run. An
+    earlier export in DIR is planned from: a topology change is refused (plan printed) unless --confirm-topology
+    names this exact plan. Exit 0: written (paths on stdout); 2: topology change not confirmed; 1: error."""
+    from pdctl.statemachine.errors import TopologyNotConfirmed
+    from pdctl.statemachine.k8s import export_spec
+    from pdctl.statemachine.plan import render_text
+
+    if given in ("", "-"):
+        raise PdctlError(f"-o {given!r}: the manifests are files in a folder; nothing was written",
+                         hint="give -o/--out a folder, e.g. -o ./k8s")
+    try:
+        done = export_spec(spec, fmt=fmt.value, image=image, router_image=router_image, out=given,
+                           confirm=confirm_topology)
+    except TopologyNotConfirmed as exc:
+        if getattr(exc, "plan", None) is not None:
+            sys.stdout.write(_visible(render_text(exc.plan)) + "\n")
+        raise
+    for w in done.warnings:
+        _err(f"warning: {w.field}: {w.message}\n  fix: {w.fix}")
+    for n in done.export.notes:
+        _err(f"note: {n}")
+    if done.plan.from_topology is not None:
+        _err(_visible(render_text(done.plan)) if done.plan.has_changes else f"no change to the export in {given}")
+    for p in done.removed:
+        _err(f"removed {p} (no longer part of the export)")
+    _err("validated against: " + "; ".join(done.validated) if done.validated is not None
+         else f"not validated: {done.not_validated}")
+    if done.export.secret_keys:
+        keys = " ".join(f"--from-literal={k}=…" for k in done.export.secret_keys)
+        _err(f"the pods read {', '.join(done.export.secret_keys)} from Secret {done.export.secret}: create it first "
+             f"(kubectl create secret generic {done.export.secret} {keys})")
+    for p in done.written:
+        sys.stdout.write(f"{p}\n")
+
+
+@app.command("verify")
+def verify_cmd(
+    spec: SpecArg,
+    endpoints: Annotated[Optional[list[str]], typer.Option(
+        "--endpoints", metavar="ROLE=URL[,ROLE=URL…]", show_default=False,
+        help="Where pdctl reaches each role from here (repeatable): prefill=http://127.0.0.1:8001, decode=…, "
+             "router=…; also router.metrics=… and PREFILL.bootstrap=HOST:PORT")] = None,
+    target: Annotated[_Target, typer.Option("--target", help="hosts: the spec's own addresses; k8s: its export's "
+                                                             "(every role needs an endpoint)")] = _Target.hosts,
+    fmt: Annotated[Optional[_Format], typer.Option("--format", help="--target k8s: the export's format (default "
+                                                                    "rbg)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line on stdout")] = False,
+) -> None:
+    """Run the KV-link, router and parsers proofs of SPEC against a deployment pdctl did not start (Services reached
+    through a port-forward, or any URLs), with the same proofs and words as apply's steps; nothing is started or
+    recorded. Exit 0: every proof held; 3: one failed (its step says which); 1: error."""
+    from pdctl.statemachine.errors import StepError
+    from pdctl.statemachine.verify import parse_endpoints, verify_spec
+
+    rep = _Reporter(as_json)
+    with _signals_as_interrupt():
+        try:
+            verify_spec(str(spec), parse_endpoints(endpoints or []), target=target.value,
+                        fmt=fmt.value if fmt else None, sink=rep)
+        except StepError as exc:
+            if rep.failure_shown:  # (said on the failed step's line, as apply says it)
+                if exc.hint and not rep.hint_shown:
+                    _err(f"  hint: {exc.hint}")
+                raise typer.Exit(exit_code_for(exc)) from None
+            raise
+    if not as_json:
+        _err(f"verified: every proof of {spec} held")
 
 
 _PLAN_OUT_EXAMPLE = "a file path, e.g. -o plan.json (or -o - for stdout)"

@@ -15,7 +15,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -1749,13 +1749,20 @@ class RouterExposed(Step):
             ctx.started(unit)  # (as a restart is: a resumed apply keeps this router rather than restart it again)
 
     def _check(self, ctx: Context) -> Proof:
-        url = ctx.router_url()
         r0 = ctx.topology.router
         assert r0 is not None
         unit = ctx.unit_of["router"]
         main_pid = ctx.manager.status(unit).main_pid
         _check_owner(ctx, "router", unit, r0.port, main_pid, self.name, ports.bind_address(r0.host))
         account = runs_as_service_user(ctx, "router", main_pid, self.name)
+        proof = self.serves(ctx)
+        return replace(proof, checks=(*account, *proof.checks))
+
+    def serves(self, ctx: Context) -> Proof:
+        """The router's proof as its clients reach it, from ``ctx.client``, ``ctx.topology`` and ``ctx.dep`` alone (no
+        unit, no host): what ``pdctl verify`` runs against a router pdctl did not start. :meth:`_check` adds that the
+        router's unit holds its port and runs as ``service_user``."""
+        url = ctx.router_url()
         status, body = probes.router_readiness(ctx.client, url)
         if status != 200:
             raise VerifyFailed(f"router GET {url}/readiness → {status}: {body}", step=self.name)
@@ -1775,7 +1782,6 @@ class RouterExposed(Step):
         return Proof(
             f"router on {r.exposure}: ready, {seen} healthy",
             (
-                *account,
                 f"GET {url}/readiness → 200 {body}",
                 f"GET {url}/workers: {stats}",
                 # (smg reports a worker's disaggregation_mode in its metadata only where it read it: said where it did)
