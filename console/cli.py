@@ -213,6 +213,9 @@ def plan(
     does not change plan's exit code. 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP),
     ending any command it had started here (nvidia-smi discovering GPUs). With --target k8s --from DIR: the change
     from the export in DIR to this spec's, in the same classes and words (exit 0: none, 2: changes)."""
+    if target == _Target.hosts and from_dir is not None:
+        raise typer.BadParameter("plans from a Kubernetes export: give --target k8s (or leave --target out)",
+                                 param_hint="--from")
     if target == _Target.k8s or from_dir is not None:
         _plan_k8s(spec, from_dir, fmt, image, router_image, as_json,
                   hosts_only=[o for o, v in (("-o", out), ("--restart", restart), ("--state-dir", state_dir)) if v])
@@ -1079,7 +1082,7 @@ def _plan_k8s(spec: Path, from_dir: Path | None, fmt, image, router_image, as_js
 
 @app.command("export")
 def export_cmd(
-    target: Annotated[_Exported, typer.Argument(help="k8s: Kubernetes manifests")],
+    target: Annotated[_Exported, typer.Argument(metavar="k8s", help="k8s: Kubernetes manifests")],
     spec: SpecArg,
     fmt: Annotated[_Format, typer.Option("--format", help="rbg: one RoleBasedGroup (sgl-project/rbg v0.7.0); lws: a "
                                                           "LeaderWorkerSet per server group and a Deployment for the "
