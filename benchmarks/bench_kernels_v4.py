@@ -171,7 +171,7 @@ def flashmla_v4(fm, case: dict, pad_heads: int):
     return call
 
 
-def bench_decode(heads, batches, topks, sections, log) -> list[dict]:
+def bench_decode(heads, batches, topks, sections, log, partial=None) -> list[dict]:
     import dataclasses
 
     import torch
@@ -273,6 +273,8 @@ def bench_decode(heads, batches, topks, sections, log) -> list[dict]:
             r["error"] = traceback.format_exc()[-800:]
         log(json.dumps({kk: v for kk, v in r.items() if kk not in ("skipped",)}, default=str))
         rows.append(r)
+        if partial is not None:
+            partial(rows)
     return rows
 
 
@@ -411,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     ceil = ceilings() if "ceil" in sec else {}
     log(f"ceilings {ceil} ({time.time() - t0:.0f}s)")
-    dec = bench_decode(args.heads, args.batches, args.topks, sec, log) if "decode" in sec else []
-    log(f"decode done ({time.time() - t0:.0f}s)")
-    (out_dir / "RESULTS_V4.partial.md").write_text(render(meta, ceil, dec, []))
     idx = bench_indexer(args.lens, args.batches, 512, log) if "indexer" in sec else []
     log(f"indexer done ({time.time() - t0:.0f}s)")
+    (out_dir / "RESULTS_V4.partial.md").write_text(render(meta, ceil, [], idx))
+    dec = bench_decode(args.heads, args.batches, args.topks, sec, log, partial=lambda rows: (
+        out_dir / "RESULTS_V4.partial.md").write_text(render(meta, ceil, rows, idx))) if "decode" in sec else []
+    log(f"decode done ({time.time() - t0:.0f}s)")
     text = render(meta, ceil, dec, idx)
     print(text)
     (out_dir / "RESULTS_V4.md").write_text(text)
