@@ -180,6 +180,32 @@ def validate(
     sys.stdout.write(f"{spec}: valid ({len(loaded.warnings)} warning(s))\n")
 
 
+@app.command("capacity")
+def capacity_cmd(
+    spec: SpecArg,
+    context: Annotated[Optional[int], typer.Option("--context", metavar="N", min=1,
+                                                   help="The request length to ask about, tokens (default: the spec's "
+                                                        "model.context_length, else the model's)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON")] = False,
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GIB", min=1,
+                                                        help="Each GPU's memory, GiB, instead of the spec's or the "
+                                                             "host's")] = None,
+) -> None:
+    """Estimate each role's KV pool (tokens) and what it holds: GPU memory (declared gpu_name, else read on the host
+    with nvidia-smi), weights per GPU, the pool at mem_fraction, requests of the context length at once, whether one
+    request of --context N tokens fits, and what would make it fit. Changes nothing. Exit 0: it fits every role and
+    the servers accept it; 2: it does not (or the spec's context_length refuses it); 1: no estimate (model or GPU
+    memory unknown) or an error."""
+    from pdctl.statemachine.capacity import capacity_of_spec, render_report
+
+    rep = capacity_of_spec(str(spec), context=context, gpu_memory_gib=gpu_memory)
+    if as_json:
+        sys.stdout.write(json.dumps({"spec": str(spec), **rep.to_json()}, indent=1) + "\n")
+    else:
+        sys.stdout.write(_visible(render_report(rep)) + "\n")
+    raise typer.Exit(ExitCode.ERROR if rep.fits is None else ExitCode.OK if rep.fits else ExitCode.CHANGES)
+
+
 @app.command()
 def plan(
     spec: SpecArg,

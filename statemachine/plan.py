@@ -254,6 +254,10 @@ class Plan(_Frozen):
     warnings: tuple[dict[str, str], ...] = ()
     """The spec's rule warnings, ``{field, message, fix}`` each (as ``pdctl validate --json`` lists them; stderr says
     them too), where the plan was made from a spec; not part of the id."""
+    capacity: tuple[dict[str, Any], ...] | None = None
+    """How the plan moves each kept role's KV pool and requests at once (:func:`pdctl.statemachine.capacity.
+    plan_capacity`: ``{role, before, after, words}`` for each role whose estimate changes); not part of the id. None:
+    not estimated (nothing deployed, no model facts or no GPU memory declared)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -872,6 +876,10 @@ def render_text(plan: Plan) -> str:
                  f"given): {plan.binds_unusable}")
     if plan.secrets_refused:
         text += f"\n\nWarning: `pdctl apply` refuses the spec in this environment (exit 1): {plan.secrets_refused}"
+    if plan.capacity:
+        from pdctl.statemachine.capacity import render_plan_capacity
+
+        text += "\n\n" + render_plan_capacity(plan.capacity)
     return text
 
 

@@ -1403,6 +1403,11 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
             "target SGLang 0.5.23, or set kernels.enabled = false",
         )
 
+    # --- the model: what it cannot do in PD, deprecated names (pdctl.statemachine.model_rules) -----------------
+    from pdctl.statemachine.model_rules import model_findings
+
+    out += model_findings(dep)
+
     out.sort(key=lambda x: 0 if x.level == "error" else 1)
     return out
 

@@ -297,6 +297,9 @@ def plan_spec(loaded: Loaded, state=None, *, restart: Collection[str] = (), host
     unrecorded = unrecorded_units(loaded, state, host=host) if state.deployed is None and state.target is None else ()
     plan = make_plan(base, desired, from_serial=state.serial, generation=state.generation, not_running=down, runs=runs,
                      unrecorded=unrecorded, restart=restart)
+    from pdctl.statemachine.capacity import plan_capacity  # (what the change does to the KV pools; no host asked)
+
+    plan = plan.model_copy(update={"capacity": plan_capacity(plan, loaded.deployment)})
     return plan.model_copy(update={"since_down": since_down(state, desired)}) if base is None else plan
 
 
