@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap

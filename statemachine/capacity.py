@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdctl.statemachine.models import (
-    DSV4_PAGE_SIZE,
     DSV4_RING,
     DSV4_STATE_BYTES,
     ModelFacts,
     ModelFactsError,
     _dsv4_per_layer,
-    _v4_page_bytes_per_token,
     builtin_facts,
     facts_for,
     human_tokens,
@@ -50,7 +48,8 @@ from pdctl.statemachine.models import (
 if TYPE_CHECKING:  # pragma: no cover
     from pdctl.statemachine.hosts import Host
     from pdctl.statemachine.plan import Plan
-    from pdctl.statemachine.spec import Deployment, Host as HostSpec
+    from pdctl.statemachine.spec import Deployment, ServerRole
+    from pdctl.statemachine.spec import Host as HostSpec
     from pdctl.statemachine.topology import RoleTopology
 
 __all__ = ["GPU_MEMORY_MIB", "CapacityReport", "GpuMemory", "RoleCapacity", "RoleInput", "capacity_report",
@@ -139,6 +138,16 @@ class RoleInput:
                    model_path=str(model.get("path") or ""), context_length=model.get("context_length"),
                    page_size=model.get("page_size"), kv_cache_dtype=str(model.get("kv_cache_dtype") or "auto"),
                    mem_fraction=r.settings.get("mem_fraction"), extra_args=tuple(r.settings.get("extra_args") or ()))
+
+    @classmethod
+    def of_spec(cls, dep: Deployment, name: str, kind: str, r: ServerRole) -> RoleInput:
+        """From a spec's role (as :func:`~pdctl.statemachine.topology.topology_of` would record it)."""
+        m = dep.model
+        return cls(name=name, kind=kind, host=r.host, gpus=tuple(r.gpus), tp=r.tp, attn_dp=r.attn_dp,
+                   model_path=m.path, context_length=m.context_length,
+                   page_size=r.page_size if r.page_size is not None else m.page_size,
+                   kv_cache_dtype=r.kv_cache_dtype if r.kv_cache_dtype is not None else m.kv_cache_dtype,
+                   mem_fraction=r.mem_fraction, extra_args=tuple(r.extra_args))
 
     def flag(self, name: str) -> str | None:
         """The value of launch flag *name* in ``extra_args`` (``--flag V`` or ``--flag=V``; the last wins)."""
@@ -434,9 +443,7 @@ class CapacityReport:
 
 
 def _inputs(dep: Deployment) -> list[RoleInput]:
-    from pdctl.statemachine.topology import topology_of
-
-    return [RoleInput.of(r) for r in topology_of(dep).roles]
+    return [RoleInput.of_spec(dep, n, k, r) for n, k, r in dep.roles()]
 
 
 def capacity_report(dep: Deployment, *, context: int | None = None, gpu_memory_mib: float | None = None,

@@ -138,19 +138,14 @@ def model_findings(dep: Deployment) -> list[Finding]:
             f"set context_length to at most {facts.max_context}, or leave it out")
     # --- memory, where the GPUs are declared ----------------------------------------------------------------------
     from pdctl.statemachine.capacity import RoleInput, declared_gpu_memory, estimate
-    from pdctl.statemachine.topology import topology_of
 
-    try:
-        topo = topology_of(dep)
-    except Exception:  # noqa: BLE001 - a spec the other rules refuse: nothing to estimate here
-        return out
-    by_name = {n: r for n, _k, r in roles}
-    for rt in topo.roles:
+    for name, kind, role in roles:
+        rt = RoleInput.of_spec(dep, name, kind, role)
         gpu = declared_gpu_memory(dep.hosts.get(rt.host))
         if gpu is None:
             continue
-        cap = estimate(facts, RoleInput.of(rt), gpu)
-        f = _field(dep, by_name[rt.name])
+        cap = estimate(facts, rt, gpu)
+        f = _field(dep, role)
         if cap.kv_bytes is not None and cap.kv_bytes <= 0:
             err(f"{f}.gpus", f"{rt.name}: {facts.name}'s weights take {cap.weights_per_gpu_bytes / 2**30:.1f} GiB of each "
                 f"of its {cap.tp} GPUs ({cap.gpu_memory_mib / 1024:.1f} GiB, {dep.hosts[rt.host].gpu_name}), more than "

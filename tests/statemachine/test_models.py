@@ -153,6 +153,6 @@ def test_a_context_longer_than_the_model_or_the_pool():
     assert not _findings(d, "error")
     s = collapsed(seed_dict())  # one TP8 server: weights 19.4 GB a GPU, a pool of millions of tokens
     s["model"]["context_length"] = 1048576
-    s["server"][0]["mem_fraction"] = 0.25  # 23.9 GiB × … leaves ~5 GiB: well under a million tokens of 7 KB
+    s["server"][0]["mem_fraction"] = 0.25  # 94.6 GiB × 0.25 − 18 GiB of weights: ~5.6 GiB, under 1M tokens of 7 KB
     warned = [f for f in _findings(s, "warning") if f.field == "model.context_length"]
     assert len(warned) == 1 and "fewer than context_length 1048576" in warned[0].message
