@@ -37,6 +37,13 @@ full-width block table and ``max_seq_len = width · 64``; vLLM PR #40991 lost 2x
    (SGLang's ``fast_topk_transform_fused``), or left logical with ``physical=False``. Which of several keys tied
    at the k-th value are kept depends on scheduling (as in sgl-kernel's radix top-k).
 
+DeepSeek-V4 (sglang 0.5.23 ``layers/attention/dsv4/indexer.py``, C4 indexer, FP8 keys on SM90): the same op over
+compressed rows — ``index_k_cache`` is the c4 index-K pool (``[pages, 64·132]``: 64 compressed rows of 128 e4m3 keys,
+then their 64 fp32 scales, ``fp8_paged_mqa_logits_torch``'s ``SCALE_OFFSET = 64·128``), ``block_table`` the
+``indexer_metadata.page_table`` (one 64-row c4 page per 256-token page), ``seq_lens`` the ``compressed_seq_lens``
+(seq_lens // 4) and ``topk`` the config's ``index_topk``, 512 (Flash) or 1024 (Pro); the physical slots go to
+``core_metadata.c4_sparse_page_indices`` (``sglang_plugin``).
+
 The logits workspace ``[B, width·64]`` fp32 and the candidate list ``[B, 2, width·64]`` int32 are allocated with
 ``torch.empty``: only the first L_b columns of row b are ever written or read, so the width costs address space,
 not time (the tests check output and time are the same at widths for 32K and 160K max context). Layout and math: ``_reference.py``.
