@@ -627,15 +627,45 @@ def status_cmd(
     spec: SpecArg,
     state_dir: StateDirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print status as JSON")] = False,
+    canary: Annotated[Optional[bool], typer.Option("--canary/--no-canary",
+                                                   help="Send one canary request through the router (default: the "
+                                                        "spec's console.canary)")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Redraw the status in place until Ctrl-C")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between --watch redraws")] = 2.0,
 ) -> None:
-    """Each role's unit state, health and last proof (and its age); the router's view.
+    """Each role's unit state, health and last proof (and its age); the router's view and what its clients get.
     Exit 0 when everything is healthy, 1 otherwise; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), ending
     any command it had started here (systemctl)."""
     with _interruptible("status"):  # (SIGTERM would end pdctl at once, leaving a hung systemctl in its session)
-        _status(spec, state_dir, as_json)
+        if watch:
+            _watch(spec, state_dir, canary, interval)
+        _status(spec, state_dir, as_json, canary)
 
 
-def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
+def _watch(spec: Path, state_dir: Path | None, canary: bool | None, interval: float) -> None:
+    """``status --watch``: the status text redrawn in place (rich's Live) every *interval* seconds until Ctrl-C."""
+    import time as _time
+
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    from pdctl.statemachine.service import load, status
+
+    loaded = load(spec, state_dir=state_dir, rules=False, discover="try")
+    with Live(console=Console(stderr=False), auto_refresh=False, transient=False) as live:
+        while True:
+            t0 = _time.monotonic()
+            try:
+                text = _visible(_status_text(status(loaded, canary=canary)))
+            except (PdctlError, OSError) as exc:
+                text = f"status failed: {exc}"
+            stamp = _time.strftime("%H:%M:%S")
+            live.update(Text(f"{text}\n  ({stamp}; every {interval:g} s; Ctrl-C ends)"), refresh=True)
+            _time.sleep(max(0.0, interval - (_time.monotonic() - t0)))
+
+
+def _status(spec: Path, state_dir: Path | None, as_json: bool, canary: bool | None = None) -> None:
     from pdctl.statemachine.service import load, status
 
     try:
@@ -646,7 +676,7 @@ def _status(spec: Path, state_dir: Path | None, as_json: bool) -> None:
         raise
     _broken_rules_note(loaded, "status reads what the journal records")
     try:
-        st = status(loaded)
+        st = status(loaded, canary=canary)
     except (PdctlError, OSError) as exc:  # (an OSError: a state directory the OS refuses, e.g. a file in its path)
         if as_json:  # scripts still get an object: what failed and the fix
             sys.stdout.write(json.dumps({"deployment": loaded.deployment.name, "healthy": False, **_json_error(exc)},
@@ -892,6 +922,12 @@ def _status_text(st: dict) -> str:
                             "the router with its workers]" if lasting else
                             "its health checks call a worker unhealthy until its server answers them; `pdctl apply` "
                             "restarts a server that does not serve]"))
+        serving = rt.get("serving") or {}
+        if serving.get("problems") and rt.get("readiness"):  # (what a client of the router gets: truth under traffic)
+            lines.append(f"  {'':<{nw}} NOT serving clients: {'; '.join(serving['problems'])}" + (
+                " [the router's circuit breaker holds a worker out after failures, for up to "
+                "--cb-timeout-duration-secs (60 s) once it serves again; `pdctl apply` re-admits it]"
+                if any("circuit" in p for p in serving["problems"]) else ""))
     # what each choice does to them: the recorded spec is planned as `pdctl plan` plans it (from the interrupted
     # target, a topology change to confirm, once that apply began the other shape: recorded_requires_confirmation)
     recorded_spec = f"the recorded ({was}) spec" if was else "the recorded spec"

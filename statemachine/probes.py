@@ -198,15 +198,22 @@ class RouterWorker:
     disaggregation_mode: str | None
     model_id: str | None = None
     """The model name the router registered the worker under (smg's ``model_id``); None where not reported."""
+    id: str | None = None
+    """The router's id of the worker (``DELETE /workers/{id}`` removes it)."""
+    status: str | None = None
+    """smg 1.13's ``status``: ``ready``, or ``draining`` once ``DELETE /workers/{id}`` asked its removal."""
 
 
 def parse_workers(data: Any) -> tuple[list[RouterWorker], dict[str, Any]]:
-    """``(workers, stats)`` from smg's ``GET /workers`` JSON. Raises ProbeError on another shape."""
+    """``(workers, stats)`` from smg's ``GET /workers`` JSON. Raises ProbeError on another shape.
+
+    A worker's ``disaggregation_mode`` (what its server runs, read from its ``/server_info``) is under ``metadata``
+    in sglang-router 0.3.2 and under ``labels`` in smg 1.13.0 (both observed)."""
     if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
         raise ProbeError(f"router /workers: unexpected body {str(data)[:200]}")
     out = []
     for w in data["workers"]:
-        meta = w.get("metadata") or {}
+        meta = {**(w.get("labels") or {}), **(w.get("metadata") or {})}
         out.append(
             RouterWorker(
                 url=str(w.get("url", "")).rstrip("/"),
@@ -215,6 +222,8 @@ def parse_workers(data: Any) -> tuple[list[RouterWorker], dict[str, Any]]:
                 bootstrap_port=w.get("bootstrap_port"),
                 disaggregation_mode=meta.get("disaggregation_mode"),
                 model_id=w.get("model_id") if isinstance(w.get("model_id"), str) else None,
+                id=w.get("id") if isinstance(w.get("id"), str) else None,
+                status=w.get("status") if isinstance(w.get("status"), str) else None,
             )
         )
     return out, dict(data.get("stats") or {})

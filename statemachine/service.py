@@ -1220,7 +1220,7 @@ _LIFECYCLE = ("apply-started", "apply-done", "apply-failed", "apply-interrupted"
               "down-started", "down-done", "down-failed", "down-interrupted")
 
 
-def status(loaded: Loaded, *, client=None, host=None) -> dict:  # noqa: ANN001
+def status(loaded: Loaded, *, client=None, host=None, canary: bool | None = None) -> dict:  # noqa: ANN001
     """Each role's unit state, health and last proof (with its age), and the router's view, of what the journal's
     target (an apply running or unfinished) or else its recorded deployment has: ``mode`` is that one's,
     ``recorded_mode`` the recorded deployment's (None: none); ``leftover``: the recorded deployment's units that an
@@ -1252,7 +1252,10 @@ def status(loaded: Loaded, *, client=None, host=None) -> dict:  # noqa: ANN001
     ``port_applied_elsewhere``: another deployment's unit / this deployment's, applied another way); each role's
     ``port_silent_holder``: where its port answers no HTTP yet a process outside its unit listens there, that process
     (``PID 123 (command)``), else None; each role's and the router's ``log_tail``: where its unit failed or waits to
-    restart after a crash, the last lines of its log (:data:`FAILURE_LOG_LINES`), else ``[]``.
+    restart after a crash, the last lines of its log (:data:`FAILURE_LOG_LINES`), else ``[]``; the router's
+    ``serving``: whether a client is served now (:class:`~pdctl.statemachine.serving.Serving` as a dict: each worker's
+    circuit, the canary sent through the router unless *canary* is False or the spec's ``console.canary`` is off, and
+    the problems in words), which ``healthy`` requires.
 
     Reads only: the journal, the service manager and the HTTP endpoints, on *host* where the caller holds the
     deployment's open (else connected to here). Never raises for a role that is down; that is what it reports.
@@ -1261,7 +1264,7 @@ def status(loaded: Loaded, *, client=None, host=None) -> dict:  # noqa: ANN001
     own_client = client is None
     client = _client_for(the_host, client)
     try:
-        return _status(loaded, the_host, client)
+        return _status(loaded, the_host, client, canary=loaded.deployment.console.canary if canary is None else canary)
     finally:
         if own_client:
             client.close()
@@ -1269,7 +1272,7 @@ def status(loaded: Loaded, *, client=None, host=None) -> dict:  # noqa: ANN001
             the_host.close()
 
 
-def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
+def _status(loaded: Loaded, host, client, *, canary: bool = True) -> dict:  # noqa: ANN001
     """:func:`status` with the host and HTTP client it opened."""
     import dataclasses
     import time as _time
@@ -1314,6 +1317,7 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
         except ProbeError as exc:
             router["readiness"] = 0
             router["error"] = str(exc)
+        router["serving"] = _serving(loaded, topo, client, url, canary=canary and bool(router["readiness"])).as_dict()
     # one scan of the host's sockets for every role and the router, after the probes: a server that began listening
     # between a scan and its probe would answer while no listener was on record, and be called another process's
     found = ports.listeners(host, {r.port for r in topo.roles} | ({topo.router.port} if topo.router else set()))
@@ -1446,7 +1450,8 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
     all_healthy = (
         all(r["healthy"] for r in roles)
         and (router is None or (router.get("readiness") == 200 and router["state"] == "active" and router["supervised"]
-                                and not router["mismatches"] and not router["exposure_differs"]))
+                                and not router["mismatches"] and not router["exposure_differs"]
+                                and router["serving"]["served"]))
         and state.target is None  # an apply in progress, or one that was interrupted, has not converged
         and state.deployed is not None  # what no journal records is not this deployment proven (a journal moved aside)
         and not leftover  # (units of it running outside what the journal records)
@@ -1520,6 +1525,19 @@ def _status(loaded: Loaded, host, client) -> dict:  # noqa: ANN001
         "recorded_requires_confirmation": back_confirm,
         "steps": steps,
     }
+
+
+def _serving(loaded: Loaded, topo: Topology, client, router_url: str, *, canary: bool):  # noqa: ANN001, ANN202
+    """The router's circuits now and (*canary*) one canary through it: :func:`pdctl.statemachine.serving.judge`."""
+    from pdctl.statemachine import serving
+    from pdctl.statemachine.errors import ProbeError
+
+    try:
+        states, error = serving.circuits(client, topo), None
+    except ProbeError as exc:
+        states, error = None, str(exc)
+    sent = serving.run_canary(client, router_url, timeout=loaded.deployment.console.canary_timeout_s) if canary else None
+    return serving.judge(topo, states, error, sent)
 
 
 FAILURE_LOG_LINES = 5

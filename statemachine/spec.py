@@ -418,9 +418,14 @@ SecretEntry = Annotated[
 
 
 class Console(_Model):
-    """Console and telemetry settings (in place: changing them restarts nothing)."""
+    """Console, status and telemetry settings (in place: changing them restarts nothing)."""
 
     refresh_s: Float = Field(default=1.0, gt=0, le=3600)
+    canary: Bool = True
+    """Send a canary through the router (one token of ``/generate``) in ``status`` and every ``canary_interval_s``
+    in the console and ``status --watch``: a failed one makes the deployment not healthy, saying what clients get."""
+    canary_interval_s: Float = Field(default=2.0, gt=0, le=3600)
+    canary_timeout_s: Float = Field(default=5.0, gt=0, le=600)
 
 
 class Deployment(_Model):

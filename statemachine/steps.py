@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from pdctl.statemachine import ports, probes
+from pdctl.statemachine import ports, probes, serving
 from pdctl.statemachine.errors import (
     ApplyFailed,
     CommandTimeout,
@@ -99,6 +99,8 @@ class Timeouts:
     router: float = 120.0
     chat: float = 120.0
     kernels_build: float = 3600.0
+    drain: float = 60.0
+    """How long a server taken out of the router for its restart may take to finish its requests."""
     poll: float = 0.25
 
 
@@ -1379,12 +1381,18 @@ class ServersUp(Step):
             if action == "start":  # a kill from here on must never let observe skip this unit as proven
                 ctx.forget(unit)
         changed = ctx.install_units(actions)  # (journals any running unit whose definition it changes as restarting)
+        rotated: set[str] = set()
+        by_unit = {ctx.unit_of[r.name]: r for r in roles}
         for unit, action in actions.items():
             if action in (None, "wait") and unit in changed:
                 action = "restart"
+                actions[unit] = action
             if action == "wait":
                 ctx.say(f"{unit} is still starting with the definition this apply wants: waiting for it, not "
                         "restarting it", step=self.name, unit=unit)
+            elif action == "restart" and self._in_rotation(ctx, by_unit[unit]):
+                self._restart_in_rotation(ctx, by_unit[unit])  # (one at a time: a replica serves while one restarts)
+                rotated.add(unit)
             elif action == "restart":
                 ctx.restart_unit(unit, step=self.name)
             elif action == "start":
@@ -1397,7 +1405,55 @@ class ServersUp(Step):
                 ctx.started(unit)
                 ctx.manager.start(unit)
         for r in roles:
-            self._wait_healthy(ctx, r, waited=actions[ctx.unit_of[r.name]] == "wait")
+            if ctx.unit_of[r.name] not in rotated:
+                self._wait_healthy(ctx, r, waited=actions[ctx.unit_of[r.name]] == "wait")
+
+    def _in_rotation(self, ctx: Context, role: RoleTopology) -> bool:
+        """Whether *role* is restarted as a coordinated operation on the router: a router runs in front that this
+        apply keeps as it runs (its definition unchanged, no restart asked) and lists the role as a worker."""
+        r = ctx.topology.router
+        unit = ctx.unit_of.get("router")
+        if r is None or unit is None or "router" in ctx.restart or ctx.definition_changed(unit):
+            return False
+        if not ctx.manager.status(unit).is_active:
+            return False
+        try:
+            return serving.listed(ctx.client, r.url, role.url) is not None
+        except ProbeError:
+            return False
+
+    def _restart_in_rotation(self, ctx: Context, role: RoleTopology) -> None:
+        """Restart *role* without sending clients to it meanwhile: take it out of the router (its requests finish
+        first, bounded by ``Timeouts.drain``), restart it, prove it healthy, prove the KV link again from it to each
+        peer of the other side with a paired request, put it back, and wait until the router serves it (listed
+        healthy, circuit closed). Replicas are restarted one at a time, so that a second one serves throughout."""
+        unit = ctx.unit_of[role.name]
+        router_url = ctx.router_url()
+        ctx.say(f"taking {role.name} out of the router before its restart (its requests finish first, up to "
+                f"{ctx.timeouts.drain:g} s)", step=self.name, unit=unit)
+        try:
+            gone = serving.drain(ctx.client, router_url, role.url, bound_s=ctx.timeouts.drain,
+                                 checkpoint=ctx.checkpoint)
+            if not gone:
+                ctx.say(f"{role.name} still had requests after {ctx.timeouts.drain:g} s: restarting it all the same",
+                        step=self.name, unit=unit)
+        except ProbeError as exc:
+            ctx.say(f"could not take {role.name} out of the router ({exc}): restarting it in place", step=self.name,
+                    unit=unit)
+        ctx.restart_unit(unit, step=self.name)
+        self._wait_healthy(ctx, role)
+        for check in KVLinkVerified().prove_role(ctx, role):
+            ctx.say(f"{role.name}: {check}", step=self.name, unit=unit)
+        kind, bport = serving.worker_kinds(ctx.topology).get(role.url.rstrip("/"), (role.kind, None))
+        try:
+            why = serving.admit(ctx.client, router_url, ctx.topology, role.url, kind, bport,
+                                bound_s=RouterExposed()._bound(ctx), checkpoint=ctx.checkpoint)
+        except ProbeError as exc:
+            why = str(exc)
+        if why:
+            raise VerifyFailed(f"{role.name} restarted and proven, but not served again: {why}", step=self.name,
+                               hint="read the router log (`pdctl logs SPEC router`); `pdctl apply` again re-admits it")
+        ctx.say(f"{role.name} is back in the router and served (circuit closed)", step=self.name, unit=unit)
 
     def _serves_as_specified(self, ctx: Context, role: RoleTopology) -> bool:
         try:
@@ -1532,76 +1588,87 @@ class KVLinkVerified(Step):
             return {}
         return probes.parse_metric_totals(text, _FAIL_COUNTERS)
 
+    def prove_pair(self, ctx: Context, p: RoleTopology, d: RoleTopology) -> tuple[list[str], dict[str, Any]]:
+        """Prove the link from prefill *p* to decode *d*: the bootstrap ``/route`` reached from the decode side, then
+        one paired request with one bootstrap room straight to both, decode's failure counters flat. Returns
+        ``(checks, evidence)``; raises VerifyFailed."""
+        topo = ctx.topology
+        assert topo.kv_link is not None
+        boot = {name: (h, port) for name, h, port in topo.kv_link.bootstrap}
+        query = dict(_facts(topo).bootstrap_route_query)
+        dinfo = probes.server_info(ctx.client, d.url)
+        bhost, bport = boot[p.name]
+        checks: list[str] = []
+
+        # 1. The bootstrap /route, from the decode side (this host is the decode host here).
+        def route() -> Any:
+            status, body = probes.bootstrap_route(ctx.client, bhost, bport, timeout=3.0, query=query)
+            return body if status == 200 else None
+
+        try:
+            body = _wait(f"bootstrap GET http://{bhost}:{bport}/route from {d.name}", ctx.timeouts.bootstrap, route,
+                         poll=0.5, step=self.name, checkpoint=ctx.checkpoint)
+        except StepTimeout as exc:
+            raise VerifyFailed(f"{d.name} cannot use the bootstrap of {p.name} at {bhost}:{bport}: {exc.message}",
+                               step=self.name, hint=self.hint) from None
+        for k in ("page_size", "kv_cache_dtype"):
+            if k in body and k in dinfo and body[k] != dinfo[k]:
+                raise VerifyFailed(f"{p.name} registers {k}={body[k]!r} but {d.name} runs {k}={dinfo[k]!r}",
+                                   step=self.name, hint=self.hint)
+        checks.append(f"bootstrap http://{bhost}:{bport}/route → 200 from {d.name} (page_size "
+                      f"{body.get('page_size')}, kv_cache_dtype {body.get('kv_cache_dtype')})")
+        # 2. One paired request with one bootstrap room, straight to prefill and decode.
+        before = self._counters(ctx, d.url)
+        room = probes.new_bootstrap_room()
+        t0 = time.monotonic()
+        pr, dr = probes.paired_generate(ctx.client, p.url, d.url, bootstrap_host=bhost, bootstrap_port=bport,
+                                        room=room, timeout=ctx.timeouts.kv_request)
+        latency = time.monotonic() - t0
+        if dr.status_code != 200:
+            raise VerifyFailed(f"paired request (bootstrap_room {room}) failed on {d.name}: HTTP {dr.status_code}: "
+                               f"{dr.text[:300]}", step=self.name, hint=self.hint)
+        try:
+            dtext = dr.json().get("text", "")
+        except ValueError:
+            dtext = ""
+        if not dtext:
+            raise VerifyFailed(f"paired request: {d.name} answered 200 with no text", step=self.name)
+        after = self._counters(ctx, d.url)
+        grew = {k: (before.get(k, 0.0), v) for k, v in after.items() if v > before.get(k, 0.0)}
+        if grew:
+            raise VerifyFailed(f"transfer-failure counters grew on {d.name}: {grew}", step=self.name, hint=self.hint)
+        checks.append(f"paired /generate {p.name} → {d.name} with bootstrap_room {room}: prefill HTTP "
+                      f"{pr.status_code}, decode HTTP 200 in {latency:.2f} s")
+        checks.append(f"{d.name} failure counters flat: {after or 'n/a (no metrics)'}")
+        return checks, {"prefill": p.name, "decode": d.name, "route": body, "bootstrap_room": room,
+                        "decode_text": dtext[:120], "latency_s": round(latency, 3), "counters": after}
+
+    def prove_role(self, ctx: Context, role: RoleTopology) -> list[str]:
+        """:meth:`prove_pair` from a restarted *role* to each peer of the other side that answers ``/health`` (a
+        restart of one side is proven from the other side too: a decode's cached bootstrap of a prefill that came
+        back, a prefill whose decode came back on the same address). Its checks; none without a KV link."""
+        topo = ctx.topology
+        if topo.kv_link is None or role.kind not in ("prefill", "decode"):
+            return []
+        other = "decode" if role.kind == "prefill" else "prefill"
+        checks: list[str] = []
+        for peer in topo.roles_of(other):
+            if probes.health(ctx.client, peer.url, timeout=2.0) != 200:
+                continue
+            p, d = (role, peer) if role.kind == "prefill" else (peer, role)
+            checks += self.prove_pair(ctx, p, d)[0]
+        return checks
+
     def verify(self, ctx: Context) -> Proof:
         topo = ctx.topology
         assert topo.kv_link is not None
         checks: list[str] = []
         evidence: dict[str, Any] = {"pairs": []}
-        boot = {name: (h, p) for name, h, p in topo.kv_link.bootstrap}
-        query = dict(_facts(topo).bootstrap_route_query)
         for d in topo.roles_of("decode"):
-            dinfo = probes.server_info(ctx.client, d.url)
             for p in topo.roles_of("prefill"):
-                bhost, bport = boot[p.name]
-                # 1. The bootstrap /route, from the decode side (this host is the decode host here).
-                def route() -> Any:
-                    status, body = probes.bootstrap_route(ctx.client, bhost, bport, timeout=3.0, query=query)
-                    return body if status == 200 else None
-
-                try:
-                    body = _wait(
-                        f"bootstrap GET http://{bhost}:{bport}/route from {d.name}",
-                        ctx.timeouts.bootstrap,
-                        route,
-                        poll=0.5,
-                        step=self.name,
-                        checkpoint=ctx.checkpoint,
-                    )
-                except StepTimeout as exc:
-                    raise VerifyFailed(
-                        f"{d.name} cannot use the bootstrap of {p.name} at {bhost}:{bport}: {exc.message}",
-                        step=self.name,
-                        hint=self.hint,
-                    ) from None
-                for k in ("page_size", "kv_cache_dtype"):
-                    if k in body and k in dinfo and body[k] != dinfo[k]:
-                        raise VerifyFailed(
-                            f"{p.name} registers {k}={body[k]!r} but {d.name} runs {k}={dinfo[k]!r}",
-                            step=self.name,
-                            hint=self.hint,
-                        )
-                checks.append(f"bootstrap http://{bhost}:{bport}/route → 200 from {d.name} (page_size {body.get('page_size')}, kv_cache_dtype {body.get('kv_cache_dtype')})")
-                # 2. One paired request with one bootstrap room, straight to prefill and decode.
-                before = self._counters(ctx, d.url)
-                room = probes.new_bootstrap_room()
-                t0 = time.monotonic()
-                pr, dr = probes.paired_generate(
-                    ctx.client, p.url, d.url, bootstrap_host=bhost, bootstrap_port=bport, room=room, timeout=ctx.timeouts.kv_request
-                )
-                latency = time.monotonic() - t0
-                if dr.status_code != 200:
-                    raise VerifyFailed(
-                        f"paired request (bootstrap_room {room}) failed on {d.name}: HTTP {dr.status_code}: {dr.text[:300]}",
-                        step=self.name,
-                        hint=self.hint,
-                    )
-                try:
-                    dtext = dr.json().get("text", "")
-                except ValueError:
-                    dtext = ""
-                if not dtext:
-                    raise VerifyFailed(f"paired request: {d.name} answered 200 with no text", step=self.name)
-                after = self._counters(ctx, d.url)
-                grew = {k: (before.get(k, 0.0), v) for k, v in after.items() if v > before.get(k, 0.0)}
-                if grew:
-                    raise VerifyFailed(f"transfer-failure counters grew on {d.name}: {grew}", step=self.name, hint=self.hint)
-                checks.append(
-                    f"paired /generate with bootstrap_room {room}: prefill HTTP {pr.status_code}, decode HTTP 200 in {latency:.2f} s"
-                )
-                checks.append(f"{d.name} failure counters flat: {after or 'n/a (no metrics)'}")
-                evidence["pairs"].append(
-                    {"prefill": p.name, "decode": d.name, "route": body, "bootstrap_room": room, "decode_text": dtext[:120], "latency_s": round(latency, 3), "counters": after}
-                )
+                c, e = self.prove_pair(ctx, p, d)
+                checks += c
+                evidence["pairs"].append(e)
         n = len(evidence["pairs"])
         return Proof("KV link proven: bootstrap reached from decode, paired request completed" if n == 1 else
                      f"KV link proven for {n} prefill-decode pairs: bootstrap reached from each decode, each paired "
@@ -1717,6 +1784,7 @@ class RouterExposed(Step):
                     return None
 
             try:
+                self._readmit_held_out(ctx)
                 if not sees_them():
                     if process_stopped(ctx.host, st.main_pid):  # (kill -STOP, a debugger: no health check brings it back)
                         ctx.say(f"{unit} does not serve as proven and its main process (PID {st.main_pid}) is "
@@ -1748,6 +1816,31 @@ class RouterExposed(Step):
             ctx.manager.start(unit)
             ctx.started(unit)  # (as a restart is: a resumed apply keeps this router rather than restart it again)
 
+    def _readmit_held_out(self, ctx: Context) -> None:
+        """Register again, with a closed circuit, each worker the router's circuit breaker holds out although its
+        server answers ``/health`` (proven by its step in this apply): after a crash its supervisor recovered from,
+        smg keeps it out for up to its ``--cb-timeout-duration-secs`` (60 s), every request meanwhile a 503."""
+        try:
+            states = serving.circuits(ctx.client, ctx.topology)
+        except ProbeError:
+            return
+        kinds = serving.worker_kinds(ctx.topology)
+        url = ctx.router_url()
+        for w_url, state in states.items():
+            if state == "closed" or w_url not in kinds or probes.health(ctx.client, w_url, timeout=2.0) != 200:
+                continue
+            kind, bport = kinds[w_url]
+            ctx.say(f"re-admitting {w_url} to the router: its circuit breaker holds it out ({state}) although it "
+                    "serves", step=self.name)
+            try:
+                serving.drain(ctx.client, url, w_url, bound_s=30.0, checkpoint=ctx.checkpoint)
+                why = serving.admit(ctx.client, url, ctx.topology, w_url, kind, bport, bound_s=self._bound(ctx),
+                                    checkpoint=ctx.checkpoint)
+            except ProbeError as exc:
+                why = str(exc)
+            if why:
+                ctx.say(f"{w_url} not re-admitted: {why}", step=self.name)
+
     def _check(self, ctx: Context) -> Proof:
         r0 = ctx.topology.router
         assert r0 is not None
@@ -1777,6 +1870,16 @@ class RouterExposed(Step):
             raise VerifyFailed(message, step=self.name, hint=self.hint)
         r = ctx.topology.router
         assert r is not None
+        # healthy as a client sees it: /readiness and /workers stay good while a circuit breaker holds a worker out
+        states = serving.circuits(ctx.client, ctx.topology)
+        held = serving.served_problems(ctx.topology, states)
+        if held:
+            raise VerifyFailed("the router holds workers out (its circuit breaker, after failed requests): "
+                               + "; ".join(held), step=self.name, hint=self.hint)
+        canary = serving.run_canary(ctx.client, url, timeout=ctx.dep.console.canary_timeout_s)
+        if not canary.ok:
+            raise VerifyFailed(f"a request through the router failed: {canary.said()}", step=self.name,
+                               hint=self.hint)
         seen = (f"{len(r.prefill)} prefill + {len(r.decode)} decode workers" if r.prefill or r.decode
                 else f"{len(r.regular)} regular worker{'s' if len(r.regular) != 1 else ''}")
         return Proof(
@@ -1784,6 +1887,8 @@ class RouterExposed(Step):
             (
                 f"GET {url}/readiness → 200 {body}",
                 f"GET {url}/workers: {stats}",
+                f"{serving.metrics_url(ctx.topology)}: every worker's circuit closed",
+                f"canary POST {url}/generate (1 token) → {canary.said()}",
                 # (smg reports a worker's disaggregation_mode in its metadata only where it read it: said where it did)
                 *(f"{w.url}: {w.worker_type}, healthy"
                   + (f", mode {w.disaggregation_mode}" if w.disaggregation_mode is not None else "")

@@ -220,10 +220,10 @@ class Demo:
         kw.setdefault("timeouts", self.timeouts())
         return service.apply(self.load(spec), **kw)
 
-    def status(self) -> dict:
+    def status(self, **kw) -> dict:  # noqa: ANN003
         from pdctl.statemachine import service
 
-        return service.status(self.load())
+        return service.status(self.load(), **kw)
 
     def pids(self) -> list[int]:
         return listening_pids(list(self.ports.values()))
