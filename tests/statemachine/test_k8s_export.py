@@ -28,7 +28,8 @@ from pdctl.units import READINESS_GATE
 
 IMAGE = "registry.example.com/pdctl/sglang:0.5.23"
 GOLDEN = Path(__file__).parent / "fixtures" / "k8s"
-EXAMPLES = {name: ROOT / "examples" / f"{name}.toml" for name in ("seed", "dsv32", "two-host", "demo", "single")}
+EXAMPLES = {name: ROOT / "examples" / (f"k8s/{name}.toml" if name == "two-host" else f"{name}.toml")
+            for name in ("seed", "dsv32", "two-host", "demo", "single")}
 
 
 def exported(spec: str | Path, fmt: str, **kw) -> k8s.Export:
