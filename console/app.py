@@ -50,7 +50,7 @@ from pdctl.console._steps import StepsPanel
 from pdctl.console._throughput import ThroughputPanel
 from pdctl.console._topology import TopologyPanel
 from pdctl.console.collect import Collector, Snapshot, current_topology, log_sources
-from pdctl.console.views import StepView, expected_states, step_views
+from pdctl.console.views import StepView, expected_states, loading_summary, step_views, with_progress
 from pdctl.statemachine.errors import PdctlError, RunCancelled
 from pdctl.statemachine.events import Event
 from pdctl.statemachine.machine import role_steps
@@ -257,6 +257,8 @@ class ConsoleApp(App[int]):
         """The operator quit while an apply ran (and said yes to cancelling it): ``run_console`` waits for the apply
         and exits with how it ended, also when it finished while the question was open."""
         self._progressed_at = float("-inf")  # time.monotonic() when an apply's step event last set the steps panel
+        self._loading: dict[str, str] = {}
+        """Step name → what its role still loading last said (a ``progress`` event), shown in its running row."""
         self.last_apply_error: BaseException | None = None
         self._apply_began = False  # the engine said apply_started: past its plan and checks, it may change things
         self._failed_journal_at: float | None = None  # the journal's updated_at when the last apply's error came
@@ -624,7 +626,7 @@ class ConsoleApp(App[int]):
         # (helper-109: the spec file rewritten meanwhile — a collapse, say — and the plan tab still said "No changes")
         self._w(PlanPanel).spec_changed = _file_signature(self.loaded.path) != self._spec_read
         if steps:
-            self._w(StepsPanel).steps = snap.steps
+            self._w(StepsPanel).steps = with_progress(snap.steps, self._loading)
             self._refresh_proof(snap.steps)
         topo_panel = self._w(TopologyPanel)
         topo_panel.topology = snap.topology
@@ -721,9 +723,14 @@ class ConsoleApp(App[int]):
             self._interrupted_at = ev.step
         if ev.kind == "apply_started":
             self._apply_began = True
+            self._loading.clear()
+        if ev.kind == "progress" and ev.step:
+            self._loading[ev.step] = loading_summary(ev.data)
+        elif ev.step and ev.kind != "info":  # (the step began, ended or failed: no role of it loads any more)
+            self._loading.pop(ev.step, None)
         if message.journal is not None:
             topo = current_topology(self.loaded, message.journal)
-            steps = step_views(expected_states(topo), message.journal, self.clock())
+            steps = with_progress(step_views(expected_states(topo), message.journal, self.clock()), self._loading)
             self._w(StepsPanel).steps = steps
             self._progressed_at = time.monotonic()
             self._refresh_proof(steps)
@@ -734,6 +741,7 @@ class ConsoleApp(App[int]):
 
     def on_console_app_apply_finished(self, message: ApplyFinished) -> None:
         self.applying = False
+        self._loading.clear()
         self.last_apply_error = message.error
         if message.error is None:
             self.notify(f"{self.loaded.deployment.name}: reached {message.result.state}", title="Applied", markup=False)

@@ -406,8 +406,10 @@ class _Reporter:
             return  # main() ends an interrupted command with the same advice (and its step)
         if event.kind == "apply_failed" and self.failure_shown:
             return  # the failed step's line said it
-        el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None else ""
-        mark = {"step_verified": "✓", "step_skipped": "=", "step_failed": "✗", "apply_done": "●", "apply_failed": "✗"}.get(event.kind, "·")
+        # (a role still loading says its elapsed time in its words: "prefill loading: 6 s of an expected …")
+        el = f" [{event.elapsed_s:.1f}s]" if event.elapsed_s is not None and event.kind != "progress" else ""
+        mark = {"step_verified": "✓", "step_skipped": "=", "step_failed": "✗", "apply_done": "●", "apply_failed": "✗",
+                "progress": "…"}.get(event.kind, "·")
         _err(f"{mark} {event.message}{el}")
         if event.kind == "step_failed" and event.data.get("hint"):
             _err(f"  hint: {event.data['hint']}")

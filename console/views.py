@@ -15,7 +15,8 @@ from pdctl.statemachine.machine import PD_STATES, SINGLE_STATES
 from pdctl.statemachine.topology import Topology
 from pdctl.units._manager import new_lines  # (the console's log view; re-exported)
 
-__all__ = ["StepView", "expected_states", "fmt_duration", "new_lines", "state_word", "step_views", "unit_names"]
+__all__ = ["StepView", "expected_states", "fmt_duration", "loading_summary", "new_lines", "state_word", "step_views",
+           "unit_names", "with_progress"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,24 @@ def step_views(states: tuple[str, ...], journal: JournalState | None, now: float
             )
         )
     return tuple(out)
+
+
+def loading_summary(data: Mapping[str, Any]) -> str:
+    """A ``progress`` event's *data* as the steps panel says it: ``prefill loading 12s of ~10m00s · <last log line>``
+    (without ``expected_cold_start_s``: ``… loading 12s · …``)."""
+    expected = data.get("expected_cold_start_s")
+    line = data.get("log_line") or "(no log line yet)"
+    return (f"{data.get('role', '?')} loading {fmt_duration(data.get('elapsed_s'))}"
+            + (f" of ~{fmt_duration(expected)}" if expected else "") + f" · {line}")
+
+
+def with_progress(steps: tuple[StepView, ...], loading: Mapping[str, str]) -> tuple[StepView, ...]:
+    """*steps* with each running step's summary replaced by *loading*'s text for it (step name → text, from its last
+    ``progress`` event: :func:`loading_summary`); any other row as it is."""
+    from dataclasses import replace
+
+    return tuple(replace(s, summary=loading[s.name]) if s.status == "running" and s.name in loading else s
+                 for s in steps)
 
 
 def fmt_duration(s: float | None) -> str:

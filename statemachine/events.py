@@ -22,6 +22,7 @@ EventKind = Literal[
     "step_verified",
     "step_failed",
     "role_removed",
+    "progress",
     "apply_done",
     "apply_failed",
     "apply_interrupted",
@@ -36,7 +37,10 @@ not "what already runs stays as it is", nor ``pdctl down``, which would have not
 
 @dataclass(frozen=True)
 class Event:
-    """One thing that happened. ``elapsed_s`` is the step's (or the run's) elapsed wall time."""
+    """One thing that happened. ``elapsed_s`` is the step's (or the run's) elapsed wall time; a ``progress`` event's,
+    how long its role has been waited for (its ``data``: ``role``, ``unit``, ``elapsed_s``,
+    ``expected_cold_start_s``, ``bound_s``, ``log_line``), emitted every ``Timeouts.progress`` seconds while a role
+    loads."""
 
     kind: EventKind
     message: str

@@ -102,6 +102,8 @@ class Timeouts:
     drain: float = 60.0
     """How long a server taken out of the router for its restart may take to finish its requests."""
     poll: float = 0.25
+    progress: float = 5.0
+    """How often a role still loading is reported (a ``progress`` event: elapsed, expected, its last log line)."""
 
 
 RESTARTING = "restarting"
@@ -448,6 +450,39 @@ def _port_taken_while_starting(ctx: Context, role: RoleTopology, unit: str, step
             hint=_ports_hint(foreign, "stop that process (another deployment?) or give this role other ports in the "
                                       "spec, then apply again"),
         )
+
+
+PROGRESS_LINE_CHARS = 200
+"""The most characters of a loading role's last log line that a ``progress`` event's message quotes (its ``data``
+holds the whole line)."""
+
+
+def _say_loading(ctx: Context, step: str, role: RoleTopology, unit: str, elapsed_s: float, bound_s: float) -> None:
+    """Emit one ``progress`` event for *role*, still loading *elapsed_s* seconds after its wait began: against the
+    spec's ``expected_cold_start_s`` (else the wait's bound *bound_s*), with its unit's last log line (one line read
+    from the log's end through the service manager; ``""`` where it cannot be read, which never fails the wait).
+    ``data``: ``role``, ``unit``, ``elapsed_s``, ``expected_cold_start_s`` (None: the spec sets none), ``bound_s``,
+    ``log_line``."""
+    if ctx.sink is None:
+        return
+    from pdctl.statemachine.errors import PdctlError
+    from pdctl.statemachine.events import Event
+    from pdctl.units import UnitsError
+
+    try:
+        lines = ctx.manager.logs(unit, lines=1)
+    except (PdctlError, UnitsError, OSError):
+        lines = []
+    line = lines[-1].strip() if lines else ""
+    expected = role.settings.get("expected_cold_start_s")
+    against = (f"of an expected cold start of {expected:g} s" if expected
+               else f"(no expected_cold_start_s; waiting up to {bound_s:g} s)")
+    quoted = line if len(line) <= PROGRESS_LINE_CHARS else line[:PROGRESS_LINE_CHARS - 1] + "…"
+    ctx.sink.emit(Event("progress", f"{role.name} loading: {elapsed_s:.0f} s {against}; last log line: "
+                                    f"{quoted or '(none yet)'}",
+                        step=step, elapsed_s=elapsed_s,
+                        data={"role": role.name, "unit": unit, "elapsed_s": round(elapsed_s, 1),
+                              "expected_cold_start_s": expected, "bound_s": bound_s, "log_line": line}))
 
 
 def _started_here(ctx: Context, units: set[str]) -> Callable[[int], bool]:
@@ -1469,8 +1504,13 @@ class ServersUp(Step):
         unit = ctx.unit_of[role.name]
         bound = role.settings.get("expected_cold_start_s") or ctx.timeouts.role_start
         retry = [waited]
+        t0 = time.monotonic()
+        said = [t0]
 
         def ready() -> bool | None:
+            if time.monotonic() - said[0] >= ctx.timeouts.progress:
+                said[0] = time.monotonic()
+                _say_loading(ctx, self.name, role, unit, said[0] - t0, bound)
             st = ctx.manager.status(unit)
             if st.state == "failed" and st.sub_state == "watchdog-gone" and retry[0]:
                 retry[0] = False
