@@ -12,7 +12,9 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, without running anything: pdctl's ``kernels_built`` step checks the command it
+    writes against it (``pdctl.statemachine.service.kernels_build_command``'s test)."""
     parser = argparse.ArgumentParser(prog="python -m pdctl.kernels", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile, tune and verify on this host's GPU; write the manifest")
@@ -27,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--topk", type=int, default=None, help="index_topk (default 2048 for V3.2, 512 for V4)")
     b.add_argument("--max-context", type=int, default=None, help="default 163840 (V3.2), 1048576 (V4)")
     b.add_argument("--no-tune", action="store_true", help="verify the default configs only")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from pdctl.kernels._build import KernelsBuildError, build_and_verify
 

@@ -168,6 +168,11 @@ class ModelFacts:
     full_layers: int = 0
     # DeepSeek-V4
     qk_nope_head_dim: int = 0
+    num_attention_heads: int = 0
+    """Query heads (V4: split over attention TP, ``n_local_heads = num_attention_heads // attn_tp_size``,
+    SGLang 0.5.23 ``models/deepseek_v4.py``). 0: unknown."""
+    index_topk: int = 0
+    """Compressed rows the V4 indexer selects per request (``index_topk``: 512 Flash, 1024 Pro). 0: unknown."""
     compress_ratios: tuple[int, ...] = ()
     kv_source_layer_ids: tuple[int, ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -365,6 +370,8 @@ def facts_from_config(config: dict[str, Any], *, name: str, origin: str, weights
                           head_dim=int(config["head_dim"]), sliding_window=int(_get(config, "sliding_window",
                                                                                      where=where)),
                           index_head_dim=int(_get(config, "index_head_dim", where=where)), compress_ratios=ratios,
+                          num_attention_heads=int(config.get("num_attention_heads") or 0),
+                          index_topk=int(config.get("index_topk") or 0),
                           kv_source_layer_ids=tuple(int(x) for x in config.get("kv_source_layer_ids") or ()),
                           **common)  # type: ignore[arg-type]
     if arch in _MLA_ARCHS and config.get("kv_lora_rank") is not None:
@@ -412,13 +419,14 @@ _V3_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepsee
 BUILTIN: tuple[tuple[tuple[str, ...], dict[str, Any], int | None, dict[str, str]], ...] = (
     (
         (r"deepseek-v4-flash",),
-        {**_V4_CONFIG, "num_hidden_layers": 43, "compress_ratios": _V4_FLASH_RATIOS},
+        {**_V4_CONFIG, "num_hidden_layers": 43, "compress_ratios": _V4_FLASH_RATIOS, "num_attention_heads": 64,
+         "index_topk": 512},
         155_000_000_000,
         {
             "config": f"{_HF}/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json (43 layers, head_dim 512, "
                       "qk_rope_head_dim 64, sliding_window 128, index_head_dim 128, compress_ratios [0,0,4,128,…,4,0], "
-                      "max_position_embeddings 1048576, yarn factor 16 over 65536); the same values are SGLang 0.5.23 "
-                      "configs/deepseek_v4.py DeepSeekV4Config's defaults",
+                      "max_position_embeddings 1048576, yarn factor 16 over 65536, num_attention_heads 64, index_topk 512); "
+                      "the same values are SGLang 0.5.23 configs/deepseek_v4.py DeepSeekV4Config's defaults",
             "weights_bytes": "≈155 GB, arithmetic from the config: 43 × 256 routed experts × 3 × 4096 × 2048 = 277.0 B "
                              "parameters in FP4 (e2m1 + one ue8m0 scale per 32: 0.53125 B) = 147.2 GB, ~5.7 B FP8 "
                              "attention/shared-expert parameters ≈ 5.8 GB, BF16 embeddings and head 2 × 129280 × 4096 "
@@ -428,12 +436,14 @@ BUILTIN: tuple[tuple[tuple[str, ...], dict[str, Any], int | None, dict[str, str]
     ),
     (
         (r"deepseek-v4-pro",),
-        {**_V4_CONFIG, "num_hidden_layers": 61, "compress_ratios": _V4_PRO_RATIOS},
+        {**_V4_CONFIG, "num_hidden_layers": 61, "compress_ratios": _V4_PRO_RATIOS, "num_attention_heads": 128,
+         "index_topk": 1024},
         848_000_000_000,
         {
             "config": f"{_HF}/deepseek-ai/DeepSeek-V4-Pro/blob/main/config.json (61 layers, compress_ratios "
                       "[128,128,4,128,…,4,0]: 30 CSA + 31 HCA layers, no SWA-only layer; head_dim 512, rope 64, "
-                      "sliding_window 128, index_head_dim 128, max_position_embeddings 1048576)",
+                      "sliding_window 128, index_head_dim 128, max_position_embeddings 1048576, num_attention_heads 128, "
+                      "index_topk 1024)",
             "weights_bytes": "≈848 GB, arithmetic from the config: 61 × 384 routed experts × 3 × 7168 × 3072 = "
                              "1547.4 B parameters in FP4 (0.53125 B) = 822.1 GB, ~22 B FP8 attention/shared "
                              "parameters, BF16 embeddings and head 2 × 129280 × 7168 ≈ 3.7 GB (model card: 1.6 T "

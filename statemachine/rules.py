@@ -87,6 +87,15 @@ _KERNELS_ENV = {  # (launch.kernels_env: what the units carry while [kernels] is
 # pdctl's SGLang plugin hooks these DSA decode paths of SGLang 0.5.23 (pdctl.kernels.sglang_plugin).
 _PLUGIN_DECODE_BACKENDS = ("flashmla_kv", "flashmla_sparse")
 _PLUGIN_VERSIONS = ("0.5.23",)
+# ... and on DeepSeek-V4, 0.5.23's dsv4 backend with --dsv4-attn-backend flashmla (what "auto" resolves to for V4:
+# arg_groups/deepseek_v4_hook.py _default_dsv4_attention_backend gives flashmla_mega to V4.1 on SM100 only), whose
+# decode calls flash_mla_interface.flash_mla_with_kvcache on the 584-byte V4 rows; flashmla_mega and trtllm run
+# other kernels (and trtllm another, uniform-FP8 layout), which the plugin does not hook.
+_PLUGIN_DSV4_ATTN_BACKENDS = ("auto", "flashmla")
+# GPUs of compute capability 12.0 by nvidia-smi's name (RTX PRO 6000 Blackwell, GeForce RTX 50xx): there SGLang
+# 0.5.23 decodes V4 with flash_mla_sm120.flash_mla_with_kvcache_sm120 (deepseek_v4_backend.py _forward_attention:
+# `if get_platform().is_sm120`), never the flash_mla_with_kvcache the plugin's V4 decode hook wraps.
+_SM120_GPU_NAME = re.compile(r"RTX PRO \d+ Blackwell|GeForce RTX 50\d\d", re.IGNORECASE)
 _OWNED_ROUTER_FLAGS = {
     "--host": "router.host",
     "--port": "router.port",
@@ -1359,14 +1368,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 )
     # --- kernels --------------------------------------------------------------------------------
     if dep.kernels.enabled and v4:
-        err(
-            "kernels.enabled",
-            f"{dep.model.path} is a DeepSeek-V4 checkpoint, which SGLang serves with its own dsv4 attention "
-            "(512-dim rows of 584 bytes in 256-token pages, attention sinks, a sliding window); pdctl's kernels "
-            "compute DeepSeek-V3.2's sparse attention (576-dim latent rows, the 656-byte FP8 layout, 64-token pages) "
-            "and its SGLang plugin hooks only the dsa backend, so they would be built and never run",
-            "set kernels.enabled = false for this model; the kernels serve DeepSeek-V3.2 checkpoints",
-        )
+        _v4_kernel_findings(dep, roles, facts, err, warn)
     elif dep.kernels.enabled:
         paged: set[str] = set()  # model.page_size is reported once, not once per role that inherits it
         for _name, _kind, role in roles:
@@ -1384,7 +1386,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                     "656-byte latent KV and the indexer's 132 B/token index cache)",
                     f"set {field} = 64 (or leave it out), or set kernels.enabled = false",
                 )
-    if dep.kernels.enabled and not v4 and not dep.kernels.which:
+    if dep.kernels.enabled and not dep.kernels.which:
         err("kernels.which", "kernels are enabled but none is named: kernels_built would build nothing",
             'name them (which = ["sparse_mla_decode", "lightning_indexer"]), or set kernels.enabled = false')
     if dep.kernels.enabled and not v4 and "sparse_mla_decode" in dep.kernels.which:
@@ -1396,11 +1398,12 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
                 f"{' / '.join(_PLUGIN_DECODE_BACKENDS)} decode paths; with this backend the built kernel would never run",
                 'set model.dsa_decode_backend = "flashmla_kv" (FP8 KV) or "flashmla_sparse", or drop sparse_mla_decode from kernels.which',
             )
-    if dep.kernels.enabled and not v4 and dep.sglang_version not in _PLUGIN_VERSIONS:
+    if dep.kernels.enabled and dep.sglang_version not in _PLUGIN_VERSIONS:
         err(
-            "kernels.enabled",
-            f"pdctl's SGLang plugin knows SGLang {', '.join(_PLUGIN_VERSIONS)} only and refuses {dep.sglang_version}",
-            "target SGLang 0.5.23, or set kernels.enabled = false",
+            "kernels.enabled" if not v4 else "sglang_version",
+            f"pdctl's SGLang plugin knows SGLang {', '.join(_PLUGIN_VERSIONS)} only and refuses {dep.sglang_version}"
+            + (" (its DeepSeek-V4 hooks are read from 0.5.23's dsv4 backend)" if v4 else ""),
+            'target SGLang 0.5.23 (sglang_version = "0.5.23"), or set kernels.enabled = false',
         )
 
     # --- the model: what it cannot do in PD, deprecated names (pdctl.statemachine.model_rules) -----------------
@@ -1410,6 +1413,79 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
 
     out.sort(key=lambda x: 0 if x.level == "error" else 1)
     return out
+
+
+def _v4_kernel_findings(dep: Deployment, roles, facts, err, warn) -> None:  # noqa: ANN001
+    """What [kernels] enabled means for a DeepSeek-V4 checkpoint: pdctl's SGLang plugin hooks SGLang 0.5.23's dsv4
+    backend (``pdctl.kernels.sglang_plugin``: ``flash_mla_with_kvcache`` for decode, ``forward_c4_indexer`` for the
+    C4 indexer) on the 584-byte V4 rows, so the spec must run that backend the way the hooks read it: the flashmla
+    sub-backend, a V4 (not V4.1) checkpoint pdctl knows the heads and top-k of, the FP8 indexer for lightning_indexer.
+    (The version is judged with V3.2's, in :func:`validate`.)"""
+    from pdctl.statemachine.models import builtin_facts
+
+    name = dep.model.path.rstrip("/").rsplit("/", 1)[-1]
+    if re.search(r"v4[._-]?1", name.lower()):
+        err(
+            "kernels.enabled",
+            f"{dep.model.path} is a DeepSeek-V4.1 checkpoint: pdctl's V4 kernels are built and verified for "
+            "DeepSeek-V4-Flash and V4-Pro, and SGLang runs V4.1 on its own paths where the GPU has them (the V4.1 "
+            "cache layouts and flashmla_mega on SM100: deepseek_v4_memory_pool.py select_dsv4_kv_layout), whose calls "
+            "the plugin passes to SGLang's kernels",
+            "set kernels.enabled = false for this model; the kernels serve DeepSeek-V4-Flash / V4-Pro and V3.2",
+        )
+        return
+    model = builtin_facts(dep.model.path)
+    if model is None or not model.num_attention_heads or not model.index_topk:
+        err(
+            "model.path",
+            f"pdctl knows no head count and index top-k for {dep.model.path}: kernels_built builds and verifies the V4 "
+            "kernels at the deployment's local heads (num_attention_heads / attention TP) and top-k",
+            "name the checkpoint as DeepSeek publishes it (a path ending in DeepSeek-V4-Flash or DeepSeek-V4-Pro), "
+            "or set kernels.enabled = false",
+        )
+    kv_said: set[str] = set()
+    for _name, _kind, role in roles:
+        field = f"{_role_field(dep, role)}.kv_cache_dtype" if role.kv_cache_dtype is not None else "model.kv_cache_dtype"
+        kv = role.kv_cache_dtype if role.kv_cache_dtype is not None else dep.model.kv_cache_dtype
+        if kv == "bfloat16" and field not in kv_said:
+            kv_said.add(field)
+            warn(
+                field,
+                "kv_cache_dtype = 'bfloat16' with kernels enabled: SGLang 0.5.23 keeps DeepSeek-V4's cache in the "
+                "584-byte FP8 V4 rows on CUDA whatever the dtype (mem_cache/deepseek_v4_memory_pool.py, KVLayout.V4), "
+                "and those are what pdctl's V4 kernels read and kernels_built verifies; the spec says bf16",
+                f'write {field} = "fp8_e4m3" (or "auto"): the cache the servers really keep',
+            )
+    for _name, _kind, role in roles:
+        f = _role_field(dep, role)
+        given = _given(list(role.extra_args), facts)
+        backend = given.get("--dsv4-attn-backend")
+        if backend is not None and backend not in _PLUGIN_DSV4_ATTN_BACKENDS:
+            err(
+                f"{f}.extra_args",
+                f"--dsv4-attn-backend {backend}: pdctl's kernels are routed in only on SGLang's flashmla DeepSeek-V4 "
+                "attention (flash_mla_with_kvcache); with this backend they would be built and never run",
+                "remove --dsv4-attn-backend (auto is flashmla for V4) or give flashmla, or set kernels.enabled = false",
+            )
+        if given.get("--enable-deepseek-v4-fp4-indexer") is True and "lightning_indexer" in dep.kernels.which:
+            warn(
+                f"{f}.extra_args",
+                "--enable-deepseek-v4-fp4-indexer: the C4 indexer then keeps FP4 index keys (68 B a row), and pdctl's "
+                "lightning_indexer reads the FP8 ones (132 B): the plugin passes every indexer call to SGLang's own FP4 "
+                "indexer (it logs the fallback once), so only the decode kernel runs",
+                "remove --enable-deepseek-v4-fp4-indexer to run pdctl's indexer, or drop lightning_indexer from "
+                "kernels.which",
+            )
+    if "sparse_mla_decode" in dep.kernels.which:
+        for key, host in sorted(dep.hosts.items()):
+            if host.gpu_name and _SM120_GPU_NAME.search(host.gpu_name) and any(r.host == key for _n, _k, r in roles):
+                warn(
+                    "kernels.which",
+                    f"hosts.{key} has {host.gpu_name} (compute capability 12.0), where SGLang 0.5.23 decodes "
+                    "DeepSeek-V4 with flash_mla_with_kvcache_sm120, which pdctl's plugin does not hook: "
+                    "sparse_mla_decode would never be routed in (lightning_indexer is)",
+                    'write which = ["lightning_indexer"]',
+                )
 
 
 def _closest(what: str, value: str, names: frozenset[str], *, where: str = "the target version") -> str:

@@ -798,14 +798,26 @@ def kernels_build_command(dep: Deployment) -> tuple[list[str], str]:
     deployment: local MLA heads = 128 / the decode group's attention-TP size (TP / attention-DP: SGLang 0.5.23
     ``dsa_backend.py`` takes ``num_attention_heads // attn_tp_size``), the KV format from the kv-cache dtype, the max
     context from the model's context length. Prefill runs SGLang's own kernels (the plugin routes decode only).
+    DeepSeek-V4 (``--model deepseek-v4``): local heads = the checkpoint's ``num_attention_heads`` / attention TP
+    (0.5.23 ``models/deepseek_v4.py``: ``n_local_heads``), the 584-byte ``v4`` cache whatever the kv-cache dtype says
+    (SGLang writes that layout on CUDA), ``--topk`` its ``index_topk`` (512 Flash, 1024 Pro), from
+    :mod:`pdctl.statemachine.models`' facts (validate refuses kernels for a V4 checkpoint it has none for).
     With ``service_user`` it runs as that account (util-linux ``runuser -u``; pdctl runs as root then)."""
     from pdctl.statemachine import launch
+    from pdctl.statemachine.models import builtin_facts
 
     cache = launch._cache_dir(dep)
     attn_tps = sorted({max(1, r.tp // r.attn_dp) for _n, k, r in dep.roles() if k in ("decode", "server")}) or [1]
-    heads = sorted({max(1, 128 // t) for t in attn_tps})
-    fmt = "fp8" if str(dep.model.kv_cache_dtype).startswith("fp8") else "bf16"
-    cmd = [launch.python_for(dep), "-m", "pdctl.kernels", "build", "--cache-dir", cache, "--heads", *map(str, heads), "--kv-formats", fmt]
+    facts = builtin_facts(dep.model.path)
+    if facts is not None and facts.attention == "dsv4" and facts.num_attention_heads and facts.index_topk:
+        heads = sorted({max(1, facts.num_attention_heads // t) for t in attn_tps})
+        model = ["--model", "deepseek-v4", "--heads", *map(str, heads), "--kv-formats", "v4",
+                 "--topk", str(facts.index_topk)]
+    else:
+        heads = sorted({max(1, 128 // t) for t in attn_tps})
+        fmt = "fp8" if str(dep.model.kv_cache_dtype).startswith("fp8") else "bf16"
+        model = ["--heads", *map(str, heads), "--kv-formats", fmt]
+    cmd = [launch.python_for(dep), "-m", "pdctl.kernels", "build", "--cache-dir", cache, *model]
     if dep.model.context_length:
         cmd += ["--max-context", str(dep.model.context_length)]
     if dep.service_user is not None:  # (as the servers that extend its Triton cache: their files, not root's)

@@ -140,6 +140,7 @@ def dsv32_dict() -> dict:
     d["name"] = "dsv32"
     d["model"].update(path="deepseek-ai/DeepSeek-V3.2", served_name="deepseek-v3.2", page_size=64,
                       dsa_prefill_backend="triton_sparse_mla", dsa_decode_backend="flashmla_kv")
+    d["model"].pop("attention_backend", None)  # (the seed pins V4's dsv4; V3.2 runs the dsa backend SGLang picks)
     d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv32"}
     d["kernels"] = {"enabled": True, "which": ["sparse_mla_decode", "lightning_indexer"]}
     return d

@@ -52,6 +52,30 @@ def test_the_dsv32_example_builds_the_kernels_for_its_decode_ranks():
     assert manifest == "/var/cache/sglang/pdctl-kernels-manifest.json"
 
 
+def test_the_seed_builds_the_v4_kernels_with_a_command_the_build_cli_accepts():
+    # (issue 43) DeepSeek-V4-Flash: 64 heads over the decode group's TP4 = 16 local heads, the 584-byte v4 cache,
+    # top-512; parsed by pdctl.kernels' own parser (no GPU: parse only), so a flag it does not take fails here
+    from pdctl.kernels.__main__ import build_parser
+    from pdctl.statemachine.service import kernels_build_command
+
+    dep = load_spec(SEED)
+    assert dep.kernels.enabled
+    cmd, manifest = kernels_build_command(dep)
+    assert cmd == ["/opt/sglang/.venv/bin/python", "-m", "pdctl.kernels", "build", "--cache-dir", "/var/cache/sglang",
+                   "--model", "deepseek-v4", "--heads", "16", "--kv-formats", "v4", "--topk", "512",
+                   "--max-context", "131072"]
+    assert manifest == "/var/cache/sglang/pdctl-kernels-manifest.json"
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.cmd, args.model, args.heads, args.kv_formats, args.topk, args.max_context) == (
+        "build", "deepseek-v4", [16], ["v4"], 512, 131072)
+    d = seed_dict()  # V4-Pro (128 heads, top-1024) at TP8 and TP4 decode groups: 16 and 32 local heads
+    d["model"]["path"] = "deepseek-ai/DeepSeek-V4-Pro"
+    d["decode"].append({**d["decode"][0], "gpus": [0, 1, 2, 3, 4, 5, 6, 7], "tp": 8, "port": 30021})
+    cmd, _ = kernels_build_command(parse_spec(d))
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.heads, args.topk) == ([16, 32], 1024)
+
+
 def _errors(d: dict, **kw) -> list:
     return [f for f in validate(parse_spec(d), **kw) if f.level == "error"]
 
@@ -1363,18 +1387,89 @@ def test_the_model_parser_warning_suggests_only_parsers_the_sglang_version_has()
     assert "deepseek-v4" not in f.message + f.fix
 
 
-def test_kernels_for_a_deepseek_v4_checkpoint_are_refused():
-    # SGLang serves V4 with its own dsv4 attention (584-byte rows, 256-token pages), which never calls the dsa
-    # backend's functions the plugin hooks: the seed once enabled them there, to be built and never run
+def test_kernels_for_a_deepseek_v4_checkpoint_run_on_the_dsv4_backend():
+    # (issue 43) the plugin hooks SGLang 0.5.23's dsv4 decode and C4 indexer: the seed ships with them on; until then
+    # validate refused kernels for every V4 checkpoint
     d = seed_dict()
-    d["kernels"]["enabled"] = True
-    f = _one(d, "kernels.enabled", "DeepSeek-V4 checkpoint", "dsv4 attention", "hooks only the dsa backend",
-             "set kernels.enabled = false for this model")
-    assert [x.field for x in _errors(d)] == ["kernels.enabled"], _errors(d)  # no advice about dsa flags V4 ignores
+    assert d["kernels"] == {"enabled": True, "which": ["lightning_indexer"]}
+    assert not _errors(d) and not [x for x in validate(parse_spec(d)) if x.field.startswith("kernels")]
+    d["kernels"]["which"] = ["sparse_mla_decode", "lightning_indexer"]
+    d["hosts"]["local"]["gpu_name"] = "NVIDIA H200"
+    assert not _errors(d) and not [x for x in validate(parse_spec(d)) if x.field.startswith("kernels")]
+    d["model"]["path"] = "deepseek-ai/DeepSeek-V4-Pro"  # (its weights do not fit the seed's 4-GPU groups)
+    assert not [x for x in validate(parse_spec(d)) if x.field.startswith(("kernels", "model.", "sglang_version"))]
+
+
+def test_kernels_for_a_deepseek_v4_1_checkpoint_are_refused():
+    # the V4 kernels are built for V4-Flash / V4-Pro; SGLang runs V4.1 on its own paths where the GPU has them
+    d = seed_dict()
     d["model"]["path"] = "deepseek-ai/DeepSeek-V4.1-Pro"
-    assert f.field in [x.field for x in _errors(d)]
+    d["parsers"] = {"reasoning_parser": "deepseek-v41", "tool_call_parser": "deepseekv41"}
+    _one(d, "kernels.enabled", "DeepSeek-V4.1 checkpoint", "set kernels.enabled = false for this model")
+    assert [x.field for x in _errors(d)] == ["kernels.enabled"], _errors(d)  # no advice about dsa flags V4 ignores
     d["model"]["path"] = "deepseek-ai/DeepSeek-V3.2-Speciale"  # V3.2's attention: the kernels apply
     assert "kernels.enabled" not in [x.field for x in _errors(d)]
+
+
+def test_kernels_for_a_deepseek_v4_checkpoint_pdctl_knows_no_heads_of_are_refused():
+    # kernels_built builds at the local heads (num_attention_heads / attention TP) and the index top-k
+    d = seed_dict()
+    d["model"]["path"] = "/models/DeepSeek-V4-Lite"
+    _one(d, "model.path", "no head count and index top-k", "DeepSeek-V4-Flash or DeepSeek-V4-Pro")
+    d["kernels"]["enabled"] = False
+    assert not _errors(d)
+
+
+def test_kernels_for_deepseek_v4_need_the_version_the_plugin_hooks():
+    d = seed_dict()
+    d["sglang_version"] = "0.5.6"
+    d["parsers"] = {"reasoning_parser": "deepseek-v3", "tool_call_parser": "deepseekv3"}
+    _one(d, "sglang_version", "refuses 0.5.6", "dsv4 backend", 'sglang_version = "0.5.23"', "kernels.enabled = false")
+
+
+@pytest.mark.parametrize("backend, ok", [("flashmla", True), ("auto", True), ("flashmla_mega", False),
+                                          ("trtllm", False)])
+def test_kernels_for_deepseek_v4_need_the_dsv4_attention_backend_the_plugin_hooks(backend, ok):
+    # flashmla_mega and trtllm run other kernels than flash_mla_with_kvcache, the one the V4 decode hook wraps
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--dsv4-attn-backend", backend]
+    found = [x for x in _errors(d) if x.field == "decode[0].extra_args"]
+    assert bool(found) != ok, found
+    if not ok:
+        _one(d, "decode[0].extra_args", f"--dsv4-attn-backend {backend}", "built and never run",
+             "remove --dsv4-attn-backend")
+        d["kernels"]["enabled"] = False
+        assert not [x for x in _errors(d) if x.field == "decode[0].extra_args"]
+
+
+def test_kernels_for_deepseek_v4_with_a_bfloat16_cache_are_warned():
+    # SGLang 0.5.23 keeps V4's cache in the 584-byte FP8 rows on CUDA whatever the dtype: the kernels read those
+    d = seed_dict()
+    d["model"]["kv_cache_dtype"] = "bfloat16"
+    _one(d, "model.kv_cache_dtype", "584-byte FP8 V4 rows", 'write model.kv_cache_dtype = "fp8_e4m3"',
+         level="warning")
+    assert not _errors(d)
+    d["kernels"]["enabled"] = False
+    assert not [x for x in validate(parse_spec(d)) if x.field == "model.kv_cache_dtype"]
+
+
+def test_kernels_for_deepseek_v4_with_the_fp4_indexer_are_warned():
+    # the plugin's indexer hook reads the FP8 index keys and falls back on the FP4 indexer
+    d = seed_dict()
+    d["decode"][0]["extra_args"] = ["--enable-deepseek-v4-fp4-indexer"]
+    _one(d, "decode[0].extra_args", "FP4 index keys", "SGLang's own FP4 indexer",
+         "remove --enable-deepseek-v4-fp4-indexer", level="warning")
+    d["kernels"]["which"] = ["sparse_mla_decode"]
+    d["hosts"]["local"]["gpu_name"] = "NVIDIA H200"
+    assert not [x for x in validate(parse_spec(d)) if x.field == "decode[0].extra_args"]
+
+
+def test_the_v4_decode_kernel_on_an_sm120_gpu_is_warned():
+    # there SGLang 0.5.23 decodes V4 with flash_mla_with_kvcache_sm120, which the plugin does not hook
+    d = seed_dict()
+    d["kernels"]["which"] = ["sparse_mla_decode", "lightning_indexer"]
+    _one(d, "kernels.which", "RTX PRO 6000 Blackwell", "flash_mla_with_kvcache_sm120",
+         'which = ["lightning_indexer"]', level="warning")
 
 
 @pytest.mark.parametrize("where", ["model", "decode"])
@@ -1698,6 +1793,7 @@ def test_env_that_overrides_what_kernels_or_kv_transfer_set_is_found():
     from pdctl.statemachine.rules import validate
 
     d = seed_dict()
+    d["kernels"]["enabled"] = False
     d["decode"][0]["env"] = {"TRITON_CACHE_DIR": "/tmp/t", "UCX_NET_DEVICES": "mlx5_1:1"}
     d["kv_transfer"]["ucx_net_devices"] = "mlx5_0:1"
     found = {(f.level, f.field): f for f in validate(parse_spec(d))}

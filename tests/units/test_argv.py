@@ -2,7 +2,7 @@
 
 The expected argv below was written by hand from the seed and SGLang 0.5.23's flag reference
 (``launch_server --help``: ``--model-path``, ``--served-model-name``, ``--context-length``,
-``--kv-cache-dtype``, ``--trust-remote-code``, ``--tp-size``, ``--base-gpu-id``, ``--host``, ``--port``,
+``--kv-cache-dtype``, ``--trust-remote-code``, ``--attention-backend``, ``--tp-size``, ``--base-gpu-id``, ``--host``, ``--port``,
 ``--nccl-port``, ``--disaggregation-mode``, ``--disaggregation-transfer-backend``,
 ``--disaggregation-bootstrap-port``, ``--mem-fraction-static``, ``--reasoning-parser``,
 ``--tool-call-parser``, ``--enable-metrics``) and smg 1.13.0's ``launch --help``; not from the code
@@ -37,6 +37,7 @@ SEED_PREFILL_ARGV = [
     "--context-length", "131072",
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
+    "--attention-backend", "dsv4",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -58,6 +59,7 @@ SEED_DECODE_ARGV = [
     "--context-length", "131072",
     "--kv-cache-dtype", "fp8_e4m3",
     "--trust-remote-code",
+    "--attention-backend", "dsv4",
     "--tp-size", "4",
     "--base-gpu-id", "0",
     "--host", "127.0.0.1",
@@ -158,14 +160,20 @@ DSV32_MODEL_ARGV = ["--model-path", "deepseek-ai/DeepSeek-V3.2", "--served-model
                     "--dsa-decode-backend", "flashmla_kv"]
 
 
-def test_seed_environment_pins_gpus_and_the_cache_dir(seed):
-    # (the seed's DeepSeek-V4 runs on SGLang's own dsv4 attention: no kernels, no plugin switches)
+# The seed's DeepSeek-V4 with pdctl's kernels on SGLang's dsv4 backend (issue 43): the plugin's switches, the indexer
+# routed in only (its sm_120 GPUs decode V4 with flash_mla_with_kvcache_sm120, which the plugin does not hook).
+SEED_PLUGIN_ENV = {**PLUGIN_ENV, "PDCTL_KERNELS_ROUTE": "indexer"}
+
+
+def test_seed_environment_pins_gpus_and_the_cache_dir_and_carries_the_plugins_switches(seed):
     # (the ids in nvidia-smi's PCI order, as the spec, the NUMA binding and the GPU checks read them: CUDA's own
     # default order is fastest first)
     assert server_env(launch_for_role(seed, "prefill")) == {
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SGLANG_CACHE_DIR": "/var/cache/sglang",
+        **SEED_PLUGIN_ENV}
     assert server_env(launch_for_role(seed, "decode")) == {
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "SGLANG_CACHE_DIR": "/var/cache/sglang",
+        **SEED_PLUGIN_ENV}
 
 
 def test_dsv32_with_kernels_carries_the_plugins_switches_and_the_dsa_flags():
@@ -177,7 +185,7 @@ def test_dsv32_with_kernels_carries_the_plugins_switches_and_the_dsa_flags():
                                       **PLUGIN_ENV}
         got = server_argv(launch)
         parsers = ["--reasoning-parser", "deepseek-v3", "--tool-call-parser", "deepseekv32"]
-        assert got == argv[:3] + DSV32_MODEL_ARGV + argv[12:-5] + parsers + ["--enable-metrics"]
+        assert got == argv[:3] + DSV32_MODEL_ARGV + argv[14:-5] + parsers + ["--enable-metrics"]
         ns = parse_sglang(got)
         assert ns.page_size == "64" and ns.dsa_decode_backend == "flashmla_kv"
 
@@ -188,7 +196,7 @@ def test_seed_services_carry_the_golden_argv_and_env(seed):
     assert list(svc["prefill"].argv) == SEED_PREFILL_ARGV
     assert list(svc["router"].argv) == SEED_ROUTER_ARGV
     assert dict(svc["decode"].env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5,6,7",
-                                       "SGLANG_CACHE_DIR": "/var/cache/sglang"}
+                                       "SGLANG_CACHE_DIR": "/var/cache/sglang", **SEED_PLUGIN_ENV}
     assert svc["prefill"].numa_node == 0 and svc["prefill"].cpu_affinity == "0-31,64-95"
     assert svc["decode"].numa_node == 1 and svc["decode"].cpu_affinity == "32-63,96-127"
 
@@ -199,6 +207,7 @@ def test_seed_server_argv_parses_with_sglang_0_5_23s_parser(seed):
         assert ns.disaggregation_mode == role
         assert ns.tp_size == "4" and ns.base_gpu_id == "0" and ns.enable_metrics is True
         assert ns.kv_cache_dtype == "fp8_e4m3" and ns.page_size is None  # SGLang picks V4's 256-token pages
+        assert ns.attention_backend == "dsv4"  # (the backend the plugin's V4 hooks wrap)
         assert ns.reasoning_parser == "deepseek-v4" and ns.tool_call_parser == "deepseekv4"
 
 
@@ -367,6 +376,7 @@ def test_a_user_or_process_scope_server_gets_sglangs_own_cache_dir_not_this_mach
     d = tomllib.loads((EXAMPLES / "seed.toml").read_text())
     d["service_manager"] = "process"
     d["engine"].pop("cache_dir", None)
+    d["kernels"]["enabled"] = False  # (kernels_built's cache dir is pdctl's to choose)
     seen = set()
     for home in ("/home/alice", "/root"):
         monkeypatch.setenv("HOME", home)

@@ -45,7 +45,7 @@ GATE = (
 SERVER_COMMON = (
     "/opt/sglang/.venv/bin/python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V4-Flash "
     "--served-model-name deepseek-v4-flash --context-length 131072 --kv-cache-dtype fp8_e4m3 "
-    "--trust-remote-code --tp-size 4 --base-gpu-id 0 --host 127.0.0.1"
+    "--trust-remote-code --attention-backend dsv4 --tp-size 4 --base-gpu-id 0 --host 127.0.0.1"
 )
 PARSERS = "--mem-fraction-static 0.85 --reasoning-parser deepseek-v4 --tool-call-parser deepseekv4 --enable-metrics"
 
@@ -68,6 +68,11 @@ ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30010/heal
 Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID
 Environment=CUDA_VISIBLE_DEVICES=0,1,2,3
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
+Environment=SGLANG_PLUGINS=pdctl_kernels
+Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
+Environment=PDCTL_KERNELS_ROUTE=indexer
+Environment=PDCTL_KERNELS_REQUIRED=1
+Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-prefill
 NUMAPolicy=bind
 NUMAMask=0
@@ -100,6 +105,11 @@ ExecStartPost=/opt/sglang/.venv/bin/python -c {GATE} http://127.0.0.1:30020/heal
 Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID
 Environment=CUDA_VISIBLE_DEVICES=4,5,6,7
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
+Environment=SGLANG_PLUGINS=pdctl_kernels
+Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
+Environment=PDCTL_KERNELS_ROUTE=indexer
+Environment=PDCTL_KERNELS_REQUIRED=1
+Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-decode
 NUMAPolicy=bind
 NUMAMask=1
