@@ -780,6 +780,54 @@ def _logs(spec: Path, roles: list[str], state_dir: Path | None, n: int, follow: 
             sys.stdout.flush()
 
 
+@app.command("support-bundle")
+def support_bundle_cmd(
+    spec: SpecArg,
+    out: Annotated[Optional[Path], typer.Option(
+        "-o", "--out", metavar="FILE.tar.gz", show_default=False,
+        help="Where to write the bundle (default: pdctl-support-NAME-TIME.tar.gz here)")] = None,
+    state_dir: StateDirOpt = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, max=100000, help="Lines from the end of each log")] = 200,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.5, max=600,
+                                           help="Seconds each HTTP read or host command may take")] = 10.0,
+) -> None:
+    """Write what an operator attaches to a bug report, as one .tar.gz: the spec, the plan (text and JSON), the
+    journal and audit log, `status --json`, each role's and the router's last log lines, each server's /server_info,
+    the router's /workers and /metrics, the unit files, `nvidia-smi -q`, the kernels' manifest and the versions of
+    pdctl, SGLang, smg and NIXL on the host. Its MANIFEST says what each file is and what could not be read (never
+    fatal). Secret values (the spec's [secrets], env values whose name says secret, the installed secrets files) are
+    replaced by ***REDACTED*** everywhere in it. Reads only. Exit 0: written (the path on stdout; parts that failed
+    are listed on stderr); 1: the spec does not parse, or FILE cannot be written; 130 / 143 / 129: interrupted."""
+    with _interruptible("support-bundle"):
+        _support_bundle(spec, out, state_dir, lines, timeout)
+
+
+def _support_bundle(spec: Path, out: Path | None, state_dir: Path | None, lines: int, timeout: float) -> None:
+    import time
+
+    from pdctl.statemachine.bundle import write_bundle
+    from pdctl.statemachine.service import load
+
+    loaded = load(spec, state_dir=state_dir, rules=False, discover="try")
+    if out is None:
+        out = Path(f"pdctl-support-{loaded.deployment.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.tar.gz")
+    if out.is_dir():
+        raise PdctlError(f"-o {out}: a folder, not a file; nothing was written",
+                         hint=f"give -o a file path, e.g. -o {out / 'bundle.tar.gz'}")
+    if not out.parent.is_dir():
+        raise PdctlError(f"-o {out}: folder {out.parent} does not exist; nothing was written",
+                         hint="give -o a file path in an existing folder, e.g. -o bundle.tar.gz")
+    members = write_bundle(loaded, out, lines=lines, timeout_s=timeout)
+    for m in members:
+        if m.status == "error":
+            _err(f"note: {m.name}: {m.error}")
+    failed = sum(m.status == "error" for m in members)
+    absent = sum(m.status == "absent" for m in members)
+    _err(f"support bundle of {loaded.deployment.name!r} written: {len(members)} files, {absent} absent, {failed} "
+         "could not be read (its MANIFEST says what each is); secret values redacted")
+    sys.stdout.write(f"{out}\n")
+
+
 _DOWN_UNFINISHED = {"down-interrupted": "a `pdctl down` was interrupted",
                     "down-started": "a `pdctl down` was killed before it finished"}
 
@@ -1672,6 +1720,7 @@ _SAID_WHEN_INTERRUPTED = {
     "status": "interrupted: status only reads, it changes nothing; run it again",
     "chat": "interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); run it again",
     "logs": "interrupted: logs only reads, it changes nothing",
+    "support-bundle": "interrupted: no bundle was written (support-bundle only reads the deployment); run it again",
 }
 """The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
 also while its command line is still being parsed."""
