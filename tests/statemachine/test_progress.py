@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pdctl.statemachine.events import ListSink
+from pdctl.statemachine.steps import PROGRESS_LINE_CHARS
 
 pytestmark = [pytest.mark.smg, pytest.mark.slow]
 
@@ -46,7 +47,9 @@ def test_a_loading_role_reports_elapsed_against_its_expected_cold_start_and_its_
     assert said, [e.message for e in prefill]
     for e in said:
         assert e.data["log_line"] in log, (e.data["log_line"], log[-10:])
-        assert e.message.endswith(f"last log line: {e.data['log_line']}"), e.message
+        line = e.data["log_line"]  # (quoted whole up to PROGRESS_LINE_CHARS; the supervisor's argv line is longer)
+        quoted = line if len(line) <= PROGRESS_LINE_CHARS else line[:PROGRESS_LINE_CHARS - 1] + "…"
+        assert e.message.endswith(f"last log line: {quoted}"), e.message
     # decode sets no expected cold start: said against the wait's bound instead
     for e in (e for e in loading if e.data["role"] == "decode"):
         assert e.step == "decode_up" and e.data["expected_cold_start_s"] is None
