@@ -16,6 +16,11 @@ code  name            meaning
                       ``service_user`` or the process supervisor's folder unusable on the host (the step is named
                       on stderr)
 4     LOCKED          another apply or down holds the deployment's lock
+5     STATE_DIR       the state directory refused a write: full, over quota, read-only or not permitted (``apply``
+                      also when it has less free space than it wants to start, ``PDCTL_STATE_MIN_FREE_MIB``); the
+                      directory, the file and the fix on stderr. Nothing is left behind (no lock file, no temp
+                      file) and the journal keeps its previous content; an apply that fails so mid-way names what it
+                      left running
 64    USAGE           bad command line
 129   HANGUP          ``apply``, ``down``, ``plan``, ``status``, ``chat``, ``logs``, the console: SIGHUP (the
                       terminal or SSH session went away), handled like Ctrl-C
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from pdctl.statemachine.errors import LockHeld, PlanError, StepError
+from pdctl.statemachine.errors import LockHeld, PlanError, StateDirUnwritable, StepError
 
 __all__ = ["ExitCode", "exit_code_for"]
 
@@ -42,6 +47,7 @@ class ExitCode(IntEnum):
     CHANGES = 2
     STEP_FAILED = 3
     LOCKED = 4
+    STATE_DIR = 5
     USAGE = 64
     HANGUP = 129
     INTERRUPTED = 130
@@ -54,6 +60,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.INTERRUPTED
     if isinstance(exc, LockHeld):
         return ExitCode.LOCKED
+    if isinstance(exc, StateDirUnwritable):
+        return ExitCode.STATE_DIR
     if isinstance(exc, PlanError):
         return ExitCode.CHANGES
     if isinstance(exc, StepError):

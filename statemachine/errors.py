@@ -14,6 +14,8 @@
     │   └── UndoFailed
     ├── InvalidTransition                 the state machine was asked for a transition it does not have
     ├── LockHeld                          another apply holds the deployment's lock (carries .holder)
+    ├── StateDirUnwritable (OSError)      the state directory refuses a write: full, over quota, read-only,
+    │                                     not permitted (carries .state_dir, .filename, .errno)
     ├── HostError (OSError)               a host action failed (carries .host)
     │   ├── CommandFailed
     │   └── CommandTimeout (TimeoutError)
@@ -38,6 +40,7 @@ __all__ = [
     "RunCancelled",
     "SpecError",
     "StalePlanError",
+    "StateDirUnwritable",
     "StepError",
     "StepTimeout",
     "TopologyNotConfirmed",
@@ -173,6 +176,24 @@ class LockHeld(PdctlError):
         purpose = (holder or {}).get("purpose") or "apply"
         super().__init__(message, hint=f"wait for the other {purpose} to finish, or check that its PID is gone")
         self.holder = holder or {}
+
+
+class StateDirUnwritable(PdctlError, OSError):
+    """The state directory (journal, audit log, lock, the process supervisor's folders) refused a write: full
+    (``ENOSPC``), over quota (``EDQUOT``), read-only (``EROFS``) or not permitted (``EACCES``, ``EPERM``), or had less
+    free space than an apply needs to start. Carries ``state_dir``, and as an OSError ``errno``, ``strerror`` and
+    ``filename`` (the file or folder refused); its hint is the fix for that ``errno``. Built by
+    ``Journal.unwritable``, which leaves nothing behind first (no lock file, no temp file, the journal as it was)."""
+
+    title = "State directory not writable"
+
+    def __init__(self, message: str, *, state_dir: str, filename: str | None = None, errno: int | None = None,
+                 strerror: str | None = None, hint: str | None = None) -> None:
+        PdctlError.__init__(self, message, hint=hint)
+        self.state_dir = state_dir
+        self.errno = errno
+        self.strerror = strerror
+        self.filename = filename
 
 
 class HostError(PdctlError, OSError):

@@ -15,6 +15,14 @@ A deployment's state directory holds three files:
 
 State directory: ``--state-dir``, else ``$PDCTL_STATE_DIR``, else ``/var/lib/pdctl/<name>`` for
 ``systemd-system`` scope, else ``$XDG_STATE_HOME/pdctl/<name>`` (``~/.local/state/pdctl/<name>``).
+
+A state directory that refuses a write — full (``ENOSPC``), over quota (``EDQUOT``), read-only (``EROFS``), not
+permitted (``EACCES``/``EPERM``) — is one error, :class:`~pdctl.statemachine.errors.StateDirUnwritable`, naming the
+directory, the file refused and the fix for that cause; such a write fails at once (the kernel does not wait for room).
+Nothing is left behind by it: a temp file is removed, the journal keeps its previous content (the rename never
+happened), a lock file this command created is removed, a state directory it created and left empty too. An apply
+first checks that the directory has room (:meth:`Journal.check_room`: :data:`MIN_FREE_MIB` free, configurable with
+``$PDCTL_STATE_MIN_FREE_MIB``, and a probe write), before it takes the lock or reaches any host.
 """
 
 from __future__ import annotations
@@ -33,10 +41,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdctl.statemachine.errors import LockHeld, PdctlError
+from pdctl.statemachine.errors import LockHeld, PdctlError, StateDirUnwritable
 from pdctl.statemachine.topology import Topology
 
-__all__ = ["Journal", "JournalState", "StepRecord", "atomic_write", "default_state_dir"]
+__all__ = ["MIN_FREE_ENV", "MIN_FREE_MIB", "UNWRITABLE_ERRNOS", "Journal", "JournalState", "StepRecord", "atomic_write",
+           "default_state_dir", "min_free_bytes"]
+
+UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""The OS's reasons a state directory refuses a write that :class:`Journal` reports as
+:class:`~pdctl.statemachine.errors.StateDirUnwritable` (any other OSError, such as a file where a folder should be,
+is raised as it is)."""
+
+MIN_FREE_MIB = 8
+"""The free space (MiB, for this user: ``statvfs`` ``f_bavail``) an apply wants in its state directory before it starts:
+the journal is rewritten whole (a copy beside it, then a rename) at every step, the audit log grows, and under the
+process supervisor every role's ``output.log`` lives there too. ``$PDCTL_STATE_MIN_FREE_MIB`` (:data:`MIN_FREE_ENV`)
+sets another; 0 keeps only the probe write."""
+
+MIN_FREE_ENV = "PDCTL_STATE_MIN_FREE_MIB"
+
+_PROBE_BYTES = 4096
+"""What :meth:`Journal.check_room` writes and removes: one block, as the journal's smallest rewrite takes."""
+
+
+def min_free_bytes() -> int:
+    """:data:`MIN_FREE_MIB` in bytes, or ``$PDCTL_STATE_MIN_FREE_MIB``'s (a number of MiB, fractions allowed).
+    Raises :class:`PdctlError` for a value that is not a number >= 0."""
+    raw = os.environ.get(MIN_FREE_ENV, "").strip()
+    if not raw:
+        return MIN_FREE_MIB << 20
+    try:
+        mib = float(raw)
+        if not mib >= 0 or mib == float("inf"):
+            raise ValueError
+    except ValueError:
+        raise PdctlError(f"{MIN_FREE_ENV}={raw!r} is not a number of MiB >= 0; nothing was changed",
+                         hint=f"set it to the free space an apply wants in its state directory, in MiB (default "
+                              f"{MIN_FREE_MIB}; 0: only check that it takes a write), or unset it") from None
+    return int(mib * (1 << 20))
 
 
 def default_state_dir(name: str, service_manager: str, *, override: str | os.PathLike[str] | None = None) -> Path:
@@ -257,11 +299,83 @@ class Journal:
         )
 
     def write(self, state: JournalState) -> JournalState:
-        """Write *state* atomically with the next serial; returns it."""
+        """Write *state* atomically with the next serial; returns it. Raises
+        :class:`~pdctl.statemachine.errors.StateDirUnwritable` where the state directory refuses it (the file keeps
+        its previous content, and *state* its serial)."""
+        now = time.time()
+        data = json.dumps({**state.to_json(), "serial": state.serial + 1, "updated_at": now}, indent=1,
+                          sort_keys=True).encode()
+        try:
+            atomic_write(self.path, data)
+        except OSError as exc:
+            raise self.unwritable(exc, self.path) from exc
         state.serial += 1
-        state.updated_at = time.time()
-        atomic_write(self.path, json.dumps(state.to_json(), indent=1, sort_keys=True).encode())
+        state.updated_at = now
         return state
+
+    # -- a state directory that refuses writes ----------------------------------------------------
+    refused: StateDirUnwritable | None = None
+    """The last refusal this journal raised (None: none): the command is failing of it, and :meth:`audit` then loses a
+    record quietly rather than hide that error behind a second one of the same cause."""
+
+    def unwritable(self, exc: OSError, path: Path | None = None, *, doing: str = "") -> OSError:
+        """*exc* (a write into the state directory that failed) as :class:`StateDirUnwritable` where its ``errno`` is
+        one of :data:`UNWRITABLE_ERRNOS` — naming the directory, *path* (the file refused, else ``exc.filename``) and
+        the fix — else *exc* itself, its ``filename`` set to *path* where the OS named none. *doing*: words after the
+        reason (``; nothing was changed``)."""
+        if isinstance(exc, StateDirUnwritable):
+            return exc
+        where = str(path) if path is not None else exc.filename
+        if exc.errno not in UNWRITABLE_ERRNOS:
+            if exc.filename is None and where is not None:
+                return OSError(exc.errno, exc.strerror, where)
+            return exc
+        reason = exc.strerror or os.strerror(exc.errno or 0)
+        err = StateDirUnwritable(
+            f"state directory {self.dir} cannot be written ({where or self.dir}: {reason}){doing}",
+            state_dir=str(self.dir), filename=where, errno=exc.errno, strerror=reason,
+            hint=_fix_for(exc.errno, self.dir))
+        self.refused = err
+        return err
+
+    def check_room(self, min_free: int | None = None) -> None:
+        """Raise :class:`StateDirUnwritable` unless the state directory — or, where it does not exist yet, the nearest
+        folder above it that does (nothing is created here) — has *min_free* bytes free for this user (default
+        :func:`min_free_bytes`) and takes a write: a probe file of one block written, fsynced and removed, which a
+        read-only file system, a quota used up or a folder of another user refuse while ``statvfs`` shows room. Bounded:
+        each call fails or returns at once. An apply calls it before its lock, its plan or any host."""
+        need = min_free_bytes() if min_free is None else min_free
+        d = self.dir
+        while not d.exists() and d.parent != d:
+            d = d.parent
+        if not d.is_dir():  # (a file in the way: _make_dir names it)
+            return
+        try:
+            st = os.statvfs(d)
+        except OSError:
+            return  # (said by the lock or the journal's own write, as before this check)
+        if st.f_flag & os.ST_RDONLY:  # (said as such, not as the room it has)
+            raise self.unwritable(OSError(errno.EROFS, os.strerror(errno.EROFS)), d, doing="; nothing was changed")
+        free = st.f_bavail * st.f_frsize
+        if free < need and st.f_blocks:  # (no blocks at all: procfs and the like, which the write below refuses)
+            raise self.unwritable(
+                OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {_size(free)} free, an apply wants at least "
+                                      f"{_size(need)} there, {MIN_FREE_ENV}"), d, doing="; nothing was changed")
+        probe = d / f".pdctl-room.{os.getpid()}.tmp"  # (a kill mid-probe: removed by the next lock, as any temp file)
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"\0" * _PROBE_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno in UNWRITABLE_ERRNOS:
+                raise self.unwritable(exc, d, doing="; nothing was changed") from exc
+            # (any other refusal, a folder the OS will not create files in, is said by the lock's own write)
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
 
     _BASE_SCAN = 256
     """Entries of a journal-less state directory looked at for other deployments' journals (a bound: it may be /tmp)."""
@@ -302,6 +416,8 @@ class Journal:
         except (FileExistsError, NotADirectoryError):
             raise PdctlError(f"state directory {self.dir}: a file is in the way",
                              hint="give --state-dir (or PDCTL_STATE_DIR / XDG_STATE_HOME) a directory") from None
+        except OSError as exc:
+            raise self.unwritable(exc, self.dir) from exc
 
     def audit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one audit record (who, when, what) and fsync it."""
@@ -314,13 +430,26 @@ class Journal:
             "event": event,
             **fields,
         }
-        self._make_dir()
-        fd = os.open(self.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
         try:
-            os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            self._make_dir()
+            fd = os.open(self.audit_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                end = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    if os.write(fd, line) != len(line):  # (a nearly full disk: part of the line)
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    os.fsync(fd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, end)  # no torn line left behind (the log keeps its previous content)
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if self.refused is not None and exc.errno in UNWRITABLE_ERRNOS:
+                return record  # (the command already fails of this directory: that error is the one to say)
+            raise self.unwritable(exc, self.audit_path) from exc
         return record
 
     def audit_records(self) -> list[dict[str, Any]]:
@@ -358,8 +487,20 @@ class Journal:
         """Hold the deployment's lock; raise :class:`LockHeld` naming the holder if taken. Taking over a lock whose
         holder died without releasing it (its record is still in the lock file) is audited as ``lock-abandoned``
         with that record: the audit log then says how an apply or down killed before recording its end ended."""
+        made_dir = not self.dir.exists()
         self._make_dir()
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            made = True
+        except FileExistsError:
+            made = False
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR, 0o644)
+            except OSError as exc:
+                raise self.unwritable(exc, self.lock_path, doing="; nothing was changed") from exc
+        except OSError as exc:
+            self._unmake(made_dir)
+            raise self.unwritable(exc, self.lock_path, doing="; nothing was changed") from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -374,9 +515,6 @@ class Journal:
                        f"{holder.get('purpose', '?')}{cmd})")
                 raise LockHeld(f"deployment {self.name!r} (state directory {self.dir}) is locked by {who} since "
                                f"{holder.get('since', '?')}", holder=holder) from None
-            abandoned = self.lock_holder()  # a release empties the file: a record left means a holder killed (SIGKILL)
-            if abandoned:
-                self.audit("lock-abandoned", holder=abandoned, taken_by=purpose)
             info = {
                 "pid": os.getpid(),
                 "user": _user(),
@@ -385,9 +523,25 @@ class Journal:
                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "argv": sys.argv,
             }
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(info).encode(), 0)
-            os.fsync(fd)
+            try:
+                abandoned = self.lock_holder()  # a release empties the file: a record left means a holder killed
+                if abandoned:
+                    self.audit("lock-abandoned", holder=abandoned, taken_by=purpose)
+                record = json.dumps(info).encode()
+                os.ftruncate(fd, 0)
+                if os.pwrite(fd, record, 0) != len(record):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            except OSError as exc:
+                # Taken, but its holder cannot be recorded: released, and the file this call created removed (still
+                # holding it: another command that opened it meanwhile found it held, LockHeld, and went away)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                if made:
+                    with contextlib.suppress(OSError):
+                        self.lock_path.unlink()
+                    self._unmake(made_dir)
+                raise self.unwritable(exc, self.lock_path, doing="; nothing was changed") from exc
             self._remove_stale_temps()
             try:
                 yield
@@ -396,6 +550,12 @@ class Journal:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _unmake(self, made_dir: bool) -> None:
+        # the state directory this command created, left empty by a refusal: removed (its parents stay)
+        if made_dir:
+            with contextlib.suppress(OSError):
+                self.dir.rmdir()
 
     def _remove_stale_temps(self) -> None:
         # An atomic_write killed before its rename (SIGKILL, a reboot) leaves ``.NAME.PID.tmp`` beside the file: those
@@ -446,6 +606,32 @@ class Journal:
             if len(f) >= 6 and f[1] == "FLOCK" and f[4] == str(holder["pid"]) and f[5].lower() == dev:
                 return holder
         return None
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+def _fix_for(err: int | None, d: Path) -> str:
+    """The fix for a state directory *d* that refuses writes with *err* (:data:`UNWRITABLE_ERRNOS`)."""
+    other = "or give another --state-dir / PDCTL_STATE_DIR; then run the command again"
+    if err == errno.ENOSPC:
+        return (f"free space on the file system holding {d} (`df -h {d}`; an apply wants {_size(_min_free_or_default())} "
+                f"free there before it starts, {MIN_FREE_ENV}), {other}")
+    if err == errno.EDQUOT:
+        return f"the disk quota of {_user()} on {d} is used up (`quota -s`): free some of it, {other}"
+    if err == errno.EROFS:
+        return (f"{d} is on a read-only file system (`findmnt -T {d}`): remount it read-write (after a disk error, "
+                f"check the disk first), {other}")
+    return (f"make {d} writable by {_user()} (its permissions; `lsattr -d {d}` shows an immutable flag, which "
+            f"`chattr -i` clears), or run as the user that owns it, {other}")
+
+
+def _min_free_or_default() -> int:
+    try:
+        return min_free_bytes()
+    except PdctlError:
+        return MIN_FREE_MIB << 20
 
 
 def _pid_alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdctl.statemachine.errors import HostError, RunCancelled
+from pdctl.statemachine.errors import HostError, RunCancelled, StateDirUnwritable
 from pdctl.statemachine.journal import INTERRUPTED_SUMMARY, Journal, default_state_dir
 from pdctl.statemachine.plan import Plan, make_plan, not_restartable
 from pdctl.statemachine.rules import Finding, check
@@ -962,6 +962,9 @@ def apply(
             hint="make a new plan from the current spec with `pdctl plan SPEC -o FILE` and review it (to move a "
                  "deployment to another name, `pdctl down` the old one first)",
         )
+    # A state directory without room for the journal's writes fails now, naming it, before the lock and any host: one
+    # that filled mid-apply left it waiting on a status no supervisor could write (Journal.check_room)
+    j.check_room()
     # (what this call opens it closes: an SSH connection and its thread per apply, and kept-alive connections to
     # the router, which held it in smg's graceful shutdown when stopped, stayed open in the console until garbage
     # collection)
@@ -1127,10 +1130,17 @@ def apply(
                 for name in running:
                     state.steps[name].status = "interrupted"
                     state.steps[name].finished_at = time.time()
-                if running:
-                    j.write(state)
-                j.audit("apply-failed", plan_id=plan.plan_id,
-                        step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
+                try:
+                    if running:
+                        j.write(state)
+                    j.audit("apply-failed", plan_id=plan.plan_id,
+                            step=getattr(exc, "step", None) or next(iter(running), None), error=str(exc))
+                except StateDirUnwritable as refused:  # (the record of the failure is refused too: that is the error)
+                    if isinstance(exc, StateDirUnwritable):
+                        raise _left_running(ctx, exc, sink) from None
+                    raise _left_running(ctx, refused, sink) from exc
+                if isinstance(exc, StateDirUnwritable):
+                    raise _left_running(ctx, exc, sink) from None
                 sink.emit(Event.apply_failed(exc, started=True))
                 raise
             _enable_and_start_target(ctx, sink)
@@ -1150,6 +1160,29 @@ def apply(
                          down=_stopped_of(ctx.manager, ctx.restarting_now) if ctx is not None else (),
                          removed=sorted(ctx.removing_now) if ctx is not None else ())
             raise
+
+
+def _left_running(ctx, exc, sink):  # noqa: ANN001, ANN202
+    """*exc* (:class:`StateDirUnwritable`, which ended an apply that had begun) with what of the deployment runs now
+    named in its message (the units this apply started or kept, their main PIDs), its ``apply_failed`` emitted: the
+    journal could not record them, so the error says what a ``pdctl down`` or the next apply will find. Each unit's
+    state is read once, bounded by the manager (a host that cannot be asked: left out)."""
+    from pdctl.statemachine.events import Event
+
+    runs = []
+    for role, unit in sorted(ctx.unit_of.items()):
+        try:
+            st = ctx.manager.status(unit)
+        except Exception:  # noqa: BLE001  (said without it)
+            continue
+        if st.state in ("active", "activating", "deactivating"):
+            runs.append(f"{role} ({unit}, {st.state}" + (f", PID {st.main_pid})" if st.main_pid else ")"))
+    exc.message += ("; running now: " + ", ".join(runs) + " (they run on: `pdctl status` shows them; once the "
+                    "directory takes writes, apply again to converge or `pdctl down` to stop them)" if runs
+                    else "; nothing of the deployment runs now")
+    exc.args = (exc.message,)
+    sink.emit(Event.apply_failed(exc, started=True))
+    return exc
 
 
 def _stopped_of(manager, units) -> list[str]:  # noqa: ANN001
@@ -1814,6 +1847,10 @@ def _journal_writable(j: Journal, state) -> None:  # noqa: ANN001
 
     try:
         j.write(state)
+    except StateDirUnwritable as exc:  # (full, read-only, over quota: named with its fix)
+        exc.message += "; nothing was stopped"
+        exc.args = (exc.message,)
+        raise
     except OSError as exc:
         raise PdctlError(
             f"cannot write the journal {j.path}: {exc.strerror or exc}; nothing was stopped",

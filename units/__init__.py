@@ -39,6 +39,7 @@ from ._systemd import (
 )
 from ._systemd_manager import SystemdManager, parse_show
 from ._types import (
+    STATUS_UNWRITTEN,
     SUPERVISOR_STOPPED,
     RouterLaunch,
     ServerLaunch,
@@ -65,6 +66,7 @@ __all__ = [
     "MARKER",
     "READINESS_GATE",
     "SUPERVISOR_LINE",
+    "STATUS_UNWRITTEN",
     "SUPERVISOR_STOPPED",
     "UNIT_DIR_ENV",
     "UNIT_ENV",

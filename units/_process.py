@@ -71,7 +71,7 @@ from ._manager import (
     secrets_pending,
 )
 from ._systemd import render_env_file
-from ._types import SUPERVISOR_STOPPED, ServiceSpec, ServiceStatus, UnitSet
+from ._types import STATUS_UNWRITTEN, SUPERVISOR_STOPPED, ServiceSpec, ServiceStatus, UnitSet
 from .errors import ForeignUnit, ServiceFailed, ServiceTimeout, UnitDirNotWritable
 
 __all__ = ["SUPERVISOR_LINE", "ProcessSupervisor", "parse_env_file"]
@@ -86,6 +86,11 @@ SUPERVISOR_TAG = "pdctl-supervise"
 """How the watchdog signs its own lines in a role's ``output.log``: ``pdctl-supervise[PID]: message``."""
 SUPERVISOR_LINE = re.compile(rf"^{SUPERVISOR_TAG}\[\d+\]: ")
 """Matches the watchdog's own lines (what it did to the role, never the role's output)."""
+STATUS_UNWRITTEN_COMM = "pdctl-unwritten"
+"""The name (``/proc/PID/comm``, 15 bytes at most) a watchdog gives itself while its ``status.json`` cannot be written
+(a full, read-only or over-quota state directory), until it is written again: :meth:`ProcessSupervisor.status` then
+says sub-state :data:`~pdctl.units.STATUS_UNWRITTEN`, not supervised, rather than the stale file's state, which an
+apply would wait on until its start timeout."""
 
 
 def parse_env_file(text: str) -> dict[str, str]:
@@ -745,12 +750,23 @@ class ProcessSupervisor(ServiceManager):
                 state, sub = "failed", "watchdog-gone"
         elif state in ("activating", "active") and self._stopped(wpid) and self._alive(mpid):
             sub = SUPERVISOR_STOPPED  # (it lives, but restarts nothing and marks nothing ready until continued)
+        elif state in ("activating", "active", "deactivating") and self._unwritten(wpid):
+            sub = STATUS_UNWRITTEN  # (what status.json says is stale: its watchdog cannot write it)
         main = mpid if self._alive(mpid) else None
         if st.get("sub") == "status-unreadable" and main is not None:
             # (readiness unknown: its server runs, supervised or not; the watchdog's next transition rewrites the file)
             state = "active"
         return ServiceStatus(name=name, state=state, main_pid=main, restarts=int(st.get("restarts", 0)), sub_state=sub,
-                             supervised=sub not in ("unsupervised", SUPERVISOR_STOPPED))
+                             supervised=sub not in ("unsupervised", SUPERVISOR_STOPPED, STATUS_UNWRITTEN))
+
+    def _unwritten(self, wpid: int | None) -> bool:
+        """Whether watchdog *wpid* names itself :data:`STATUS_UNWRITTEN_COMM`: it cannot write its ``status.json``."""
+        if not wpid:
+            return False
+        try:
+            return self.host.read_file(f"/proc/{wpid}/comm").strip() == STATUS_UNWRITTEN_COMM.encode()
+        except OSError:
+            return False
 
     def follow_logs(self, name: str, mark: object = None, *, lines: int = 500) -> tuple[list[str], object, bool]:
         """As :meth:`ServiceManager.follow_logs`, by offset in ``output.log`` (the mark is its byte count read so

@@ -323,10 +323,18 @@ SUPERVISOR_STOPPED = "supervisor-stopped"
 state ``T``/``t`` in ``/proc/PID/stat``): it restarts nothing until it is continued."""
 
 
+STATUS_UNWRITTEN = "status-unwritten"
+"""``sub_state`` of a process-supervisor service whose watchdog runs but cannot write its ``status.json`` (its state
+directory full, read-only or over quota): what the file says is stale, so nothing reads the service as supervised."""
+
+
 def unsupervised_reason(sub_state: str | None) -> str:
     """Why a service that runs is not supervised, from its ``sub_state``: the words after "its supervisor is"."""
     if sub_state == SUPERVISOR_STOPPED:
         return "stopped (kill -STOP or a debugger; `kill -CONT` its watchdog to resume it)"
+    if sub_state == STATUS_UNWRITTEN:
+        return ("unable to write its status file (the state directory is full, read-only or over quota: free space or "
+                "make it writable; the role runs on and its state is written once it can be)")
     return "gone"
 
 

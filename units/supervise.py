@@ -6,10 +6,17 @@ SIGTERM: waits for required services, starts the role, gates on readiness, resta
 within the start limit, and on exit stops the whole group and reaps every orphan. See
 ``pdctl.units._process`` for the design; this file is the loop. It talks to the local OS
 directly — it *is* the host-side agent — and writes its state atomically to ``status.json``.
+
+A write it cannot make (a full, read-only or over-quota state directory) never stops it nor its role, and
+never waits: the OS refuses such a write at once. A status it could not write is kept and written again at
+every poll; meanwhile the watchdog names itself :data:`~pdctl.units._process.STATUS_UNWRITTEN_COMM` (its
+``/proc/PID/comm``, which takes no disk), so that ``pdctl`` waiting on that status reads why it does not
+change instead of waiting out its start timeout, and its own log lines (best effort, in ``output.log``) say so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -24,13 +31,23 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from ._process import SUPERVISOR_TAG, UNIT_DIR_ENV, UNIT_ENV, _proc_pgrp, _proc_starttime, _proc_state, parse_env_file
+from ._process import (
+    STATUS_UNWRITTEN_COMM,
+    SUPERVISOR_TAG,
+    UNIT_DIR_ENV,
+    UNIT_ENV,
+    _proc_pgrp,
+    _proc_starttime,
+    _proc_state,
+    parse_env_file,
+)
 from ._types import ServiceSpec, cpu_set
 
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL")
 """What the role inherits from the watchdog's environment (systemd, too, starts from a clean one)."""
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NAME = 15
 MPOL_BIND = 2
 EXIT_NUMA_POLICY = 242
 """systemd's exit status for a NUMA policy it could not set (systemd.exec(5), "Process exit codes")."""
@@ -82,6 +99,10 @@ class Watchdog:
         self.log_checked = 0.0  # (time.monotonic() of the last look at output.log's size)
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.libc = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
+        try:
+            self.comm = Path("/proc/self/comm").read_bytes().strip()[:15]  # (its name while its status is written)
+        except OSError:
+            self.comm = b"python3"
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -101,12 +122,27 @@ class Watchdog:
         try:
             tmp.write_text(json.dumps(body))
             os.replace(tmp, self.dir / "status.json")
-            self.unwritten = None
         except OSError as exc:
             if self.unwritten is None:
-                self.say(f"cannot write status.json: {exc}")
+                self.say(f"cannot write status.json: {exc}; the role runs on, its state is written again at every "
+                         "poll until it can be")
+                self.name_self(STATUS_UNWRITTEN_COMM.encode())
             self.unwritten = (state, sub)
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return
+        if self.unwritten is not None:
+            self.name_self(getattr(self, "comm", b""))
+            self.say(f"status.json written again ({state}/{sub})")
+        self.unwritten = None
+
+    def name_self(self, name: bytes) -> None:
+        """Set this process's name (``/proc/PID/comm``, ``prctl(PR_SET_NAME)``): how it says, without the disk, that
+        its status could not be written. Best effort."""
+        if not name:
+            return
+        with contextlib.suppress(AttributeError, OSError, ctypes.ArgumentError):
+            self.libc.prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
     def retry_status(self) -> None:
         if self.unwritten is not None:
@@ -375,7 +411,10 @@ class Watchdog:
             self.libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         except AttributeError:
             pass
-        (self.dir / "watchdog.pid").write_text(f"{os.getpid()}\n")
+        try:
+            (self.dir / "watchdog.pid").write_text(f"{os.getpid()}\n")
+        except OSError as exc:  # (pdctl wrote it too, as it spawned this watchdog; it finds it by its command line)
+            self.say(f"cannot write watchdog.pid: {exc}")
         s = self.spec
         if not self.wait_requires():
             self.status("inactive" if self.stopping else "failed", "dead" if self.stopping else "dependency")
@@ -442,6 +481,8 @@ class Watchdog:
                 (self.dir / f).unlink()
             except FileNotFoundError:
                 pass
+            except OSError as exc:  # (a read-only file system: the role is stopped all the same)
+                self.say(f"cannot remove {f}: {exc}")
         self.status(*final)
         self.say(f"{final[0]} ({final[1]})")
         return 0
