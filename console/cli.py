@@ -527,7 +527,7 @@ def apply_cmd(
 
     A topology change is refused (exit 2, plan printed) unless --confirm-topology names this exact plan. A saved plan applies only while the deployment still matches its "from" side.
 
-    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a check refused the apply before its first step (a port or GPU taken, or a bind address, engine.python, router executable, NUMA node, service_user or supervisor folder unusable on the host; named on stderr); 4: locked by another apply or down; 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
+    Exit 0: parsers_configured reached and proven; 2: topology change refused or saved plan stale; 3: a step failed, or a check refused the apply before its first step (a port or GPU taken, or a bind address, engine.python, router executable, NUMA node, service_user or supervisor folder unusable on the host; named on stderr); 4: locked by another apply or down; 5: the state directory cannot be written (full, read-only, over quota, or less free space than PDCTL_STATE_MIN_FREE_MIB, 8 by default, before it starts; named with the fix, and what runs if it filled mid-way); 1: any other error; 64: bad command line; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what runs stays as it is.
     """
     global _apply_entered
     _apply_entered = True
@@ -1062,7 +1062,7 @@ def down_cmd(
 ) -> None:
     """Stop everything in reverse order (router, decode, prefill) and remove the units.
 
-    Exit 0: stopped, or nothing of it installed here (this state directory and service manager) and none of its own processes running; 1: nothing installed here, yet its own processes hold its ports (applied with another --state-dir, user or service manager: the holders are named, nothing is stopped), or any other error; 4: locked; 64: bad command line, or no terminal to ask on and no --yes; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what is stopped stays stopped.
+    Exit 0: stopped, or nothing of it installed here (this state directory and service manager) and none of its own processes running; 1: nothing installed here, yet its own processes hold its ports (applied with another --state-dir, user or service manager: the holders are named, nothing is stopped), or any other error; 4: locked; 5: the state directory cannot be written (full, read-only, over quota: named with the fix; nothing was stopped); 64: bad command line, or no terminal to ask on and no --yes; 130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP), what is stopped stays stopped.
     """
     from pdctl.statemachine.service import down, load
 

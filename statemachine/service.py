@@ -1167,6 +1167,7 @@ def _left_running(ctx, exc, sink):  # noqa: ANN001, ANN202
     named in its message (the units this apply started or kept, their main PIDs), its ``apply_failed`` emitted: the
     journal could not record them, so the error says what a ``pdctl down`` or the next apply will find. Each unit's
     state is read once, bounded by the manager (a host that cannot be asked: left out)."""
+    from pdctl.statemachine.errors import StepError
     from pdctl.statemachine.events import Event
 
     runs = []
@@ -1175,8 +1176,14 @@ def _left_running(ctx, exc, sink):  # noqa: ANN001, ANN202
             st = ctx.manager.status(unit)
         except Exception:  # noqa: BLE001  (said without it)
             continue
-        if st.state in ("active", "activating", "deactivating"):
-            runs.append(f"{role} ({unit}, {st.state}" + (f", PID {st.main_pid})" if st.main_pid else ")"))
+        if st.state in ("active", "activating", "deactivating"):  # (its recorded state may be stale: not said)
+            runs.append(f"{role} ({unit}" + (f", PID {st.main_pid})" if st.main_pid else ")"))
+    first = exc.__context__  # (a step that failed first, whose journal record the directory then refused)
+    while first is not None and not isinstance(first, StepError):
+        first = first.__context__
+    if isinstance(first, StepError) and first.step:
+        exc.step = first.step
+        exc.message += f"; {first.step} had failed: {first.message}"
     exc.message += ("; running now: " + ", ".join(runs) + " (they run on: `pdctl status` shows them; once the "
                     "directory takes writes, apply again to converge or `pdctl down` to stop them)" if runs
                     else "; nothing of the deployment runs now")

@@ -99,6 +99,9 @@ def test_a_state_directory_that_fills_during_an_apply_ends_it_within_seconds_nam
     assert "running now: prefill (" in err, err
     assert r["named_pids_alive"] and all(r["named_pids_alive"].values()), r
     assert r["events"][-1]["kind"] == "apply_failed" and r["events"][-1]["data"]["error_type"] == "StateDirUnwritable"
+    # the supervisor's refused write was seen at once: the prefill's step failed on it, not on its start timeout
+    assert r["events"][-1]["step"] == "prefill_up" and "prefill_up had failed: " in err, r["events"][-1]
+    assert "unable to write its status file" in err, err
     # the journal as its last good write left it (readable, this deployment's, the target recorded); no lock held,
     # no temp file
     assert isinstance(r["journal"], dict) and r["journal"]["name"] == demo.name and r["journal"]["target"], r["journal"]
