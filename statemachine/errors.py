@@ -226,8 +226,37 @@ class CommandTimeout(HostError, TimeoutError):
 
 
 class ProbeError(PdctlError):
+    """A probe's request failed. The evidence rides along for :meth:`evidence_hint`: ``status`` and ``body`` (the
+    first 300 characters) of an HTTP answer, or the transport error ``cause`` when none came."""
+
     title = "Probe failed"
 
-    def __init__(self, message: str, *, url: str | None = None) -> None:
+    def __init__(self, message: str, *, url: str | None = None, status: int | None = None, body: str | None = None,
+                 cause: BaseException | None = None) -> None:
         super().__init__(message)
-        self.url = url
+        self.url, self.status, self.body, self.cause = url, status, (body or "")[:300], cause
+
+    def evidence_hint(self) -> str | None:
+        """A hint from what came back rather than from the step that asked, or None where the step's own hint holds
+        (a 400, a body that parsed but said something wrong). The router's words for lack of workers are smg 1.13's
+        (``No available prefill workers``, ``all circuits open or unhealthy``)."""
+        import httpx
+
+        where = self.url or "the server"
+        if isinstance(self.cause, httpx.ConnectError):
+            return (f"nothing accepts connections at {where}: is the process running and listening there? "
+                    "`pdctl status SPEC` and `pdctl logs SPEC ROLE` say")
+        if isinstance(self.cause, httpx.TimeoutException):
+            return (f"{where} took the request but did not answer in time: busy (a long prefill, a queue) or hung; "
+                    "`pdctl logs SPEC ROLE`, then apply again")
+        body = self.body.lower()
+        if self.status == 503 and ("worker" in body or "circuit" in body):
+            return ("the router has no worker it can serve: read its view of them (`pdctl status SPEC --canary`, or "
+                    "GET /workers on the router); a worker restarting or held out by its circuit breaker is back once "
+                    "it serves, and `pdctl apply` again re-admits one that serves")
+        if self.status == 503:
+            return f"{where} says it cannot serve yet (503): loading or overloaded; `pdctl status SPEC`"
+        if self.status == 404:
+            return (f"{where} has no such endpoint: another program answers on that port, or the engine is not the "
+                    "spec's sglang_version")
+        return None

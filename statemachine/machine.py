@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdctl.statemachine.errors import ApplyFailed, InvalidTransition, PdctlError, StepError, VerifyFailed
+from pdctl.statemachine.errors import ApplyFailed, InvalidTransition, PdctlError, ProbeError, StepError, VerifyFailed
 from pdctl.statemachine.events import Event, EventSink
 from pdctl.statemachine.journal import StepRecord
 from pdctl.units.errors import UnitsError
@@ -166,8 +166,9 @@ def run_steps(ctx: Context, steps: list[Step], sink: EventSink) -> StateMachine:
             elif isinstance(exc, UnitsError):
                 err = ApplyFailed(exc.message, step=step.name, hint=getattr(exc, "hint", None) or step.hint)
             else:
+                evidence = exc.evidence_hint() if isinstance(exc, ProbeError) else None
                 err = VerifyFailed(getattr(exc, "message", None) or str(exc), step=step.name,
-                                   hint=getattr(exc, "hint", None) or step.hint)
+                                   hint=getattr(exc, "hint", None) or evidence or step.hint)
             if err.step is None:
                 err.step = step.name
             if err.hint is None:

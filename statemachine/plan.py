@@ -56,7 +56,7 @@ _ROLE_TOPOLOGY_ATTRS = ("kind", "host", "address", "gpus", "numa_node", "tp", "a
 _ROLE_DISRUPTIVE_ATTRS = ("http_host", "port", "bootstrap_port", "nccl_port")
 
 
-_DERIVED = ("class", "counts")  # keys Plan.to_json adds
+_DERIVED = ("class", "counts", "client_impact")  # keys Plan.to_json adds
 
 NOT_INSTALLED = "not installed"
 """``ResourceChange.not_running`` of a resource whose unit is not installed at all (an unfinished apply removed it)."""
@@ -269,7 +269,8 @@ class Plan(_Frozen):
         """The plan as JSON (``pdctl plan --json`` / ``-o``): the fields, and the derived ``class`` (the most severe
         change class, null: no change; as apply's ``plan`` event says it) and ``counts`` (to add, change, destroy).
         ``Plan.model_validate_json`` reads it back."""
-        return json.dumps({**self.model_dump(mode="json"), "class": self.cls, "counts": list(self.counts())}, indent=1)
+        return json.dumps({**self.model_dump(mode="json"), "class": self.cls, "counts": list(self.counts()),
+                           "client_impact": self.client_impact()}, indent=1)
 
     @property
     def has_changes(self) -> bool:
@@ -304,6 +305,34 @@ class Plan(_Frozen):
     def kept(self) -> list[str]:
         """Addresses of the changes apply keeps as they run (:attr:`ResourceChange.kept`)."""
         return [c.address for c in self.changes if c.kept is not None]
+
+    def client_impact(self) -> list[str]:
+        """How the deployment's clients fare while apply restarts what this plan restarts, in words (empty: they are
+        served throughout). A server restarted behind a router that keeps running is taken out of the router first
+        and put back once proven, one replica at a time, so a kind with a second replica keeps serving; the only
+        replica of a kind, or every replica while the router itself restarts (it then restarts them in place), leaves
+        clients with errors for that long. A first deployment serves nobody yet."""
+        new = self.to_topology
+        if self.from_topology is None:
+            return []
+        going = set(self.restarts())
+        out: list[str] = []
+        router = new.router is not None and "router" in going
+        if router:
+            out.append(f"clients cannot connect while the router restarts: one router on {new.router.exposure}")
+        for kind in ("prefill", "decode", "server"):
+            roles = new.roles_of(kind)
+            names = [r.name for r in roles if r.name in going]
+            if not names:
+                continue
+            if new.router is None:
+                out.append(f"clients of {', '.join(names)} get no answer while {'it restarts' if len(names) == 1 else 'they restart'}"
+                           " (no router in front)")
+            elif len(roles) == 1:
+                out.append(f"clients get 503 while {names[0]} restarts: one {kind}")
+            elif router and len(names) == len(roles):
+                out.append(f"clients get 503 while the {kind} replicas restart with the router: {', '.join(names)}")
+        return out
 
     def restarts(self) -> list[str]:
         """Roles (and ``router``) apply restarts (a change apply keeps as it runs restarts none)."""
@@ -645,17 +674,14 @@ def make_plan(deployed: Topology | None, desired: Topology, *, from_serial: int 
     if restart:
         changes = _asked_restarts(desired, changes, restart)
 
-    # Under systemd the router's unit Requires= the servers: stopping one to restart it stops the router as well
-    # (units/_systemd.py), so a change that restarts a server restarts the router too, and says so. The process
-    # supervisor has no such link: its router sees the worker come back, under the model id it registered it with
-    # (smg takes a worker's model id once, at registration): a server that comes back serving another model name
-    # needs the router restarted too, or every request for the new name finds no worker.
+    # A server restart leaves the router running under either manager (units/_systemd.py: Wants=, not Requires=):
+    # it sees the worker leave and come back, under the model id it registered it with (smg takes a worker's model
+    # id once, at registration): a server that comes back serving another model name needs the router restarted
+    # too, or every request for the new name finds no worker.
     if desired.router is not None and deployed is not None and deployed.router is not None:
-        servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode", "server")}
-        if not desired.deployment.get("service_manager", "").startswith("systemd"):
-            was = {r.name: r.served_model for r in deployed.roles}
-            servers = {r.name for r in desired.roles
-                       if r.name in servers and was.get(r.name, r.served_model) != r.served_model}
+        was = {r.name: r.served_model for r in deployed.roles}
+        servers = {r.name for r in desired.roles if r.kind in ("prefill", "decode", "server")
+                   and was.get(r.name, r.served_model) != r.served_model}
         changes = [c.model_copy(update={"restarts": (*c.restarts, "router")})
                    if servers & set(c.restarts) and "router" not in c.restarts else c for c in changes]
 
@@ -991,6 +1017,11 @@ def _render_changes(plan: Plan) -> str:
         lines.append(f"Topology changes (confirm with --confirm-topology {plan.plan_id}):")
         for w in plan.topology_changes:
             lines.append(f"  ! {w}")
+        lines.append("")
+    impact = plan.client_impact()
+    if impact:
+        lines.append("Clients while it applies:")
+        lines += [f"  ! {w}" for w in impact]
         lines.append("")
     add, change, destroy = plan.counts()
     kept = len(plan.kept())

@@ -56,7 +56,7 @@ def _get(client: httpx.Client, url: str, *, timeout: float = 5.0, params: dict |
     try:
         return client.get(url, timeout=timeout, params=params)
     except httpx.HTTPError as exc:
-        raise ProbeError(f"GET {url}: {type(exc).__name__}: {exc}", url=url) from None
+        raise ProbeError(f"GET {url}: {type(exc).__name__}: {exc}", url=url, cause=exc) from None
 
 
 def health(client: httpx.Client, base_url: str, *, timeout: float = 5.0) -> int:
@@ -70,7 +70,7 @@ def health(client: httpx.Client, base_url: str, *, timeout: float = 5.0) -> int:
 def get_json(client: httpx.Client, url: str, *, timeout: float = 5.0, params: dict | None = None) -> Any:
     r = _get(client, url, timeout=timeout, params=params)
     if r.status_code != 200:
-        raise ProbeError(f"GET {url}: HTTP {r.status_code}: {r.text[:200]}", url=url)
+        raise ProbeError(f"GET {url}: HTTP {r.status_code}: {r.text[:200]}", url=url, status=r.status_code, body=r.text)
     try:
         return r.json()
     except ValueError:
@@ -143,7 +143,7 @@ def paired_generate(
     for which, url in (("prefill", prefill_url), ("decode", decode_url)):
         r = results.get(which)
         if isinstance(r, Exception) or r is None:
-            raise ProbeError(f"POST {url}/generate ({which}): {r!r}", url=url)
+            raise ProbeError(f"POST {url}/generate ({which}): {r!r}", url=url, cause=r)
         out.append(r)
     return out[0], out[1]
 
@@ -152,7 +152,7 @@ def metrics(client: httpx.Client, url: str, *, timeout: float = 5.0) -> str:
     """Prometheus text of ``url`` (``…/metrics``)."""
     r = _get(client, url, timeout=timeout)
     if r.status_code != 200:
-        raise ProbeError(f"GET {url}: HTTP {r.status_code}", url=url)
+        raise ProbeError(f"GET {url}: HTTP {r.status_code}", url=url, status=r.status_code, body=r.text)
     return r.text
 
 
@@ -263,9 +263,9 @@ def chat_probe(client: httpx.Client, base_url: str, model: str, *, timeout: floa
     try:
         r = client.post(url, json=body, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ProbeError(f"POST {url}: {type(exc).__name__}: {exc}", url=url) from None
+        raise ProbeError(f"POST {url}: {type(exc).__name__}: {exc}", url=url, cause=exc) from None
     if r.status_code != 200:
-        raise ProbeError(f"POST {url}: HTTP {r.status_code}: {r.text[:300]}", url=url)
+        raise ProbeError(f"POST {url}: HTTP {r.status_code}: {r.text[:300]}", url=url, status=r.status_code, body=r.text)
     try:
         return r.json()
     except ValueError:

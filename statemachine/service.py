@@ -370,7 +370,7 @@ def rendered_otherwise(loaded: Loaded, state, plan: Plan) -> dict:  # noqa: ANN0
         if name in restarted or rec is None or rec == fingerprint_of(units, unit):
             continue
         if name == "router" and roles_changed:  # (a role renamed is one removed and one added)
-            out[name] = Runs(restart="its unit names the role units it starts after (Requires=, After=), and this "
+            out[name] = Runs(restart="its unit names the role units it starts after (Wants=, After=), and this "
                                      f"plan adds or removes roles ({', '.join(roles_changed)}); apply restarts it")
             continue
         out[name] = Runs(restart="its unit's definition (command line, environment, limits) differs from the one apply "

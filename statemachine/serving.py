@@ -73,9 +73,9 @@ def circuits(client: httpx.Client, topo: Topology, *, timeout: float = 2.0) -> d
     try:
         r = client.get(url, timeout=timeout)
     except httpx.HTTPError as exc:
-        raise ProbeError(f"GET {url}: {type(exc).__name__}: {exc}", url=url) from None
+        raise ProbeError(f"GET {url}: {type(exc).__name__}: {exc}", url=url, cause=exc) from None
     if r.status_code != 200:
-        raise ProbeError(f"GET {url}: HTTP {r.status_code}", url=url)
+        raise ProbeError(f"GET {url}: HTTP {r.status_code}", url=url, status=r.status_code, body=r.text)
     try:
         return parse_circuits(r.text)
     except ValueError as exc:

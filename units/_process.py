@@ -7,7 +7,8 @@ spawns, per role, a small detached **watchdog** (``python -m pdctl.units.supervi
 session) that owns that role until told to stop:
 
 * it waits until every service the role ``requires`` is *active* (the router waits for both
-  servers' readiness, as ``Requires=``/``After=`` do under systemd);
+  servers' readiness, as ``Wants=``/``After=`` do under systemd; a server that failed fails the
+  router's start here, where systemd starts it and its own readiness gate waits);
 * it starts the role with the same argv and environment a unit would give it (a clean base
   environment — ``PATH``, ``HOME``, ``LANG``… — plus the spec's env and the secrets file), in its
   **own process group**, output appended to ``output.log``, CPU affinity and ``RLIMIT_MEMLOCK``
@@ -44,9 +45,8 @@ Placement matches the units: ``CPUAffinity=`` is ``sched_setaffinity``, ``NUMAPo
 ``NUMAMask=`` is ``set_mempolicy(MPOL_BIND)`` (x86-64, aarch64), ``LimitMEMLOCK=infinity`` is
 ``setrlimit`` — each applied in the child before exec, best effort (a CPU list or node the machine
 lacks is ignored, as it must not stop a laptop demo). Differences from systemd: nothing brings
-the roles back after a reboot (run ``pdctl apply`` again), and a restart of a server does not
-restart the router (systemd 252 propagates that restart through ``Requires=``; here the
-router just sees the worker come back).
+the roles back after a reboot (run ``pdctl apply`` again). As under systemd, a restart of a
+server does not restart the router: it sees the worker leave and come back.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Each role therefore carries an ``ExecStartPost=`` that polls its readiness URL (
 0 on the first 200. systemd keeps the unit ``activating`` until that command returns, so:
 
 * ``active`` *means* ready — one unit, one state; ``systemctl is-active`` and every
-  ``After=``/``Requires=`` on it (the router on both servers) need no second unit to consult;
+  ``After=`` on it (the router on both servers) need no second unit to consult;
 * the gate runs again on every (re)start, including ``Restart=on-failure`` — a restarted server is
-  not "up" again until it can serve, and the router restarted with it waits for it;
+  not "up" again until it can serve;
 * it is bounded by the unit's own ``TimeoutStartSec=`` (and passes the same number to the script),
   and a gate that times out fails the unit, which ``Restart=on-failure`` and the start limit treat
   like any failed start; the main process dying while the gate waits fails the start at once.
@@ -25,11 +25,12 @@ the role does not already need — not curl, not pdctl.
 Ordering and restarts
 ---------------------
 Prefill and decode have no ordering between them (decode contacts the prefill bootstrap only at
-the first request), so they start in parallel. The router ``Requires=`` and is ``After=`` both:
-it starts only once both are active, i.e. ready. Seen on systemd 252 (test harness): when a
-server is restarted by ``Restart=on-failure``, systemd restarts the router too (the restart job
-propagates along ``Requires=``), and the router's start again waits for that server's gate —
-with one prefill the deployment cannot serve meanwhile anyway. ``PartOf=`` the target makes
+the first request), so they start in parallel. The router ``Wants=`` and is ``After=`` both: a
+start of the router pulls them in and waits until they are active, i.e. ready. Not ``Requires=``:
+systemd propagates a stop or restart of a server along it (seen on systemd 252), so every restart
+of one replica — ``Restart=on-failure``, or pdctl's rolling restart — restarted the router and cut
+off the replicas still serving. The router keeps running, as under the process supervisor, and
+sees the worker leave and come back. ``PartOf=`` the target makes
 ``systemctl stop/restart pdctl-<name>.target`` reach every role.
 
 Quoting
@@ -174,7 +175,7 @@ def render_service(spec: ServiceSpec, *, scope: str = "system") -> str:
         u.append("Wants=network-online.target")
         after.append("network-online.target")
     if spec.requires:
-        u.append("Requires=" + " ".join(spec.requires))
+        u.append("Wants=" + " ".join(spec.requires))
         after.extend(spec.requires)
     if after:
         u.append("After=" + " ".join(after))

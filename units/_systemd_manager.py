@@ -337,8 +337,7 @@ class SystemdManager(ServiceManager):
 
     def restart(self, name: str, *, wait: bool = False, timeout: float | None = None) -> None:
         # Stop, waited for, then start, as the base class and the process backend do: `systemctl restart --no-block`
-        # returned with the restart job queued (behind the stop of every unit that Requires= this one, the router),
-        # and the old process, still active, answered the probes that were to prove the new one
+        # returned with the restart job queued, and the old process, still active, answered the probes that were to prove the new one
         self.stop(name)
         self._ctl("reset-failed", "--", name, check=False)  # as start() does: a unit past its start limit starts again
         self._ctl("start", "--no-block", "--", name)

@@ -202,7 +202,7 @@ class ServiceSpec:
     under :class:`~pdctl.units.ProcessSupervisor`. Both managers honour every field.
 
     Times are seconds. ``requires`` names services that must be *ready* (readiness gate passed)
-    before this one starts (systemd ``Requires=`` + ``After=``). ``secrets`` never appear in the
+    before this one starts (systemd ``Wants=`` + ``After=``: a restart of one never restarts this one). ``secrets`` never appear in the
     unit: they go to ``secrets_file`` (written 0600) and reach the process as environment.
     ``start_limit_burst`` starts within ``start_limit_interval_s`` is the most a failing role gets.
     """

@@ -247,7 +247,7 @@ def test_a_plan_that_renames_roles_says_why_the_router_restarts(demo):
     r = demo.cli("plan", str(demo.write(d, "renamed.toml")))
     assert r.returncode == 2, r.stderr
     assert "after an upgrade" not in r.stdout, r.stdout
-    assert ("its unit names the role units it starts after (Requires=, After=), and this plan adds or removes roles "
+    assert ("its unit names the role units it starts after (Wants=, After=), and this plan adds or removes roles "
             "(prefill, decode, p0, d0)") in " ".join(r.stdout.split()), r.stdout
 
 

@@ -53,8 +53,9 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
             msg = chat_probe(c, f"http://127.0.0.1:{demo.ports['router']}", "deepseek-v4-flash")["choices"][0]["message"]
         assert msg["reasoning_content"] and msg["tool_calls"]
         assert demo.status()["healthy"]
-        # A change that restarts both servers converges in one apply, proven on the new processes: systemd's restart
-        # of a server the router Requires= restarts the router too, and the old processes kept answering meanwhile
+        # A change that restarts both servers converges in one apply, proven on the new processes, each taken out of
+        # the router and put back: the router keeps running (its unit Wants= the servers; Requires= restarted it)
+        router_pid = demo.status()["router"]["main_pid"]
         before = {r["name"]: r["main_pid"] for r in demo.status()["roles"]}
         import copy
 
@@ -64,6 +65,7 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         assert result.state == "parsers_configured"
         st = service.status(demo.load(demo.tmp / "ctx.toml"))
         assert st["healthy"] and all(r["main_pid"] != before[r["name"]] for r in st["roles"]), (before, st["roles"])
+        assert st["router"]["main_pid"] == router_pid
         with httpx.Client(trust_env=False) as c:
             for r in st["roles"]:
                 assert c.get(f"{r['url']}/server_info").json()["context_length"] == 65536
@@ -92,7 +94,7 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
         assert st["healthy"] and st["edited_units"] == []
         with httpx.Client(trust_env=False) as c:
             assert c.get(f"{st['roles'][0]['url']}/server_info").json()["context_length"] == 65536
-        # The target stopped (stopping every unit, PartOf=) and the router started by hand (Requires= pulls the
+        # The target stopped (stopping every unit, PartOf=) and the router started by hand (Wants= pulls the
         # servers back): the units run without their target, which plan names and apply starts
         sd.systemctl("stop", target)
         sd.systemctl("start", names["router"])
@@ -130,7 +132,7 @@ def test_demo_reaches_parsers_configured_under_the_real_systemd_user_manager(tmp
 def test_a_deployment_never_takes_over_or_removes_a_unit_another_deployment_installed(tmp_path, monkeypatch):
     # Unit names are pdctl-NAME-ROLE: deployment X with a prefill role named "a-prefill" names deployment X-a's prefill
     # unit. Nothing checked it: X's apply restarted X-a's server with its own settings (X-a's router stopped with it,
-    # Requires=), and X's down removed the unit file that by then said deployment=X-a
+    # then under Requires=), and X's down removed the unit file that by then said deployment=X-a
     from pdctl.statemachine.errors import ApplyFailed
 
     session = user_systemd_session(tmp_path / "systemd")

@@ -132,13 +132,12 @@ def test_parser_only_change_is_disruptive_and_restarts_prefill_and_decode():
     other["parsers"]["tool_call_parser"] = "deepseekv32"
     p = make_plan(topo(seed), topo(other))
     assert p.cls == "disruptive" and not p.requires_confirmation
-    # the seed runs under systemd, where the router's unit Requires= the servers: it stops and starts with them
-    assert sorted(p.restarts()) == ["decode", "prefill", "router"]
+    # the router keeps running under either manager (its unit Wants= the servers): it sees the workers come back
+    assert sorted(p.restarts()) == ["decode", "prefill"]
     assert all(c.action == "update" for c in p.changes)
     paths = {a.path for c in p.changes for a in c.changes}
     assert paths == {"settings.parsers.tool_call_parser"}
-    assert "restarts: prefill, router" in render_text(p) or "restarts: decode, router" in render_text(p)
-    # the process supervisor has no such link: its router sees the workers come back, and is not restarted
+    assert "restarts: prefill\n" in render_text(p) and "router" not in p.restarts()
     seed["service_manager"] = other["service_manager"] = "process"
     assert sorted(make_plan(topo(seed), topo(other)).restarts()) == ["decode", "prefill"]
 
@@ -150,7 +149,7 @@ def test_a_numa_cpu_list_change_is_planned_as_the_restart_it_causes():
     other["hosts"]["local"]["numa_cpus"]["1"] = "32-63"
     p = make_plan(topo(seed), topo(other))
     assert p.cls == "disruptive" and not p.requires_confirmation
-    assert p.restarts() == ["decode", "router"]  # (systemd: the router's unit Requires= decode)
+    assert p.restarts() == ["decode"]  # (the router keeps running: its unit Wants= decode, not Requires=)
     [change] = p.changes
     assert [(a.path, a.before, a.after) for a in change.changes] == [
         ("settings.numa_binding.cpus", "32-63,96-127", "32-63")]
@@ -170,7 +169,7 @@ def test_a_gpu_numa_change_that_moves_a_role_to_another_node_is_planned():
     other = copy.deepcopy(seed)
     other["hosts"]["local"]["gpu_numa"] = [1, 1, 1, 1, 0, 0, 0, 0]
     p = make_plan(topo(seed), topo(other))
-    assert sorted(p.restarts()) == ["decode", "prefill", "router"]
+    assert sorted(p.restarts()) == ["decode", "prefill"]
     paths = {a.path for c in p.changes for a in c.changes}
     assert paths == {"settings.numa_binding.node", "settings.numa_binding.cpus"}
 
@@ -1082,7 +1081,7 @@ def test_what_an_unfinished_collapse_removed_is_planned_as_started_again_without
     p = make_plan(recorded, topo(ctx), not_running={"decode": "inactive"})
     assert {c.address: c.action for c in p.changes} == {"role.prefill": "update", "role.decode": "create",
                                                          "kv_link": "create"}
-    assert p.restarts() == ["prefill", "router"]  # (the seed's systemd router stops with a server it requires)
+    assert p.restarts() == ["prefill"]  # (the router keeps running: its unit Wants= the servers)
 
 
 def test_resuming_a_collapse_whose_pd_roles_are_gone_keeps_its_confirmation():
@@ -1115,9 +1114,8 @@ def test_a_new_served_name_restarts_the_router_in_front_of_a_single_server_too(m
     assert sorted(make_plan(topo(d), topo(renamed)).restarts()) == ["router", "server"]
     env_only = copy.deepcopy(d)
     env_only["engine"]["env"] = {"X": "1"}
-    # the same name: under the process supervisor the router sees its worker come back; under systemd it restarts
-    expected = ["router", "server"] if manager.startswith("systemd") else ["server"]
-    assert sorted(make_plan(topo(d), topo(env_only)).restarts()) == expected
+    # the same name: under either manager the router sees its worker come back
+    assert sorted(make_plan(topo(d), topo(env_only)).restarts()) == ["server"]
 
 
 @pytest.mark.parametrize("change", ["secret", "python", "service_user"])
@@ -1177,20 +1175,20 @@ def test_what_an_unfinished_apply_left_running_as_asked_is_kept_not_created_nor_
     assert p.topology_changes == confirmed.topology_changes
     assert p.kept() == ["role.server"] and p.counts() == (0, 0, 0) and p.restarts() == []
 
-    # a change kept as it runs restarts nothing, not even the systemd router that a server's restart would restart
+    # a change kept as it runs restarts nothing
     ctx = copy.deepcopy(seed)
     ctx["model"]["context_length"] = 8192
-    assert make_plan(desired, topo(ctx)).restarts() == ["prefill", "router", "decode"]
+    assert make_plan(desired, topo(ctx)).restarts() == ["prefill", "decode"]
     p = make_plan(desired, topo(ctx), runs={"prefill": proven})
-    assert sorted(p.restarts()) == ["decode", "router"] and p.counts() == (0, 1, 0)
+    assert sorted(p.restarts()) == ["decode"] and p.counts() == (0, 1, 0)
     (c,) = [c for c in p.changes if c.address == "role.prefill"]
-    assert (c.action, c.cls, c.restarts) == ("update", "disruptive", ("router",))  # (decode's restart stops it)
-    # ...and the router, kept as it runs, is restarted all the same while a server's restart restarts it
+    assert (c.action, c.cls, c.restarts) == ("update", "disruptive", ())
+    # ...and the router, kept as it runs, stays so while a server restarts (its unit Wants= them, not Requires=)
     p = make_plan(desired, topo(ctx), runs={"prefill": proven, "router": proven})
-    assert "router" in p.restarts() and "router" not in p.kept()
-    # under the process supervisor (no router stopped with its servers) a change made to both servers restarts nothing
+    assert "router" not in p.restarts()
+    # a change made to both servers that the unfinished apply already made restarts nothing
     before = topo({**seed, "service_manager": "process"})
-    p = make_plan(before, topo({**ctx, "service_manager": "process"}), runs={"prefill": proven, "decode": proven})
+    p = make_plan(desired, topo(ctx), runs={"prefill": proven, "decode": proven})
     assert p.restarts() == [] and p.counts() == (0, 0, 0) and p.kept() == ["role.prefill", "role.decode"]
     # a deployment-wide change the unfinished apply made to every role already restarts nothing either
     env = copy.deepcopy(seed)
@@ -1216,7 +1214,7 @@ def test_what_an_unfinished_apply_left_running_as_asked_is_kept_not_created_nor_
     reshaped["prefill"][0].update(tp=2, gpus=[0, 1])
     p = make_plan(desired, topo(reshaped), runs={"prefill": proven})
     assert p.requires_confirmation and p.plan_id == make_plan(desired, topo(reshaped)).plan_id
-    assert p.kept() == ["role.prefill"] and p.restarts() == ["router"]  # (the systemd router its restart stopped)
+    assert p.kept() == ["role.prefill"] and p.restarts() == []
 
 
 def test_a_role_an_unfinished_apply_left_running_otherwise_is_restarted_and_compared_with_what_runs():
@@ -1646,9 +1644,9 @@ def test_a_restart_asked_for_restarts_that_role_alone_and_keeps_the_plan_id():
     assert "# role.decode will be restarted (disruptive)" in text and "asked: asked on the command line" in text, text
     both = make_plan(t, t, restart=["router", "prefill", "router"])
     assert [c.address for c in both.changes] == ["role.prefill", "router"] and both.restarts() == ["prefill", "router"]
-    # under systemd the router's unit Requires= the servers: a restarted server restarts it, and the plan says so
+    # under systemd too the router keeps running while a server restarts (Wants=, not Requires=)
     systemd = topo(seed_dict())
-    assert make_plan(systemd, systemd, restart=["decode"]).restarts() == ["decode", "router"]
+    assert make_plan(systemd, systemd, restart=["decode"]).restarts() == ["decode"]
     # a role the change restarts anyway gets no second entry; one the spec lacks is refused
     wider = copy.deepcopy(demo)
     wider["decode"][0]["env"] = {"SGLANG_X": "1"}
@@ -1656,3 +1654,23 @@ def test_a_restart_asked_for_restarts_that_role_alone_and_keeps_the_plan_id():
     assert changed.changes == make_plan(t, topo(wider)).changes
     with pytest.raises(ValueError, match="cannot restart 'decoder'"):
         make_plan(t, t, restart=["decoder"])
+
+
+def test_the_plan_says_how_clients_fare_while_it_restarts_roles():
+    one = seed_dict()
+    t = topo(one)
+    assert make_plan(None, t).client_impact() == []  # (a first deployment serves nobody yet)
+    p = make_plan(t, t, restart=["prefill"])
+    assert p.client_impact() == ["clients get 503 while prefill restarts: one prefill"]
+    assert "clients get 503 while prefill restarts: one prefill" in render_text(p)
+    assert json.loads(p.to_json())["client_impact"] == p.client_impact()
+    # a second prefill serves while the first restarts (taken out of the router, put back once proven)
+    two = copy.deepcopy(one)
+    two["prefill"].append({**one["prefill"][0], "gpus": [8, 9, 10, 11], "port": 30310, "bootstrap_port": 8999,
+                           "nccl_port": 30320})
+    t2 = topo(two)
+    assert make_plan(t2, t2, restart=["prefill"]).client_impact() == []
+    assert "Clients while it applies" not in render_text(make_plan(t2, t2, restart=["prefill"]))
+    # the router restarting cuts every client off, and the replicas it restarts with it restart in place
+    both = make_plan(t2, t2, restart=["router", "prefill", "prefill-1"]).client_impact()
+    assert len(both) == 2 and "router" in both[0] and "prefill, prefill-1" in both[1], both

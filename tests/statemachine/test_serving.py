@@ -62,6 +62,17 @@ def test_status_is_not_healthy_while_the_routers_breaker_holds_a_worker_out_and_
     text = demo.cli("status", str(demo.spec))
     assert text.returncode == 1 and "NOT serving clients: clients get HTTP 503" in text.stdout, text.stdout
     assert demo.cli("status", str(demo.spec), "--no-canary").returncode == 1  # (the circuits alone tell it)
+    # a step that meets the router's 503 hints at the router's view of its workers, not at the step's own cause
+    # (parsers_configured said to set the parsers on both servers)
+    from pdctl.statemachine import service
+    from pdctl.statemachine.errors import VerifyFailed
+    from pdctl.statemachine.machine import run_steps
+    from pdctl.statemachine.steps import ParsersConfigured
+
+    ctx = service.build_context(demo.load(), timeouts=demo.timeouts())
+    with pytest.raises(VerifyFailed) as e:
+        run_steps(ctx, [ParsersConfigured()], ListSink())
+    assert "HTTP 503" in e.value.message and "/workers" in e.value.hint and "parser" not in e.value.hint, e.value
     # apply re-admits what the breaker holds out although it serves: then a client is served
     sink = ListSink()
     demo.apply(sink=sink)
@@ -69,6 +80,27 @@ def test_status_is_not_healthy_while_the_routers_breaker_holds_a_worker_out_and_
     st = demo.status()
     assert st["healthy"] and st["router"]["serving"]["circuits"] == {"prefill": "closed", "decode": "closed"}, st
     assert httpx.post(f"{router}/generate", json=serving.CANARY_BODY, timeout=30).status_code == 200
+
+
+def test_a_probes_hint_comes_from_what_it_met(tmp_path):
+    import socket
+
+    from harness.sim import free_ports
+
+    from pdctl.statemachine import probes
+    from pdctl.statemachine.errors import ProbeError
+
+    (port,) = free_ports(1)
+    with pytest.raises(ProbeError) as e, httpx.Client(trust_env=False) as c:  # nothing listens
+        probes.chat_probe(c, f"http://127.0.0.1:{port}", "m", timeout=2)
+    assert "nothing accepts connections" in e.value.evidence_hint()
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts, never answers
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        with pytest.raises(ProbeError) as e, httpx.Client(trust_env=False) as c:
+            probes.chat_probe(c, url, "m", timeout=0.5)
+    assert "did not answer in time" in e.value.evidence_hint()
+    # an HTTP answer the step itself judges (a 400: the request, the parsers) keeps the step's hint
+    assert ProbeError("x", status=400, body="bad tool_call_parser").evidence_hint() is None
 
 
 def _refused(url: str) -> str | None:
