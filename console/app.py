@@ -240,6 +240,7 @@ class ConsoleApp(App[int]):
         self.collector = collector or Collector(loaded, interval_s=self.refresh_s, nvml=nvml, clock=clock)
         self.log_role: str | None = None
         self.snapshot: Snapshot | None = None
+        self._clients_fail_since: float | None = None  # (the first snapshot whose serving verdict failed, epoch s)
         self.plan_error: str | None = None
         self.plan_unsettled: str | None = None
         """Why apply has work beside the plan's changes (``service.Unsettled.kind``; "drift": it restarts a role)."""
@@ -623,6 +624,8 @@ class ConsoleApp(App[int]):
         if not self._panels_ready:
             return
         self.snapshot = snap
+        failing = snap.serving is not None and snap.serving.seen_failing
+        self._clients_fail_since = (self._clients_fail_since or snap.at) if failing else None
         # (helper-109: the spec file rewritten meanwhile — a collapse, say — and the plan tab still said "No changes")
         self._w(PlanPanel).spec_changed = _file_signature(self.loaded.path) != self._spec_read
         if steps:
@@ -829,6 +832,12 @@ class ConsoleApp(App[int]):
                         and v.role not in unknown]
                 if down:
                     bits.append(f"NOT serving: {', '.join(down)}")
+                # (every unit active and proven, and still every client of the router gets 503: its breaker)
+                sv = snap.serving
+                if sv is not None and sv.seen_failing and status.get("router_exposed") in ("done", "skipped") \
+                        and not down:
+                    since = snap.at - (self._clients_fail_since or snap.at)
+                    bits.append(f"CLIENTS FAIL for {since:.0f} s: {'; '.join(sv.problems)}")
                 if unknown:  # (an SSH host that stopped answering: the servers may well run; its panels go stale)
                     why = ("HOST NOT ANSWERING" if any("host not answering" in v.state for v in snap.services.values())
                            else "STATE UNKNOWN")

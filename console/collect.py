@@ -59,6 +59,9 @@ class Snapshot:
     """Problems gathering the snapshot itself (never a deployment being down)."""
     locked_by: Mapping[str, Any] | None = None
     """The deployment lock's holder when another process (a headless apply, a ``down``) holds it."""
+    serving: Any = None
+    """Whether a client of the router is served (:class:`~pdctl.statemachine.serving.Serving`: circuits and the
+    latest canary), None while no router runs."""
 
 
 def current_topology(loaded: Any, journal: JournalState | None) -> Topology:
@@ -118,6 +121,7 @@ class Collector:
         clock: Callable[[], float] = time.time,
         log_lines: int = 200,
         scrape_timeout_s: float | None = None,
+        canary: bool | None = None,
     ) -> None:
         self.loaded = loaded
         self.interval_s = interval_s
@@ -128,6 +132,9 @@ class Collector:
         self.tracker = ThroughputTracker(stale_after_s=3 * interval_s)
         self._client = client
         self._manager = manager
+        self.canary = canary
+        """Send canaries through the router (None: the spec's ``console.canary``)."""
+        self._canary: Any = None  # (a CanaryRunner for the router's URL: one canary in flight at most)
         self._boot: int | None = None  # the host's boot time (epoch s), read once per host
         self._pid_started: dict[int, float | None] = {}  # main PID → when it started, read once per PID
 
@@ -220,6 +227,33 @@ class Collector:
                 out[role] = ServiceView(role, unit, f"unknown ({why})")
         return out
 
+    def serving(self, topo: Topology, services: Mapping[str, ServiceView]) -> Any:
+        """:func:`~pdctl.statemachine.serving.judge` of the router's circuits now and the latest canary (sent in the
+        background every ``console.canary_interval_s``, when ``console.canary``), None while no router runs."""
+        from pdctl.statemachine import serving
+        from pdctl.statemachine.errors import PdctlError
+
+        view = services.get("router")
+        if topo.router is None or view is None or view.state != "active":
+            return None
+        try:
+            states, error = serving.circuits(self.client, topo, timeout=self.scrape_timeout_s), None
+        except PdctlError as exc:
+            states, error = None, str(exc)
+        console = self.loaded.deployment.console
+        canary = None
+        if console.canary if self.canary is None else self.canary:
+            runner = self._canary
+            if runner is None or runner.router_url != topo.router.url or runner.interval_s != console.canary_interval_s:
+                import contextlib
+
+                client = self.client  # (its own thread's: one canary at a time, and httpx's Client is thread-safe)
+                runner = self._canary = serving.CanaryRunner(
+                    lambda: contextlib.nullcontext(client), topo.router.url,
+                    interval_s=console.canary_interval_s, timeout_s=console.canary_timeout_s, clock=self.clock)
+            canary = runner.tick()
+        return serving.judge(topo, states, error, canary)
+
     def scrape(self, topo: Topology, at: float,
                services: Mapping[str, ServiceView] | None = None) -> tuple[ThroughputSample, ...]:
         """One scrape of every source (:func:`scrape_sources`). A source whose unit does not run (*services*: its
@@ -289,6 +323,11 @@ class Collector:
         except Exception as exc:  # noqa: BLE001 - the lock's state is a courtesy
             notes.append(f"lock: {exc}")
         services = self.services(topo)
+        try:
+            verdict = self.serving(topo, services)
+        except Exception as exc:  # noqa: BLE001 - the verdict is read again next tick
+            verdict = None
+            notes.append(f"serving: {exc}")
         tp = self.scrape(topo, at, services) if throughput else ()
         g = None
         if gpu:
@@ -315,4 +354,5 @@ class Collector:
             log_lines=self.logs(topo, log_role),
             notes=tuple(notes),
             locked_by=locked_by,
+            serving=verdict,
         )

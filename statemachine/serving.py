@@ -174,6 +174,12 @@ class Serving:
     def served(self) -> bool:
         return not self.problems
 
+    @property
+    def seen_failing(self) -> bool:
+        """Evidence that clients fail: the canary failed, or a circuit is not closed (unreadable metrics without a
+        canary are no evidence either way)."""
+        return (self.canary is not None and not self.canary.ok) or any(c != "closed" for c in self.circuits.values())
+
     def as_dict(self) -> dict[str, Any]:
         return {"circuits": dict(self.circuits), "circuits_error": self.circuits_error,
                 "canary": self.canary.as_dict() if self.canary is not None else None,

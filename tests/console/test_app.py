@@ -44,7 +44,8 @@ class Recorder:
 def make_app(demo, *, down: set[str] | None = None, manager: FakeManager | None = None, **kw) -> ConsoleApp:  # noqa: ANN001
     loaded = demo.load()
     client = httpx.Client(transport=metrics_transport(demo.ports, down if down is not None else set()))
-    collector = Collector(loaded, interval_s=0.1, client=client, manager=manager or FakeManager(), nvml=False)
+    collector = Collector(loaded, interval_s=0.1, client=client, manager=manager or FakeManager(), nvml=False,
+                          canary=False)  # (nothing listens on the router's port: test_serving proves the canary)
     kw.setdefault("apply_fn", Recorder())
     return ConsoleApp(loaded, refresh_s=0.1, collector=collector, nvml=False, **kw)
 

@@ -69,7 +69,7 @@ def test_seed_roles_numa_and_gpu_owners():
 def test_a_source_going_down_is_reported_and_the_rest_still_collected(tmp_path):
     down: set[str] = set()
     mgr = FakeManager()
-    c = Collector(load(ROOT / "examples" / "demo.toml", state_dir=tmp_path), client=httpx.Client(transport=_transport(down)), manager=mgr, nvml=False)
+    c = Collector(load(ROOT / "examples" / "demo.toml", state_dir=tmp_path), client=httpx.Client(transport=_transport(down)), manager=mgr, nvml=False, canary=False)
     s = c.collect(log_role="decode")
     assert [t.state for t in s.throughput] == ["ok", "ok", "ok"]
     assert s.log_lines[-1] == "pdctl-demo-decode.service line 2"
@@ -91,7 +91,7 @@ def test_a_port_answering_for_a_unit_that_does_not_run_is_not_shown_as_this_depl
     mgr = FakeManager()
     mgr.down |= {"router", "decode"}
     c = Collector(load(ROOT / "examples" / "demo.toml", state_dir=tmp_path), client=httpx.Client(transport=_transport(set())),
-                  manager=mgr, nvml=False)
+                  manager=mgr, nvml=False, canary=False)
     by = {t.source: t for t in c.collect().throughput}
     assert by["prefill"].state == "ok" and by["prefill"].error is None
     for source in ("router", "decode"):
@@ -106,7 +106,7 @@ def test_process_start_times_are_read_once_per_pid_and_afresh_for_another_host(t
     import os
 
     demo = load(ROOT / "examples" / "demo.toml", state_dir=tmp_path)
-    c = Collector(demo, client=httpx.Client(transport=_transport(set())), manager=FakeManager(), nvml=False)
+    c = Collector(demo, client=httpx.Client(transport=_transport(set())), manager=FakeManager(), nvml=False, canary=False)
     started = c._started_at(os.getpid())
     assert started is not None and 0 < time.time() - started < 86400 * 365
     assert c._pid_started == {os.getpid(): started} and c._boot is not None

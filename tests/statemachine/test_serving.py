@@ -62,6 +62,20 @@ def test_status_is_not_healthy_while_the_routers_breaker_holds_a_worker_out_and_
     text = demo.cli("status", str(demo.spec))
     assert text.returncode == 1 and "NOT serving clients: clients get HTTP 503" in text.stdout, text.stdout
     assert demo.cli("status", str(demo.spec), "--no-canary").returncode == 1  # (the circuits alone tell it)
+    # the console sees it too: its collector's circuits and canary, and the header says clients fail
+    from pdctl.console.app import ConsoleApp
+    from pdctl.console.collect import Collector
+
+    collector = Collector(demo.load(), nvml=False)
+    try:
+        snap = _wait(lambda: (c := collector.collect(gpu=False, throughput=False)).serving is not None
+                     and c.serving.canary is not None and c, 15, "the console's first canary")
+    finally:
+        collector.close()
+    assert snap.serving.seen_failing and snap.serving.circuits["decode"] == "open", snap.serving
+    app = ConsoleApp(demo.load(), live=False, nvml=False)
+    app.snapshot, app._clients_fail_since = snap, snap.at - 12
+    assert "CLIENTS FAIL for 12 s: clients get HTTP 503" in app._status_line(), app._status_line()
     # a step that meets the router's 503 hints at the router's view of its workers, not at the step's own cause
     # (parsers_configured said to set the parsers on both servers)
     from pdctl.statemachine import service
