@@ -71,6 +71,7 @@ target (sglang 0.5.23)                                                          
 ``sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend._forward_attention``  marks "in decode" and
                                                                                             the layer's real heads
 ``sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache`` (decode only)     :func:`sparse_decode_v4`
+``sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120`` (decode only)  :func:`sparse_decode_v4`
 ``sglang.srt.layers.attention.dsv4.indexer.C4IndexerBackendMixin.forward_c4_indexer``        :func:`lightning_indexer`
 ``sglang.srt.layers.attention.dsv4.indexer.C4Indexer.compute_q``                             hands q8 and weights over
 ==========================================================================================  ======================
@@ -84,7 +85,25 @@ with ``indices`` and ``topk_length``, the c4 or c128 cache as ``extra_k_cache`` 
 and ``extra_topk_length``, ``attn_sink [h_pad]`` and ``softmax_scale``; we compute only the layer's
 ``tp_q_head_num`` real heads and return FlashMLA's ``(out [T, 1, h_pad, 512], lse [T, h_pad, 1])`` (the padded heads'
 rows are left unwritten: the model slices them off, ``o[:, tp_slice, :]``). Calls it does not take (another cache
-format such as V4.1's 528/288 bytes, s_q > 1, descales, non-bf16 q) go to FlashMLA, logged once per reason.
+format such as V4.1's 528/288 bytes, s_q > 1, descales, non-bf16 q, indices or lengths not int32) go to FlashMLA,
+logged once per reason.
+
+V4 decode on sm_120 (RTX PRO 6000 Blackwell, GeForce RTX 50xx), where FlashMLA's CUDA kernels do not exist:
+``_forward_attention`` (``srt/layers/attention/deepseek_v4_backend.py``, branch ``if get_platform().is_sm120``)
+imports ``flash_mla_with_kvcache_sm120`` from ``kernels/ops/attention/flash_mla_sm120.py`` at each call (so it
+gets the hooked function) and calls it with keywords only — ``q, k_cache, head_dim_v, softmax_scale, indices,
+topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length`` — FlashMLA's names with
+FlashMLA's meanings: the same 584-byte caches ([pages, 256, 1, 584] SWA, c4/c128 extra; the module's
+``_gather_and_dequant`` reads 576 data bytes a row, then the page's 8-byte scale rows, as ``_reference`` does),
+indices ``[T, 1, K]`` with −1 padding and per-row lengths, the sink applied as ``1 / (1 + exp(sink − lse))``
+(its PyTorch path ``_sm120_sparse_decode_fwd``), ``softmax_scale`` None meaning ``q.shape[-1] ** -0.5``. Its q is
+padded to 64 heads unless FlashInfer decodes the real head count (``deepseek_v4.py`` ``_kernel_num_heads``), and
+above ``SM120_DECODE_MAX_TOKENS`` (64) rows the caller slices q and the sink to the real heads; either way the hook
+computes the layer's real heads and returns ``(out [T, 1, h_q, 512], lse [T, h_q, 1])`` (SGLang keeps ``[0]``; its
+FlashInfer path returns no lse). A call with other keywords, positional arguments or anything the FlashMLA hook
+refuses goes to SGLang's sm_120 kernel, logged once per reason. The parameter check can only see ``(**kwargs)``
+there; the keywords are checked at each call. Not hooked on sm_120: nothing else is needed, SGLang makes no
+FlashMLA scheduling metadata there (``_create_flashmla_metadata`` returns None).
 
 V4 indexer: ``forward_c4_indexer`` (decode batches only; FP8 index keys: sglang 0.5.23 on SM90 runs the FP8 C4
 indexer, its FP4 one needs SM100/SM120/gfx95, ``arg_groups/serving_hook.py``) runs SGLang's own preparation — the
@@ -120,6 +139,7 @@ _INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
 
 _V4_BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend"
 _FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"
+_FLASH_MLA_SM120 = "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"
 _V4_INDEXER = "sglang.srt.layers.attention.dsv4.indexer"
 
 KNOWN_VERSIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -130,6 +150,7 @@ KNOWN_VERSIONS: dict[str, dict[str, tuple[str, ...]]] = {
                      "num_splits", "softmax_scale", "causal", "descale_q", "descale_k", "is_fp8_kvcache", "indices",
                      "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length",
                      "kv_format", "use_legacy"),
+        _FLASH_MLA_SM120: ("kwargs",),
         f"{_V4_INDEXER}.C4IndexerBackendMixin.forward_c4_indexer": (
             "self", "x", "q_lora", "c4_indexer", "forward_batch", "alt_streams", "enable_multi_stream",
             "q_lora_ready", "skip_compressor", "q_lora_quant"),
@@ -339,41 +360,100 @@ def _v4_cache(cache) -> bool:
     return cache is not None and cache.dim() == 4 and cache.shape[-1] == 584 and cache.element_size() == 1
 
 
-def _v4_flash_mla_hook(original, *args, **kwargs):
-    heads = _V4_DECODE.get()
-    if not heads:
-        return original(*args, **kwargs)
+def _v4_decode_refusal(a: dict[str, Any], heads: int) -> str | None:
+    """Why a V4 decode call (FlashMLA's argument names, *a*) is not one :func:`sparse_decode_v4` computes as SGLang's
+    kernel would; None when it is. Anything else goes to SGLang's own kernel: never a silently different result."""
     import torch
 
-    a = _bind(original, args, kwargs)
     q, extra = a["q"], a["extra_k_cache"]
-    why = None
     if a["indices"] is None or not _v4_cache(a["k_cache"]) or (extra is not None and not _v4_cache(extra)):
-        why = (f"KV cache {tuple(getattr(a['k_cache'], 'shape', ()))} / extra "
-               f"{tuple(getattr(extra, 'shape', ())) if extra is not None else None} (not the 584-byte V4 format)")
-    elif q.dim() != 4 or q.shape[1] != 1 or q.shape[-1] != 512 or q.dtype != torch.bfloat16 or q.shape[2] < heads:
-        why = f"q {q.dtype} {tuple(q.shape[1:])} (need bf16 [T, 1, h >= {heads}, 512])"
-    elif a["head_dim_v"] != 512 or a["descale_q"] is not None or a["kv_format"] not in (None, "V4") or a["causal"]:
-        why = f"head_dim_v {a['head_dim_v']}, kv_format {a['kv_format']}, descales or causal"
-    if why is not None:
-        _fell_back("flash_mla_with_kvcache", why)
-        return original(*args, **kwargs)
+        return (f"KV cache {tuple(getattr(a['k_cache'], 'shape', ()))} / extra "
+                f"{tuple(getattr(extra, 'shape', ())) if extra is not None else None} (not the 584-byte V4 format)")
+    if q.dim() != 4 or q.shape[1] != 1 or q.shape[-1] != 512 or q.dtype != torch.bfloat16 or q.shape[2] < heads:
+        return f"q {q.dtype} {tuple(q.shape[1:])} (need bf16 [T, 1, h >= {heads}, 512])"
+    if a["head_dim_v"] != 512 or a["descale_q"] is not None or a["kv_format"] not in (None, "V4") or a["causal"]:
+        return f"head_dim_v {a['head_dim_v']}, kv_format {a['kv_format']}, descales or causal"
+    t = q.shape[0]
+    for name, idx, length in (("indices", a["indices"], a["topk_length"]),
+                              ("extra indices", a["extra_indices_in_kvcache"], a["extra_topk_length"])):
+        if name != "indices" and extra is None:
+            break
+        if idx is None or idx.dtype != torch.int32 or (t and idx.numel() % t):
+            return f"{name} {getattr(idx, 'dtype', None)} {tuple(getattr(idx, 'shape', ()))} (need int32 [T, 1, K])"
+        if length is not None and (length.dtype != torch.int32 or length.numel() != t):
+            return f"{name}' lengths {length.dtype} {tuple(length.shape)} (need int32 [T])"
+    sink = a["attn_sink"]
+    if sink is not None and (sink.dim() != 1 or sink.shape[0] < heads or not sink.is_floating_point()):
+        return f"attn_sink {sink.dtype} {tuple(sink.shape)} (need float [h >= {heads}])"
+    return None
+
+
+def _v4_decode(target: str, a: dict[str, Any], heads: int):
+    """Compute a routed V4 decode call (FlashMLA's argument names, *a*) with :func:`sparse_decode_v4`; return what
+    FlashMLA returns: ``(out [T, 1, h_pad, 512], lse [T, h_pad, 1])``, only the first *heads* heads written."""
+    import torch
+
     from pdctl.kernels._sparse_mla import sparse_decode_v4
 
+    q, extra = a["q"], a["extra_k_cache"]
     t, _, h_pad, _ = q.shape
-    _routed("flash_mla_with_kvcache", f"{t} rows, {heads} heads (of {h_pad}), "
+    _routed(target, f"{t} rows, {heads} heads (of {h_pad}), "
             f"{'SWA + extra' if extra is not None else 'SWA only'} V4 cache")
     out = torch.empty(t, 1, h_pad, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(t, h_pad, 1, dtype=torch.float32, device=q.device)
     sink = a["attn_sink"]
     ei = a["extra_indices_in_kvcache"]
+    scale = a["softmax_scale"]
+    length = a["topk_length"]
+    e_length = a["extra_topk_length"] if extra is not None else None
     sparse_decode_v4(
-        q[:, 0, :heads], a["k_cache"], a["indices"].reshape(t, -1), a["softmax_scale"] or 512 ** -0.5,
-        a["topk_length"], sink.float().contiguous() if sink is not None else None,
-        extra, ei.reshape(t, -1) if ei is not None else None, a["extra_topk_length"] if extra is not None else None,
+        q[:, 0, :heads], a["k_cache"], a["indices"].reshape(t, -1), scale if scale is not None else q.shape[-1] ** -0.5,
+        length.reshape(t) if length is not None else None, sink.float().contiguous() if sink is not None else None,
+        extra, ei.reshape(t, -1) if extra is not None else None,
+        e_length.reshape(t) if e_length is not None else None,
         out=out[:, 0, :heads], lse=lse[:, :heads, 0],
     )
     return out, lse
+
+
+def _v4_flash_mla_hook(original, *args, **kwargs):
+    heads = _V4_DECODE.get()
+    if not heads:
+        return original(*args, **kwargs)
+    a = _bind(original, args, kwargs)
+    why = _v4_decode_refusal(a, heads)
+    if why is not None:
+        _fell_back("flash_mla_with_kvcache", why)
+        return original(*args, **kwargs)
+    return _v4_decode("flash_mla_with_kvcache", a, heads)
+
+
+_SM120_ARGS = ("q", "k_cache", "head_dim_v", "softmax_scale", "indices", "topk_length", "attn_sink", "extra_k_cache",
+               "extra_indices_in_kvcache", "extra_topk_length")
+"""The keywords sglang 0.5.23's one V4 call of ``flash_mla_with_kvcache_sm120`` passes (``deepseek_v4_backend.py``
+``DeepseekV4AttnBackend._forward_attention``, ``if get_platform().is_sm120``), FlashMLA's names for FlashMLA's
+meanings; the function reads exactly these (``kernels/ops/attention/flash_mla_sm120.py``)."""
+
+
+def _v4_flash_mla_sm120_hook(original, *args, **kwargs):
+    # sglang 0.5.23 flash_mla_sm120.flash_mla_with_kvcache_sm120(**kwargs): keyword arguments only, named as
+    # flash_mla_with_kvcache's; softmax_scale None means q.shape[-1] ** -0.5 there too. What FlashMLA takes and this
+    # function has no keyword for (block_table, causal, descales, kv_format) is absent: FlashMLA's defaults.
+    heads = _V4_DECODE.get()
+    if not heads:
+        return original(*args, **kwargs)
+    unknown = sorted(set(kwargs) - set(_SM120_ARGS))
+    missing = [k for k in ("q", "k_cache", "indices", "head_dim_v") if k not in kwargs]
+    if args or unknown or missing:
+        _fell_back("flash_mla_with_kvcache_sm120", f"a call unlike sglang 0.5.23's ({len(args)} positional, "
+                   f"unknown {unknown}, missing {missing})")
+        return original(*args, **kwargs)
+    a = {**dict.fromkeys(_SM120_ARGS), "causal": False, "descale_q": None, "kv_format": None, **kwargs}
+    why = _v4_decode_refusal(a, heads)
+    if why is not None:
+        _fell_back("flash_mla_with_kvcache_sm120", why)
+        return original(*args, **kwargs)
+    return _v4_decode("flash_mla_with_kvcache_sm120", a, heads)
 
 
 def _v4_compute_q_hook(original, *args, **kwargs):
@@ -458,7 +538,8 @@ _ROUTES = {
     },
     "deepseek-v4": {
         "decode": {f"{_V4_BACKEND}._forward_attention": _v4_forward_attention_hook,
-                   _FLASH_MLA: _v4_flash_mla_hook},
+                   _FLASH_MLA: _v4_flash_mla_hook,
+                   _FLASH_MLA_SM120: _v4_flash_mla_sm120_hook},
         "indexer": {f"{_V4_INDEXER}.C4IndexerBackendMixin.forward_c4_indexer": _v4_c4_indexer_hook,
                     f"{_V4_INDEXER}.C4Indexer.compute_q": _v4_compute_q_hook},
     },

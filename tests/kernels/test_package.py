@@ -68,7 +68,8 @@ def test_plugin_plans_the_documented_hooks_for_0_5_23():
     assert list(only_indexer) == ["sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"]
     assert set(sglang_plugin.planned_hooks("0.5.23", ("decode",), model="deepseek-v4")) == {
         "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend._forward_attention",
-        "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"}
+        "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache",
+        "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"}  # (sm_120's V4 decode)
     with pytest.raises(sglang_plugin.PluginRefusedError, match="no hooks for model"):
         sglang_plugin.planned_hooks("0.5.23", model="deepseek-v5")
 

@@ -289,6 +289,158 @@ def test_v4_decode_hook_leaves_other_formats_to_flashmla_and_says_so_once(caplog
     assert len(calls) == 2
 
 
+# --- the same decode hook on sm_120 (RTX PRO 6000 Blackwell): flash_mla_sm120.flash_mla_with_kvcache_sm120 ----------
+
+def _sm120_original(calls):
+    def flash_mla_with_kvcache_sm120(**kwargs):  # sglang 0.5.23's signature: keywords only
+        calls.append(kwargs)
+        return "sglang sm120", None
+    return flash_mla_with_kvcache_sm120
+
+
+def _sm120_call(c, t, h_pad, real):
+    # the keywords deepseek_v4_backend.py _forward_attention passes on sm_120, shaped as it shapes them: q padded to
+    # h_pad heads with garbage beyond the real ones, indices [T, 1, K], the sink [h_pad]
+    g = torch.Generator().manual_seed(7)
+    qp = torch.randn(t, 1, h_pad, 512, generator=g).bfloat16() * 3
+    qp[:, 0, :real] = c["q"][:, :real].bfloat16()
+    sink = torch.randn(h_pad, generator=g)
+    sink[:real] = c["attn_sink"][:real]
+    return dict(q=qp, k_cache=c["cache"], head_dim_v=512, softmax_scale=SM, indices=c["indices"].view(t, 1, -1),
+                topk_length=c["topk_length"], attn_sink=sink, extra_k_cache=c["extra_cache"],
+                extra_indices_in_kvcache=c["extra_indices"].view(t, 1, -1), extra_topk_length=c["extra_topk_length"])
+
+
+@pytest.mark.parametrize("h_pad", [12, 64], ids=["real-heads", "padded-to-64"])
+def test_v4_decode_on_sm120_routes_to_our_kernel_and_matches_the_reference(monkeypatch, h_pad):
+    # The real kernel through the interpreter: the hook hands it bf16 (SGLang's dtype), which the interpreter's dot
+    # gets wrong (conftest), so the kernel runs on the same values in fp32 and its output is rounded back to bf16.
+    from pdctl.kernels import _sparse_mla
+
+    real_kernel = _sparse_mla.sparse_decode_v4
+
+    def in_fp32(q, *args, out, lse):
+        o32 = torch.empty(out.shape, dtype=torch.float32)
+        real_kernel(q.float(), *args, out=o32, lse=lse, config=DecodeConfig(16, 16, 4, 1, splits=2))
+        out.copy_(o32)
+        return out, lse
+
+    monkeypatch.setattr(_sparse_mla, "sparse_decode_v4", in_fp32)
+    t, real = 3, 12
+    c = _case(heads=real, rows=t)
+    args = _sm120_call(c, t, h_pad, real)
+    calls = []
+    orig = _sm120_original(calls)
+    hook = sglang_plugin._v4_flash_mla_sm120_hook
+    assert hook(orig, **args)[0] == "sglang sm120"  # outside _forward_attention
+    assert _in_forward_attention(_extend_batch(), real, lambda: hook(orig, **args))[0] == "sglang sm120"
+    assert len(calls) == 2
+    out, lse = _in_forward_attention(_decode_batch(), real, lambda: hook(orig, **args))
+    assert len(calls) == 2 and out.shape == (t, 1, h_pad, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (t, h_pad, 1)
+    ro, rl = reference_sparse_decode_v4(args["q"][:, 0, :real].double(), c["cache"], c["indices"], SM,
+                                        c["topk_length"], c["attn_sink"], c["extra_cache"], c["extra_indices"],
+                                        c["extra_topk_length"])
+    o = out[:, 0, :real].double()
+    assert torch.isfinite(o).all() and (o - ro).abs().max().item() <= 2e-2  # bf16 output
+    dead = torch.isinf(rl)
+    assert (lse[:, :real, 0].double() - rl)[~dead].abs().max().item() <= 1e-4
+    assert (o[dead] == 0).all() and torch.isinf(lse[:, :real, 0][dead]).all()
+    # softmax_scale None is q.shape[-1] ** -0.5 there, as in FlashMLA: 512 ** -0.5 for V4
+    out2, _ = _in_forward_attention(_decode_batch(), real, lambda: hook(orig, **{**args, "softmax_scale": None}))
+    assert torch.equal(out2[:, 0, :real], out[:, 0, :real])
+
+
+def test_v4_decode_on_sm120_falls_back_to_sglang_and_says_why_once(caplog, monkeypatch):
+    from pdctl.kernels import _sparse_mla
+
+    monkeypatch.setattr(_sparse_mla, "sparse_decode_v4", lambda *a, **k: pytest.fail("must not be routed"))
+    t = 2
+    c = _case(heads=8, rows=t)
+    good = _sm120_call(c, t, 64, 8)
+    v41 = torch.zeros(4, 64, 1, 528, dtype=torch.uint8)  # V4.1's fp8 cache: not ours
+    cases = {
+        "584-byte V4": {**good, "k_cache": v41},
+        "need int32 [T, 1, K]": {**good, "indices": good["indices"].long()},
+        "need int32 [T]": {**good, "extra_topk_length": good["extra_topk_length"].long()},
+        "need bf16 [T, 1, h >= 8, 512]": {**good, "q": good["q"].float()},
+        "unknown ['causal']": {**good, "causal": True},
+    }
+    calls = []
+    sglang_plugin._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger=sglang_plugin.__name__):
+        for _ in range(2):
+            for args in cases.values():
+                r = _in_forward_attention(_decode_batch(), 8, lambda args=args: sglang_plugin._v4_flash_mla_sm120_hook(
+                    _sm120_original(calls), **args))
+                assert r[0] == "sglang sm120"
+    said = [r.getMessage() for r in caplog.records if "went to SGLang's own kernel" in r.getMessage()]
+    assert len(said) == len(cases), said  # once per reason, not per call
+    for why, line in zip(cases, said):
+        assert "flash_mla_with_kvcache_sm120" in line and why in line, (why, line)
+    assert len(calls) == 2 * len(cases) and calls[0]["k_cache"] is v41  # SGLang got the call as it was made
+
+
+def _fake_sglang_0_5_23(monkeypatch, *, with_sm120=True):
+    """Stand-in sglang 0.5.23 modules holding every hooked V4 target with its real parameter names, and a
+    HookRegistry that records what register() hooks."""
+    targets = sglang_plugin.KNOWN_VERSIONS["0.5.23"]
+    v4 = sglang_plugin.planned_hooks("0.5.23", model="deepseek-v4")
+    modules: dict[str, types.ModuleType] = {}
+
+    def module(name):
+        for i in range(1, name.count(".") + 2):
+            part = ".".join(name.split(".")[:i])
+            if part not in modules:
+                modules[part] = types.ModuleType(part)
+                monkeypatch.setitem(sys.modules, part, modules[part])
+        return modules[name]
+
+    for target in v4:
+        if target == sglang_plugin._FLASH_MLA_SM120 and not with_sm120:
+            continue
+        params = targets[target]
+        sig = ", ".join("**kwargs" if p == "kwargs" else "**_" if p == "_" else p for p in params)
+        ns: dict = {}
+        exec(f"def fn({sig}): pass", ns)  # noqa: S102 - a stub with the target's parameter names
+        path, attr = target.rsplit(".", 1)
+        owner, cls = path.rsplit(".", 1)
+        if cls[0].isupper():  # a method: module.Class.method
+            klass = getattr(module(owner), cls, None) or type(cls, (), {})
+            setattr(module(owner), cls, klass)
+            setattr(klass, attr, ns["fn"])
+        else:
+            setattr(module(path), attr, ns["fn"])
+    registered = {}
+    hr = module("sglang.srt.plugins.hook_registry")
+    hr.HookType = SimpleNamespace(AROUND="around")
+    hr.HookRegistry = SimpleNamespace(register=lambda target, fn, kind: registered.update({target: (fn, kind)}))
+    return registered
+
+
+def test_register_hooks_the_sm120_decode_entry_point_beside_flashmla(monkeypatch, tmp_path):
+    from pdctl.kernels import _build
+
+    monkeypatch.setattr(sglang_plugin, "_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_build, "load_manifest", lambda d: {"model": "deepseek-v4", "elapsed_s": 1.0,
+                                                            "gpu": {"name": "NVIDIA RTX PRO 6000 Blackwell"}})
+    monkeypatch.setenv("PDCTL_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setenv("PDCTL_KERNELS_ROUTE", "decode")
+    monkeypatch.delenv("PDCTL_KERNELS_REQUIRED", raising=False)
+    registered = _fake_sglang_0_5_23(monkeypatch)
+    sglang_plugin.register()
+    assert registered[sglang_plugin._FLASH_MLA_SM120] == (sglang_plugin._v4_flash_mla_sm120_hook, "around")
+    assert registered[sglang_plugin._FLASH_MLA] == (sglang_plugin._v4_flash_mla_hook, "around")
+    assert len(registered) == 3  # with _forward_attention; the indexer route is off
+    # an sglang without the sm_120 module is not the 0.5.23 the plugin knows: nothing is hooked
+    monkeypatch.delitem(sys.modules, "sglang.kernels.ops.attention.flash_mla_sm120")
+    registered = _fake_sglang_0_5_23(monkeypatch, with_sm120=False)
+    with pytest.raises(sglang_plugin.PluginRefusedError, match="cannot resolve .*flash_mla_with_kvcache_sm120"):
+        sglang_plugin.register()
+    assert not registered
+
+
 def _indexer_module(capturer=None):
     # forward_c4_indexer's module as the hook reads it (inspect.getmodule of the hooked function)
     mod = types.ModuleType("pdctl_test_dsv4_indexer")
