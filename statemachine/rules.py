@@ -89,13 +89,11 @@ _PLUGIN_DECODE_BACKENDS = ("flashmla_kv", "flashmla_sparse")
 _PLUGIN_VERSIONS = ("0.5.23",)
 # ... and on DeepSeek-V4, 0.5.23's dsv4 backend with --dsv4-attn-backend flashmla (what "auto" resolves to for V4:
 # arg_groups/deepseek_v4_hook.py _default_dsv4_attention_backend gives flashmla_mega to V4.1 on SM100 only), whose
-# decode calls flash_mla_interface.flash_mla_with_kvcache on the 584-byte V4 rows; flashmla_mega and trtllm run
-# other kernels (and trtllm another, uniform-FP8 layout), which the plugin does not hook.
+# decode calls flash_mla_interface.flash_mla_with_kvcache on the 584-byte V4 rows, or on sm_120 GPUs (RTX PRO 6000
+# Blackwell, GeForce RTX 50xx) flash_mla_sm120.flash_mla_with_kvcache_sm120 (deepseek_v4_backend.py
+# _forward_attention: `if get_platform().is_sm120`), which the plugin hooks too; flashmla_mega and trtllm run other
+# kernels (and trtllm another, uniform-FP8 layout), which the plugin does not hook.
 _PLUGIN_DSV4_ATTN_BACKENDS = ("auto", "flashmla")
-# GPUs of compute capability 12.0 by nvidia-smi's name (RTX PRO 6000 Blackwell, GeForce RTX 50xx): there SGLang
-# 0.5.23 decodes V4 with flash_mla_sm120.flash_mla_with_kvcache_sm120 (deepseek_v4_backend.py _forward_attention:
-# `if get_platform().is_sm120`), never the flash_mla_with_kvcache the plugin's V4 decode hook wraps.
-_SM120_GPU_NAME = re.compile(r"RTX PRO \d+ Blackwell|GeForce RTX 50\d\d", re.IGNORECASE)
 _OWNED_ROUTER_FLAGS = {
     "--host": "router.host",
     "--port": "router.port",
@@ -1417,9 +1415,10 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
 
 def _v4_kernel_findings(dep: Deployment, roles, facts, err, warn) -> None:  # noqa: ANN001
     """What [kernels] enabled means for a DeepSeek-V4 checkpoint: pdctl's SGLang plugin hooks SGLang 0.5.23's dsv4
-    backend (``pdctl.kernels.sglang_plugin``: ``flash_mla_with_kvcache`` for decode, ``forward_c4_indexer`` for the
-    C4 indexer) on the 584-byte V4 rows, so the spec must run that backend the way the hooks read it: the flashmla
-    sub-backend, a V4 (not V4.1) checkpoint pdctl knows the heads and top-k of, the FP8 indexer for lightning_indexer.
+    backend (``pdctl.kernels.sglang_plugin``: ``flash_mla_with_kvcache`` for decode, ``flash_mla_with_kvcache_sm120``
+    on sm_120 GPUs, ``forward_c4_indexer`` for the C4 indexer) on the 584-byte V4 rows, so the spec must run that
+    backend the way the hooks read it: the flashmla sub-backend, a V4 (not V4.1) checkpoint pdctl knows the heads and
+    top-k of, the FP8 indexer for lightning_indexer.
     (The version is judged with V3.2's, in :func:`validate`.)"""
     from pdctl.statemachine.models import builtin_facts
 
@@ -1464,7 +1463,8 @@ def _v4_kernel_findings(dep: Deployment, roles, facts, err, warn) -> None:  # no
             err(
                 f"{f}.extra_args",
                 f"--dsv4-attn-backend {backend}: pdctl's kernels are routed in only on SGLang's flashmla DeepSeek-V4 "
-                "attention (flash_mla_with_kvcache); with this backend they would be built and never run",
+                "attention (flash_mla_with_kvcache, or flash_mla_with_kvcache_sm120 on sm_120); with this backend they "
+                "would be built and never run",
                 "remove --dsv4-attn-backend (auto is flashmla for V4) or give flashmla, or set kernels.enabled = false",
             )
         if given.get("--enable-deepseek-v4-fp4-indexer") is True and "lightning_indexer" in dep.kernels.which:
@@ -1476,16 +1476,6 @@ def _v4_kernel_findings(dep: Deployment, roles, facts, err, warn) -> None:  # no
                 "remove --enable-deepseek-v4-fp4-indexer to run pdctl's indexer, or drop lightning_indexer from "
                 "kernels.which",
             )
-    if "sparse_mla_decode" in dep.kernels.which:
-        for key, host in sorted(dep.hosts.items()):
-            if host.gpu_name and _SM120_GPU_NAME.search(host.gpu_name) and any(r.host == key for _n, _k, r in roles):
-                warn(
-                    "kernels.which",
-                    f"hosts.{key} has {host.gpu_name} (compute capability 12.0), where SGLang 0.5.23 decodes "
-                    "DeepSeek-V4 with flash_mla_with_kvcache_sm120, which pdctl's plugin does not hook: "
-                    "sparse_mla_decode would never be routed in (lightning_indexer is)",
-                    'write which = ["lightning_indexer"]',
-                )
 
 
 def _closest(what: str, value: str, names: frozenset[str], *, where: str = "the target version") -> str:

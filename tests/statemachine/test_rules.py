@@ -1391,9 +1391,8 @@ def test_kernels_for_a_deepseek_v4_checkpoint_run_on_the_dsv4_backend():
     # (issue 43) the plugin hooks SGLang 0.5.23's dsv4 decode and C4 indexer: the seed ships with them on; until then
     # validate refused kernels for every V4 checkpoint
     d = seed_dict()
-    assert d["kernels"] == {"enabled": True, "which": ["lightning_indexer"]}
+    assert d["kernels"] == {"enabled": True, "which": ["sparse_mla_decode", "lightning_indexer"]}
     assert not _errors(d) and not [x for x in validate(parse_spec(d)) if x.field.startswith("kernels")]
-    d["kernels"]["which"] = ["sparse_mla_decode", "lightning_indexer"]
     d["hosts"]["local"]["gpu_name"] = "NVIDIA H200"
     assert not _errors(d) and not [x for x in validate(parse_spec(d)) if x.field.startswith("kernels")]
     d["model"]["path"] = "deepseek-ai/DeepSeek-V4-Pro"  # (its weights do not fit the seed's 4-GPU groups)
@@ -1464,12 +1463,13 @@ def test_kernels_for_deepseek_v4_with_the_fp4_indexer_are_warned():
     assert not [x for x in validate(parse_spec(d)) if x.field == "decode[0].extra_args"]
 
 
-def test_the_v4_decode_kernel_on_an_sm120_gpu_is_warned():
-    # there SGLang 0.5.23 decodes V4 with flash_mla_with_kvcache_sm120, which the plugin does not hook
+def test_the_v4_decode_kernel_on_an_sm120_gpu_is_accepted():
+    # there SGLang 0.5.23 decodes V4 with flash_mla_with_kvcache_sm120, which the plugin hooks (it once warned that
+    # sparse_mla_decode would never be routed in on the seed's RTX PRO 6000 Blackwell)
     d = seed_dict()
-    d["kernels"]["which"] = ["sparse_mla_decode", "lightning_indexer"]
-    _one(d, "kernels.which", "RTX PRO 6000 Blackwell", "flash_mla_with_kvcache_sm120",
-         'which = ["lightning_indexer"]', level="warning")
+    assert "RTX PRO 6000 Blackwell" in d["hosts"]["local"]["gpu_name"]
+    assert "sparse_mla_decode" in d["kernels"]["which"]
+    assert not [x for x in validate(parse_spec(d)) if x.field == "kernels.which"]
 
 
 @pytest.mark.parametrize("where", ["model", "decode"])

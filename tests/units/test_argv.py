@@ -160,9 +160,9 @@ DSV32_MODEL_ARGV = ["--model-path", "deepseek-ai/DeepSeek-V3.2", "--served-model
                     "--dsa-decode-backend", "flashmla_kv"]
 
 
-# The seed's DeepSeek-V4 with pdctl's kernels on SGLang's dsv4 backend (issue 43): the plugin's switches, the indexer
-# routed in only (its sm_120 GPUs decode V4 with flash_mla_with_kvcache_sm120, which the plugin does not hook).
-SEED_PLUGIN_ENV = {**PLUGIN_ENV, "PDCTL_KERNELS_ROUTE": "indexer"}
+# The seed's DeepSeek-V4 with pdctl's kernels on SGLang's dsv4 backend (issue 43): the plugin's switches, decode and
+# indexer routed in (its sm_120 GPUs decode V4 with flash_mla_with_kvcache_sm120, which the plugin hooks).
+SEED_PLUGIN_ENV = {**PLUGIN_ENV, "PDCTL_KERNELS_ROUTE": "decode,indexer"}
 
 
 def test_seed_environment_pins_gpus_and_the_cache_dir_and_carries_the_plugins_switches(seed):

@@ -70,7 +70,7 @@ Environment=CUDA_VISIBLE_DEVICES=0,1,2,3
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
 Environment=SGLANG_PLUGINS=pdctl_kernels
 Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
-Environment=PDCTL_KERNELS_ROUTE=indexer
+Environment=PDCTL_KERNELS_ROUTE=decode,indexer
 Environment=PDCTL_KERNELS_REQUIRED=1
 Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-prefill
@@ -107,7 +107,7 @@ Environment=CUDA_VISIBLE_DEVICES=4,5,6,7
 Environment=SGLANG_CACHE_DIR=/var/cache/sglang
 Environment=SGLANG_PLUGINS=pdctl_kernels
 Environment=PDCTL_KERNELS_DIR=/var/cache/sglang
-Environment=PDCTL_KERNELS_ROUTE=indexer
+Environment=PDCTL_KERNELS_ROUTE=decode,indexer
 Environment=PDCTL_KERNELS_REQUIRED=1
 Environment=TRITON_CACHE_DIR=/var/cache/sglang/triton
 SyslogIdentifier=pdctl-dsv4-flash-decode
