@@ -174,6 +174,7 @@ class Collector:
         """Follow a reloaded spec (the journal directory may differ)."""
         if loaded.journal.dir != self.loaded.journal.dir or loaded.deployment.hosts != self.loaded.deployment.hosts:
             self._manager = None
+            self._canary = None
             if loaded.deployment.hosts != self.loaded.deployment.hosts and getattr(self, "_host", None) is not None:
                 if getattr(self, "_own_client", False) and self._client is not None:
                     self._client.close()  # it dialled through the old host
@@ -185,6 +186,7 @@ class Collector:
         self.loaded = loaded
 
     def close(self) -> None:
+        self._canary = None
         if self._client is not None:
             self._client.close()
         if getattr(self, "_host", None) is not None:
@@ -247,9 +249,9 @@ class Collector:
             if runner is None or runner.router_url != topo.router.url or runner.interval_s != console.canary_interval_s:
                 import contextlib
 
-                client = self.client  # (its own thread's: one canary at a time, and httpx's Client is thread-safe)
+                # (the collector's client of the moment: a reload of [hosts] closes and replaces it)
                 runner = self._canary = serving.CanaryRunner(
-                    lambda: contextlib.nullcontext(client), topo.router.url,
+                    lambda: contextlib.nullcontext(self.client), topo.router.url,
                     interval_s=console.canary_interval_s, timeout_s=console.canary_timeout_s, clock=self.clock)
             canary = runner.tick()
         return serving.judge(topo, states, error, canary)

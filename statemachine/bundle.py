@@ -1,13 +1,14 @@
 """``pdctl support-bundle``: what an operator attaches to a bug report, as one ``.tar.gz``.
 
-Everything pdctl knows about one deployment, read, never changed: the spec, the plan (text and JSON), the journal and
+Everything pdctl knows about one deployment, read, never changed (status's canary is one token through the router,
+as ``pdctl status`` sends it): the spec, the plan (text and JSON), the journal and
 audit log, ``status --json``, each role's and the router's last log lines, each server's ``/server_info``, the
 router's ``/workers`` and ``/metrics``, the unit files, ``nvidia-smi -q``, the kernels' manifest and the versions of
 pdctl, SGLang, smg and NIXL on the host.
 
 Why the shape: a bundle is asked for when something is broken, so no part of it may stop the rest. Each member is
-read by its own function with its own time bound (HTTP reads ``timeout_s``, host commands ``timeout_s``, a log its
-last *lines* lines read from its end); a failure becomes that member's error, written into ``MANIFEST`` (what each
+read by its own function with its own time bound (HTTP reads and host commands ``timeout_s``; status, logs and unit
+files the bounds of ``pdctl status`` and the service manager; a log its last *lines* lines read from its end); a failure becomes that member's error, written into ``MANIFEST`` (what each
 file is, ok / absent / error, and why), never raised. Secrets are redacted after collection, over every member's
 bytes, so that no collector has to remember to: each value pdctl's units would get as a secret (``[secrets]``, read
 from pdctl's environment as apply reads them; env-table values whose name says secret), each value in the secrets
@@ -88,26 +89,6 @@ class Bundle:
 # --- secrets ---------------------------------------------------------------------------------------
 
 
-def _env_file_values(text: str) -> list[str]:
-    """The values of an ``EnvironmentFile=`` pdctl wrote (``units._systemd.render_env_file``): ``K='v'`` or
-    ``K="v"`` with ``\\ " ` $`` escaped."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#") or "=" not in line:
-            continue
-        v = line.split("=", 1)[1]
-        if len(v) >= 2 and v[0] == v[-1] == "'":
-            out.append(v[1:-1])
-        elif len(v) >= 2 and v[0] == v[-1] == '"':
-            chars, it = [], iter(v[1:-1])
-            for c in it:
-                chars.append(next(it, "") if c == "\\" else c)
-            out.append("".join(chars))
-        elif v:
-            out.append(v)
-    return out
-
-
 def secret_values(dep: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``{label: value}`` of every secret value *dep* (a :class:`~pdctl.statemachine.spec.Deployment`) hands its
     processes: ``[secrets]`` entries (``env:NAME`` read from *environ*, default ``os.environ``; unset ones left out)
@@ -116,7 +97,7 @@ def secret_values(dep: Any, environ: Mapping[str, str] | None = None) -> dict[st
     except switch values (``0``, ``true``, ``off``…: ``TOKENIZERS_PARALLELISM=false`` is no secret, and replacing
     ``false`` would mangle every JSON member). Empty values are left out."""
     from pdctl.statemachine.launch import split_secrets
-    from pdctl.statemachine.rules import _SECRET_NAME, _SECRET_NAME_NOT, _SWITCH_VALUE  # (the rules' own test)
+    from pdctl.statemachine.rules import is_secret_env, is_switch_value
     from pdctl.statemachine.spec import secret_value
 
     env = os.environ if environ is None else environ
@@ -130,10 +111,25 @@ def secret_values(dep: Any, environ: Mapping[str, str] | None = None) -> dict[st
     for where, table in tables:
         moved = split_secrets(dict(table))[1]
         for key, v in table.items():
-            named = key in moved or (_SECRET_NAME.search(key) and not _SECRET_NAME_NOT.search(key))
-            if named and v.strip() and not _SWITCH_VALUE.fullmatch(v.strip()):
+            if is_secret_env(key, v) or (key in moved and not is_switch_value(v)):
                 out[f"{where}.{key}"] = v
     return out
+
+
+def _recorded_secrets(node: Any, where: str, out: dict[str, str]) -> None:
+    """Add to *out* every ``NAME: value`` of an ``env`` table in the JSON *node* whose name and value look like a
+    credential (:func:`~pdctl.statemachine.rules.is_secret_env`; ``[secrets]`` are recorded as digests)."""
+    from pdctl.statemachine.rules import is_secret_env
+
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, str) and where.endswith(".env") and is_secret_env(str(k), v):
+                out.setdefault(f"{where}.{k}", v)
+            else:
+                _recorded_secrets(v, f"{where}.{k}", out)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _recorded_secrets(v, f"{where}[{i}]", out)
 
 
 def _forms(value: str) -> list[bytes]:
@@ -184,7 +180,8 @@ def collect(loaded: Any, *, lines: int = 200, timeout_s: float = 10.0,
     import httpx
 
     from pdctl.statemachine import launch, probes, service
-    from pdctl.statemachine.rules import _SWITCH_VALUE
+    from pdctl.statemachine.rules import is_secret_env, is_switch_value
+    from pdctl.units import parse_env_file
     from pdctl.statemachine.plan import render_text
     from pdctl.statemachine.topology import dial_host, topology_of
 
@@ -210,6 +207,10 @@ def collect(loaded: Any, *, lines: int = 200, timeout_s: float = 10.0,
         state = None
         b.add("journal.error", "why the journal could not be read", lambda: f"{type(exc).__name__}: {exc}\n")
     topo = (state.target or state.deployed if state is not None else None) or topology_of(dep)
+    try:  # the values the journal records as written (an env table's since changed in the spec), wherever they sit
+        _recorded_secrets(json.loads(j.path.read_bytes()), "journal", b.secrets)
+    except (OSError, ValueError):
+        pass
 
     logs = None
     opened: list[Any] = []
@@ -228,9 +229,9 @@ def collect(loaded: Any, *, lines: int = 200, timeout_s: float = 10.0,
             for svc in launch.unit_set_for(dep, state_dir=str(j.dir)).services:
                 if svc.secrets_file and host.exists(svc.secrets_file):
                     text = host.read_file(svc.secrets_file).decode(errors="replace")
-                    for i, v in enumerate(_env_file_values(text)):
-                        if v.strip() and not _SWITCH_VALUE.fullmatch(v.strip()):  # (as secret_values)
-                            b.secrets.setdefault(f"{svc.secrets_file}[{i}]", v)
+                    for key, v in parse_env_file(text).items():
+                        if not is_switch_value(v):  # (everything in it is a secret, but a switch value)
+                            b.secrets.setdefault(f"{svc.secrets_file}:{key}", v)
         except Exception:  # noqa: BLE001 - unreadable (another account's 0600 file): the spec's values remain
             pass
 

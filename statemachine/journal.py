@@ -487,6 +487,7 @@ class Journal:
         """Hold the deployment's lock; raise :class:`LockHeld` naming the holder if taken. Taking over a lock whose
         holder died without releasing it (its record is still in the lock file) is audited as ``lock-abandoned``
         with that record: the audit log then says how an apply or down killed before recording its end ended."""
+        self.refused = None  # (a refusal of an earlier command on this Journal: the console keeps one across applies)
         made_dir = not self.dir.exists()
         self._make_dir()
         try:

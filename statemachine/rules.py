@@ -228,6 +228,16 @@ _SECRET_NAME_NOT = re.compile(r"_(PATH|FILE|DIR)$", re.IGNORECASE)
 _SWITCH_VALUE = re.compile(r"0|1|true|false|yes|no|on|off", re.IGNORECASE)
 
 
+def is_switch_value(value: str) -> bool:
+    """Whether *value* is empty or a switch (``0``, ``true``, ``off``…), which no secret is."""
+    return not value.strip() or bool(_SWITCH_VALUE.fullmatch(value.strip()))
+
+
+def is_secret_env(name: str, value: str) -> bool:
+    """Whether ``name=value`` of an env table looks like a credential (the names above, a value not a switch)."""
+    return bool(_SECRET_NAME.search(name) and not _SECRET_NAME_NOT.search(name)) and not is_switch_value(value)
+
+
 # DeepSeek checkpoints by name -> (family, SGLang tool-call parsers for its markup). Sources: SGLang
 # docs/basic_usage/deepseek_v32.md (V3.2 -> deepseekv32; V3.2-Exp -> deepseekv31), 0.5.23
 # sglang/srt/function_call/deepseekv4_detector.py (V4's DSML <｜DSML｜tool_calls>; deepseekv41 parses V4.1's other
@@ -1296,8 +1306,7 @@ def validate(dep: Deployment, *, inventories: dict[str, Inventory] | None = None
     for where, env in tables:
         for key, value in env.items():
             # (env tables take values as written: no env:NAME here)
-            if (_SECRET_NAME.search(key) and not _SECRET_NAME_NOT.search(key) and value
-                    and not _SWITCH_VALUE.fullmatch(value.strip())):
+            if is_secret_env(key, value):
                 warn(
                     f"{where}.{key}",
                     f"{key} looks like a secret, and env values are written into unit files and plans in clear",

@@ -126,7 +126,7 @@ def run_canary(client: httpx.Client, router_url: str, *, timeout: float = 5.0,
         r = client.post(f"{router_url}/generate", json=CANARY_BODY, timeout=timeout)
     except httpx.TimeoutException:
         return Canary(False, 0, f"no answer within {timeout:g} s", time.monotonic() - t0, at)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, RuntimeError) as exc:  # (RuntimeError: a client closed meanwhile)
         return Canary(False, 0, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, at)
     latency = time.monotonic() - t0
     if r.status_code != 200:
@@ -218,14 +218,18 @@ class CanaryRunner:
         """The last canary that finished (None: none yet)."""
 
     def tick(self) -> Canary | None:
-        """Start a canary when none is in flight and *interval_s* passed since the last start; return :attr:`latest`."""
+        """Start a canary when none is in flight and *interval_s* passed since the last start; return :attr:`latest`,
+        or None when it is older than two periods (a router that was down meanwhile: its result would be stale)."""
         with self._lock:
             busy = self._thread is not None and self._thread.is_alive()
             if not busy and time.monotonic() - self._last_start >= self.interval_s:
                 self._last_start = time.monotonic()
                 self._thread = threading.Thread(target=self._run, name="pdctl-canary", daemon=True)
                 self._thread.start()
-        return self.latest
+        latest = self.latest
+        if latest is not None and self._clock() - latest.at > 2 * (self.interval_s + self.timeout_s):
+            return None
+        return latest
 
     def _run(self) -> None:
         with self._factory() as client:

@@ -422,8 +422,9 @@ class Console(_Model):
 
     refresh_s: Float = Field(default=1.0, gt=0, le=3600)
     canary: Bool = True
-    """Send a canary through the router (one token of ``/generate``) in ``status`` and every ``canary_interval_s``
-    in the console and ``status --watch``: a failed one makes the deployment not healthy, saying what clients get."""
+    """Send a canary through the router (one token of ``/generate``) in ``status`` (each refresh of ``--watch``) and
+    every ``canary_interval_s`` in the console: a failed one makes the deployment not healthy, saying what clients
+    get."""
     canary_interval_s: Float = Field(default=2.0, gt=0, le=3600)
     canary_timeout_s: Float = Field(default=5.0, gt=0, le=600)
 

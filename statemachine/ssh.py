@@ -74,6 +74,7 @@ class SshHost(Host):
         self._thread: threading.Thread | None = None
         self._conn: Any = None
         self._forwards: dict[tuple[str, int], int] = {}
+        self._forward_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sftp: Any = None
         self._sftp_conn: Any = None
@@ -552,14 +553,15 @@ class SshHost(Host):
         """Local port on this machine's loopback that the connection forwards to *dest_host:dest_port* as seen
         from the host (opened once per destination)."""
         key = (dest_host, int(dest_port))
-        if key not in self._forwards:
-            async def _open() -> int:
-                conn = await self._connection()
-                listener = await conn.forward_local_port("127.0.0.1", 0, dest_host, int(dest_port))
-                return listener.get_port()
+        with self._forward_lock:  # (the console's canary thread and its collector dial the router's port at once)
+            if key not in self._forwards:
+                async def _open() -> int:
+                    conn = await self._connection()
+                    listener = await conn.forward_local_port("127.0.0.1", 0, dest_host, int(dest_port))
+                    return listener.get_port()
 
-            self._forwards[key] = self._submit(_open(), self.connect_timeout + 10)
-        return self._forwards[key]
+                self._forwards[key] = self._submit(_open(), self.connect_timeout + 10)
+            return self._forwards[key]
 
     def http_transport(self) -> httpx.BaseTransport:
         return _ForwardingTransport(self)

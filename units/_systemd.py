@@ -26,7 +26,8 @@ Ordering and restarts
 ---------------------
 Prefill and decode have no ordering between them (decode contacts the prefill bootstrap only at
 the first request), so they start in parallel. The router ``Wants=`` and is ``After=`` both: a
-start of the router pulls them in and waits until they are active, i.e. ready. Not ``Requires=``:
+start of the router pulls them in and starts once their start jobs ended (a server that failed does
+not stop it; its own readiness gate then waits for workers). Not ``Requires=``:
 systemd propagates a stop or restart of a server along it (seen on systemd 252), so every restart
 of one replica — ``Restart=on-failure``, or pdctl's rolling restart — restarted the router and cut
 off the replicas still serving. The router keeps running, as under the process supervisor, and

@@ -99,14 +99,13 @@ def test_status_is_not_healthy_while_the_routers_breaker_holds_a_worker_out_and_
 def test_a_probes_hint_comes_from_what_it_met(tmp_path):
     import socket
 
-    from harness.sim import free_ports
-
     from pdctl.statemachine import probes
     from pdctl.statemachine.errors import ProbeError
 
-    (port,) = free_ports(1)
-    with pytest.raises(ProbeError) as e, httpx.Client(trust_env=False) as c:  # nothing listens
-        probes.chat_probe(c, f"http://127.0.0.1:{port}", "m", timeout=2)
+    with socket.socket() as bound:  # bound, never listening: connections are refused, and the port stays ours
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(ProbeError) as e, httpx.Client(trust_env=False) as c:
+            probes.chat_probe(c, f"http://127.0.0.1:{bound.getsockname()[1]}", "m", timeout=2)
     assert "nothing accepts connections" in e.value.evidence_hint()
     with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts, never answers
         url = f"http://127.0.0.1:{mute.getsockname()[1]}"
@@ -115,6 +114,21 @@ def test_a_probes_hint_comes_from_what_it_met(tmp_path):
     assert "did not answer in time" in e.value.evidence_hint()
     # an HTTP answer the step itself judges (a 400: the request, the parsers) keeps the step's hint
     assert ProbeError("x", status=400, body="bad tool_call_parser").evidence_hint() is None
+
+
+def test_the_canary_never_raises_and_an_old_result_is_not_given_as_now():
+    closed = httpx.Client(trust_env=False)
+    closed.close()  # (the console's client, replaced by a reload of [hosts] while a canary was due)
+    c = serving.run_canary(closed, "http://127.0.0.1:9", timeout=1)
+    assert not c.ok and c.status == 0 and "closed" in c.error, c
+    now = [1000.0]
+    runner = serving.CanaryRunner(lambda: httpx.Client(trust_env=False), "http://127.0.0.1:9", interval_s=1,
+                                  timeout_s=1, clock=lambda: now[0])
+    runner.latest = serving.Canary(False, 0, "refused", 0.0, at=1000.0)
+    runner._last_start = time.monotonic()  # (none due now)
+    assert runner.tick() is runner.latest
+    now[0] += 4.5  # two periods and more: the router may have come back since
+    assert runner.tick() is None
 
 
 def _refused(url: str) -> str | None:
