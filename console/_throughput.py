@@ -5,6 +5,9 @@ Two lines per source so it fits 80 columns: the headline (tok/s or req/s, runnin
 pool, a sparkline of the last minutes), then latencies (TTFT, ITL percentiles from merged
 histogram buckets; KV transfer latency and failures; router errors). A ``down`` or ``stale``
 source keeps its last numbers, dimmed, with the reason.
+
+Below them, the newest saved ``pdctl bench`` result of the deployment (read from its state directory by the
+collector; :mod:`pdctl.console.bench_view` renders it): the console shows it, and starts no load.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from pdctl.console.bench_view import bench_summary
 from pdctl.console.metrics import ThroughputSample, sparkline
 
 __all__ = ["ThroughputPanel", "render_throughput"]
@@ -113,6 +117,11 @@ class ThroughputPanel(Widget):
 
     samples: reactive[tuple[ThroughputSample, ...]] = reactive((), layout=True)
     """One sample per source (servers, then the router)."""
+    bench: reactive[dict | None] = reactive(None, layout=True)
+    """The newest saved ``pdctl bench`` result (``bench.latest``), None when there is none."""
+    plan_id: reactive[str | None] = reactive(None)
+    """The deployment's plan id now: a saved result of another plan is flagged."""
 
     def render(self) -> RenderableType:
-        return render_throughput(self.samples, self.content_size.width or 78)
+        return Group(render_throughput(self.samples, self.content_size.width or 78), Text(" "),
+                     bench_summary(self.bench, current_plan=self.plan_id))

@@ -639,7 +639,11 @@ class ConsoleApp(App[int]):
         gpu = self._w(GpuPanel)
         gpu.topology = snap.topology
         gpu.sample = snap.gpu
-        self._w(ThroughputPanel).samples = snap.throughput
+        tp_panel = self._w(ThroughputPanel)
+        tp_panel.samples = snap.throughput
+        tp_panel.plan_id = snap.journal.plan_id if snap.journal is not None else None
+        if snap.bench != tp_panel.bench:  # (a fresh dict each tick: compared, not redrawn when equal)
+            tp_panel.bench = dict(snap.bench) if snap.bench is not None else None
         logs = self._w(LogsPanel)
         roles = tuple(log_sources(snap.topology))
         if logs.roles != roles:

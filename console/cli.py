@@ -1379,6 +1379,76 @@ def _out_unwritable(out: Path, exc: OSError, what: str, example: str, *, shown: 
                       hint=hint or f"give -o/--out a path this user can write: {example}")
 
 
+@app.command("bench")
+def bench_cmd(
+    spec: SpecArg,
+    concurrency: Annotated[str, typer.Option("--concurrency", metavar="LIST",
+                                             help="Comma-separated concurrency levels, one AIPerf run each")] = "1,4,16",
+    isl: Annotated[int, typer.Option("--isl", metavar="N", min=1, help="Prompt tokens per request")] = 256,
+    osl: Annotated[int, typer.Option("--osl", metavar="N", min=1, help="Output tokens asked per request")] = 128,
+    requests_per_level: Annotated[int, typer.Option(
+        "--requests-per-level", metavar="N", min=1,
+        help="Requests per level: max(N × concurrency, 32) (ignored with --duration-s)")] = 8,
+    duration_s: Annotated[Optional[float], typer.Option(
+        "--duration-s", metavar="S", min=1, max=3600, help="Run each level for S seconds instead of a request count")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", metavar="PATH", help="Tokenizer for the prompts (default: the model's path; a local one for "
+                                            "the stand-in)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=10, max=7200,
+                                           help="Bound on the whole sweep (AIPerf's runs)")] = 600,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the saved results.json on stdout instead of the table")] = False,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Measure the deployment through its router: a bounded concurrency sweep of streamed chat completions driven by
+    AIPerf (installed on first use into its own venv, .venv-bench beside pdctl's, or PDCTL_BENCH_VENV). Reports
+    output tok/s, requests/s, TTFT and ITL p50/p90/p99 and errors per level, saved with the plan id and versions under
+    the state directory (bench/<UTC time>/: results.json, table.txt, throughput.png), which the console's throughput
+    tab shows. Against the SGLang stand-in the figures are the HTTP path's, not a GPU's. Exit 0: every request
+    answered; 1: a deployment that is not up (`pdctl apply SPEC` first), AIPerf's venv that cannot be created (no
+    network to PyPI: the fix is named), AIPerf failing or a level past its bound, or some requests failed;
+    130 / 143 / 129: interrupted (Ctrl-C / SIGTERM / SIGHUP)."""
+    from pdctl.statemachine import bench
+    from pdctl.statemachine.service import load
+
+    try:
+        levels = tuple(sorted({int(x) for x in concurrency.split(",") if x.strip()}))
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter(f"{concurrency!r}: give positive whole numbers, e.g. 1,4,16",
+                                 param_hint="--concurrency")
+    with _interruptible("bench"):
+        loaded = load(spec, state_dir=state_dir, rules=False, discover="try")
+        _broken_rules_note(loaded, "bench measures what runs")
+        opts = bench.BenchOptions(levels=levels, isl=isl, osl=osl, requests_per_level=requests_per_level,
+                                  duration_s=duration_s, tokenizer=tokenizer, timeout_s=timeout)
+        done = bench.run(loaded, opts, progress=lambda m: _err(m))
+    res = done.result
+    if as_json:
+        sys.stdout.write(json.dumps({**res, "dir": str(done.out), "png": str(done.png) if done.png else None},
+                                    indent=1) + "\n")
+    else:
+        from rich.console import Console
+
+        from pdctl.console.bench_view import bench_table
+
+        con = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 120)
+        sys.stdout.write(_visible("\n".join(done.header)) + "\n")
+        sys.stdout.flush()
+        con.print(bench_table(res))
+        sys.stdout.write("(TTFT and ITL in ms; tok/s and req/s over each level's run)\n\n"
+                         + bench.terminal_plot(res["levels"]) + "\n\n"
+                         + f"saved: {done.out} (results.json, table.txt, aiperf/)\n"
+                         + (f"PNG: {done.png}\n" if done.png else "PNG: not drawn\n"))
+    if done.png_error:
+        _err(f"note: the PNG could not be drawn: {done.png_error}")
+    failed = sum(int(r.get("errors") or 0) for r in res["levels"])
+    if failed:
+        _err(f"error: {failed} request(s) failed (the err column); AIPerf's output is in {done.out / 'aiperf.log'}; "
+             f"`pdctl status {spec}` says whether every role serves")
+    raise typer.Exit(ExitCode.ERROR if failed else ExitCode.OK)
+
+
 @app.command("chat")
 def chat_cmd(
     spec: SpecArg,
@@ -1721,6 +1791,8 @@ _SAID_WHEN_INTERRUPTED = {
     "chat": "interrupted: the chat was abandoned unanswered (it changes nothing of the deployment); run it again",
     "logs": "interrupted: logs only reads, it changes nothing",
     "support-bundle": "interrupted: no bundle was written (support-bundle only reads the deployment); run it again",
+    "bench": "interrupted: the benchmark stopped (AIPerf ended; nothing of the deployment changed, its partial output "
+             "stays in the state directory's bench/); run it again",
 }
 """The one line that ends a command that changes nothing, when Ctrl-C, SIGTERM or SIGHUP stops it (``_interruptible``),
 also while its command line is still being parsed."""

@@ -62,6 +62,9 @@ class Snapshot:
     serving: Any = None
     """Whether a client of the router is served (:class:`~pdctl.statemachine.serving.Serving`: circuits and the
     latest canary), None while no router runs."""
+    bench: Mapping[str, Any] | None = None
+    """The newest saved ``pdctl bench`` result in the state directory (:func:`pdctl.statemachine.bench.latest`),
+    None when there is none. Read only: the console starts no load."""
 
 
 def current_topology(loaded: Any, journal: JournalState | None) -> Topology:
@@ -331,6 +334,11 @@ class Collector:
             verdict = None
             notes.append(f"serving: {exc}")
         tp = self.scrape(topo, at, services) if throughput else ()
+        saved_bench = None
+        if throughput:
+            from pdctl.statemachine.bench import latest
+
+            saved_bench = latest(self.loaded.journal.dir)  # (a folder listing and one small JSON file a tick)
         g = None
         if gpu:
             try:
@@ -357,4 +365,5 @@ class Collector:
             notes=tuple(notes),
             locked_by=locked_by,
             serving=verdict,
+            bench=saved_bench,
         )

@@ -24,7 +24,7 @@ def spec(tmp_path):
     return p
 
 
-def _app(spec, tmp_path, *, deployed_mutation=None, gpu=False, readonly=False, tab=None):  # noqa: ANN001, ANN202
+def _app(spec, tmp_path, *, deployed_mutation=None, gpu=False, readonly=False, tab=None, bench=None):  # noqa: ANN001, ANN202
     from pdctl.statemachine.service import load, plan_spec
 
     state = tmp_path / "state"
@@ -35,6 +35,10 @@ def _app(spec, tmp_path, *, deployed_mutation=None, gpu=False, readonly=False, t
     loaded = load(spec, state_dir=state)
     app = ConsoleApp(loaded, live=False, clock=lambda: FIXED_NOW, nvml=False, readonly=readonly)
     snap = fixed_snapshot(loaded, gpu=fixed_gpu(gpu_owners(loaded.deployment, fixed_snapshot(loaded).topology)) if gpu else None)
+    if bench is not None:
+        import dataclasses
+
+        snap = dataclasses.replace(snap, bench=bench)
     plan = plan_spec(loaded)
 
     async def before(pilot) -> None:  # noqa: ANN001
@@ -78,6 +82,17 @@ def test_gpu_panel_with_gpus_and_an_affinity_mismatch(snap_compare, spec, tmp_pa
 def test_throughput_panel_with_a_router_down(snap_compare, spec, tmp_path):
     app, before = _app(spec, tmp_path, tab="throughput")
     assert snap_compare(app, terminal_size=(80, 24), run_before=before)
+
+
+def test_throughput_panel_with_a_saved_bench_result(snap_compare, spec, tmp_path):
+    """The newest ``pdctl bench`` result below the live figures (issue 42 item 5): a real AIPerf run's, recorded once
+    (tests/statemachine/fixtures/bench), of another plan than the fixed journal's."""
+    import json
+    from pathlib import Path
+
+    res = json.loads((Path(__file__).parents[1] / "statemachine/fixtures/bench/results.json").read_text())
+    app, before = _app(spec, tmp_path, tab="throughput", bench={**res, "dir": "/state/bench/20261205T135450.272409Z"})
+    assert snap_compare(app, terminal_size=(100, 40), run_before=before)
 
 
 def test_step_proof(snap_compare, spec, tmp_path):
