@@ -33,7 +33,7 @@ EXIT_HELP = (
     "Exit codes: 0 ok / no changes; 1 error; 2 changes present (plan) or topology change refused or stale saved "
     "plan (apply); 3 a step failed, or apply refused before its first step (a port or GPU taken, or what the host "
     "lacks: bind address, engine.python, router executable, NUMA node, supervisor folder), or the host's connection "
-    "was lost; 4 deployment locked; 64 usage; 130 interrupted; 129 / 143 an apply, down, plan, status, chat, logs or "
+    "was lost; 4 deployment locked; 5 state directory not writable; 64 usage; 130 interrupted; 129 / 143 an apply, down, plan, status, chat, logs or "
     "the console stopped by SIGHUP / SIGTERM."
 )
 

@@ -1053,8 +1053,10 @@ def apply(
                 # (what an unfinished apply removed; or all it changed already, kept as it runs)
                 what = ("roles that do not run now, to start again" if pending
                         else "changes an unfinished apply made already, kept as they run")
-            sink.emit(Event("plan", f"plan {plan.plan_id}: {what}",
+            impact = plan.client_impact()  # (as plan says it: apply --restart shows no plan before it starts)
+            sink.emit(Event("plan", f"plan {plan.plan_id}: {what}" + "".join(f"; {w}" for w in impact),
                             data={"plan_id": plan.plan_id, "class": plan.cls, "counts": plan.counts(),
+                                  "client_impact": impact,
                                   "warnings": [w.to_json() for w in loaded.warnings]}))
             j.audit("plan", plan_id=plan.plan_id, cls=plan.cls, changes=[c.address for c in plan.changes], spec=str(loaded.path),
                     **({"restart": list(restart)} if restart else {}))  # (asked for: the plan id does not say it)

@@ -23,6 +23,7 @@ def test_apply_restart_restarts_only_that_role_and_proves_it_again(demo):
     r = demo.cli("apply", str(demo.spec), "--restart", "decode")
     assert r.returncode == 0, r.stderr
     assert f"restarting pdctl-{demo.name}-decode.service" in r.stderr, r.stderr
+    assert "; clients get 503 while decode restarts: one decode" in r.stderr, r.stderr  # (before it starts, as plan)
     planned = [json.loads(x) for x in (demo.state / "audit.log").read_text().splitlines()]
     assert [e.get("restart") for e in planned if e["event"] == "plan"][-2:] == [None, ["decode"]]  # (who asked what)
     assert "kv_link_verified: verified" in r.stderr, r.stderr  # (the link proven again with the new decode server)
