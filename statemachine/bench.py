@@ -180,8 +180,11 @@ def ensure_bench_venv(where: Path | None = None, *, progress: Progress | None = 
     pin = aiperf_pin()
     where.parent.mkdir(parents=True, exist_ok=True)
     with open(where.parent / f".{where.name}.lock", "w") as lock:
-        say(f"waiting for the lock on {where} (another pdctl bench installing it)…")
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another pdctl bench to finish installing {where} (its lock; as long as its pip runs)…")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if bench_venv_ready(where):
             return py
         log = where.parent / f".{where.name}-setup.log"
@@ -249,11 +252,14 @@ _PLOT = textwrap.dedent('''
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(c, [r["output_tok_s"] for r in rows], "o-", label="output tok/s")
     a.set_xscale("log", base=2); a.set_xlabel("concurrency"); a.set_ylabel("output tok/s"); a.grid(True, alpha=.3)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2); ax.set_xticks(c); ax.set_xticklabels([str(x) for x in c]); ax.minorticks_off()
     a2 = a.twinx(); a2.plot(c, [r["requests_s"] for r in rows], "s--", color="tab:orange", label="requests/s")
     a2.set_ylabel("requests/s")
+    a.legend(handles=a.get_lines() + a2.get_lines(), loc="upper left")
     for key, style in (("ttft_ms_p50", "o-"), ("ttft_ms_p99", "o:"), ("itl_ms_p50", "s-"), ("itl_ms_p99", "s:")):
         b.plot(c, [r[key] for r in rows], style, label=key.replace("_ms_", " ms "))
-    b.set_xscale("log", base=2); b.set_xlabel("concurrency"); b.set_ylabel("ms"); b.legend(); b.grid(True, alpha=.3)
+    b.set_xlabel("concurrency"); b.set_ylabel("ms"); b.legend(); b.grid(True, alpha=.3)
     fig.suptitle(res["title"], fontsize=9)
     fig.tight_layout(); fig.savefig(sys.argv[2], dpi=110)
 ''')

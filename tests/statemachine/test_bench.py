@@ -38,6 +38,12 @@ def test_aiperf_export_is_parsed_into_one_level():
     assert row["duration_s"] == raw["benchmark_duration"]["avg"]
 
 
+def test_failed_requests_are_counted_from_a_recorded_run_with_timeouts():
+    row = bench.parse_aiperf_export(FIX / "profile_export_aiperf_errors.json", 2)
+    assert row["requests"] == 178 and row["errors"] == 4
+    assert row["output_tok_s"] > 0 and row["ttft_ms_p50"] is not None
+
+
 def test_failed_requests_are_counted_from_either_of_aiperfs_error_fields():
     raw = json.loads((FIX / "profile_export_aiperf_c4.json").read_text())
     # (AIPerf writes error_request_count only when a request failed, with error_summary listing each kind)
