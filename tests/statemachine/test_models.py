@@ -127,6 +127,7 @@ def test_different_tp_is_refused_for_a_sliding_window_hybrid_and_allowed_for_mla
     d["model"]["path"] = "openai/gpt-oss-120b"
     d["parsers"] = {"reasoning_parser": "gpt-oss", "tool_call_parser": "gpt-oss"}
     d["model"]["kv_cache_dtype"] = "auto"
+    d["kernels"]["enabled"] = False  # (the seed's V4 kernels: no model for gpt-oss)
     d["decode"][0].update(gpus=[4, 5], tp=2)
     assert [f.field for f in _findings(d, "error")] == ["decode[0].tp"]
     d["decode"][0].update(gpus=[4, 5, 6, 7], tp=4)
