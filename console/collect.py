@@ -22,7 +22,7 @@ from pdctl.console.metrics import ThroughputSample, ThroughputTracker, parse_scr
 from pdctl.console.telemetry import GpuNumaSample, RoleNuma, read_gpu_numa
 from pdctl.console.views import StepView, expected_states, step_views, unit_names
 from pdctl.statemachine.journal import JournalState
-from pdctl.statemachine.topology import Topology, dial_host, topology_of
+from pdctl.statemachine.topology import Topology, topology_of
 
 __all__ = ["Collector", "ServiceView", "Snapshot", "current_topology", "gpu_owners", "log_sources", "role_numa", "scrape_sources"]
 
@@ -97,8 +97,9 @@ def scrape_sources(topo: Topology) -> list[tuple[str, str, str]]:
     """``(source, kind, metrics URL)``: every server's ``/metrics`` and the router's prometheus port."""
     out = [(r.name, r.kind, f"{r.url}/metrics") for r in topo.roles]
     if topo.router is not None:
-        s = topo.router.settings
-        out.append(("router", "router", f"http://{dial_host(str(s.get('prometheus_host', '127.0.0.1')))}:{s.get('prometheus_port', 29000)}/metrics"))
+        from pdctl.statemachine.serving import metrics_url
+
+        out.append(("router", "router", metrics_url(topo)))
     return out
 
 
@@ -137,6 +138,7 @@ class Collector:
         self._manager = manager
         self.canary = canary
         """Send canaries through the router (None: the spec's ``console.canary``)."""
+        self._router_metrics: tuple[str | None, str | None] | None = None  # (text, error) of this tick's scrape
         self._canary: Any = None  # (a CanaryRunner for the router's URL: one canary in flight at most)
         self._boot: int | None = None  # the host's boot time (epoch s), read once per host
         self._pid_started: dict[int, float | None] = {}  # main PID → when it started, read once per PID
@@ -241,9 +243,15 @@ class Collector:
         view = services.get("router")
         if topo.router is None or view is None or view.state != "active":
             return None
+        scraped, self._router_metrics = self._router_metrics, None  # (this tick's scrape, when it ran first)
         try:
-            states, error = serving.circuits(self.client, topo, timeout=self.scrape_timeout_s), None
-        except PdctlError as exc:
+            if scraped is None:
+                states, error = serving.circuits(self.client, topo, timeout=self.scrape_timeout_s), None
+            elif scraped[0] is not None:
+                states, error = serving.parse_circuits(scraped[0]), None
+            else:
+                states, error = None, scraped[1]
+        except (PdctlError, ValueError) as exc:
             states, error = None, str(exc)
         console = self.loaded.deployment.console
         canary = None
@@ -268,17 +276,22 @@ class Collector:
         import httpx
 
         out = []
+        self._router_metrics = None
         for source, kind, url in scrape_sources(topo):
             sv = (services or {}).get(source)
             try:
                 r = self.client.get(url, timeout=self.scrape_timeout_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}")
+                if source == "router":  # (the serving verdict reads its circuits from the same text)
+                    self._router_metrics = (r.text, None)
                 sc = parse_scrape(r.text, at)
                 if not sc.samples and not sc.histograms:
                     raise ValueError("none of the expected metrics in the answer (server without --enable-metrics?)")
             except (httpx.HTTPError, ValueError) as exc:
                 msg = "connection refused" if isinstance(exc, httpx.ConnectError) else f"{type(exc).__name__}: {exc}"[:120]
+                if source == "router" and self._router_metrics is None:
+                    self._router_metrics = (None, f"GET {url}: {msg}")
                 out.append(self.tracker.observe(source, kind, url, at, None, msg))
                 continue
             if sv is not None and sv.state in ("inactive", "failed"):
@@ -328,12 +341,12 @@ class Collector:
         except Exception as exc:  # noqa: BLE001 - the lock's state is a courtesy
             notes.append(f"lock: {exc}")
         services = self.services(topo)
+        tp = self.scrape(topo, at, services) if throughput else ()
         try:
             verdict = self.serving(topo, services)
         except Exception as exc:  # noqa: BLE001 - the verdict is read again next tick
             verdict = None
             notes.append(f"serving: {exc}")
-        tp = self.scrape(topo, at, services) if throughput else ()
         saved_bench = None
         if throughput:
             from pdctl.statemachine.bench import latest

@@ -68,7 +68,7 @@ def test_status_is_not_healthy_while_the_routers_breaker_holds_a_worker_out_and_
 
     collector = Collector(demo.load(), nvml=False)
     try:
-        snap = _wait(lambda: (c := collector.collect(gpu=False, throughput=False)).serving is not None
+        snap = _wait(lambda: (c := collector.collect(gpu=False)).serving is not None
                      and c.serving.canary is not None and c, 15, "the console's first canary")
     finally:
         collector.close()
