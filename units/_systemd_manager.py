@@ -6,21 +6,25 @@ for tests and operators without root (``~/.config/systemd/user``, ``systemctl --
 are injectable, which is how the test harness points it at its own manager.
 
 Logs: a service with a ``log_path`` writes there (``StandardOutput=append:``) and :meth:`logs`
-reads the file; otherwise the journal (``journalctl -u``).
+reads the file; otherwise the journal (``journalctl -u``). :meth:`~SystemdManager.follow_logs` follows the file by
+offset and the journal by cursor.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import shlex
 from collections.abc import Mapping, Sequence
 
-from ._host import HostLike
+from ._host import CommandResultLike, HostLike
 from ._manager import (
+    LOG_LINE_BYTES,
     OTHER_DEPLOYMENT_HINT,
     ServiceManager,
     clean_log_lines,
     current_text,
+    log_lines_of,
     log_tail,
     probe_writable,
     secrets_pending,
@@ -365,22 +369,123 @@ class SystemdManager(ServiceManager):
             sub = info.get("SubState", "")
         return ServiceStatus(name=name, state=state, main_pid=pid, restarts=restarts, sub_state=sub)
 
-    def logs(self, name: str, *, lines: int = 50) -> list[str]:
-        text = self.installed_text(name) or ""
-        for line in text.splitlines():
+    def _log_file(self, name: str) -> str | None:
+        """The file *name*'s installed unit appends its output to (``StandardOutput=append:``), None for the journal (or
+        no unit installed)."""
+        for line in (self.installed_text(name) or "").splitlines():
             if line.startswith("StandardOutput=append:"):
-                path = line.split(":", 1)[1]
-                if not self.host.exists(path):
-                    return []
-                return log_tail(self.host, path, lines)
+                return line.split(":", 1)[1]
+        return None
+
+    def logs(self, name: str, *, lines: int = 50) -> list[str]:
+        path = self._log_file(name)
+        if path is not None:
+            if not self.host.exists(path):
+                return []
+            return log_tail(self.host, path, lines)
         flag = "--user-unit" if self.scope == "user" else "--unit"
         argv = [*self._journalctl, flag, name, "-n", str(lines), "--no-pager", "-o", "cat"]
         res = self.host.run(self._with_env(argv), timeout=self.command_timeout, check=False)
         if res.returncode != 0:  # (a host without journald, a user not in systemd-journal): say so, not nothing
-            said = (res.stderr or "").strip().splitlines()
-            return [f"(no log lines: {' '.join(argv)} exited {res.returncode}"
-                    + (f": {said[-1][-200:]})" if said else ")")]
+            return [_unreadable(argv, res)]
         return clean_log_lines(res.stdout, lines)
+
+    def follow_logs(self, name: str, mark: object = None, *, lines: int = 500) -> tuple[list[str], object, bool]:
+        """As :meth:`ServiceManager.follow_logs`: every line once, however alike, across restarts of the unit. A
+        service with ``StandardOutput=append:`` is followed in its file by offset (the mark: the bytes read so far), as
+        the process supervisor's is; otherwise in the journal by cursor (the mark: the ``__CURSOR`` of the last entry
+        read, ``""`` while the unit has none), over :attr:`host` (SSH too).
+
+        The journal's facts relied on, as systemd 252 (252.38, Debian 12: ``systemctl --version``) shows them
+        (tests/statemachine/test_day2_systemd.py, under a real journald):
+
+        * ``journalctl -o json --output-fields=MESSAGE`` prints one object per entry with its ``__CURSOR``
+          (``--output-fields``: systemd 236 or later); ``MESSAGE`` is a string, or a list of byte values where it is
+          not UTF-8 or holds control characters (smg's colour codes), and ``null`` past 4096 bytes unless ``--all``.
+        * ``--after-cursor C -n N`` prints the *first* N entries after C (not the last N); none: exit 0 and no
+          output. (``--show-cursor`` was not used: for a unit without entries it exits 1 and prints nothing, like a
+          failure.)
+        * A cursor is a position in the whole journal: it holds across the unit's restarts and its removal, and the
+          entries after it are every line written since, alike or not.
+
+        So a read after a cursor asks for ``lines + 1`` entries; all of them coming means more than *lines* were
+        written since, and the last *lines* are read from the journal's end instead (*missed*). A journalctl that
+        fails says so as the first read's one line (as :meth:`logs`) and reads as nothing new after that, its
+        cursor kept for the next read."""
+        path = self._log_file(name)
+        if path is not None:
+            return self._follow_file(path, mark if isinstance(mark, int) and not isinstance(mark, bool) else None,
+                                     lines)
+        if not isinstance(mark, str):  # (None; or an offset of a unit that logged to a file until it was removed)
+            got, why = self._journal(name, "-n", str(lines))
+            return ([why] if why else _entry_lines(got)[-lines:]), (got[-1][0] if got else ""), False
+        if mark:
+            got, why = self._journal(name, "--after-cursor", mark, "-n", str(lines + 1))
+        else:  # (no entry when the follow began: every one there now is new)
+            got, why = self._journal(name, "-n", str(lines + 1))
+        if why:
+            return [], mark, False
+        missed = len(got) > lines
+        if missed and mark:  # (the first lines + 1 after the cursor: the newest are at the journal's end)
+            tail, why = self._journal(name, "-n", str(lines))
+            got = tail if tail and not why else got
+        text = _entry_lines(got)
+        return text[-lines:], (got[-1][0] if got else mark), missed or len(text) > lines
+
+    def _follow_file(self, path: str, offset: int | None, lines: int) -> tuple[list[str], object, bool]:
+        """:meth:`follow_logs` of a unit that appends to *path*: the lines past *offset* (None: the last *lines*), by
+        byte offset. A file shorter than *offset* was emptied or truncated (logrotate's ``copytruncate``): read again
+        from its start, *missed* True (what was written between the last read and the truncation is elsewhere)."""
+        most = max(65536, lines * LOG_LINE_BYTES)
+        try:
+            if offset is None:
+                data, size = self.host.read_from(path, 0, most)
+                got, _ = log_lines_of(data, cut=len(data) < size)
+                return got[-lines:], size - len(data) + data.rfind(b"\n") + 1, False  # (a line being written: next)
+            data, size = self.host.read_from(path, offset, most)
+            truncated = size < offset
+            if truncated:
+                offset = 0
+                data, size = self.host.read_from(path, 0, most)
+            got, used = log_lines_of(data, cut=len(data) < size - offset)
+            return (got[-lines:], size - len(data) + used if data else offset,
+                    truncated or len(data) < size - offset or len(got) > lines)
+        except FileNotFoundError:  # (not written yet, or removed)
+            return [], offset or 0, False
+
+    def _journal(self, name: str, *args: str) -> tuple[list[tuple[str, str]], str | None]:
+        """``([(cursor, message), ...], None)``: the journal entries of unit *name* that ``journalctl -o json ARGS``
+        prints, oldest first, each message as text (bytes not UTF-8 replaced); ``([], why)`` where journalctl fails."""
+        flag = "--user-unit" if self.scope == "user" else "--unit"
+        argv = [*self._journalctl, flag, name, "--no-pager", "-o", "json", "--output-fields=MESSAGE", "--all", *args]
+        res = self.host.run(self._with_env(argv), timeout=self.command_timeout, check=False)
+        if res.returncode != 0:
+            return [], _unreadable(argv, res)
+        out = []
+        for line in res.stdout.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            cursor, msg = (entry.get("__CURSOR"), entry.get("MESSAGE")) if isinstance(entry, dict) else (None, None)
+            if not isinstance(cursor, str):
+                continue
+            if isinstance(msg, list):
+                msg = bytes(b for b in msg if isinstance(b, int) and 0 <= b < 256).decode("utf-8", "replace")
+            out.append((cursor, msg if isinstance(msg, str) else ""))
+        return out, None
+
+
+def _unreadable(argv: Sequence[str], res: CommandResultLike) -> str:
+    """The one log line that says journalctl *argv* failed (its result *res*), in place of the lines it did not give."""
+    said = (res.stderr or "").strip().splitlines()
+    return f"(no log lines: {' '.join(argv)} exited {res.returncode}" + (f": {said[-1][-200:]})" if said else ")")
+
+
+def _entry_lines(entries: Sequence[tuple[str, str]]) -> list[str]:
+    """The log lines of journal *entries* (:func:`_journal`'s): a message may hold several; colour codes removed."""
+    text = "\n".join(msg for _, msg in entries)
+    return clean_log_lines(text, text.count("\n") + 1) if entries else []
 
 
 def _environment_files(unit_text: str) -> list[str]:

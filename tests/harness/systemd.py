@@ -15,7 +15,20 @@ Shape (works with pytest, no test has to run inside the namespace)::
 
 ``unshare`` without ``--fork`` execs, so the PID we started *is* the manager. Teardown:
 ``systemctl --user exit`` (stops every unit, then the manager), a bounded wait, SIGKILL to that one
-PID only if it lingers. journald does not run there: units log to files (``StandardOutput=append:``).
+PID only if it lingers. By default journald does not run there: a unit's output goes nowhere unless it
+names a file (``StandardOutput=append:``).
+
+``start(root, journald=True)`` runs a real ``systemd-journald`` there too, as a host with systemd has it:
+
+* journald runs in the namespace, before the manager, ``Storage=volatile`` (a drop-in in the private
+  ``/run/systemd/journald.conf.d``): its sockets and files are in the private ``/run`` and nothing reaches the
+  host's ``/run`` or ``/var/log/journal``; ``ReadKMsg=no``, ``Audit=no``, no forwarding.
+* The manager runs in a cgroup of its own named as a real user manager's (``<unique>.slice/user@UID.service``,
+  made at the cgroup root and removed at teardown): journald attributes a unit's lines from that path
+  (``_SYSTEMD_USER_UNIT``), which is what ``journalctl --user-unit`` matches. (From ``init.scope``, where the
+  plain harness runs it, journald would record ``_SYSTEMD_UNIT`` and ``--user-unit`` would find nothing.)
+* ``journalctl`` reaches that journal through a wrapper first on ``env["PATH"]`` that runs the real one with
+  ``nsenter -m`` into the manager's mount namespace: the same arguments as on a host, reading ``/run/log/journal``.
 
 Use the ``user_systemd`` fixture (module-scoped; tests share one manager) or
 ``UserSystemd.start(root)`` directly. ``UserSystemd.skip_reason()`` says why it cannot run here.
@@ -25,16 +38,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SYSTEMD = "/lib/systemd/systemd"
+JOURNALD = "/lib/systemd/systemd-journald"
 
 
 @dataclass
@@ -48,20 +64,29 @@ class UserSystemd:
     home: Path
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cgroups: list[Path] = field(default_factory=list)
+    """``journald=True``: the manager's cgroup in each hierarchy (``…/<unique>.slice/user@UID.service``)."""
 
     @staticmethod
-    def skip_reason() -> str | None:
+    def skip_reason(*, journald: bool = False) -> str | None:
         if os.geteuid() != 0:
             return "needs root (unshare -m and mount)"
-        for exe in ("unshare", "systemctl", "systemd-analyze"):
+        for exe in ("unshare", "systemctl", "systemd-analyze", *(("nsenter", "journalctl") if journald else ())):
             if shutil.which(exe) is None:
                 return f"{exe} not installed"
-        if not os.access(SYSTEMD, os.X_OK):
-            return f"{SYSTEMD} not installed"
+        for exe in (SYSTEMD, *((JOURNALD,) if journald else ())):
+            if not os.access(exe, os.X_OK):
+                return f"{exe} not installed"
+        if journald:
+            mounts = _cgroup_mounts()
+            if "cgroup2" not in mounts:
+                return "no cgroup2 hierarchy mounted (the manager's cgroup names its user units for journald)"
+            if not all(os.access(m, os.W_OK) for m in mounts.values()):
+                return f"cgroup hierarchies not writable: {', '.join(map(str, mounts.values()))}"
         return None
 
     @classmethod
-    def start(cls, root: Path, *, timeout: float = 30.0) -> UserSystemd:
+    def start(cls, root: Path, *, timeout: float = 30.0, journald: bool = False) -> UserSystemd:
         root = Path(root)
         home, xdg = root / "home", root / "xdg"
         unit_dir = home / ".config" / "systemd" / "user"
@@ -70,20 +95,37 @@ class UserSystemd:
         os.chmod(xdg, 0o700)
         log_path = root / "systemd-user.log"
         env = {"XDG_RUNTIME_DIR": str(xdg), "HOME": str(home)}
-        script = (
-            "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -p /run/systemd/system && "
-            f"exec {SYSTEMD} --user --log-target=console --log-level=info"
-        )
+        script = "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir -p /run/systemd/system && "
+        cgroups: list[Path] = []
+        if journald:
+            script += _journald_script(root)
+            # (made here, removed by stop(): a name no other manager has, under slices only, as user@UID.service is)
+            slice_ = f"pdctl-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.slice"
+            for mount in _cgroup_mounts().values():
+                cgroups.append(mount / slice_ / f"user@{os.geteuid()}.service")
+                cgroups[-1].mkdir(parents=True)
+            script += "".join(f"echo $$ > {shlex.quote(str(cg / 'cgroup.procs'))} && " for cg in cgroups)
+            bindir = root / "bin"
+            bindir.mkdir(exist_ok=True)
+            env["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+        script += f"exec {SYSTEMD} --user --log-target=console --log-level=info"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                 env={**os.environ, **env, "SYSTEMD_LOG_COLOR": "0"}, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        mgr = cls(root=root, proc=proc, unit_dir=unit_dir, runtime_dir=xdg, home=home, log_path=log_path, env=env)
+        mgr = cls(root=root, proc=proc, unit_dir=unit_dir, runtime_dir=xdg, home=home, log_path=log_path, env=env,
+                  cgroups=cgroups)
+        if journald:  # (the PID started is the manager's, in its mount namespace: nsenter reaches that /run)
+            wrapper = root / "bin" / "journalctl"
+            wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('nsenter')} -t {proc.pid} -m -- "
+                               f"{shutil.which('journalctl')} \"$@\"\n")
+            wrapper.chmod(0o755)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                mgr.stop()  # (a journald it started, its cgroups)
                 raise RuntimeError(f"systemd --user exited {proc.returncode}:\n{mgr.log_tail()}")
             if (xdg / "systemd" / "private").exists():
                 # (``is-system-running`` says "offline": it checks the host's /run, not the manager)
@@ -97,6 +139,18 @@ class UserSystemd:
     def systemctl(self, *args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
         return subprocess.run(["systemctl", "--user", *args], env={**os.environ, **self.env}, check=check,
                               capture_output=True, text=True, timeout=timeout)
+
+    def journalctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+        """``journalctl ARGS`` on this manager's journal (``journald=True``), checked."""
+        return subprocess.run(["journalctl", *args], env={**os.environ, **self.env}, check=True,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def journald_pid(self) -> int | None:
+        """The PID of the journald :meth:`start` ran (``journald=True``), None while it has not said it."""
+        try:
+            return int((self.root / "journald.pid").read_text())
+        except (OSError, ValueError):
+            return None
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -135,16 +189,81 @@ class UserSystemd:
             except subprocess.TimeoutExpired:
                 self.proc.send_signal(signal.SIGKILL)
                 self.proc.wait(10)
+        jpid = self.journald_pid()
+        if jpid is not None:  # (the journald start() ran, by its PID, while that PID is still a journald)
+            _end(jpid, "systemd-journal", timeout=10)
+        deadline = time.monotonic() + 10
+        for cg in self.cgroups:  # (empty once every process in them has exited: their folders, deepest first)
+            below = sorted((p for p in cg.parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            for folder in [*below, cg.parent]:
+                while folder.exists():
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        if time.monotonic() >= deadline:
+                            break
+                        time.sleep(0.05)
 
 
-def user_systemd_session(root: Path) -> Iterator[UserSystemd]:
-    """Generator body for a pytest fixture: skip when impossible, always tear down."""
+def _cgroup_mounts() -> dict[str, Path]:
+    """Where the cgroup2 hierarchy (``"cgroup2"``) and v1's ``name=systemd`` (``"name=systemd"``, hybrid hosts) are
+    mounted here (proc(5) ``mountinfo``)."""
+    out: dict[str, Path] = {}
+    try:
+        rows = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return out
+    for row in rows:
+        pre, _, post = row.partition(" - ")
+        fstype, _, opts = (post.split() + ["", "", ""])[:3]
+        point = Path(pre.split()[4].replace("\\040", " "))
+        if fstype == "cgroup2":
+            out.setdefault("cgroup2", point)
+        elif fstype == "cgroup" and "name=systemd" in opts.split(","):
+            out.setdefault("name=systemd", point)
+    return out
+
+
+JOURNALD_CONF = "[Journal]\nStorage=volatile\nReadKMsg=no\nAudit=no\nForwardToSyslog=no\nForwardToWall=no\n"
+
+
+def _journald_script(root: Path) -> str:
+    """The part of the namespace's script that starts journald (its PID to ``root/journald.pid``) and waits, at most
+    10 s, for its stdout socket, which a unit's output connects to as its exec begins."""
+    pidfile, log = shlex.quote(str(root / "journald.pid")), shlex.quote(str(root / "journald.log"))
+    return ("mkdir -p /run/systemd/journald.conf.d && "
+            f"printf '{JOURNALD_CONF}' > /run/systemd/journald.conf.d/test.conf && "
+            f"{{ {JOURNALD} > {log} 2>&1 & echo $! > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; }} && "
+            "i=0 && while [ ! -S /run/systemd/journal/stdout ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done && "
+            "[ -S /run/systemd/journal/stdout ] && ")
+
+
+def _end(pid: int, comm: str, *, timeout: float) -> None:
+    """SIGTERM process *pid* while its name is *comm*, SIGKILL it if it lingers *timeout* seconds."""
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip() == comm and pid_alive(pid)
+        except OSError:
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not alive():
+            return
+        os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def user_systemd_session(root: Path, *, journald: bool = False) -> Iterator[UserSystemd]:
+    """Generator body for a pytest fixture: skip when impossible, always tear down. *journald*: see
+    :meth:`UserSystemd.start`."""
     from harness import skip_or_fail
 
-    why = UserSystemd.skip_reason()
+    why = UserSystemd.skip_reason(journald=journald)
     if why:
-        skip_or_fail(f"real systemd: {why}")
-    mgr = UserSystemd.start(root)
+        skip_or_fail(f"real systemd{' with journald' if journald else ''}: {why}")
+    mgr = UserSystemd.start(root, journald=journald)
     try:
         yield mgr
     finally:

@@ -6,14 +6,17 @@ The server runs on this machine, so what a remote command did is checked locally
 from __future__ import annotations
 
 import http.server
+import importlib.metadata
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -306,8 +309,11 @@ def _closed_port() -> int:
 
 
 def test_the_demo_deploys_checks_and_stops_over_ssh(sshd, make_demo):
+    secret = "hub-" + uuid.uuid4().hex
+
     def over_ssh(d):
         d["hosts"]["local"] = sshd.host_spec()
+        d["secrets"] = {"MODEL_HUB_AUTH": secret}  # (its file written over SFTP: a bundle must leave it out)
 
     demo = make_demo(over_ssh)
     from pdctl.statemachine import service
@@ -329,6 +335,25 @@ def test_the_demo_deploys_checks_and_stops_over_ssh(sshd, make_demo):
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stdout + r.stderr
     log = (demo.state / "supervisor" / "services" / f"pdctl-{demo.name}-decode.service" / "output.log").read_text()
     assert r.stdout in log, (r.stdout, log[-500:])  # (its end when read: health checks write on)
+    # A support bundle, every part read through the connection: status, the supervisor's units and logs, each server
+    # and the router, the versions on the host; the secret's value nowhere in it
+    bundle = demo.tmp / "bundle.tar.gz"
+    r = demo.cli("support-bundle", str(demo.spec), "-o", str(bundle), "-n", "5")
+    assert r.returncode == 0 and r.stdout == f"{bundle}\n", r.stdout + r.stderr
+    with tarfile.open(bundle, "r:gz") as tar:
+        m = {i.name.split("/", 1)[1]: tar.extractfile(i).read() for i in tar.getmembers() if i.isfile()}
+    assert [name for name, data in m.items() if secret.encode() in data] == []
+    assert secret.encode() in b"".join(p.read_bytes() for p in demo.state.rglob("*.env"))  # (installed: there to leak)
+    manifest = json.loads(m["MANIFEST.json"])
+    assert [e["name"] for e in manifest["members"] if e["status"] == "error"] == [], manifest
+    assert json.loads(m["status.json"])["healthy"] is True
+    log = (demo.state / "supervisor" / "services" / f"pdctl-{demo.name}-decode.service" / "output.log").read_text()
+    got = m["logs/decode.log"].decode().splitlines()
+    assert 0 < len(got) <= 5 and all(line in log.splitlines() for line in got), got
+    assert demo.name in json.loads(m[f"units/pdctl-{demo.name}-decode.service"])["service"]["name"]
+    assert json.loads(m["server_info/decode.json"])["disaggregation_mode"] == "decode"
+    assert str(demo.ports["decode"]) in json.dumps(json.loads(m["router/workers.json"]))
+    assert json.loads(m["versions.json"])["host"]["pdctl"] == importlib.metadata.version("pdctl")
     stopped = service.down(demo.load())
     assert len(stopped) == 3
     deadline = time.monotonic() + 20

@@ -205,3 +205,49 @@ def test_install_enables_the_target_and_remove_disables_it(clean_user_systemd, t
     assert sd.systemctl("is-enabled", "pdctl-boot.target").stdout.strip() == "enabled"
     m.remove(list(units.names))
     assert not os.path.lexists(sd.unit_dir / "default.target.wants" / "pdctl-boot.target")
+
+
+def test_a_unit_that_logs_to_a_file_is_followed_by_offset(clean_user_systemd, tmp_path):
+    """StandardOutput=append: (what pdctl writes for a service with a log_path): follow_logs reads the file by offset,
+    every line once however alike, across a restart of the unit; emptied by logrotate's copytruncate, it reads the
+    file again from its start and says lines may be missing."""
+    m = clean_user_systemd.manager()
+    log = tmp_path / "logs" / "pdctl-flog-role.service.log"
+    svc = ServiceSpec(name="pdctl-flog-role.service", description="logs to a file", deployment="flog", role="role",
+                      argv=("/bin/sh", "-c", "echo started $$; exec sleep 300"), log_path=str(log), timeout_start_s=10)
+    m.install(UnitSet(target=TargetSpec(name="pdctl-flog.target", description="f", deployment="flog",
+                                        wants=(svc.name,)), services=(svc,)))
+    assert m.follow_logs(svc.name, None, lines=500) == ([], 0, False)  # (not written yet)
+
+    def until_started(mark: object) -> tuple[list[str], object]:
+        deadline = time.monotonic() + 20
+        seen: list[str] = []
+        while not any(line.startswith("started ") for line in seen):
+            assert time.monotonic() < deadline, seen
+            got, mark, missed = m.follow_logs(svc.name, mark, lines=500)
+            assert not missed
+            seen += got
+            time.sleep(0.05)
+        return seen, mark
+
+    m.start(svc.name, wait=True)
+    first, mark = until_started(0)
+    assert first == [f"started {m.main_pid(svc.name)}"]
+    health = 'INFO:     127.0.0.1:48978 - "GET /health HTTP/1.1" 200 OK'
+    with open(log, "a") as f:  # (appended, as the server's own writes are)
+        f.write(f"{health}\n" * 600)
+    got, mark, missed = m.follow_logs(svc.name, mark, lines=500)
+    assert (got, missed) == ([health] * 500, True)  # (more than a read holds: the newest, and said)
+    with open(log, "a") as f:
+        f.write(f"{health}\n" * 5)
+    got, mark, missed = m.follow_logs(svc.name, mark, lines=500)
+    assert (got, missed) == ([health] * 5, False)
+    m.restart(svc.name, wait=True)
+    again, mark = until_started(mark)
+    assert again == [f"started {m.main_pid(svc.name)}"] and again != first  # (the new process's line, once)
+    log.write_bytes(b"")  # (copytruncate: copied elsewhere, then emptied)
+    with open(log, "a") as f:
+        f.write("after the rotation\n")
+    got, mark, missed = m.follow_logs(svc.name, mark, lines=500)
+    assert (got, missed) == (["after the rotation"], True)
+    assert m.follow_logs(svc.name, mark, lines=500) == ([], mark, False)
