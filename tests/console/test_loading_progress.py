@@ -53,7 +53,9 @@ async def test_the_steps_panel_shows_a_loading_roles_elapsed_time_and_last_log_l
             await pilot.press("a")
             await wait_for(pilot, lambda: isinstance(app.screen, YesNoScreen))
             await pilot.press("y")
-            await wait_for(pilot, lambda: prefill_row().summary.startswith("prefill loading "), timeout=60)
+            # (until a summary names a log line: the first, before the engine logged, says it has none)
+            await wait_for(pilot, lambda: prefill_row().summary.startswith("prefill loading ")
+                           and not prefill_row().summary.endswith("(no log line yet)"), timeout=60)
             await wait_for(pilot, lambda: not app.applying, timeout=150)
             assert app.last_apply_error is None, app.last_apply_error
             assert prefill_row().status == "done"  # (its proof's summary again once proven)
