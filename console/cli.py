@@ -468,6 +468,9 @@ def _signals_as_interrupt() -> Iterator[None]:
             _terminated = signum
         for s in stops:
             signal.signal(s, signal.SIG_IGN)
+        hosts = sys.modules.get("pdctl.statemachine.hosts")  # (not imported yet: no host command is starting)
+        if hosts is not None and hosts.defer_interrupt():  # (mid-fork: LocalHost.run raises it, the child's PID known)
+            return
         raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, on_signal) for s in stops}

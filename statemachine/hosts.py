@@ -236,6 +236,29 @@ def _reap_in_background(proc: subprocess.Popen) -> None:
     threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
 
 
+_spawning = False
+"""True while :meth:`LocalHost.run`, on the main thread, starts a child: from the fork until ``Popen`` has stored its
+PID. A KeyboardInterrupt raised there loses the PID (CPython runs signal handlers as the fork call returns, before
+its result is stored: seen under load, the child left running in its own session), so handlers defer it."""
+_deferred = False
+
+
+def defer_interrupt() -> bool:
+    """For a signal handler about to raise KeyboardInterrupt: True (and the interrupt noted, not raised) while
+    :meth:`LocalHost.run` starts a child; run raises it once it can end that child. False otherwise: raise it."""
+    global _deferred
+    if _spawning:
+        _deferred = True
+    return _spawning
+
+
+def _raise_deferred() -> None:
+    global _deferred
+    if _deferred:
+        _deferred = False
+        raise KeyboardInterrupt
+
+
 @dataclass(eq=False)
 class LocalHost(Host):
     """This machine."""
@@ -250,19 +273,31 @@ class LocalHost(Host):
         # (made before it starts the child: an interrupt that lands while Popen waits for the child's exec, after
         # the fork, leaves Popen unreturned but proc.pid set, and the child, in its own session, must still be ended)
         proc = subprocess.Popen.__new__(subprocess.Popen)
+        global _spawning
+        main = threading.current_thread() is threading.main_thread()
         try:
-            proc.__init__(
-                argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env) if env is not None else None,
-                cwd=cwd, text=True, start_new_session=True,
-            )
+            _spawning = main
+            try:
+                proc.__init__(
+                    argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env) if env is not None else None,
+                    cwd=cwd, text=True, start_new_session=True,
+                )
+            finally:
+                _spawning = False
         except OSError as exc:
+            if main:
+                _raise_deferred()  # (nothing started: the interrupt as it came)
             raise HostError(f"cannot run {argv[0]} on {self.name}: {exc.strerror or exc}", host=self.name,
                             hint=f"is {argv[0]} installed?") from None
         except BaseException:
+            global _deferred
+            _deferred = False  # (this exception ends the command already)
             _end_unreturned(proc)
             raise
         try:
+            if main:
+                _raise_deferred()  # (an interrupt that came while it started: ended below, its PID known now)
             out, err = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
             _end_group(proc)

@@ -80,6 +80,35 @@ def test_run_interrupted_before_popen_returns_still_ends_the_child(host, tmp_pat
     assert not pid_alive(child)  # (ended and reaped before run raised)
 
 
+def test_an_interrupt_deferred_while_the_child_starts_is_raised_once_its_pid_is_known_and_ends_it(host, tmp_path,
+                                                                                                  monkeypatch):
+    # (CPython runs a signal handler as the fork call returns, before Popen stores the PID: a KeyboardInterrupt
+    # raised there lost the PID, and the child ran on in its own session; seen under load as an nvidia-smi that
+    # outlived `pdctl apply` stopped by SIGTERM). Here the CLI's handler runs at that moment, the PID not yet stored.
+    from pdctl.statemachine import hosts
+
+    pidfile = tmp_path / "child"
+    execute = subprocess.Popen._execute_child
+
+    def a_signal_as_the_fork_returns(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        execute(self, *a, **k)
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not hosts.defer_interrupt():  # (the CLI's handler: raise, unless deferred)
+            del self.pid
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", a_signal_as_the_fork_returns)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        host.run(["sh", "-c", f"echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; exec sleep 30"])
+    assert time.monotonic() - t0 < 10  # (raised as it started, not after the command)
+    assert not pid_alive(int(pidfile.read_text()))
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute)
+    assert host.run(["true"]).returncode == 0  # (raised once: the next command runs)
+
+
 def test_run_missing_executable_is_a_host_error(host):
     with pytest.raises(HostError, match="cannot run"):
         host.run(["/nonexistent/pdctl-nothing"])
